@@ -1,0 +1,11 @@
+"""fsdp_compile: Fully Sharded Data Parallel training as a torch.compile backend.
+
+    backend = fsdp_compile.backend(strategy="FULL_SHARD")
+    model = torch.compile(backend.shard(model), backend=backend)
+"""
+
+from .backend import CompiledGraph, FSDPBackend, backend, compile
+from .strategy import ShardingStrategy
+
+__all__ = ["CompiledGraph", "FSDPBackend", "ShardingStrategy", "backend", "compile"]
+__version__ = "0.1.0"

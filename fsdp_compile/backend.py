@@ -1,0 +1,274 @@
+"""The Dynamo backend: shard a model, then compile graphs that carry FSDP markers.
+
+Pipeline for one Dynamo graph (compiled mode):
+
+1. Check every parameter input is a shard this package made (else: call ``shard`` first).
+2. AOTAutograd traces the joint forward/backward graph; the ``unshard`` markers' autograd
+   formula puts ``reduce_grad`` markers into its backward half.
+3. Joint passes (before the partitioner) decide what is kept for backward: the strategy's
+   reshard policy as recompute tags.
+4. The min-cut partitioner splits forward and backward; graph passes run on each half.
+5. The inner compiler (Inductor, or ``aot_eager`` which runs the graph as Python) compiles them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import ops  # noqa: F401  (registers the marker ops)
+from .groups import Topology, resolve_topology
+from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
+from .sharding import ShardedParamInfo, is_sharded, shard_module
+from .strategy import ShardingStrategy
+
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass
+class CompiledGraph:
+    """The graphs the backend produced for one Dynamo graph, after its passes."""
+
+    index: int
+    dynamo: fx.GraphModule
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    inference: bool = False
+
+
+@dataclass
+class _Options:
+    strategy: ShardingStrategy
+    compiler: str
+    mesh: DeviceMesh | None
+    process_groups: Any
+    shard_size: int | None
+    timeout: datetime.timedelta | None
+
+
+class FSDPBackend:
+    """A ``torch.compile`` backend that trains a sharded model with FSDP semantics.
+
+    Use :meth:`shard` on the model first (parameters become DTensor shards, so build the
+    optimizer afterwards), then ``torch.compile(model, backend=this)``. A sharded model also
+    runs without ``torch.compile`` (the eager runtime), with the same results.
+    """
+
+    def __init__(
+        self,
+        strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+        *,
+        compiler: str = "inductor",
+        mesh: DeviceMesh | None = None,
+        process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
+        shard_size: int | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        strategy = ShardingStrategy.parse(strategy)
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler={compiler!r} is not supported; use one of: {', '.join(COMPILERS)}")
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"timeout= must be a datetime.timedelta, got {type(timeout).__name__}")
+        if shard_size is not None and not strategy.is_hybrid:
+            raise ValueError(
+                f"shard_size= only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}"
+            )
+        self.options = _Options(strategy, compiler, mesh, process_groups, shard_size, timeout)
+        self.topology: Topology | None = None
+        self.params: dict[str, ShardedParamInfo] = {}
+        self.graphs: list[CompiledGraph] = []
+        self._owned = WeakIdKeyDictionary()  # sharded parameter -> its info
+
+    @property
+    def strategy(self) -> ShardingStrategy:
+        return self.options.strategy
+
+    def __repr__(self) -> str:
+        return f"fsdp_compile.backend(strategy={self.strategy.name!r}, compiler={self.options.compiler!r})"
+
+    # ---------------------------------------------------------------- sharding
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Shard ``model``'s parameters in place over this backend's groups; returns ``model``."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            raise TypeError(
+                "shard() got a model that torch.compile already wrapped; shard the plain module "
+                "first, then compile it: torch.compile(backend.shard(model), backend=backend)"
+            )
+        if is_sharded(model):
+            raise ValueError(
+                "this model is already sharded (by fsdp_compile); shard a model once and reuse "
+                "the backend that sharded it"
+            )
+        device_type = self._device_type(model)
+        if self.topology is None:
+            self.topology = resolve_topology(
+                self.strategy,
+                device_type,
+                mesh=self.options.mesh,
+                process_groups=self.options.process_groups,
+                shard_size=self.options.shard_size,
+                timeout=self.options.timeout,
+            )
+        elif self.topology.mesh.device_type != device_type:
+            raise ValueError(
+                f"this backend shards over a {self.topology.mesh.device_type!r} mesh but the model's "
+                f"parameters are on {device_type!r}; use one backend per device type"
+            )
+        infos = shard_module(model, self.topology)
+        self.params.update(infos)
+        for param in model.parameters():
+            self._owned[param] = True
+        return model
+
+    @staticmethod
+    def _device_type(model: nn.Module) -> str:
+        types = {p.device.type for p in model.parameters()}
+        types.discard("meta")
+        if len(types) > 1:
+            raise ValueError(
+                f"the model's parameters are on several device types {sorted(types)}; move the "
+                "model to one device before sharding"
+            )
+        return types.pop() if types else "cpu"
+
+    # ---------------------------------------------------------------- compiling
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        self._check_inputs(gm, example_inputs)
+        record = CompiledGraph(index=len(self.graphs), dynamo=gm)
+        self.graphs.append(record)
+        compiler = self.options.compiler
+        if compiler == "eager":
+            return gm.forward
+        if compiler == "aot_eager":
+            return self._compile_aot_eager(gm, example_inputs, record)
+        return self._compile_inductor(gm, example_inputs, record)
+
+    def _check_inputs(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, example_inputs):
+            if not isinstance(value, nn.Parameter) or value in self._owned:
+                continue
+            name = _parameter_name(node)
+            if isinstance(value, DTensor):
+                raise RuntimeError(
+                    f"parameter {name!r} is a DTensor that this backend did not shard; compile a "
+                    "model with the backend whose shard() sharded it"
+                )
+            raise RuntimeError(
+                f"parameter {name!r} is not sharded: call backend.shard(model) before "
+                "torch.compile(model, backend=backend) (or use fsdp_compile.compile(model, ...))"
+            )
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        self._joint_passes(joint.graph)
+        joint.recompile()
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def _joint_passes(self, graph: fx.Graph) -> None:
+        elide_trivial_unshard(graph)
+        tag_reshard_policy(graph)
+
+    def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph) -> fx.GraphModule:
+        elide_trivial_unshard(gm.graph)
+        gm.recompile()
+        if phase == "backward":
+            record.backward = gm
+        else:
+            record.forward = gm
+            record.inference = phase == "inference"
+        return gm
+
+    def _compile_aot_eager(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(phase: str):
+            def compile_graph(g: fx.GraphModule, inputs: Sequence[Any]):
+                return make_boxed_func(self._graph_passes(g, phase, record).forward)
+            return compile_graph
+
+        return aot_autograd(
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
+            partition_fn=self._partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph):
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
+            if kwargs.get("is_backward"):
+                phase = "backward"
+            else:
+                phase = "inference" if kwargs.get("is_inference") else "forward"
+            return compile_fx_inner(self._graph_passes(g, phase, record), inputs, **kwargs)
+
+        # The AOTAutograd cache keys on the Dynamo graph, not on our passes: a hit would skip
+        # them (and reuse another strategy's partition), so it stays off for our graphs.
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(
+                gm,
+                example_inputs,
+                inner_compile=inner_compile,
+                config_patches={"joint_custom_pre_pass": _JointPass(self)},
+            )
+
+
+class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Our joint-graph passes, run by Inductor's partition step before it partitions."""
+
+    def __init__(self, backend: FSDPBackend) -> None:
+        self.backend = backend
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.backend._joint_passes(graph)
+
+    def uuid(self) -> Any:
+        from .passes import pass_fingerprint
+
+        return pass_fingerprint()
+
+
+_SOURCE_KEY = re.compile(r"_(?:modules|parameters)\['([^']+)'\]")
+
+
+def _parameter_name(node: fx.Node) -> str:
+    """The dotted name of a parameter input, from the source Dynamo recorded for it."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return node.name
+    name = source.name() if callable(source.name) else source.name
+    keys = _SOURCE_KEY.findall(name)
+    return ".".join(keys) if keys else name
+
+
+def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> FSDPBackend:
+    """Create a backend; see :class:`FSDPBackend` for the options."""
+    return FSDPBackend(strategy, **options)
+
+
+def compile(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> nn.Module:
+    """Shard ``model`` and return ``torch.compile(model, backend=...)``; the backend is ``.fsdp_backend``."""
+    fsdp = FSDPBackend(strategy, **options)
+    compiled = torch.compile(fsdp.shard(model), backend=fsdp)
+    compiled.fsdp_backend = fsdp
+    return compiled

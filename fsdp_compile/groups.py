@@ -1,0 +1,276 @@
+"""Resolve a strategy plus the user's mesh / process-group arguments into one data-parallel layout.
+
+Every sharded parameter is a DTensor on ``Topology.mesh``; the markers in the graph name the
+groups by their registered names so the functional collectives can find them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from .strategy import ShardingStrategy
+
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a strategy's collectives run, as seen from this rank.
+
+    ``shard_group`` gathers parameters and reduce-scatters gradients (``None``: nothing is
+    sharded, NO_SHARD). ``replicate_group`` all-reduces gradients across replicas (``None``:
+    no replicas, FULL_SHARD / SHARD_GRAD_OP).
+    """
+
+    strategy: ShardingStrategy
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shard_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
+
+    @property
+    def shard_size(self) -> int:
+        return 1 if self.shard_group is None else self.shard_group.size()
+
+    @property
+    def shard_rank(self) -> int:
+        return 0 if self.shard_group is None else self.shard_group.rank()
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_group is None else self.replicate_group.size()
+
+    @property
+    def shard_group_name(self) -> str:
+        return "" if self.shard_group is None else self.shard_group.group_name
+
+    @property
+    def replicate_group_name(self) -> str:
+        return "" if self.replicate_group is None else self.replicate_group.group_name
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    def replicated_placements(self) -> tuple[Placement, ...]:
+        """Placements for a parameter that cannot be sharded on dim 0 (a 0-d tensor)."""
+        return tuple(Replicate() for _ in self.placements)
+
+
+def world_timeout() -> datetime.timedelta:
+    """The default group's timeout, so groups we create fail as fast as the user asked."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device(_default_device_type()))
+        return backend.options._timeout
+    except Exception:  # not every backend exposes its options; fall back to torch's default
+        return _DEFAULT_TIMEOUT
+
+
+def _default_device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _require_initialized() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fsdp_compile needs torch.distributed: call torch.distributed.init_process_group() "
+            "first (torchrun sets up the environment for it), also for a single process"
+        )
+
+
+def resolve_topology(
+    strategy: ShardingStrategy,
+    device_type: str,
+    *,
+    mesh: DeviceMesh | None = None,
+    process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
+    shard_size: int | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> Topology:
+    """Build the layout for ``strategy`` from at most one of ``mesh`` / ``process_groups``."""
+    _require_initialized()
+    if mesh is not None and process_groups is not None:
+        raise ValueError("pass either mesh= or process_groups=, not both")
+    if shard_size is not None and (mesh is not None or process_groups is not None):
+        raise ValueError("shard_size= only applies when neither mesh= nor process_groups= is given")
+    if shard_size is not None and not strategy.is_hybrid:
+        raise ValueError(
+            f"shard_size= only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}"
+        )
+    timeout = timeout or world_timeout()
+    if strategy.is_hybrid:
+        mesh = _hybrid_mesh(device_type, mesh, process_groups, shard_size, timeout)
+        return Topology(
+            strategy,
+            mesh,
+            (Replicate(), Shard(0)),
+            shard_group=mesh.get_group(1),
+            replicate_group=mesh.get_group(0),
+        )
+    mesh = _flat_mesh(strategy, device_type, mesh, process_groups)
+    group = mesh.get_group(0)
+    if strategy is ShardingStrategy.NO_SHARD:
+        return Topology(strategy, mesh, (Replicate(),), shard_group=None, replicate_group=group)
+    return Topology(strategy, mesh, (Shard(0),), shard_group=group, replicate_group=None)
+
+
+def _flat_mesh(
+    strategy: ShardingStrategy,
+    device_type: str,
+    mesh: DeviceMesh | None,
+    process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None,
+) -> DeviceMesh:
+    dim_name = "replicate" if strategy is ShardingStrategy.NO_SHARD else "shard"
+    if mesh is not None:
+        _check_mesh_device(mesh, device_type)
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{strategy.name} takes a 1-D mesh, got a {mesh.ndim}-D mesh; use HYBRID_SHARD "
+                "or HYBRID_SHARD_ZERO2 for a 2-D (replicate, shard) mesh"
+            )
+        return mesh
+    if process_groups is None:
+        return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=(dim_name,))
+    if isinstance(process_groups, (tuple, list)):
+        if len(process_groups) != 1:
+            raise ValueError(
+                f"{strategy.name} takes one process group (process_groups=pg); a "
+                "(shard_pg, replicate_pg) pair is for HYBRID_SHARD / HYBRID_SHARD_ZERO2"
+            )
+        (process_groups,) = process_groups
+    if not isinstance(process_groups, dist.ProcessGroup):
+        raise TypeError(f"process_groups= must be a ProcessGroup, got {type(process_groups).__name__}")
+    return DeviceMesh.from_group(process_groups, device_type, mesh_dim_names=(dim_name,))
+
+
+def _check_mesh_device(mesh: DeviceMesh, device_type: str) -> None:
+    if mesh.device_type != device_type:
+        raise ValueError(
+            f"mesh= is a {mesh.device_type!r} mesh but the model's parameters are on "
+            f"{device_type!r}; build the mesh with device_type={device_type!r}"
+        )
+
+
+def _hybrid_mesh(
+    device_type: str,
+    mesh: DeviceMesh | None,
+    process_groups: Sequence[dist.ProcessGroup] | None,
+    shard_size: int | None,
+    timeout: datetime.timedelta,
+) -> DeviceMesh:
+    names = ("replicate", "shard")
+    if mesh is not None:
+        _check_mesh_device(mesh, device_type)
+        if mesh.ndim != 2:
+            raise ValueError(
+                f"hybrid sharding takes a 2-D mesh with dims (replicate, shard); got a "
+                f"{mesh.ndim}-D mesh"
+            )
+        return mesh
+    if process_groups is not None:
+        if not (isinstance(process_groups, (tuple, list)) and len(process_groups) == 2):
+            raise ValueError(
+                "hybrid sharding takes process_groups=(shard_pg, replicate_pg), a pair of "
+                "ProcessGroups"
+            )
+        shard_pg, replicate_pg = process_groups
+        layout = _layout_from_groups(shard_pg, replicate_pg)
+        return DeviceMesh.from_group(
+            [replicate_pg, shard_pg], device_type, mesh=layout, mesh_dim_names=names
+        )
+    world = dist.get_world_size()
+    if shard_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            raise ValueError(
+                "hybrid sharding needs the size of a shard group (a node): set LOCAL_WORLD_SIZE "
+                "(torchrun does), or pass shard_size=, mesh= or process_groups="
+            )
+        shard_size = int(env)
+    if not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size= must be a positive int, got {shard_size!r}")
+    if world % shard_size:
+        raise ValueError(
+            f"shard_size={shard_size} does not divide the world size {world}: hybrid sharding "
+            "needs equal shard groups; pass a shard_size that divides it"
+        )
+    layout = torch.arange(world).view(world // shard_size, shard_size)
+    # Every rank must create every group, in the same order (new_group is collective).
+    shard_pg = replicate_pg = None
+    for row in layout.tolist():
+        group = dist.new_group(row, timeout=timeout)
+        if dist.get_rank() in row:
+            shard_pg = group
+    for column in layout.t().tolist():
+        group = dist.new_group(column, timeout=timeout)
+        if dist.get_rank() in column:
+            replicate_pg = group
+    return DeviceMesh.from_group(
+        [replicate_pg, shard_pg], device_type, mesh=layout, mesh_dim_names=names
+    )
+
+
+def _layout_from_groups(shard_pg: dist.ProcessGroup, replicate_pg: dist.ProcessGroup) -> torch.Tensor:
+    """The (replicate, shard) rank layout that the given groups describe, or a clear error.
+
+    Collective over the world: every rank reports its two groups, so all ranks see the same
+    answer and fail together when the groups do not tile the world.
+    """
+    for label, pg in (("shard_pg", shard_pg), ("replicate_pg", replicate_pg)):
+        if not isinstance(pg, dist.ProcessGroup):
+            raise TypeError(
+                f"process_groups=(shard_pg, replicate_pg): {label} must be a ProcessGroup, "
+                f"got {type(pg).__name__}"
+            )
+    world = dist.get_world_size()
+    mine = (
+        tuple(dist.get_process_group_ranks(shard_pg)),
+        tuple(dist.get_process_group_ranks(replicate_pg)),
+    )
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    shard_groups = sorted({tuple(sorted(s)) for s, _ in everyone})
+    replicate_groups = {tuple(sorted(r)) for _, r in everyone}
+
+    def tiles(groups: set | list, label: str) -> int:
+        sizes = {len(g) for g in groups}
+        members = sorted(r for g in groups for r in g)
+        if members != list(range(world)) or len(sizes) != 1:
+            raise ValueError(
+                f"process_groups: the {label} groups {sorted(groups)} do not tile the world of "
+                f"{world} ranks; every rank must be in exactly one {label} group and all "
+                f"{label} groups must have the same size"
+            )
+        return sizes.pop()
+
+    s = tiles(shard_groups, "shard")
+    r = tiles(replicate_groups, "replicate")
+    if r * s != world:
+        raise ValueError(
+            f"process_groups: shard groups of {s} and replicate groups of {r} ranks do not make "
+            f"a world of {world} ranks (need shard size x replicate size = world size)"
+        )
+    replicate_of = {rank: tuple(sorted(rg)) for _, rg in everyone for rank in rg}
+    columns = [replicate_of[rank] for rank in shard_groups[0]]
+    layout = []
+    for group in shard_groups:
+        row = []
+        for column in columns:
+            common = set(group) & set(column)
+            if len(common) != 1:
+                raise ValueError(
+                    f"process_groups: shard group {list(group)} and replicate group "
+                    f"{list(column)} share {len(common)} ranks; each replicate group must hold "
+                    "exactly one rank of each shard group"
+                )
+            row.append(common.pop())
+        layout.append(row)
+    return torch.tensor(layout)

@@ -1,0 +1,1 @@
+"""Eager runtime: collective semantics and the kernels they use."""
