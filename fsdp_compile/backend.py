@@ -81,6 +81,8 @@ class FSDPBackend:
             raise TypeError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
             raise TypeError(f"timeout= must be a datetime.timedelta, got {type(timeout).__name__}")
+        if mesh is not None and process_groups is not None:
+            raise ValueError("pass either mesh= or process_groups=, not both")
         if shard_size is not None and not strategy.is_hybrid:
             raise ValueError(
                 f"shard_size= only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}"

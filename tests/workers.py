@@ -143,3 +143,302 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
         "unshard_specs": specs(record.forward, UNSHARD, unshard_spec),
         "reduce_specs": specs(record.backward, REDUCE_GRAD, reduce_grad_spec),
     }
+
+
+class TiedLM(nn.Module):
+    """Tied input/output embedding, a 0-d parameter and a buffer.
+
+    No BatchNorm: its training-mode statistics are per-rank batch statistics, so data-parallel
+    training legitimately differs from single-process training (as with DDP).
+    """
+
+    def __init__(self, vocab: int = 13, dim: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(idx)) * self.scale
+        return self.head(h) / self.temperature
+
+
+def local_storage_bytes(model: nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def storage_worker(rank: int, world: int, strategy: str) -> dict:
+    from fsdp_compile.runtime.collectives import padded_rows
+
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    padded_bytes = sum(
+        padded_rows(p.shape[0], world) * (p.numel() // p.shape[0]) * p.element_size()
+        for p in model.parameters()
+    )
+    fsdp_compile.backend(strategy).shard(model)
+    return {"full": full_bytes, "padded_share": padded_bytes, "local": local_storage_bytes(model)}
+
+
+def tied_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    """Shard TiedLM; report what sharding did and train it eagerly and compiled."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    base = TiedLM()
+    cfg = GPTConfig(vocab_size=13)
+    data = batches(cfg, world, steps)
+    report: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", **hybrid_options(strategy))
+        backend.shard(model)
+        report["same_object"] = model.head._parameters["weight"] is model.emb._parameters["weight"]
+        report["unique_params"] = len(list(model.parameters()))
+        report["placements"] = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()}
+        report["buffers_plain"] = all(not isinstance(b, DTensor) for b in model.buffers())
+        report["scale_unchanged"] = torch.equal(model.scale, base.scale)
+        forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        report[mode] = train(model, forward, data, rank)
+        report[mode]["still_tied"] = model.head._parameters["weight"] is model.emb._parameters["weight"]
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        report["reference"] = train(reference, reference, data, None)
+    return report
+
+
+class EagerOnlyMLP(nn.Module):
+    """An MLP whose forward Dynamo must not trace: it splits the model into two graphs."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(2 * dim, dim)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(self.fc(x)))
+
+
+def graph_break_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    base.blocks[0].mlp = EagerOnlyMLP(TEST_CONFIG.d_model)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", **hybrid_options(strategy))
+        backend.shard(model)
+        forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        out[mode] = train(model, forward, data, rank)
+        out[mode]["graphs"] = len(backend.graphs)
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        out["reference"] = train(reference, reference, data, None)
+    return out
+
+
+def _group_ranks(group) -> list[int] | None:
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def groups_worker(rank: int, world: int) -> dict:
+    """Hybrid layouts from each way of describing them, plus training through one of them."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def layout(backend) -> tuple:
+        topo = backend.topology
+        return _group_ranks(topo.shard_group), _group_ranks(topo.replicate_group)
+
+    def shard_tiny(**options):
+        backend = fsdp_compile.backend("HYBRID_SHARD", **options)
+        backend.shard(nn.Linear(4, 4))
+        return backend
+
+    out = {}
+    out["shard_size"] = layout(shard_tiny(shard_size=2))
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    out["local_world_size"] = layout(shard_tiny())
+    del os.environ["LOCAL_WORLD_SIZE"]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out["mesh"] = layout(shard_tiny(mesh=mesh))
+    # Groups given by the user, built in a non-contiguous layout: shard groups {0,2} and {1,3}.
+    shard_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replicate_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pgs = (shard_groups[rank % 2], replicate_groups[rank // 2])
+    out["process_groups"] = layout(shard_tiny(process_groups=pgs))
+    out["flat"] = layout(_shard_flat())
+
+    # The same training through user groups and through the equivalent mesh is bitwise equal.
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, 2)
+    trained = {}
+    for name, options in (("process_groups", {"process_groups": pgs}),
+                          ("mesh", {"mesh": DeviceMeshFromLayout([[0, 2], [1, 3]])})):
+        model = copy.deepcopy(base)
+        fsdp_compile.backend("HYBRID_SHARD", compiler="aot_eager", **options).shard(model)
+        trained[name] = train(model, model, data, rank)["params"]
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        trained["reference"] = train(reference, reference, data, None)["params"]
+    out["trained"] = trained
+    return out
+
+
+def DeviceMeshFromLayout(layout: list[list[int]]):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.tensor(layout), mesh_dim_names=("replicate", "shard"))
+
+
+def _shard_flat():
+    backend = fsdp_compile.backend("FULL_SHARD")
+    backend.shard(nn.Linear(4, 4))
+    return backend
+
+
+def expect_error(fn: Callable[[], Any]) -> str:
+    """The error ``fn`` raises, as 'Type: message'; fails if it raises nothing."""
+    try:
+        fn()
+    except Exception as exc:  # the tests check type and wording
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError(f"{fn} raised nothing")
+
+
+def hybrid_errors_worker(rank: int, world: int) -> dict:
+    """Bad hybrid layouts fail on every rank (no rank left waiting in a collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def shard_with(**options):
+        return lambda: fsdp_compile.backend("HYBRID_SHARD", **options).shard(nn.Linear(4, 4))
+
+    errors = {}
+    errors["shard_size_not_dividing"] = expect_error(shard_with(shard_size=3))
+    errors["no_node_size"] = expect_error(shard_with())
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pair[rank // 2]
+    errors["replicas_inside_shard_group"] = expect_error(shard_with(process_groups=(mine, mine)))
+    uneven = [dist.new_group([0]), dist.new_group([1, 2, 3])]
+    errors["uneven_shard_groups"] = expect_error(
+        shard_with(process_groups=(uneven[0] if rank == 0 else uneven[1], mine)))
+    errors["one_group"] = expect_error(shard_with(process_groups=mine))
+    flat_mesh = init_device_mesh("cpu", (world,))
+    errors["flat_mesh_for_hybrid"] = expect_error(shard_with(mesh=flat_mesh))
+    square = init_device_mesh("cpu", (2, 2))
+    errors["square_mesh_for_flat"] = expect_error(
+        lambda: fsdp_compile.backend("FULL_SHARD", mesh=square).shard(nn.Linear(4, 4)))
+    # Still in step afterwards: a collective completes on every rank.
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    errors["still_in_step"] = flag.item() == world
+    return errors
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(x)))
+
+
+def api_errors_worker(rank: int, world: int) -> dict:
+    """Bad input to shard() and to compiled calls, at world 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    errors = {}
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    unsharded = Net()
+    errors["not_sharded"] = expect_error(lambda: torch.compile(unsharded, backend=backend)(torch.randn(2, 4)))
+    sharded = backend.shard(Net())
+    errors["twice"] = expect_error(lambda: backend.shard(sharded))
+    errors["not_a_module"] = expect_error(lambda: backend.shard(lambda x: x))
+    errors["compiled_module"] = expect_error(lambda: backend.shard(torch.compile(Net())))
+    meta = Net().to("meta")
+    errors["meta"] = expect_error(lambda: fsdp_compile.backend().shard(meta))
+    tp = Net()
+    mesh = init_device_mesh("cpu", (world,))
+    tp.fc.weight = nn.Parameter(distribute_tensor(tp.fc.weight.detach(), mesh, [Shard(0)]))
+    errors["foreign_dtensor"] = expect_error(lambda: fsdp_compile.backend().shard(tp))
+    other = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    errors["other_backend"] = expect_error(lambda: torch.compile(sharded, backend=other)(torch.randn(2, 4)))
+
+    replaced = backend.shard(Net())
+    replaced.fc.weight = nn.Parameter(torch.randn(4, 4))  # nn.Module registers it as is
+    errors["replaced_parameter"] = expect_error(lambda: replaced(torch.randn(2, 4)))
+    return errors
+
+
+def collectives_worker(rank: int, world: int) -> dict:
+    """Run the collective semantics eagerly on a hybrid layout, logging the collectives issued."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_compile.groups import resolve_topology
+    from fsdp_compile.runtime.collectives import CommSpec, gather_params, reduce_grads, shard_bounds
+
+    topo = resolve_topology(ShardingStrategy.HYBRID_SHARD, "cpu", shard_size=2)
+
+    class LogCollectives(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, str]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "_c10d_functional" and func.__name__ != "wait_tensor.default":
+                group = args[-1]
+                label = {topo.shard_group_name: "shard", topo.replicate_group_name: "replicate"}[group]
+                self.calls.append((func.__name__.split(".")[0], label))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(5, 3, generator=gen), torch.randn(3, generator=gen), torch.randn(1, 2, generator=gen)]
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        spec = CommSpec(topo.shard_group_name, 2, True, topo.replicate_group_name, 2, None, dtype, True)
+        shards = []
+        for f in fulls:
+            start, length = shard_bounds(f.shape[0], 2, topo.shard_rank)
+            shards.append(f[start:start + length])
+        gathered = gather_params(shards, [f.shape for f in fulls], spec)
+        # Rank r contributes (r + 1) * full: the average over 4 ranks is 2.5 * full.
+        grads = [f * (rank + 1) for f in fulls]
+        with LogCollectives() as log:
+            reduced = reduce_grads(grads, [s.shape[0] for s in shards], [torch.float32] * 3, spec)
+        out[str(dtype)] = {
+            "gathered_ok": all(torch.equal(g, f) for g, f in zip(gathered, fulls)),
+            "reduced": reduced,
+            "expected": [(s * 2.5) for s in shards],
+            "calls": log.calls,
+            "out_dtypes": [r.dtype for r in reduced],
+        }
+    return out
+
+
+def one_rank_fails_worker(rank: int, world: int) -> None:
+    """Rank 1 raises while rank 0 waits for it in a collective."""
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.all_reduce(torch.ones(1))
