@@ -223,6 +223,7 @@ class FSDPBackend:
                 phase = "inference" if kwargs.get("is_inference") else "forward"
             return compile_fx_inner(self._graph_passes(g, phase, record), inputs, **kwargs)
 
+        joint_pass = _JointPass(self, torch._inductor.config.joint_custom_pre_pass)
         # The AOTAutograd cache keys on the Dynamo graph, not on our passes: a hit would skip
         # them (and reuse another strategy's partition), so it stays off for our graphs.
         with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -230,23 +231,30 @@ class FSDPBackend:
                 gm,
                 example_inputs,
                 inner_compile=inner_compile,
-                config_patches={"joint_custom_pre_pass": _JointPass(self)},
+                config_patches={"joint_custom_pre_pass": joint_pass},
             )
 
 
 class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
-    """Our joint-graph passes, run by Inductor's partition step before it partitions."""
+    """Our joint-graph passes, run by Inductor's partition step before it partitions.
 
-    def __init__(self, backend: FSDPBackend) -> None:
+    A joint pass the user already configured still runs, after ours.
+    """
+
+    def __init__(self, backend: FSDPBackend, user_pass: Callable[[fx.Graph], None] | None) -> None:
         self.backend = backend
+        self.user_pass = user_pass
 
     def __call__(self, graph: fx.Graph) -> None:
         self.backend._joint_passes(graph)
+        if self.user_pass is not None:
+            self.user_pass(graph)
 
     def uuid(self) -> Any:
         from .passes import pass_fingerprint
 
-        return pass_fingerprint()
+        user_uuid = getattr(self.user_pass, "uuid", lambda: None)() if self.user_pass else None
+        return (pass_fingerprint(), user_uuid)
 
 
 _SOURCE_KEY = re.compile(r"_(?:modules|parameters)\['([^']+)'\]")

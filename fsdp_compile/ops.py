@@ -11,7 +11,7 @@ Arguments after the tensor and its row count are a :class:`CommSpec` spelled out
 graph says by itself what each marker communicates and with whom.
 """
 
-from __future__ import annotations
+from typing import Optional
 
 import torch
 
@@ -29,8 +29,8 @@ def unshard(
     dim0_sharded: bool,
     replicate_group: str,
     replicate_size: int,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
     reshard_after_forward: bool,
 ) -> torch.Tensor:
     """The full parameter (in the compute dtype) gathered from every rank's dim-0 shard."""
@@ -63,8 +63,8 @@ def reduce_grad(
     dim0_sharded: bool,
     replicate_group: str,
     replicate_size: int,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
     reshard_after_forward: bool,
 ) -> torch.Tensor:
     """This rank's shard of the average over data-parallel ranks of the full gradient ``grad``."""

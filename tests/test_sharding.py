@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distributed import run_workers
 from test_parity import GRAD_ATOL, PARAM_ATOL, assert_bitwise, max_diff
@@ -39,6 +40,7 @@ def test_tied_and_scalar_parameters_and_buffers(strategy: str) -> None:
         param_diff, name = max_diff(out[mode]["params"], out["reference"]["params"])
         assert param_diff <= PARAM_ATOL, f"{mode}: {name} differs by {param_diff}"
     assert_bitwise(out["eager"]["params"], out["aot_eager"]["params"], "eager vs aot_eager")
+    assert torch.equal(out["eager"]["eval_logits"], out["aot_eager"]["eval_logits"])
 
 
 def test_graph_break_from_disabled_submodule_trains_correctly() -> None:

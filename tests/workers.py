@@ -215,6 +215,8 @@ def tied_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
         forward = model if mode == "eager" else torch.compile(model, backend=backend)
         report[mode] = train(model, forward, data, rank)
         report[mode]["still_tied"] = model.head._parameters["weight"] is model.emb._parameters["weight"]
+        with torch.no_grad():  # an evaluation pass compiles an inference graph
+            report[mode]["eval_logits"] = forward(local_slice(data[0][0], rank))
     if rank == 0:
         reference = copy.deepcopy(base)
         report["reference"] = train(reference, reference, data, None)
