@@ -50,3 +50,11 @@ def test_graph_break_from_disabled_submodule_trains_correctly() -> None:
         param_diff, name = max_diff(out[mode]["params"], out["reference"]["params"])
         assert param_diff <= PARAM_ATOL, f"{mode}: {name} differs by {param_diff}"
     assert_bitwise(out["eager"]["params"], out["aot_eager"]["params"], "eager vs aot_eager")
+
+
+def test_one_call_compile_equals_shard_then_compile() -> None:
+    from workers import convenience_worker
+
+    out = run_workers(convenience_worker, 2)[0]
+    assert out["strategy"] == "SHARD_GRAD_OP" and out["graphs"] == 1
+    assert_bitwise(out["got"], out["want"], "fsdp_compile.compile vs explicit")

@@ -444,3 +444,19 @@ def one_rank_fails_worker(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("rank 1 gives up")
     dist.all_reduce(torch.ones(1))
+
+
+def convenience_worker(rank: int, world: int) -> dict:
+    """fsdp_compile.compile() against backend + shard + torch.compile, same data."""
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, 2)
+    one_call = copy.deepcopy(base)
+    compiled = fsdp_compile.compile(one_call, strategy="shard_grad_op", compiler="aot_eager")
+    got = train(one_call, compiled, data, rank)
+    torch._dynamo.reset()
+    explicit = copy.deepcopy(base)
+    backend = fsdp_compile.backend("SHARD_GRAD_OP", compiler="aot_eager")
+    want = train(explicit, torch.compile(backend.shard(explicit), backend=backend), data, rank)
+    return {"got": got["params"], "want": want["params"], "graphs": len(compiled.fsdp_backend.graphs),
+            "strategy": compiled.fsdp_backend.strategy.name}
