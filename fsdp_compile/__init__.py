@@ -5,7 +5,8 @@
 """
 
 from .backend import CompiledGraph, FSDPBackend, backend, compile
+from .mixed_precision import MixedPrecision
 from .strategy import ShardingStrategy
 
-__all__ = ["CompiledGraph", "FSDPBackend", "ShardingStrategy", "backend", "compile"]
+__all__ = ["CompiledGraph", "FSDPBackend", "MixedPrecision", "ShardingStrategy", "backend", "compile"]
 __version__ = "0.1.0"

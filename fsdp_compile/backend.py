@@ -13,6 +13,7 @@ Pipeline for one Dynamo graph (compiled mode):
 
 from __future__ import annotations
 
+import copy
 import datetime
 import re
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops  # noqa: F401  (registers the marker ops)
 from .groups import Topology, resolve_topology
+from .mixed_precision import MixedPrecision, install_casts
+from .passes.bucketing import Bucket, BucketPolicy, parse_policy
+from .passes.lowering import lower_markers
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
 from .sharding import ShardedParamInfo, is_sharded, shard_module
 from .strategy import ShardingStrategy
@@ -44,6 +48,8 @@ class CompiledGraph:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     inference: bool = False
+    forward_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
+    backward_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
 
 
 @dataclass
@@ -54,6 +60,8 @@ class _Options:
     process_groups: Any
     shard_size: int | None
     timeout: datetime.timedelta | None
+    bucket: Any
+    mixed_precision: MixedPrecision | None
 
 
 class FSDPBackend:
@@ -62,6 +70,11 @@ class FSDPBackend:
     Use :meth:`shard` on the model first (parameters become DTensor shards, so build the
     optimizer afterwards), then ``torch.compile(model, backend=this)``. A sharded model also
     runs without ``torch.compile`` (the eager runtime), with the same results.
+
+    Options: ``compiler`` ("inductor", "aot_eager" or "eager"); ``mesh`` / ``process_groups`` /
+    ``shard_size`` / ``timeout`` (see :func:`fsdp_compile.groups.resolve_topology`);
+    ``bucket`` (see :mod:`fsdp_compile.passes.bucketing`); ``mixed_precision``
+    (:class:`fsdp_compile.MixedPrecision`).
     """
 
     def __init__(
@@ -73,8 +86,15 @@ class FSDPBackend:
         process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
         shard_size: int | None = None,
         timeout: datetime.timedelta | None = None,
+        bucket: BucketPolicy = "module",
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         strategy = ShardingStrategy.parse(strategy)
+        policy = parse_policy(bucket)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"mixed_precision= must be an fsdp_compile.MixedPrecision, got {type(mixed_precision).__name__}"
+            )
         if compiler not in COMPILERS:
             raise ValueError(f"compiler={compiler!r} is not supported; use one of: {', '.join(COMPILERS)}")
         if mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -87,7 +107,9 @@ class FSDPBackend:
             raise ValueError(
                 f"shard_size= only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}"
             )
-        self.options = _Options(strategy, compiler, mesh, process_groups, shard_size, timeout)
+        self.options = _Options(strategy, compiler, mesh, process_groups, shard_size, timeout,
+                                bucket, mixed_precision)
+        self.bucket_policy = policy
         self.topology: Topology | None = None
         self.params: dict[str, ShardedParamInfo] = {}
         self.graphs: list[CompiledGraph] = []
@@ -130,7 +152,9 @@ class FSDPBackend:
                 f"this backend shards over a {self.topology.mesh.device_type!r} mesh but the model's "
                 f"parameters are on {device_type!r}; use one backend per device type"
             )
-        infos = shard_module(model, self.topology)
+        infos = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision)
+        if self.options.mixed_precision is not None:
+            install_casts(model, self.options.mixed_precision)
         self.params.update(infos)
         for param in model.parameters():
             self._owned[param] = True
@@ -188,11 +212,14 @@ class FSDPBackend:
 
     def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph) -> fx.GraphModule:
         elide_trivial_unshard(gm.graph)
-        gm.recompile()
+        buckets = lower_markers(gm, self.bucket_policy)
+        # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
+        # all_reduce), and the record should show what our passes produced.
+        snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         if phase == "backward":
-            record.backward = gm
+            record.backward, record.backward_buckets = snapshot, buckets
         else:
-            record.forward = gm
+            record.forward, record.forward_buckets = snapshot, buckets
             record.inference = phase == "inference"
         return gm
 

@@ -1,13 +1,24 @@
-"""Facts about compiled graphs: what communicates, and what forward keeps for backward."""
+"""Facts about compiled graphs: what communicates, how many bytes, what forward keeps for backward."""
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
+from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from .ops import REDUCE_GRAD, UNSHARD
 from .passes.reshard import VIEW_LIKE
+
+_c10d = torch.ops._c10d_functional
+COLLECTIVES = {
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    _c10d.all_reduce.default: "all_reduce",
+}
+COPY_OUT = torch.ops.fsdp_compile.copy_out.default
 
 
 def op_counts(gm: fx.GraphModule | None) -> Counter:
@@ -22,6 +33,48 @@ def marker_counts(gm: fx.GraphModule | None) -> dict[str, int]:
     return {"unshard": counts[str(UNSHARD)], "reduce_grad": counts[str(REDUCE_GRAD)]}
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective call of a graph, in graph order."""
+
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce"
+    group: str
+    group_size: int
+    dtype: torch.dtype
+    buffer_bytes: int  # all-gather output, reduce-scatter input, all-reduce buffer
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends (= receives) with ring algorithms."""
+        n = self.group_size
+        share = (n - 1) / n
+        return self.buffer_bytes * (2 * share if self.kind == "all_reduce" else share)
+
+
+def collectives(gm: fx.GraphModule | None) -> list[Collective]:
+    if gm is None:
+        return []
+    found = []
+    for node in gm.graph.nodes:
+        kind = COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        buffer = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        if kind == "all_reduce":
+            group, size = node.args[2], None
+        else:
+            group, size = node.args[-1], node.args[-2]
+        if size is None:
+            size = torch.distributed.distributed_c10d._resolve_process_group(group).size()
+        found.append(Collective(kind, group, size, buffer.dtype, buffer.numel() * buffer.element_size()))
+    return found
+
+
+def collective_counts(gm: fx.GraphModule | None) -> dict[str, int]:
+    counts = Counter(c.kind for c in collectives(gm))
+    return {kind: counts[kind] for kind in COLLECTIVES.values()}
+
+
 def _origin(node: fx.Node) -> fx.Node:
     """Follow views and casts back to the node that produced the data."""
     while node.op == "call_function" and node.target in VIEW_LIKE and node.args:
@@ -29,16 +82,24 @@ def _origin(node: fx.Node) -> fx.Node:
     return node
 
 
+def _is_gathered(node: fx.Node) -> bool:
+    node = _origin(node)
+    if node.target is UNSHARD:
+        return True
+    return node.target is operator.getitem and getattr(node.args[0], "target", None) is COPY_OUT
+
+
 def saved_gathered_parameters(forward: fx.GraphModule) -> list[str]:
     """Forward outputs that are (views of) gathered parameters, i.e. kept alive for backward.
 
     The user-visible outputs of a training graph are activations, so any forward output that
-    traces back to an ``unshard`` marker is a full parameter saved for the backward graph.
+    traces back to a gather (an ``unshard`` marker or the copy-out of a lowered all-gather) is
+    a full parameter saved for the backward graph.
     """
     output = next(n for n in forward.graph.nodes if n.op == "output")
     saved = []
     for arg in _flatten(output.args):
-        if isinstance(arg, fx.Node) and _origin(arg).target is UNSHARD:
+        if isinstance(arg, fx.Node) and _is_gathered(arg):
             saved.append(arg.name)
     return saved
 

@@ -7,13 +7,16 @@ autograd formula registered here. Their eager implementations communicate for re
 runs without ``torch.compile`` with the same semantics, and a compiled graph that keeps the
 markers runs them as ordinary ops.
 
-Arguments after the tensor and its row count are a :class:`CommSpec` spelled out, so every
-graph says by itself what each marker communicates and with whom.
+Every marker names its parameter (``fqn``) and the unit it is bucketed with (``unit``), then
+spells out a :class:`CommSpec`, so a graph says by itself what each marker communicates and with
+whom, and the passes need nothing but the graph.
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.fx as fx
 
 from .runtime.collectives import CommSpec, gather_params, reduce_grads
 
@@ -23,6 +26,8 @@ NAMESPACE = "fsdp_compile"
 @torch.library.custom_op(f"{NAMESPACE}::unshard", mutates_args=())
 def unshard(
     shard: torch.Tensor,
+    fqn: str,
+    unit: str,
     full_rows: int,
     shard_group: str,
     shard_size: int,
@@ -40,14 +45,12 @@ def unshard(
 
 
 @unshard.register_fake
-def _unshard_fake(shard, full_rows, shard_group, shard_size, dim0_sharded, replicate_group,
-                  replicate_size, param_dtype, reduce_dtype, reshard_after_forward):
-    spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-                    param_dtype, reduce_dtype, reshard_after_forward)
+def _unshard_fake(shard, fqn, unit, full_rows, *spec_args):
+    spec = CommSpec(*spec_args)
     return shard.new_empty(_full_shape(shard, full_rows, spec), dtype=spec.compute_dtype(shard.dtype))
 
 
-def _full_shape(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> tuple[int, ...]:
+def _full_shape(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> tuple:
     if spec.gathers:
         return (full_rows, *shard.shape[1:])
     return tuple(shard.shape)
@@ -56,6 +59,8 @@ def _full_shape(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> tuple[in
 @torch.library.custom_op(f"{NAMESPACE}::reduce_grad", mutates_args=())
 def reduce_grad(
     grad: torch.Tensor,
+    fqn: str,
+    unit: str,
     local_rows: int,
     grad_dtype: torch.dtype,
     shard_group: str,
@@ -74,24 +79,25 @@ def reduce_grad(
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad, local_rows, grad_dtype, shard_group, shard_size, dim0_sharded,
-                      replicate_group, replicate_size, param_dtype, reduce_dtype,
-                      reshard_after_forward):
-    if dim0_sharded and shard_size > 1:
+def _reduce_grad_fake(grad, fqn, unit, local_rows, grad_dtype, *spec_args):
+    spec = CommSpec(*spec_args)
+    if spec.gathers:
         return grad.new_empty((local_rows, *grad.shape[1:]), dtype=grad_dtype)
     return grad.new_empty(grad.shape, dtype=grad_dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _full_rows, *spec_args = inputs
+    shard, fqn, unit, _full_rows, *spec_args = inputs
+    ctx.names = (fqn, unit)
     ctx.local_rows = shard.shape[0] if shard.dim() else 0
     ctx.grad_dtype = shard.dtype
     ctx.spec_args = spec_args
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    shard_grad = torch.ops.fsdp_compile.reduce_grad(grad, ctx.local_rows, ctx.grad_dtype, *ctx.spec_args)
-    return (shard_grad,) + (None,) * (1 + len(ctx.spec_args))
+    shard_grad = torch.ops.fsdp_compile.reduce_grad(
+        grad, *ctx.names, ctx.local_rows, ctx.grad_dtype, *ctx.spec_args)
+    return (shard_grad,) + (None,) * (3 + len(ctx.spec_args))
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -99,14 +105,43 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 UNSHARD = torch.ops.fsdp_compile.unshard.default
 REDUCE_GRAD = torch.ops.fsdp_compile.reduce_grad.default
 
-# Positions of the CommSpec arguments in each marker's schema.
-UNSHARD_SPEC_START = 2
-REDUCE_GRAD_SPEC_START = 3
+
+@dataclass(frozen=True)
+class Marker:
+    """One marker node, decoded: which tensor it reads and what it communicates."""
+
+    node: fx.Node
+    input: fx.Node
+    fqn: str
+    unit: str
+    rows: int  # unshard: full rows; reduce_grad: local rows
+    spec: CommSpec
+    grad_dtype: Optional[torch.dtype] = None  # reduce_grad only
+
+    @property
+    def kind(self) -> str:
+        return "unshard" if self.node.target is UNSHARD else "reduce_grad"
+
+
+def decode(node: fx.Node) -> Marker:
+    if node.target is UNSHARD:
+        tensor, fqn, unit, rows, *spec_args = node.args
+        return Marker(node, tensor, fqn, unit, rows, CommSpec(*spec_args))
+    if node.target is REDUCE_GRAD:
+        tensor, fqn, unit, rows, grad_dtype, *spec_args = node.args
+        return Marker(node, tensor, fqn, unit, rows, CommSpec(*spec_args), grad_dtype)
+    raise ValueError(f"{node.format_node()} is not an fsdp_compile marker")
+
+
+def markers(graph: fx.Graph, target=None) -> list[Marker]:
+    """Decoded markers of ``graph`` in graph order (of one kind when ``target`` is given)."""
+    kinds = (UNSHARD, REDUCE_GRAD) if target is None else (target,)
+    return [decode(n) for n in graph.nodes if n.op == "call_function" and n.target in kinds]
 
 
 def unshard_spec(node_args: tuple) -> CommSpec:
-    return CommSpec.from_op_args(node_args[UNSHARD_SPEC_START:])
+    return CommSpec(*node_args[4:])
 
 
 def reduce_grad_spec(node_args: tuple) -> CommSpec:
-    return CommSpec.from_op_args(node_args[REDUCE_GRAD_SPEC_START:])
+    return CommSpec(*node_args[5:])

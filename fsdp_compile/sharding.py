@@ -25,6 +25,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .groups import Topology
+from .mixed_precision import MixedPrecision
+from .passes.bucketing import Policy, unit_modules, unit_of
 from .runtime.collectives import CommSpec, padded_rows, shard_bounds
 
 SPECS_ATTR = "_fsdp_specs"
@@ -35,13 +37,14 @@ class ShardedParamInfo:
     """What a read of one sharded parameter needs to become its full tensor."""
 
     fqn: str
+    unit: str  # the bucket unit (module name; "" is the root)
     full_shape: tuple[int, ...]
     comm: CommSpec
 
     @property
     def unshard_args(self) -> tuple:
         full_rows = self.full_shape[0] if self.full_shape else 0
-        return (full_rows, *self.comm.op_args())
+        return (self.fqn, self.unit, full_rows, *self.comm.op_args())
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -90,12 +93,12 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return _CLASS_CACHE[key]
 
 
-def _owners(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Parameter]]:
-    """(module, local name, fully qualified name, parameter) for every registration."""
+def _owners(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, str, nn.Parameter]]:
+    """(module, module name, local name, fully qualified name, parameter) per registration."""
     for mod_name, module in model.named_modules():
         for name, param in module._parameters.items():
             if param is not None:
-                yield module, name, f"{mod_name}.{name}" if mod_name else name, param
+                yield module, mod_name, name, f"{mod_name}.{name}" if mod_name else name, param
 
 
 def _shard_tensor(param: nn.Parameter, topology: Topology) -> tuple[torch.Tensor, bool]:
@@ -117,12 +120,18 @@ def _shard_tensor(param: nn.Parameter, topology: Topology) -> tuple[torch.Tensor
     return dtensor, True
 
 
-def shard_module(model: nn.Module, topology: Topology) -> dict[str, ShardedParamInfo]:
+def shard_module(
+    model: nn.Module,
+    topology: Topology,
+    policy: Policy,
+    mixed_precision: MixedPrecision | None = None,
+) -> dict[str, ShardedParamInfo]:
     """Shard every parameter of ``model`` in place; returns the info of each, by name."""
+    units = unit_modules(model, policy)
     seen: dict[int, tuple[nn.Parameter, ShardedParamInfo]] = {}
     per_module: dict[nn.Module, dict[str, ShardedParamInfo]] = {}
     infos: dict[str, ShardedParamInfo] = {}
-    for module, name, fqn, param in list(_owners(model)):
+    for module, module_name, name, fqn, param in list(_owners(model)):
         if id(param) not in seen:
             if isinstance(param, DTensor):
                 raise ValueError(
@@ -137,17 +146,18 @@ def shard_module(model: nn.Module, topology: Topology) -> dict[str, ShardedParam
                 )
             dtensor, dim0_sharded = _shard_tensor(param, topology)
             sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+            mp = mixed_precision if mixed_precision and mixed_precision.applies_to(param) else None
             comm = CommSpec(
                 shard_group=topology.shard_group_name,
                 shard_size=topology.shard_size,
                 dim0_sharded=dim0_sharded,
                 replicate_group=topology.replicate_group_name,
                 replicate_size=topology.replicate_size,
-                param_dtype=None,
-                reduce_dtype=None,
+                param_dtype=mp.param_dtype if mp else None,
+                reduce_dtype=mp.reduce_dtype if mp else None,
                 reshard_after_forward=topology.strategy.reshard_after_forward,
             )
-            info = ShardedParamInfo(fqn, tuple(param.shape), comm)
+            info = ShardedParamInfo(fqn, unit_of(module_name, units), tuple(param.shape), comm)
             seen[id(param)] = (sharded, info)
             infos[fqn] = info
         sharded, info = seen[id(param)]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_compile.runtime.collectives import (
-    chunk_cat, copy_in, copy_out, divide_factors, padded_rows, shard_bounds,
-)
+import fsdp_compile  # noqa: F401  (registers the ops)
+from fsdp_compile.runtime.collectives import chunk_numels, divide_factors, padded_rows, shard_bounds
+
+ops = torch.ops.fsdp_compile
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
@@ -21,7 +22,7 @@ def test_shard_bounds_follow_torch_chunk(rows: int, world: int) -> None:
         assert length <= padded_rows(rows, world)
 
 
-def shards_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+def shard_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     start, length = shard_bounds(full.shape[0], world, rank)
     return full[start:start + length]
 
@@ -32,21 +33,22 @@ FULLS = [torch.randn(5, 3), torch.randn(3), torch.randn(1, 2), torch.randn(8, 2,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_copy_in_then_gather_then_copy_out_rebuilds_full_tensors(world: int, dtype: torch.dtype) -> None:
-    rows = [padded_rows(f.shape[0], world) for f in FULLS]
+    chunks = chunk_numels([f.shape for f in FULLS], world)
     # An all-gather concatenates every rank's copy-in buffer.
-    gathered = torch.cat([copy_in([shards_of(f, world, r) for f in FULLS], rows, dtype) for r in range(world)])
-    outs = copy_out(gathered, world, [f.shape for f in FULLS], rows)
+    gathered = torch.cat([ops.copy_in([shard_of(f, world, r) for f in FULLS], chunks, dtype) for r in range(world)])
+    outs = ops.copy_out(gathered, world, chunks, [f.numel() for f in FULLS])
     for out, f in zip(outs, FULLS):
         assert out.dtype == dtype
-        assert torch.equal(out, f.to(dtype))
+        assert torch.equal(out.view(f.shape), f.to(dtype))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_reduce_scatter_input_has_the_all_gather_layout(world: int) -> None:
-    rows = [padded_rows(f.shape[0], world) for f in FULLS]
-    per_rank = chunk_cat(FULLS, world, torch.float32).view(world, -1)
+    chunks = chunk_numels([f.shape for f in FULLS], world)
+    per_rank = ops.chunk_cat(FULLS, world, chunks, torch.float32).view(world, -1)
+    assert torch.equal(per_rank, torch._chunk_cat(FULLS, dim=0, num_chunks=world))
     for rank in range(world):
-        expected = copy_in([shards_of(f, world, rank) for f in FULLS], rows, torch.float32)
+        expected = ops.copy_in([shard_of(f, world, rank) for f in FULLS], chunks, torch.float32)
         assert torch.equal(per_rank[rank], expected)
 
 

@@ -22,7 +22,7 @@ def spec(**overrides) -> CommSpec:
 def linear_graph(comm: CommSpec) -> torch.fx.GraphModule:
     """x @ W.t() where W (8 x 4) is gathered from a 4 x 4 shard."""
     def f(shard, x):
-        weight = torch.ops.fsdp_compile.unshard(shard, 8, *comm.op_args())
+        weight = torch.ops.fsdp_compile.unshard(shard, "w", "", 8, *comm.op_args())
         return x @ weight.t()
     return make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(3, 4))
 
@@ -70,7 +70,7 @@ def test_marker_that_gathers_or_casts_is_kept() -> None:
 
 def test_saved_gathered_parameters_sees_through_views() -> None:
     def f(shard, x):
-        weight = torch.ops.fsdp_compile.unshard(shard, 8, *spec().op_args())
+        weight = torch.ops.fsdp_compile.unshard(shard, "w", "", 8, *spec().op_args())
         transposed = weight.t()
         return x @ transposed, transposed, x
     gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(3, 4))

@@ -95,6 +95,26 @@ def fsdp2_model(model: nn.Module, strategy: ShardingStrategy, world: int) -> nn.
     return model
 
 
+def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
+    """What the backend's (single) compiled graph pair communicates and keeps for backward."""
+    from fsdp_compile.graphinfo import collective_counts, marker_counts, saved_gathered_parameters
+
+    (record,) = backend.graphs
+    fw_buckets, bw_buckets = record.forward_buckets, record.backward_buckets
+    return {
+        "trainable": sum(1 for p in model.parameters() if p.requires_grad),
+        "markers": {"forward": marker_counts(record.forward), "backward": marker_counts(record.backward)},
+        "forward": collective_counts(record.forward),
+        "backward": collective_counts(record.backward),
+        "saved_gathered": saved_gathered_parameters(record.forward),
+        "gather_buckets": [b.key for b in fw_buckets["unshard"]],
+        "regather_buckets": [b.key for b in bw_buckets["unshard"]],
+        "reduce_buckets": [b.key for b in bw_buckets["reduce_grad"]],
+        "reduce_specs": sorted({b.spec for b in bw_buckets["reduce_grad"]}, key=repr),
+        "reduced_params": sum(len(b.markers) for b in bw_buckets["reduce_grad"]),
+    }
+
+
 def parity_worker(rank: int, world: int, strategy: str, modes: list[str], steps: int) -> dict:
     """Train the test GPT with each mode on the same data; rank 0 also trains the reference."""
     strategy = ShardingStrategy.parse(strategy)
@@ -122,27 +142,6 @@ def parity_worker(rank: int, world: int, strategy: str, modes: list[str], steps:
         reference = copy.deepcopy(base)
         out["reference"] = train(reference, reference, data, None)
     return out if rank == 0 else {}
-
-
-
-def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
-    """What the backend's (single) compiled graph pair communicates and keeps for backward."""
-    from fsdp_compile.graphinfo import marker_counts, saved_gathered_parameters
-    from fsdp_compile.ops import REDUCE_GRAD, UNSHARD, reduce_grad_spec, unshard_spec
-
-    (record,) = backend.graphs
-
-    def specs(gm, target, parse):
-        return sorted({parse(n.args) for n in gm.graph.nodes if n.target is target}, key=repr)
-
-    return {
-        "trainable": sum(1 for p in model.parameters() if p.requires_grad),
-        "forward": marker_counts(record.forward),
-        "backward": marker_counts(record.backward),
-        "saved_gathered": saved_gathered_parameters(record.forward),
-        "unshard_specs": specs(record.forward, UNSHARD, unshard_spec),
-        "reduce_specs": specs(record.backward, REDUCE_GRAD, reduce_grad_spec),
-    }
 
 
 class TiedLM(nn.Module):

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..ops import UNSHARD, unshard_spec
+from ..ops import UNSHARD, decode
 
 aten = torch.ops.aten
 
@@ -41,7 +41,7 @@ def elide_trivial_unshard(graph: fx.Graph) -> int:
     """
     count = 0
     for node in unshard_nodes(graph):
-        spec = unshard_spec(node.args)
+        spec = decode(node).spec
         source = node.args[0]
         source_dtype = source.meta["val"].dtype if "val" in source.meta else None
         if spec.gathers or (spec.param_dtype is not None and spec.param_dtype != source_dtype):
@@ -62,7 +62,7 @@ def tag_reshard_policy(graph: fx.Graph) -> int:
     """
     count = 0
     for node in unshard_nodes(graph):
-        spec = unshard_spec(node.args)
+        spec = decode(node).spec
         if not spec.gathers:
             continue
         if not spec.reshard_after_forward:

@@ -5,13 +5,14 @@ the compiled path (passes that replace markers by the traced body of these funct
 functions here, so eager and compiled runs perform the same operations in the same order and
 agree bit for bit.
 
-Everything is written with functional collectives (``torch.ops._c10d_functional``) and
-out-of-place torch ops, so these functions can be traced into a graph as they are.
+Everything is written with functional collectives (``torch.ops._c10d_functional``), the copy
+ops of :mod:`fsdp_compile.runtime.kernels` and out-of-place torch ops, so these functions can
+be traced into a graph as they are.
 
 Data layout follows FSDP2: a parameter with ``rows`` rows on dim 0 is cut into ``world`` chunks
 of ``padded_rows(rows, world)`` rows (``torch.chunk`` semantics; the tail is zero padding), and a
 bucket's all-gather buffer holds, per rank, that rank's padded chunks of every parameter back to
-back. The reduce-scatter buffer uses the same layout (``torch._chunk_cat``).
+back. The reduce-scatter buffer uses the same layout.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Sequence
 
 import torch
 
+from . import kernels as _kernels_module  # noqa: F401  (registers the copy ops)
+
 _c10d = torch.ops._c10d_functional
+_copy_ops = torch.ops.fsdp_compile
 
 # Reduce dtypes that cannot overflow when summed across ranks; for these FSDP2 (and we) let the
 # collective average, otherwise the sum is pre- and post-divided by about sqrt(world).
@@ -91,32 +95,9 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
-def copy_in(shards: Sequence[torch.Tensor], rows_per_rank: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """One flat buffer of every shard, cast to ``dtype`` and zero-padded to ``rows_per_rank`` rows."""
-    pieces = []
-    for shard, rows in zip(shards, rows_per_rank):
-        shard = shard.to(dtype)
-        missing = rows - shard.shape[0]
-        if missing:
-            shard = torch.cat([shard, shard.new_zeros((missing, *shard.shape[1:]))])
-        pieces.append(shard.reshape(-1))
-    return torch.cat(pieces)
-
-
-def copy_out(
-    gathered: torch.Tensor,
-    world: int,
-    full_shapes: Sequence[Sequence[int]],
-    rows_per_rank: Sequence[int],
-) -> list[torch.Tensor]:
-    """Split an all-gather output into full per-parameter tensors (padding dropped)."""
-    per_rank = gathered.view(world, -1)
-    numels = [rows * math.prod(shape[1:]) for shape, rows in zip(full_shapes, rows_per_rank)]
-    outs = []
-    for piece, shape, rows in zip(torch.split(per_rank, numels, dim=1), full_shapes, rows_per_rank):
-        full = piece.reshape(world * rows, *shape[1:])
-        outs.append(full.narrow(0, 0, shape[0]))
-    return outs
+def chunk_numels(full_shapes: Sequence[Sequence[int]], world: int) -> list[int]:
+    """Elements of one rank's (padded) chunk of each tensor."""
+    return [padded_rows(shape[0], world) * math.prod(shape[1:]) for shape in full_shapes]
 
 
 def gather_params(
@@ -132,10 +113,11 @@ def gather_params(
     dtype = spec.compute_dtype(shards[0].dtype)
     if not spec.gathers:
         return [s.to(dtype, copy=True) for s in shards]
-    rows = [padded_rows(shape[0], spec.shard_size) for shape in full_shapes]
-    flat = copy_in(shards, rows, dtype)
+    chunks = chunk_numels(full_shapes, spec.shard_size)
+    flat = _copy_ops.copy_in(list(shards), chunks, dtype)
     gathered = _wait(_c10d.all_gather_into_tensor(flat, spec.shard_size, spec.shard_group))
-    return copy_out(gathered, spec.shard_size, full_shapes, rows)
+    fulls = _copy_ops.copy_out(gathered, spec.shard_size, chunks, [math.prod(s) for s in full_shapes])
+    return [f.view(shape) for f, shape in zip(fulls, full_shapes)]
 
 
 def divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[float | None, float | None]:
@@ -151,11 +133,6 @@ def divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[
     while data_parallel_size % pre == 0 and data_parallel_size / pre > pre:
         pre *= 2
     return float(pre), data_parallel_size / pre
-
-
-def chunk_cat(grads: Sequence[torch.Tensor], world: int, dtype: torch.dtype) -> torch.Tensor:
-    """The reduce-scatter input: per rank, that rank's padded chunk of every gradient."""
-    return torch._chunk_cat([g.to(dtype) for g in grads], dim=0, num_chunks=world).view(-1)
 
 
 def reduce_grads(
@@ -176,8 +153,8 @@ def reduce_grads(
     full_shapes = [g.shape for g in grads]
 
     if spec.gathers:
-        rows = [padded_rows(shape[0], spec.shard_size) for shape in full_shapes]
-        flat = chunk_cat(grads, spec.shard_size, reduce_dtype)
+        chunks = chunk_numels(full_shapes, spec.shard_size)
+        flat = _copy_ops.chunk_cat(list(grads), spec.shard_size, chunks, reduce_dtype)
     else:
         flat = torch.cat([g.to(reduce_dtype).reshape(-1) for g in grads])
     if pre is not None:
@@ -194,10 +171,8 @@ def reduce_grads(
 
     outs = []
     if spec.gathers:
-        numels = [r * math.prod(shape[1:]) for shape, r in zip(full_shapes, rows)]
-        pieces = torch.split(flat, numels)
-        for piece, shape, r, n, dtype in zip(pieces, full_shapes, rows, local_rows, grad_dtypes):
-            outs.append(piece.view(r, *shape[1:]).narrow(0, 0, n).to(dtype))
+        for piece, shape, n, dtype in zip(torch.split(flat, chunks), full_shapes, local_rows, grad_dtypes):
+            outs.append(piece.view(-1, *shape[1:]).narrow(0, 0, n).to(dtype))
     else:
         numels = [math.prod(shape) for shape in full_shapes]
         for piece, shape, dtype in zip(torch.split(flat, numels), full_shapes, grad_dtypes):

@@ -1,0 +1,172 @@
+"""Multi-tensor copy kernels in Triton: one launch moves every tensor of a bucket.
+
+All three data movements of FSDP are "segment copies": for each segment, copy ``src_len``
+elements from ``src[src_start:]`` into ``dst[dst_start:dst_start + dst_len]``, casting to the
+destination dtype and filling the rest of the destination range with zeros:
+
+* copy-in (all-gather input): one segment per shard, into the flat buffer, padded;
+* chunk-cat (reduce-scatter input): one segment per (gradient, rank) chunk;
+* copy-out (all-gather output): one segment per (parameter, rank) chunk, into each full tensor.
+
+Segments are described by int64 tables (raw pointers, offsets, lengths) and a block table that
+maps each program to (segment, offset), so the launch count does not grow with the number of
+tensors. Conversions to and from bfloat16 use integer arithmetic (round to nearest even going
+down, a 16-bit shift going up), so results are the same as torch's casts on a GPU and in
+Triton's CPU interpreter, whose float casts truncate and flush bfloat16 subnormals to zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+try:  # Triton is a dependency, but keep the torch path usable where it cannot import
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+    tl = None
+
+BLOCK = 2048
+
+_TL_DTYPES = {}
+if tl is not None:
+    _TL_DTYPES = {
+        torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+        torch.float64: tl.float64,
+    }
+
+SUPPORTED_DTYPES = tuple(_TL_DTYPES)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_bfloat16_rne(x):
+        # float32 -> bfloat16, round to nearest even, NaN kept quiet: integer arithmetic so the
+        # interpreter (which truncates in its float cast) agrees with the GPU and with torch.
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _from_bfloat16_exact(x):
+        # bfloat16 -> float32 is exact: the bfloat16 bits are the float32's top half.
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _segment_copy_kernel(
+        src_ptrs, src_starts, src_lens, dst_ptrs, dst_starts, dst_lens, block_segment, block_offset,
+        SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr, WIDEN_FROM_BF16: tl.constexpr,
+        ROUND_TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        seg = tl.load(block_segment + pid)
+        offset = tl.load(block_offset + pid)
+        src = tl.load(src_ptrs + seg).to(tl.pointer_type(SRC_DTYPE))
+        dst = tl.load(dst_ptrs + seg).to(tl.pointer_type(DST_DTYPE))
+        src_start = tl.load(src_starts + seg)
+        src_len = tl.load(src_lens + seg)
+        dst_start = tl.load(dst_starts + seg)
+        dst_len = tl.load(dst_lens + seg)
+        idx = offset + tl.arange(0, BLOCK_SIZE)
+        values = tl.load(src + src_start + idx, mask=idx < src_len, other=0.0)
+        if WIDEN_FROM_BF16:
+            values = _from_bfloat16_exact(values)
+        if ROUND_TO_BF16:
+            values = _to_bfloat16_rne(values.to(tl.float32))
+        else:
+            values = values.to(DST_DTYPE)
+        tl.store(dst + dst_start + idx, values, mask=idx < dst_len)
+
+
+@dataclass
+class Segment:
+    src: torch.Tensor  # contiguous
+    src_start: int
+    src_len: int
+    dst: torch.Tensor  # contiguous
+    dst_start: int
+    dst_len: int
+
+
+def segment_copy(segments: Sequence[Segment]) -> None:
+    """Run every segment copy in one kernel launch (all sources one dtype, all targets one dtype)."""
+    if triton is None:
+        raise RuntimeError("the Triton kernels need the triton package; pip install triton")
+    segments = [s for s in segments if s.dst_len > 0]
+    if not segments:
+        return
+    src_dtype, dst_dtype = segments[0].src.dtype, segments[0].dst.dtype
+    for s in segments:
+        if s.src.dtype != src_dtype or s.dst.dtype != dst_dtype:
+            raise ValueError("segment_copy needs one source dtype and one target dtype per launch")
+        if not (s.src.is_contiguous() and s.dst.is_contiguous()):
+            raise ValueError("segment_copy needs contiguous tensors")
+    if src_dtype not in _TL_DTYPES or dst_dtype not in _TL_DTYPES:
+        raise TypeError(f"segment_copy supports {SUPPORTED_DTYPES}, got {src_dtype} -> {dst_dtype}")
+    device = segments[0].dst.device
+    table = torch.tensor(
+        [[s.src.data_ptr(), s.src_start, max(0, min(s.src_len, s.dst_len)), s.dst.data_ptr(),
+          s.dst_start, s.dst_len] for s in segments],
+        dtype=torch.int64,
+    )
+    blocks = (table[:, 5] + BLOCK - 1) // BLOCK
+    block_segment = torch.repeat_interleave(torch.arange(len(segments)), blocks)
+    first_block = torch.cumsum(blocks, 0) - blocks
+    block_offset = (torch.arange(int(blocks.sum())) - first_block[block_segment]) * BLOCK
+    pin = device.type == "cuda"
+    columns = [table[:, i].contiguous() for i in range(6)] + [block_segment, block_offset]
+    columns = [c.pin_memory().to(device, non_blocking=True) if pin else c.to(device) for c in columns]
+    converts = src_dtype != dst_dtype
+    _segment_copy_kernel[(int(blocks.sum()),)](
+        *columns,
+        SRC_DTYPE=_TL_DTYPES[src_dtype], DST_DTYPE=_TL_DTYPES[dst_dtype],
+        WIDEN_FROM_BF16=converts and src_dtype is torch.bfloat16,
+        ROUND_TO_BF16=converts and dst_dtype is torch.bfloat16, BLOCK_SIZE=BLOCK,
+    )
+
+
+def copy_in(shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(sum(padded_numels), dtype=dtype, device=shards[0].device)
+    segments, start = [], 0
+    for shard, padded in zip(shards, padded_numels):
+        segments.append(Segment(shard.contiguous(), 0, shard.numel(), out, start, padded))
+        start += padded
+    segment_copy(segments)
+    return out
+
+
+def chunk_cat(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    total = sum(padded_numels)
+    out = torch.empty(world * total, dtype=dtype, device=grads[0].device)
+    segments, offset = [], 0
+    grads = [g.contiguous() for g in grads]
+    for grad, padded in zip(grads, padded_numels):
+        for rank in range(world):
+            start = rank * padded
+            segments.append(Segment(grad, start, grad.numel() - start, out, rank * total + offset, padded))
+        offset += padded
+    segment_copy(segments)
+    return out
+
+
+def copy_out(gathered: torch.Tensor, world: int, padded_numels: Sequence[int], numels: Sequence[int]) -> list[torch.Tensor]:
+    total = sum(padded_numels)
+    outs = [torch.empty(n, dtype=gathered.dtype, device=gathered.device) for n in numels]
+    segments, offset = [], 0
+    for out, padded, numel in zip(outs, padded_numels, numels):
+        for rank in range(world):
+            start = rank * padded
+            segments.append(Segment(gathered, rank * total + offset, padded, out, start,
+                                    max(0, min(padded, numel - start))))
+        offset += padded
+    segment_copy(segments)
+    return outs
