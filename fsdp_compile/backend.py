@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops  # noqa: F401  (registers the marker ops)
 from .groups import Topology, resolve_topology
-from .mixed_precision import MixedPrecision, install_casts
+from .mixed_precision import MixedPrecision
 from .passes.bucketing import Bucket, BucketPolicy, parse_policy
 from .passes.lowering import lower_markers
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
@@ -153,8 +153,6 @@ class FSDPBackend:
                 f"parameters are on {device_type!r}; use one backend per device type"
             )
         infos = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision)
-        if self.options.mixed_precision is not None:
-            install_casts(model, self.options.mixed_precision)
         self.params.update(infos)
         for param in model.parameters():
             self._owned[param] = True
@@ -210,9 +208,10 @@ class FSDPBackend:
         elide_trivial_unshard(graph)
         tag_reshard_policy(graph)
 
-    def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph) -> fx.GraphModule:
+    def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph,
+                      decompositions: dict | None = None) -> fx.GraphModule:
         elide_trivial_unshard(gm.graph)
-        buckets = lower_markers(gm, self.bucket_policy)
+        buckets = lower_markers(gm, self.bucket_policy, decompositions)
         # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
         # all_reduce), and the record should show what our passes produced.
         snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -242,13 +241,15 @@ class FSDPBackend:
 
     def _compile_inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph):
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
 
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
             if kwargs.get("is_backward"):
                 phase = "backward"
             else:
                 phase = "inference" if kwargs.get("is_inference") else "forward"
-            return compile_fx_inner(self._graph_passes(g, phase, record), inputs, **kwargs)
+            lowered = self._graph_passes(g, phase, record, select_decomp_table())
+            return compile_fx_inner(lowered, inputs, **kwargs)
 
         joint_pass = _JointPass(self, torch._inductor.config.joint_custom_pre_pass)
         # The AOTAutograd cache keys on the Dynamo graph, not on our passes: a hit would skip

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 # Dtypes every collective backend can move and reduce.
@@ -52,23 +51,13 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
-def install_casts(root: nn.Module, policy: MixedPrecision) -> None:
-    """Cast the root module's forward inputs and outputs as ``policy`` says.
-
-    Hooks on the root run inside the compiled region (``torch.compile`` traces the module's
-    call with its hooks), so the casts are graph nodes there and plain ops in the eager runtime.
-    """
+def cast_inputs(policy: MixedPrecision, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The root module's forward inputs as ``policy`` wants them."""
     if policy.cast_forward_inputs and policy.param_dtype is not None:
-        dtype = policy.param_dtype
+        return _cast(args, policy.param_dtype), _cast(kwargs, policy.param_dtype)
+    return args, kwargs
 
-        def cast_inputs(module, args, kwargs):
-            return _cast(args, dtype), _cast(kwargs, dtype)
 
-        root.register_forward_pre_hook(cast_inputs, with_kwargs=True)
-    if policy.output_dtype is not None:
-        out_dtype = policy.output_dtype
-
-        def cast_outputs(module, args, output):
-            return _cast(output, out_dtype)
-
-        root.register_forward_hook(cast_outputs)
+def cast_output(policy: MixedPrecision, output: Any) -> Any:
+    """The root module's forward output as ``policy`` wants it."""
+    return output if policy.output_dtype is None else _cast(output, policy.output_dtype)

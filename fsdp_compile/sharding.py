@@ -25,11 +25,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .groups import Topology
-from .mixed_precision import MixedPrecision
+from .mixed_precision import MixedPrecision, cast_inputs, cast_output
 from .passes.bucketing import Policy, unit_modules, unit_of
 from .runtime.collectives import CommSpec, padded_rows, shard_bounds
 
 SPECS_ATTR = "_fsdp_specs"
+MIXED_PRECISION_ATTR = "_fsdp_mixed_precision"
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,29 @@ def _make_property(name: str) -> property:
     return property(read, write, doc=f"Full value of sharded parameter {name!r} (gathers it).")
 
 
-_CLASS_CACHE: dict[tuple[type, tuple[str, ...]], type] = {}
+def _make_casting_forward(cls: type):
+    original_forward = cls.forward
+
+    def forward(self: nn.Module, *args, **kwargs):
+        # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
+        # own, so hooks would add graphs; this way the casts are part of the model's graph.
+        policy = self.__dict__[MIXED_PRECISION_ATTR]
+        args, kwargs = cast_inputs(policy, args, kwargs)
+        return cast_output(policy, original_forward(self, *args, **kwargs))
+
+    return forward
 
 
-def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
-    key = (cls, names)
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool], type] = {}
+
+
+def _sharded_class(cls: type, names: tuple[str, ...], casts: bool) -> type:
+    """The generated subclass: a gathering property per parameter, a casting forward for the root."""
+    key = (cls, names, casts)
     if key not in _CLASS_CACHE:
         namespace = {name: _make_property(name) for name in names}
+        if casts:
+            namespace["forward"] = _make_casting_forward(cls)
         namespace["__module__"] = cls.__module__
         namespace["_fsdp_original_class"] = cls
         _CLASS_CACHE[key] = type(f"Sharded{cls.__name__}", (cls,), namespace)
@@ -163,7 +180,13 @@ def shard_module(
         sharded, info = seen[id(param)]
         module._parameters[name] = sharded
         per_module.setdefault(module, {})[name] = info
+    casts = mixed_precision is not None and (
+        mixed_precision.output_dtype is not None
+        or (mixed_precision.cast_forward_inputs and mixed_precision.param_dtype is not None))
+    if casts:
+        model.__dict__[MIXED_PRECISION_ATTR] = mixed_precision
+        per_module.setdefault(model, {})
     for module, specs in per_module.items():
         module.__dict__[SPECS_ATTR] = specs
-        module.__class__ = _sharded_class(type(module), tuple(sorted(specs)))
+        module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), casts and module is model)
     return infos

@@ -46,10 +46,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of a (possibly DTensor) tensor; collective for DTensors."""
+    """A copy of the whole value of a (possibly DTensor) tensor; collective for DTensors.
+
+    Always a copy: for replicated DTensors ``full_tensor()`` returns the local tensor itself.
+    """
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    t = t.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
 
 
 def train(
@@ -78,7 +82,7 @@ def train(
     return {"losses": losses, "grads0": grads0, "params": params}
 
 
-def fsdp2_model(model: nn.Module, strategy: ShardingStrategy, world: int) -> nn.Module:
+def fsdp2_model(model: nn.Module, strategy: ShardingStrategy, world: int, mp_policy=None) -> nn.Module:
     """torch's own FSDP2 configured as ``strategy``: one unit per block plus the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -89,9 +93,10 @@ def fsdp2_model(model: nn.Module, strategy: ShardingStrategy, world: int) -> nn.
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    options = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward, **options)
+    fully_shard(model, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward, **options)
     return model
 
 
@@ -459,3 +464,210 @@ def convenience_worker(rank: int, world: int) -> dict:
     want = train(explicit, torch.compile(backend.shard(explicit), backend=backend), data, rank)
     return {"got": got["params"], "want": want["params"], "graphs": len(compiled.fsdp_backend.graphs),
             "strategy": compiled.fsdp_backend.strategy.name}
+
+
+def attention_or_mlp(module: nn.Module) -> bool:
+    """A callable bucket policy (as FSDP1's auto_wrap_policy): attention and MLP separately."""
+    from fsdp_compile.gpt import MLP, CausalSelfAttention
+
+    return isinstance(module, (CausalSelfAttention, MLP))
+
+
+def bucket_policies() -> dict[str, Any]:
+    from fsdp_compile.gpt import Block
+
+    return {"module": "module", "param": "param", "bytes": 4096, "classes": {Block},
+            "callable": attention_or_mlp}
+
+
+def policy_worker(rank: int, world: int, strategy: str, policies: list[str], steps: int) -> dict:
+    """The eager runtime (no buckets) and aot_eager under each bucket policy, on the same data."""
+    from fsdp_compile.graphinfo import collectives
+
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    model = copy.deepcopy(base)
+    fsdp_compile.backend(strategy, **hybrid_options(strategy)).shard(model)
+    out["eager"] = train(model, model, data, rank)
+    for name in policies:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", bucket=bucket_policies()[name],
+                                       **hybrid_options(strategy))
+        backend.shard(model)
+        result = train(model, torch.compile(model, backend=backend), data, rank)
+        (record,) = backend.graphs
+        result["facts"] = graph_facts(backend, model)
+        result["gather_bucket_bytes"] = [c.buffer_bytes for c in collectives(record.forward)
+                                         if c.kind == "all_gather"]
+        result["gather_bucket_sizes"] = [len({m.fqn for m in b.markers})
+                                         for b in record.forward_buckets["unshard"]]
+        out[name] = result
+    return out if rank == 0 else {}
+
+
+class AllNeeded(nn.Module):
+    """Every parameter is needed by backward: no biases, and the input itself requires grad.
+
+    Row counts (7, 3) do not divide 2 or 4, so every buffer carries padding.
+    """
+
+    def __init__(self, dim: int = 7, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim, bias=False), nn.LayerNorm(dim, bias=False)) for _ in range(depth))
+        self.head = nn.Linear(dim, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def theoretical_bytes(model: nn.Module, strategy: ShardingStrategy, shard: int, replicas: int,
+                      compute: torch.dtype, reduce: torch.dtype) -> dict[str, int]:
+    """Collective buffer bytes per rank per step that the strategy implies, from shapes alone."""
+    from fsdp_compile.runtime.collectives import padded_rows
+
+    padded = sum(padded_rows(p.shape[0], shard) * (p.numel() // p.shape[0]) for p in model.parameters())
+    whole = sum(p.numel() for p in model.parameters())
+    c, r = compute.itemsize, reduce.itemsize
+    if strategy is ShardingStrategy.NO_SHARD:
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": whole * r}
+    gathers = 2 if strategy.reshard_after_forward else 1  # forward, and again in backward
+    return {
+        "all_gather": gathers * shard * padded * c,
+        "reduce_scatter": shard * padded * r,
+        "all_reduce": padded * r if replicas > 1 else 0,
+    }
+
+
+def bytes_worker(rank: int, world: int, strategy: str) -> dict:
+    """Theory, compiled graphs and a profiled step, for fp32 and for bf16 compute / fp32 reduce."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_compile.graphinfo import collectives
+
+    strategy = ShardingStrategy.parse(strategy)
+    out = {}
+    for label, mp in (("fp32", None), ("bf16", fsdp_compile.MixedPrecision(torch.bfloat16, torch.float32))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = AllNeeded()
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", mixed_precision=mp,
+                                       **hybrid_options(strategy))
+        full_model = copy.deepcopy(model)
+        backend.shard(model)
+        topo = backend.topology
+        compute = mp.param_dtype if mp else torch.float32
+        theory = theoretical_bytes(full_model, strategy, topo.shard_size, topo.replicate_size,
+                                   compute, torch.float32)
+        compiled = torch.compile(model, backend=backend)
+
+        def step():
+            x = torch.randn(4, 7, requires_grad=True)
+            compiled(x).square().mean().backward()
+
+        step()
+        (record,) = backend.graphs
+        graph = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        for c in collectives(record.forward) + collectives(record.backward):
+            graph[c.kind] += c.buffer_bytes
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+        profiled = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        sizes = {"all_gather": compute.itemsize * topo.shard_size, "reduce_scatter": 4, "all_reduce": 4}
+        for event in prof.events():
+            if event.name.startswith("_c10d_functional::") and "wait" not in event.name:
+                kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                        "all_reduce": "all_reduce"}[event.name.split("::")[1]]
+                numel = 1
+                for d in event.input_shapes[0]:
+                    numel *= d
+                profiled[kind] += numel * sizes[kind]
+        out[label] = {"theory": theory, "graph": graph, "profiled": profiled}
+    return out
+
+
+def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str], steps: int) -> dict:
+    """bf16 compute with fp32 reduction: every mode, FSDP2 with the same policy, fp32 reference."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    strategy = ShardingStrategy.parse(strategy)
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    policy = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out: dict[str, Any] = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if mode == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            forward = fsdp2_model(model, strategy, world, mp)
+        else:
+            compiler = "aot_eager" if mode == "eager" else mode
+            backend = fsdp_compile.backend(strategy, compiler=compiler, mixed_precision=policy,
+                                           **hybrid_options(strategy))
+            backend.shard(model)
+            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        result = train(model, forward, data, rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        x, y = (local_slice(t, rank) for t in data[0])
+        logits = forward(x)
+        lm_loss(logits, y).backward()
+        opt.step()
+        result["dtypes"] = {
+            "logits": logits.dtype,
+            "shards": {p.dtype for p in model.parameters()},
+            "grads": {p.grad.dtype for p in model.parameters()},
+            "optimizer_state": {v.dtype for s in opt.state.values() for v in s.values() if v.dim()},
+        }
+        if mode not in ("eager", "fsdp2"):
+            from fsdp_compile.graphinfo import collectives
+
+            (record,) = backend.graphs
+            result["collective_dtypes"] = sorted(
+                {(c.kind, str(c.dtype)) for c in collectives(record.forward) + collectives(record.backward)})
+        out[mode] = result
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        out["reference"] = train(reference, reference, data, None)
+    return out if rank == 0 else {}
+
+
+class EchoNet(nn.Module):
+    """Returns its output and the input it received (to see what the casts did)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.fc(x) * scale, x, scale
+
+
+def casts_worker(rank: int, world: int) -> dict:
+    out = {}
+    cases = {
+        "default": fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16),
+        "output_fp32": fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32),
+        "no_input_cast": fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=False),
+    }
+    for name, policy in cases.items():
+        for mode in ("eager", "aot_eager"):
+            torch._dynamo.reset()
+            model = EchoNet()
+            backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", mixed_precision=policy)
+            backend.shard(model)
+            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+            x = torch.randn(2, 4)
+            try:
+                y, seen, scale = forward(x, scale=torch.tensor(2.0))
+                out[(name, mode)] = {"output": y.dtype, "input_seen": seen.dtype, "kwarg_seen": scale.dtype,
+                                     "graphs": len(backend.graphs)}
+            except Exception as exc:
+                out[(name, mode)] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out

@@ -14,7 +14,7 @@ run, never what they compute.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -25,19 +25,27 @@ from ..runtime.collectives import gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
 
 
-def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node]) -> list[fx.Node]:
-    """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``."""
+Decompositions = Optional[dict]
+
+
+def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
+            decompositions: Decompositions) -> list[fx.Node]:
+    """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``.
+
+    ``decompositions`` must be the table the graph itself was traced with (Inductor rejects an
+    op it has a decomposition for, such as ``aten._to_copy``).
+    """
     values = [n.meta["val"] for n in inputs]
     fake_mode = detect_fake_mode(values)
     with fake_mode:
-        traced = make_fx(fn)(*values)
+        traced = make_fx(fn, decomposition_table=decompositions)(*values)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(before):
         outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
     return list(outputs)
 
 
-def _lower_gather(graph: fx.Graph, bucket: Bucket) -> None:
+def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions) -> None:
     entries: dict[tuple, int] = {}  # (shard node, fqn) -> position in the bucket
     inputs, full_shapes = [], []
     for marker in bucket.markers:
@@ -48,20 +56,22 @@ def _lower_gather(graph: fx.Graph, bucket: Bucket) -> None:
             full_shapes.append(tuple(marker.node.meta["val"].shape))
     spec = bucket.spec
     outputs = _splice(graph, bucket.markers[0].node,
-                      lambda *shards: gather_params(list(shards), full_shapes, spec), inputs)
+                      lambda *shards: gather_params(list(shards), full_shapes, spec), inputs,
+                      decompositions)
     for marker in bucket.markers:
         marker.node.replace_all_uses_with(outputs[entries[(marker.input, marker.fqn)]])
         graph.erase_node(marker.node)
 
 
-def _lower_reduce(graph: fx.Graph, bucket: Bucket) -> None:
+def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions) -> None:
     inputs = [m.input for m in bucket.markers]
     local_rows = [m.rows for m in bucket.markers]
     grad_dtypes = [m.grad_dtype for m in bucket.markers]
     spec = bucket.spec
     # Every gradient of the bucket exists once its last marker's input does.
     outputs = _splice(graph, bucket.markers[-1].node,
-                      lambda *grads: reduce_grads(list(grads), local_rows, grad_dtypes, spec), inputs)
+                      lambda *grads: reduce_grads(list(grads), local_rows, grad_dtypes, spec), inputs,
+                      decompositions)
     for marker, output in zip(bucket.markers, outputs):
         marker.node.replace_all_uses_with(output)
         graph.erase_node(marker.node)
@@ -95,16 +105,17 @@ def stable_topological_sort(graph: fx.Graph) -> None:
             cursor = node
 
 
-def lower_markers(gm: fx.GraphModule, policy: Policy) -> dict[str, list[Bucket]]:
+def lower_markers(gm: fx.GraphModule, policy: Policy,
+                  decompositions: Decompositions = None) -> dict[str, list[Bucket]]:
     """Lower every marker of ``gm`` bucket by bucket; returns the buckets by kind."""
     buckets = {
         "unshard": assign_buckets(markers(gm.graph, UNSHARD), policy),
         "reduce_grad": assign_buckets(markers(gm.graph, REDUCE_GRAD), policy),
     }
     for bucket in buckets["unshard"]:
-        _lower_gather(gm.graph, bucket)
+        _lower_gather(gm.graph, bucket, decompositions)
     for bucket in buckets["reduce_grad"]:
-        _lower_reduce(gm.graph, bucket)
+        _lower_reduce(gm.graph, bucket, decompositions)
     stable_topological_sort(gm.graph)
     gm.graph.lint()
     gm.recompile()

@@ -1,0 +1,104 @@
+"""Bucket policies: what each groups, and that bucketing never changes the numbers."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch.nn as nn
+
+from distributed import run_workers
+from fsdp_compile.passes.bucketing import parse_policy, unit_modules, unit_of
+from runs import STRATEGIES, WORLD
+from test_parity import assert_bitwise
+from workers import policy_worker
+
+# The default policy ("module") is checked by the parity runs (tests/test_parity.py).
+POLICIES = ["param", "bytes", "classes", "callable"]
+STEPS = 3
+N_PARAMS = 29  # the test GPT's parameters
+# The ZeRO-2 variants differ from FULL_SHARD / HYBRID_SHARD only in what backward re-gathers,
+# not in bucketing; they run with -m slow to keep the default run short.
+POLICY_STRATEGIES = [pytest.param(s, marks=pytest.mark.slow) if s in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+                     else s for s in STRATEGIES]
+
+
+@functools.cache
+def policy_run(strategy: str) -> dict:
+    return run_workers(policy_worker, WORLD[strategy], strategy, POLICIES, STEPS)[0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("strategy", POLICY_STRATEGIES)
+def test_bucketed_training_is_bitwise_equal_to_the_unbucketed_eager_runtime(strategy: str, policy: str) -> None:
+    out = policy_run(strategy)
+    assert_bitwise(out[policy]["grads0"], out["eager"]["grads0"], f"{policy} first-step gradients")
+    assert_bitwise(out[policy]["params"], out["eager"]["params"], f"{policy} parameters")
+
+
+EXPECTED_BUCKETS = {
+    "classes": ["<root>", "blocks.0", "blocks.1"],
+    # attention and MLP of each block; layer norms of the blocks fall back to the root
+    "callable": ["<root>", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"],
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_one_collective_per_bucket(strategy: str, policy: str) -> None:
+    f = policy_run(strategy)[policy]["facts"]
+    gathers, reductions = f["gather_buckets"], f["reduce_buckets"]
+    assert f["forward"]["all_gather"] == len(gathers)
+    assert 0 < f["backward"]["all_gather"] <= len(gathers)
+    assert f["backward"]["reduce_scatter"] == len(reductions)
+    hybrid_all_reduces = len(reductions) if strategy == "HYBRID_SHARD" else 0
+    assert f["backward"]["all_reduce"] == hybrid_all_reduces
+    if policy in EXPECTED_BUCKETS:
+        assert sorted(gathers) == sorted(reductions) == EXPECTED_BUCKETS[policy]
+    if policy == "param":
+        assert len(gathers) == len(reductions) == N_PARAMS
+
+
+def test_byte_policy_fills_buckets_up_to_the_limit() -> None:
+    out = policy_run("FULL_SHARD")["bytes"]
+    limit = 4096
+    for size, members in zip(out["gather_bucket_bytes"], out["gather_bucket_sizes"]):
+        assert size <= limit or members == 1  # a larger tensor is a bucket of its own
+    assert 1 < len(out["gather_bucket_bytes"]) < N_PARAMS
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(2, 2)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3))
+        self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])  # not repeated: two classes
+
+
+def test_unit_assignment() -> None:
+    model = Tower()
+    assert unit_modules(model, parse_policy("module")) == {"layers.0", "layers.1", "layers.2"}
+    units = unit_modules(model, parse_policy({nn.Linear}))
+    assert units == {"stem", "layers.0.0", "layers.1.0", "layers.2.0", "mixed.0"}
+    assert unit_of("layers.1.0", {"layers.1"}) == "layers.1"
+    assert unit_of("mixed.0", {"layers.1"}) == ""
+    assert unit_modules(model, parse_policy("param")) == set()
+
+
+def test_bad_policies_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="bucket=0 must be a positive number of bytes"):
+        parse_policy(0)
+    with pytest.raises(ValueError, match="bucket=-5 must be a positive"):
+        parse_policy(-5)
+    with pytest.raises(ValueError, match="bucket='layers' is not a policy"):
+        parse_policy("layers")
+    with pytest.raises(TypeError, match="not a bool"):
+        parse_policy(True)
+    with pytest.raises(TypeError, match="nn.Module subclasses"):
+        parse_policy({int})
+    with pytest.raises(ValueError, match=r"bucket=\{Conv2d\} matches no module of Tower"):
+        unit_modules(Tower(), parse_policy({nn.Conv2d}))
+    with pytest.raises(ValueError, match="bucket=never matches no module"):
+        def never(module: nn.Module) -> bool:
+            return False
+        unit_modules(Tower(), parse_policy(never))

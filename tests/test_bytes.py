@@ -1,0 +1,28 @@
+"""Bytes per step per rank: theory from parameter shapes = compiled graphs = a profiled step.
+
+Bytes are collective buffer sizes per rank (all-gather output, reduce-scatter input,
+all-reduce buffer), padding included; with ring algorithms a rank sends (N-1)/N of an
+all-gather or reduce-scatter buffer and 2(N-1)/N of an all-reduce buffer. The profiled step
+reads element counts from torch's profiler (implementation-independent) and the dtype from
+the configuration.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_workers
+from runs import WORLD
+from workers import bytes_worker
+
+
+@pytest.mark.parametrize("strategy", list(WORLD))
+def test_bytes_per_step_equal_the_theory(strategy: str) -> None:
+    for rank, report in enumerate(run_workers(bytes_worker, WORLD[strategy], strategy)):
+        for precision, r in report.items():
+            assert r["graph"] == r["theory"], f"rank {rank} {precision}: graph {r['graph']} vs theory {r['theory']}"
+            assert r["profiled"] == r["theory"], f"rank {rank} {precision}: profiled {r['profiled']}"
+        # bf16 gathers move half the bytes; reductions stay in fp32.
+        fp32, bf16 = report["fp32"]["theory"], report["bf16"]["theory"]
+        assert bf16["all_gather"] * 2 == fp32["all_gather"]
+        assert bf16["reduce_scatter"] == fp32["reduce_scatter"]
