@@ -5,8 +5,10 @@
 """
 
 from .backend import CompiledGraph, FSDPBackend, backend, compile
+from .memory import MemoryEstimate, estimate_memory
 from .mixed_precision import MixedPrecision
 from .strategy import ShardingStrategy
 
-__all__ = ["CompiledGraph", "FSDPBackend", "MixedPrecision", "ShardingStrategy", "backend", "compile"]
+__all__ = ["CompiledGraph", "FSDPBackend", "MemoryEstimate", "MixedPrecision", "ShardingStrategy",
+           "backend", "compile", "estimate_memory"]
 __version__ = "0.1.0"

@@ -31,8 +31,12 @@ from . import ops  # noqa: F401  (registers the marker ops)
 from .groups import Topology, resolve_topology
 from .mixed_precision import MixedPrecision
 from .passes.bucketing import Bucket, BucketPolicy, parse_policy
-from .passes.lowering import lower_markers
+from .graphinfo import is_gathered
+from .memory import MemoryEstimate, estimate_memory
+from .passes.bucketing import ROOT_UNIT
+from .passes.lowering import ROLE_META, lower_markers
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
+from .passes.scheduling import Schedule, ScheduleOptions, schedule_collectives
 from .sharding import ShardedParamInfo, is_sharded, shard_module
 from .strategy import ShardingStrategy
 
@@ -50,6 +54,11 @@ class CompiledGraph:
     inference: bool = False
     forward_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
     backward_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
+    forward_schedule: Schedule | None = None
+    backward_schedule: Schedule | None = None
+    forward_memory: MemoryEstimate | None = None
+    backward_memory: MemoryEstimate | None = None
+    forward_output_roles: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +71,11 @@ class _Options:
     timeout: datetime.timedelta | None
     bucket: Any
     mixed_precision: MixedPrecision | None
+    schedule: bool
+    prefetch: int
+    max_inflight_bytes: int | None
+    forward_prefetch: Any
+    backward_prefetch: Any
 
 
 class FSDPBackend:
@@ -74,7 +88,10 @@ class FSDPBackend:
     Options: ``compiler`` ("inductor", "aot_eager" or "eager"); ``mesh`` / ``process_groups`` /
     ``shard_size`` / ``timeout`` (see :func:`fsdp_compile.groups.resolve_topology`);
     ``bucket`` (see :mod:`fsdp_compile.passes.bucketing`); ``mixed_precision``
-    (:class:`fsdp_compile.MixedPrecision`).
+    (:class:`fsdp_compile.MixedPrecision`); ``schedule`` (overlap collectives with compute),
+    ``prefetch``, ``max_inflight_bytes``, ``forward_prefetch`` / ``backward_prefetch``
+    (``{unit: [units to gather when it starts]}``, units by name or module) (see
+    :mod:`fsdp_compile.passes.scheduling`).
     """
 
     def __init__(
@@ -88,6 +105,11 @@ class FSDPBackend:
         timeout: datetime.timedelta | None = None,
         bucket: BucketPolicy = "module",
         mixed_precision: MixedPrecision | None = None,
+        schedule: bool = True,
+        prefetch: int = 1,
+        max_inflight_bytes: int | None = None,
+        forward_prefetch: dict | None = None,
+        backward_prefetch: dict | None = None,
     ) -> None:
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
@@ -107,9 +129,23 @@ class FSDPBackend:
             raise ValueError(
                 f"shard_size= only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}"
             )
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 disables prefetching)")
+        if max_inflight_bytes is not None and (
+                isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)
+                or max_inflight_bytes <= 0):
+            raise ValueError(f"max_inflight_bytes={max_inflight_bytes!r} must be a positive int (bytes) or None")
+        for name, order in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
+            if order is not None and not isinstance(order, dict):
+                raise TypeError(f"{name}= takes a dict {{unit: [units to prefetch]}}, got {type(order).__name__}")
+            if order is not None and not policy.uses_units:
+                raise ValueError(f"{name}= names bucket units, which bucket={policy.describe()} does not have")
         self.options = _Options(strategy, compiler, mesh, process_groups, shard_size, timeout,
-                                bucket, mixed_precision)
+                                bucket, mixed_precision, schedule, prefetch, max_inflight_bytes,
+                                forward_prefetch, backward_prefetch)
         self.bucket_policy = policy
+        self.units: set[str] = {ROOT_UNIT}
+        self.explicit_prefetch: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
         self.topology: Topology | None = None
         self.params: dict[str, ShardedParamInfo] = {}
         self.graphs: list[CompiledGraph] = []
@@ -153,10 +189,37 @@ class FSDPBackend:
                 f"parameters are on {device_type!r}; use one backend per device type"
             )
         infos = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision)
+        self.units.update(info.unit for info in infos.values())
+        self._resolve_prefetch_orders(model)
         self.params.update(infos)
         for param in model.parameters():
             self._owned[param] = True
         return model
+
+    def _resolve_prefetch_orders(self, model: nn.Module) -> None:
+        """Turn forward_prefetch / backward_prefetch into bucket names; reject unknown units."""
+        names = {module: name for name, module in model.named_modules()}
+        labels = {unit: unit or "<root>" for unit in self.units}
+
+        def label(item: Any, option: str) -> str:
+            unit = names.get(item) if isinstance(item, nn.Module) else item
+            if unit == "<root>":
+                unit = ROOT_UNIT
+            if not isinstance(unit, str) or unit not in self.units:
+                shown = unit if isinstance(unit, str) else type(item).__name__
+                known = ", ".join(sorted(labels.values()))
+                raise ValueError(
+                    f"{option}= names {shown!r}, which is not a bucket unit of the sharded model; "
+                    f"units are: {known}"
+                )
+            return labels[unit]
+
+        for phase, option in (("forward", "forward_prefetch"), ("backward", "backward_prefetch")):
+            order = getattr(self.options, option)
+            for trigger, targets in (order or {}).items():
+                if isinstance(targets, (str, nn.Module)):
+                    targets = [targets]
+                self.explicit_prefetch[phase][label(trigger, option)] = [label(t, option) for t in targets]
 
     @staticmethod
     def _device_type(model: nn.Module) -> str:
@@ -210,17 +273,40 @@ class FSDPBackend:
 
     def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph,
                       decompositions: dict | None = None) -> fx.GraphModule:
+        if phase == "backward":
+            self._tag_saved_inputs(gm, record.forward_output_roles)
         elide_trivial_unshard(gm.graph)
         buckets = lower_markers(gm, self.bucket_policy, decompositions)
+        schedule = None
+        if self.options.schedule:
+            explicit = self.explicit_prefetch["backward" if phase == "backward" else "forward"]
+            schedule = schedule_collectives(gm, ScheduleOptions(
+                self.options.prefetch, self.options.max_inflight_bytes, explicit))
+        memory = estimate_memory(gm)
         # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
         # all_reduce), and the record should show what our passes produced.
         snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         if phase == "backward":
             record.backward, record.backward_buckets = snapshot, buckets
+            record.backward_schedule, record.backward_memory = schedule, memory
         else:
             record.forward, record.forward_buckets = snapshot, buckets
+            record.forward_schedule, record.forward_memory = schedule, memory
             record.inference = phase == "inference"
+            record.forward_output_roles = _output_roles(gm)
         return gm
+
+    @staticmethod
+    def _tag_saved_inputs(gm: fx.GraphModule, forward_output_roles: list[str]) -> None:
+        """Give the backward graph's saved inputs the roles their forward outputs had.
+
+        AOTAutograd passes the tensors forward saved, in order, as the backward graph's first
+        inputs (the gradients of the outputs, ``tangents_*``, come last).
+        """
+        saved = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        if saved and len(saved) <= len(forward_output_roles):
+            for node, role in zip(saved, forward_output_roles[-len(saved):]):
+                node.meta[ROLE_META] = role
 
     def _compile_aot_eager(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph):
         from functorch.compile import make_boxed_func
@@ -283,6 +369,19 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
 
         user_uuid = getattr(self.user_pass, "uuid", lambda: None)() if self.user_pass else None
         return (pass_fingerprint(), user_uuid)
+
+
+def _output_roles(gm: fx.GraphModule) -> list[str]:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    roles = []
+    for value in output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]:
+        if not isinstance(value, fx.Node):
+            roles.append("other")
+        elif is_gathered(value):
+            roles.append("gathered")
+        else:
+            roles.append(value.meta.get(ROLE_META, "activation"))
+    return roles
 
 
 _SOURCE_KEY = re.compile(r"_(?:modules|parameters)\['([^']+)'\]")

@@ -82,7 +82,8 @@ def _origin(node: fx.Node) -> fx.Node:
     return node
 
 
-def _is_gathered(node: fx.Node) -> bool:
+def is_gathered(node: fx.Node) -> bool:
+    """Whether ``node`` is (a view of) a gathered parameter."""
     node = _origin(node)
     if node.target is UNSHARD:
         return True
@@ -99,7 +100,7 @@ def saved_gathered_parameters(forward: fx.GraphModule) -> list[str]:
     output = next(n for n in forward.graph.nodes if n.op == "output")
     saved = []
     for arg in _flatten(output.args):
-        if isinstance(arg, fx.Node) and _is_gathered(arg):
+        if isinstance(arg, fx.Node) and is_gathered(arg):
             saved.append(arg.name)
     return saved
 

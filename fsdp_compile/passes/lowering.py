@@ -14,38 +14,76 @@ run, never what they compute.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ops import REDUCE_GRAD, UNSHARD, markers
-from ..runtime.collectives import gather_params, reduce_grads
+from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+COMM_META = "fsdp_comm"
+ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see memory.py)
+
+
+@dataclass(frozen=True)
+class CommTag:
+    """Set on every node a bucket was lowered into (``node.meta["fsdp_comm"]``).
+
+    ``stage`` is "issue" for the nodes up to and including the collective that starts the
+    communication, "finish" for its wait and everything after it: the scheduler moves the two
+    stages apart so compute can run while the collective is in flight.
+    """
+
+    group: int  # one per lowered bucket, unique within the graph
+    kind: str  # "gather" or "reduce"
+    stage: str  # "issue" or "finish"
+    bucket: str
+    bytes: int  # unsharded bytes the collective moves (gather output / reduce input)
 
 
 Decompositions = Optional[dict]
 
 
 def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
-            decompositions: Decompositions) -> list[fx.Node]:
+            decompositions: Decompositions, tag: Callable[[str], CommTag]) -> list[fx.Node]:
     """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``.
 
     ``decompositions`` must be the table the graph itself was traced with (Inductor rejects an
-    op it has a decomposition for, such as ``aten._to_copy``).
+    op it has a decomposition for, such as ``aten._to_copy``). Every new node gets
+    ``tag(stage)`` as its ``fsdp_comm`` metadata.
     """
     values = [n.meta["val"] for n in inputs]
     fake_mode = detect_fake_mode(values)
     with fake_mode:
         traced = make_fx(fn, decomposition_table=decompositions)(*values)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    previous = before.prev
     with graph.inserting_before(before):
         outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+    stage = "issue"
+    node = previous.next
+    while node is not before:
+        if node.target is WAIT:
+            stage = "finish"
+        node.meta[COMM_META] = tag(stage)
+        node = node.next
     return list(outputs)
 
 
-def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions) -> None:
+def _buffer_bytes(shapes: Sequence[Sequence[int]], dtype: torch.dtype, spec) -> int:
+    """Unsharded bytes of a bucket's collective buffer (padding included when sharded)."""
+    if spec.gathers:
+        return sum(chunk_numels(shapes, spec.shard_size)) * spec.shard_size * dtype.itemsize
+    return sum(int(torch.Size(s).numel()) for s in shapes) * dtype.itemsize
+
+
+def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions, group: int) -> None:
     entries: dict[tuple, int] = {}  # (shard node, fqn) -> position in the bucket
     inputs, full_shapes = [], []
     for marker in bucket.markers:
@@ -55,23 +93,26 @@ def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
             inputs.append(marker.input)
             full_shapes.append(tuple(marker.node.meta["val"].shape))
     spec = bucket.spec
+    size = _buffer_bytes(full_shapes, spec.compute_dtype(inputs[0].meta["val"].dtype), spec)
     outputs = _splice(graph, bucket.markers[0].node,
                       lambda *shards: gather_params(list(shards), full_shapes, spec), inputs,
-                      decompositions)
+                      decompositions, lambda stage: CommTag(group, "gather", stage, bucket.key, size))
     for marker in bucket.markers:
         marker.node.replace_all_uses_with(outputs[entries[(marker.input, marker.fqn)]])
         graph.erase_node(marker.node)
 
 
-def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions) -> None:
+def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions, group: int) -> None:
     inputs = [m.input for m in bucket.markers]
     local_rows = [m.rows for m in bucket.markers]
     grad_dtypes = [m.grad_dtype for m in bucket.markers]
     spec = bucket.spec
+    values = [n.meta["val"] for n in inputs]
+    size = _buffer_bytes([v.shape for v in values], spec.grad_reduce_dtype(values[0].dtype), spec)
     # Every gradient of the bucket exists once its last marker's input does.
     outputs = _splice(graph, bucket.markers[-1].node,
                       lambda *grads: reduce_grads(list(grads), local_rows, grad_dtypes, spec), inputs,
-                      decompositions)
+                      decompositions, lambda stage: CommTag(group, "reduce", stage, bucket.key, size))
     for marker, output in zip(bucket.markers, outputs):
         marker.node.replace_all_uses_with(output)
         graph.erase_node(marker.node)
@@ -113,9 +154,16 @@ def lower_markers(gm: fx.GraphModule, policy: Policy,
         "reduce_grad": assign_buckets(markers(gm.graph, REDUCE_GRAD), policy),
     }
     for bucket in buckets["unshard"]:
-        _lower_gather(gm.graph, bucket, decompositions)
+        for marker in bucket.markers:
+            if marker.input.op == "placeholder":
+                marker.input.meta[ROLE_META] = "param"
+    group = 0
+    for bucket in buckets["unshard"]:
+        _lower_gather(gm.graph, bucket, decompositions, group)
+        group += 1
     for bucket in buckets["reduce_grad"]:
-        _lower_reduce(gm.graph, bucket, decompositions)
+        _lower_reduce(gm.graph, bucket, decompositions, group)
+        group += 1
     stable_topological_sort(gm.graph)
     gm.graph.lint()
     gm.recompile()

@@ -14,17 +14,22 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..ops import UNSHARD, decode
+from .lowering import ROLE_META
 
 aten = torch.ops.aten
 
-# Ops that only reinterpret or cast their input: recomputing them costs nothing and saving
-# one of them would keep the whole gathered parameter alive.
-VIEW_LIKE = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-    aten.permute.default, aten.transpose.int, aten.expand.default, aten.alias.default,
-    aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.default, aten.squeeze.dims, aten.as_strided.default, aten._to_copy.default,
-    aten.clone.default, torch.ops.prims.convert_element_type.default,
+# Ops that only reinterpret their input's storage: free to move, allocate nothing.
+PURE_VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
+    aten.transpose.int, aten.expand.default, aten.alias.default, aten.slice.Tensor,
+    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.squeeze.dims, aten.as_strided.default,
+}
+# Views plus reshapes and casts: recomputing them costs nothing and saving one of them would
+# keep the whole gathered parameter alive.
+VIEW_LIKE = PURE_VIEWS | {
+    aten.reshape.default, aten._to_copy.default, aten.clone.default,
+    torch.ops.prims.convert_element_type.default,
 }
 
 
@@ -48,6 +53,8 @@ def elide_trivial_unshard(graph: fx.Graph) -> int:
             continue
         node.replace_all_uses_with(source)
         graph.erase_node(node)
+        if source.op == "placeholder":
+            source.meta[ROLE_META] = "param"
         count += 1
     return count
 

@@ -1,0 +1,133 @@
+"""A static memory estimate of a graph: live tensor bytes along its node order.
+
+Walks the graph once, using the fake tensors in ``node.meta["val"]``. Views share their
+base's storage; a storage is allocated by the first node that produces it and freed after the
+last node that uses any tensor on it. Graph inputs are held by the caller for the whole graph
+(parameters, saved activations), so they count from start to end.
+
+Each storage gets a role, from what the passes recorded on the nodes: ``param`` (shards, or
+whole parameters for NO_SHARD), ``gathered`` (unsharded parameters and gather buffers),
+``grad`` (reduction buffers and gradients), ``activation`` (everything else). Separately it
+tracks the bytes of collectives in flight (issued, not yet waited), which the scheduler bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .passes.lowering import COMM_META, ROLE_META, WAIT
+
+ROLES = ("param", "gathered", "grad", "activation")
+
+
+@dataclass
+class MemoryEstimate:
+    peak_bytes: int
+    peak_node: str
+    peak_by_role: dict[str, int]  # live bytes of each role at the overall peak
+    max_by_role: dict[str, int]  # each role's own maximum along the graph
+    peak_inflight_bytes: int  # collectives issued and not yet waited
+    timeline: list[tuple[str, int]] = field(default_factory=list)  # (node, live bytes after it)
+    role_timeline: list[dict[str, int]] = field(default_factory=list)
+    inflight_timeline: list[int] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "peak_node": self.peak_node,
+                "peak_by_role": self.peak_by_role, "max_by_role": self.max_by_role,
+                "peak_inflight_bytes": self.peak_inflight_bytes}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    found: list = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return id(t.untyped_storage())
+    except Exception:  # tensors without storage (e.g. some subclasses): one key per tensor
+        return ("tensor", id(t))
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return t.numel() * t.element_size()
+
+
+def role_of(node: fx.Node) -> str:
+    if ROLE_META in node.meta:
+        return node.meta[ROLE_META]
+    tag = node.meta.get(COMM_META)
+    if tag is not None:
+        return "gathered" if tag.kind == "gather" else "grad"
+    return "activation"
+
+
+def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    size: dict = {}
+    role: dict = {}
+    born: dict = {}
+    last_use: dict = {}
+    node_storages: dict[fx.Node, list] = {}
+    for i, node in enumerate(nodes):
+        keys = []
+        for t in _tensors(node.meta.get("val")):
+            key = _storage_key(t)
+            keys.append(key)
+            if key not in size:
+                size[key] = _storage_bytes(t)
+                role[key] = role_of(node)
+                born[key] = 0 if node.op == "placeholder" else i
+                last_use[key] = end if node.op == "placeholder" else i
+        node_storages[node] = keys
+    for node in nodes:
+        for user in node.users:
+            for key in node_storages[node]:
+                last_use[key] = max(last_use[key], index[user])
+
+    allocs: dict[int, list] = {}
+    frees: dict[int, list] = {}
+    for key in size:
+        allocs.setdefault(born[key], []).append(key)
+        frees.setdefault(last_use[key], []).append(key)
+
+    in_flight: dict[int, int] = {}  # comm group -> bytes, from its collective until its wait
+    live = 0
+    by_role = dict.fromkeys(ROLES, 0)
+    timeline, role_timeline, inflight_timeline = [], [], []
+    peak, peak_node, peak_by_role = -1, "", dict(by_role)
+    max_by_role = dict(by_role)
+    for i, node in enumerate(nodes):
+        for key in allocs.get(i, []):
+            live += size[key]
+            by_role[role[key]] += size[key]
+        tag = node.meta.get(COMM_META)
+        if tag is not None:
+            if node.target is WAIT and tag.stage == "finish":
+                in_flight.pop(tag.group, None)
+            elif tag.stage == "issue" and str(node.target).startswith("_c10d_functional."):
+                in_flight[tag.group] = tag.bytes
+        if live > peak:
+            peak, peak_node, peak_by_role = live, node.name, dict(by_role)
+        for r in ROLES:
+            max_by_role[r] = max(max_by_role[r], by_role[r])
+        timeline.append((node.name, live))
+        role_timeline.append(dict(by_role))
+        inflight_timeline.append(sum(in_flight.values()))
+        for key in frees.get(i, []):
+            live -= size[key]
+            by_role[role[key]] -= size[key]
+    return MemoryEstimate(
+        peak_bytes=max(peak, 0), peak_node=peak_node, peak_by_role=peak_by_role,
+        max_by_role=max_by_role, peak_inflight_bytes=max(inflight_timeline, default=0),
+        timeline=timeline, role_timeline=role_timeline, inflight_timeline=inflight_timeline,
+    )
