@@ -32,7 +32,7 @@ from .groups import Topology, resolve_topology
 from .mixed_precision import MixedPrecision
 from .passes.bucketing import Bucket, BucketPolicy, parse_policy
 from .graphinfo import is_gathered
-from .memory import MemoryEstimate, estimate_memory
+from .memory import MemoryEstimate, estimate_memory, input_bytes
 from .passes.bucketing import ROOT_UNIT
 from .passes.lowering import ROLE_META, lower_markers
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
@@ -59,6 +59,7 @@ class CompiledGraph:
     forward_memory: MemoryEstimate | None = None
     backward_memory: MemoryEstimate | None = None
     forward_output_roles: list[str] = field(default_factory=list)
+    forward_param_bytes: int = 0
 
 
 @dataclass
@@ -282,7 +283,11 @@ class FSDPBackend:
             explicit = self.explicit_prefetch["backward" if phase == "backward" else "forward"]
             schedule = schedule_collectives(gm, ScheduleOptions(
                 self.options.prefetch, self.options.max_inflight_bytes, explicit))
-        memory = estimate_memory(gm)
+        held = None
+        if phase == "backward":
+            # The caller keeps every parameter resident; backward only receives some of them.
+            held = {"param": max(0, record.forward_param_bytes - input_bytes(gm, "param"))}
+        memory = estimate_memory(gm, held)
         # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
         # all_reduce), and the record should show what our passes produced.
         snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -294,6 +299,7 @@ class FSDPBackend:
             record.forward_schedule, record.forward_memory = schedule, memory
             record.inference = phase == "inference"
             record.forward_output_roles = _output_roles(gm)
+            record.forward_param_bytes = input_bytes(gm, "param")
         return gm
 
     @staticmethod

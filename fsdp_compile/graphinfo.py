@@ -75,6 +75,40 @@ def collective_counts(gm: fx.GraphModule | None) -> dict[str, int]:
     return {kind: counts[kind] for kind in COLLECTIVES.values()}
 
 
+def missed_overlaps(gm: fx.GraphModule) -> list[str]:
+    """Collectives waited right after they are issued although compute could go between.
+
+    The order of compute is the model's; only collectives move. So a wait directly after its
+    collective is a missed overlap when some compute node after it does not need its result
+    and could have run first. Views are not compute: they take no time to overlap with.
+    """
+    from .passes.lowering import COMM_META, WAIT
+    from .passes.reshard import PURE_VIEWS
+
+    nodes = list(gm.graph.nodes)
+    missed = []
+    for i, node in enumerate(nodes):
+        wait = node.next
+        if node.target not in COLLECTIVES or wait.target is not WAIT or wait.args[0] is not node:
+            continue
+        needs_wait = _closure(wait, lambda n: n.users)
+        later = (n for n in nodes[i + 2:]
+                 if n.op == "call_function" and COMM_META not in n.meta and n.target not in PURE_VIEWS)
+        if any(n not in needs_wait for n in later):
+            missed.append(node.name)
+    return missed
+
+
+def _closure(start: fx.Node, step) -> set[fx.Node]:
+    seen, stack = set(), [start]
+    while stack:
+        for other in step(stack.pop()):
+            if other not in seen:
+                seen.add(other)
+                stack.append(other)
+    return seen
+
+
 def _origin(node: fx.Node) -> fx.Node:
     """Follow views and casts back to the node that produced the data."""
     while node.op == "call_function" and node.target in VIEW_LIKE and node.args:

@@ -5,7 +5,8 @@ base's storage; a storage is allocated by the first node that produces it and fr
 last node that uses any tensor on it. Graph inputs are held by the caller for the whole graph
 (parameters, saved activations), so they count from start to end.
 
-Each storage gets a role, from what the passes recorded on the nodes: ``param`` (shards, or
+A caller can add bytes it holds without passing them in (``held``): the parameters a backward
+graph does not read stay resident all the same. Each storage gets a role, from what the passes recorded on the nodes: ``param`` (shards, or
 whole parameters for NO_SHARD), ``gathered`` (unsharded parameters and gather buffers),
 ``grad`` (reduction buffers and gradients), ``activation`` (everything else). Separately it
 tracks the bytes of collectives in flight (issued, not yet waited), which the scheduler bounds.
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .passes.lowering import COMM_META, ROLE_META, WAIT
+from .passes.lowering import COLLECTIVE_OPS, COMM_META, ROLE_META, WAIT, collective_bytes
 
 ROLES = ("param", "gathered", "grad", "activation")
 
@@ -60,6 +61,19 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
+def input_bytes(gm: fx.GraphModule, role: str) -> int:
+    """Bytes of the graph inputs with ``role`` (distinct storages)."""
+    seen, total = set(), 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and role_of(node) == role:
+            for t in _tensors(node.meta.get("val")):
+                key = _storage_key(t)
+                if key not in seen:
+                    seen.add(key)
+                    total += _storage_bytes(t)
+    return total
+
+
 def role_of(node: fx.Node) -> str:
     if ROLE_META in node.meta:
         return node.meta[ROLE_META]
@@ -69,7 +83,9 @@ def role_of(node: fx.Node) -> str:
     return "activation"
 
 
-def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
+def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> MemoryEstimate:
+    """``held``: bytes per role the caller keeps alive during the graph without passing them
+    in (e.g. the parameters a backward graph does not read), counted at every node."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     end = len(nodes) - 1
@@ -100,9 +116,11 @@ def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
         allocs.setdefault(born[key], []).append(key)
         frees.setdefault(last_use[key], []).append(key)
 
-    in_flight: dict[int, int] = {}  # comm group -> bytes, from its collective until its wait
-    live = 0
+    in_flight: dict[fx.Node, int] = {}  # collective -> bytes, from the collective until its wait
     by_role = dict.fromkeys(ROLES, 0)
+    for r, extra in (held or {}).items():
+        by_role[r] += extra
+    live = sum(by_role.values())
     timeline, role_timeline, inflight_timeline = [], [], []
     peak, peak_node, peak_by_role = -1, "", dict(by_role)
     max_by_role = dict(by_role)
@@ -110,12 +128,10 @@ def estimate_memory(gm: fx.GraphModule) -> MemoryEstimate:
         for key in allocs.get(i, []):
             live += size[key]
             by_role[role[key]] += size[key]
-        tag = node.meta.get(COMM_META)
-        if tag is not None:
-            if node.target is WAIT and tag.stage == "finish":
-                in_flight.pop(tag.group, None)
-            elif tag.stage == "issue" and str(node.target).startswith("_c10d_functional."):
-                in_flight[tag.group] = tag.bytes
+        if node.target is WAIT:
+            in_flight.pop(node.args[0], None)
+        elif node.target in COLLECTIVE_OPS:
+            in_flight[node] = collective_bytes(node)
         if live > peak:
             peak, peak_node, peak_by_role = live, node.name, dict(by_role)
         for r in ROLES:

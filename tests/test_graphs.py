@@ -76,3 +76,29 @@ def test_flat_strategies_reduce_scatter_over_the_world(strategy, compiler):
     assert f["backward"]["all_reduce"] == 0
     (spec,) = f["reduce_specs"]
     assert (spec.shard_size, spec.dim0_sharded, spec.replicate_size) == (2, True, 1)
+
+
+@pytest.mark.parametrize("strategy,compiler", compiler_params(
+    ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]))
+def test_collectives_in_flight_stay_within_the_budget(strategy, compiler):
+    # The static estimate of the scheduled graphs, against the default budget (two buckets).
+    for estimated, budget in facts(strategy, compiler)["inflight"]:
+        assert estimated <= budget
+
+
+@pytest.mark.parametrize("strategy,compiler", compiler_params(
+    ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]))
+def test_no_wait_directly_after_its_collective_while_compute_could_run(strategy, compiler):
+    assert facts(strategy, compiler)["missed_overlaps"] == []
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_parameter_memory_orders_the_strategies(compiler):
+    """Peak bytes of parameter shards, gathered parameters and gradients over the step.
+
+    FULL_SHARD keeps shards and two buckets in flight; SHARD_GRAD_OP also keeps every gathered
+    parameter backward needs (not the embeddings or biases) but its gradients are shards;
+    NO_SHARD keeps whole parameters and whole gradients.
+    """
+    memory = {s: facts(s, compiler)["parameter_memory"] for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    assert memory["FULL_SHARD"] < memory["SHARD_GRAD_OP"] < memory["NO_SHARD"], memory

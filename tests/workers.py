@@ -102,11 +102,16 @@ def fsdp2_model(model: nn.Module, strategy: ShardingStrategy, world: int, mp_pol
 
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     """What the backend's (single) compiled graph pair communicates and keeps for backward."""
-    from fsdp_compile.graphinfo import collective_counts, marker_counts, saved_gathered_parameters
+    from fsdp_compile.graphinfo import collective_counts, marker_counts, missed_overlaps, saved_gathered_parameters
 
     (record,) = backend.graphs
     fw_buckets, bw_buckets = record.forward_buckets, record.backward_buckets
+    memories = (record.forward_memory, record.backward_memory)
     return {
+        "inflight": [(m.peak_inflight_bytes, s.budget) for m, s in
+                     zip(memories, (record.forward_schedule, record.backward_schedule))],
+        "parameter_memory": max(r["param"] + r["gathered"] + r["grad"] for m in memories for r in m.role_timeline),
+        "missed_overlaps": missed_overlaps(record.forward) + missed_overlaps(record.backward),
         "trainable": sum(1 for p in model.parameters() if p.requires_grad),
         "markers": {"forward": marker_counts(record.forward), "backward": marker_counts(record.backward)},
         "forward": collective_counts(record.forward),
@@ -671,3 +676,75 @@ def casts_worker(rank: int, world: int) -> dict:
             except Exception as exc:
                 out[(name, mode)] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def unscheduled_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    """aot_eager with the scheduling pass off, on the parity runs' data."""
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    backend = fsdp_compile.backend(strategy, compiler="aot_eager", schedule=False, **hybrid_options(strategy))
+    backend.shard(model)
+    out = train(model, torch.compile(model, backend=backend), data, rank)
+    (record,) = backend.graphs
+    out["scheduled"] = record.forward_schedule is not None
+    return out if rank == 0 else {}
+
+
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::native_layer_norm", "aten::native_layer_norm_backward",
+               "aten::gelu", "aten::gelu_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::embedding_dense_backward")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def overlap_worker(rank: int, world: int, schedule: bool) -> dict:
+    """Profile training steps; report how long gloo collectives ran while the main thread computed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=67, block_size=64, n_layer=4, n_head=4, d_model=128)
+    model = GPT(cfg)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", schedule=schedule)
+    backend.shard(model)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randint(0, cfg.vocab_size, (4, 64))
+    for _ in range(2):
+        compiled(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            compiled(x).sum().backward()
+    events = prof.events()
+    # The profiler numbers threads itself: the main thread is the one issuing collectives.
+    main = next(e.thread for e in events if e.name.startswith("_c10d_functional::"))
+    comms = _union([(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("gloo:")])
+    computes = _union([(e.time_range.start, e.time_range.end) for e in events
+                       if e.name in COMPUTE_OPS and e.thread == main])
+    overlap = sum(max(0.0, min(ce, ke) - max(cs, ks)) for cs, ce in comms for ks, ke in computes)
+    return {"overlap_us": overlap, "comm_us": sum(e - s for s, e in comms),
+            "compute_us": sum(e - s for s, e in computes),
+            "comms_on_main_thread": any(e.thread == main for e in events if e.name.startswith("gloo:"))}
+
+
+def schedule_errors_worker(rank: int, world: int) -> dict:
+    errors = {}
+    torch._dynamo.reset()
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", max_inflight_bytes=1000)
+    backend.shard(model)
+    x = torch.randint(0, TEST_CONFIG.vocab_size, (2, SEQ))
+    errors["small_budget"] = expect_error(lambda: torch.compile(model, backend=backend)(x))
+    errors["unknown_unit"] = expect_error(
+        lambda: fsdp_compile.backend("FULL_SHARD", forward_prefetch={"blocks.0": ["blocks.7"]}).shard(GPT(TEST_CONFIG)))
+    model = GPT(TEST_CONFIG)
+    errors["unknown_module"] = expect_error(
+        lambda: fsdp_compile.backend("FULL_SHARD", backward_prefetch={model.blocks[1]: [model.blocks[1].mlp]}).shard(model))
+    return errors

@@ -27,6 +27,15 @@ from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+COLLECTIVE_OPS = (ALL_GATHER, torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                  torch.ops._c10d_functional.all_reduce.default)
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Unsharded bytes a collective holds in flight: an all-gather's output, else its input."""
+    value = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
+    return value.numel() * value.element_size()
 COMM_META = "fsdp_comm"
 ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see memory.py)
 
@@ -35,14 +44,15 @@ ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (se
 class CommTag:
     """Set on every node a bucket was lowered into (``node.meta["fsdp_comm"]``).
 
-    ``stage`` is "issue" for the nodes up to and including the collective that starts the
-    communication, "finish" for its wait and everything after it: the scheduler moves the two
-    stages apart so compute can run while the collective is in flight.
+    ``stage`` counts the waits before the node: 0 for the nodes up to and including the first
+    collective (copy-in or chunk-cat, then the collective), 1 from its wait on (for a hybrid
+    reduction: up to and including the all-reduce across replicas), 2 from the all-reduce's
+    wait on. The scheduler moves stages apart so compute runs while collectives are in flight.
     """
 
     group: int  # one per lowered bucket, unique within the graph
     kind: str  # "gather" or "reduce"
-    stage: str  # "issue" or "finish"
+    stage: int
     bucket: str
     bytes: int  # unsharded bytes the collective moves (gather output / reduce input)
 
@@ -50,8 +60,19 @@ class CommTag:
 Decompositions = Optional[dict]
 
 
+def tag_parameter_input(node: fx.Node) -> None:
+    """Mark the graph input a marker reads (through views, e.g. DTensor's ``to_local``) as a
+    parameter, for the memory estimate."""
+    from .reshard import PURE_VIEWS
+
+    while node.op == "call_function" and node.target in PURE_VIEWS:
+        node = node.args[0]
+    if node.op == "placeholder":
+        node.meta[ROLE_META] = "param"
+
+
 def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
-            decompositions: Decompositions, tag: Callable[[str], CommTag]) -> list[fx.Node]:
+            decompositions: Decompositions, tag: Callable[[int], CommTag]) -> list[fx.Node]:
     """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``.
 
     ``decompositions`` must be the table the graph itself was traced with (Inductor rejects an
@@ -66,11 +87,11 @@ def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.
     previous = before.prev
     with graph.inserting_before(before):
         outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
-    stage = "issue"
+    stage = 0
     node = previous.next
     while node is not before:
         if node.target is WAIT:
-            stage = "finish"
+            stage += 1
         node.meta[COMM_META] = tag(stage)
         node = node.next
     return list(outputs)
@@ -155,8 +176,7 @@ def lower_markers(gm: fx.GraphModule, policy: Policy,
     }
     for bucket in buckets["unshard"]:
         for marker in bucket.markers:
-            if marker.input.op == "placeholder":
-                marker.input.meta[ROLE_META] = "param"
+            tag_parameter_input(marker.input)
     group = 0
     for bucket in buckets["unshard"]:
         _lower_gather(gm.graph, bucket, decompositions, group)

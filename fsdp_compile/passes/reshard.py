@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..ops import UNSHARD, decode
-from .lowering import ROLE_META
+from .lowering import tag_parameter_input
 
 aten = torch.ops.aten
 
@@ -53,8 +53,7 @@ def elide_trivial_unshard(graph: fx.Graph) -> int:
             continue
         node.replace_all_uses_with(source)
         graph.erase_node(node)
-        if source.op == "placeholder":
-            source.meta[ROLE_META] = "param"
+        tag_parameter_input(source)
         count += 1
     return count
 

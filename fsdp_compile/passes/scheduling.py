@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from .lowering import COMM_META, CommTag, stable_topological_sort
+from .lowering import COLLECTIVE_OPS, COMM_META, CommTag, collective_bytes, stable_topological_sort
 from .reshard import PURE_VIEWS
 
 
@@ -57,15 +57,32 @@ class Schedule:
 
 @dataclass
 class _Group:
+    """One lowered bucket: its stages (split at each wait) and where each stage goes.
+
+    Stage k < last ends with a collective, in flight from ``at[k]`` until ``at[k + 1]`` (the
+    position of its wait). Positions index the compute nodes: a stage at position p is laid out
+    right before compute node p.
+    """
+
     tag: CommTag
-    issue: list[fx.Node] = field(default_factory=list)
-    finish: list[fx.Node] = field(default_factory=list)
-    ready: int = 0  # earliest position the issue may go (after its inputs)
-    first_use: int = 0  # position of the first compute node using its results
-    start: int = 0
-    wait: int = 0
+    stages: list[list[fx.Node]] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # bytes of each stage's collective
+    at: list[int] = field(default_factory=list)
+    ready: int = 0  # earliest position for stage 0 (after its inputs)
+    first_use: int = 0  # position of the first compute node using the results
     pinned: bool = False
     delayed: bool = False
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return [n for stage in self.stages for n in stage]
+
+    def spans(self):
+        """(positions, bytes) of each collective while in flight; a collective waited at its
+        own position still counts there (conservative)."""
+        for k, size in enumerate(self.sizes):
+            lo, hi = self.at[k], self.at[k + 1]
+            yield range(lo, max(hi, lo + 1)), size
 
 
 def _groups(graph: fx.Graph) -> dict[int, _Group]:
@@ -75,7 +92,11 @@ def _groups(graph: fx.Graph) -> dict[int, _Group]:
         if tag is None:
             continue
         group = groups.setdefault(tag.group, _Group(tag))
-        (group.issue if tag.stage == "issue" else group.finish).append(node)
+        while len(group.stages) <= tag.stage:
+            group.stages.append([])
+        group.stages[tag.stage].append(node)
+        if node.target in COLLECTIVE_OPS:
+            group.sizes.append(collective_bytes(node))
     return groups
 
 
@@ -88,16 +109,17 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     groups = _groups(graph)
     if not groups:
         return Schedule(budget=options.max_inflight_bytes or 0, peak_inflight=0)
-    largest = max(groups.values(), key=lambda g: g.tag.bytes)
-    budget = options.max_inflight_bytes or 2 * largest.tag.bytes
-    if budget < largest.tag.bytes:
+    largest = max(groups.values(), key=lambda g: max(g.sizes))
+    largest_bytes = max(largest.sizes)
+    budget = options.max_inflight_bytes or 2 * largest_bytes
+    if budget < largest_bytes:
         raise ValueError(
             f"max_inflight_bytes={budget} is smaller than bucket {largest.tag.bucket!r} "
-            f"({largest.tag.bytes} bytes, {largest.tag.kind}); raise it to at least {largest.tag.bytes} "
+            f"({largest_bytes} bytes, {largest.tag.kind}); raise it to at least {largest_bytes} "
             "or use smaller buckets"
         )
 
-    member = {n: g for g in groups.values() for n in g.issue + g.finish}
+    member = {n: g for g in groups.values() for n in g.nodes}
     compute = [n for n in graph.nodes if n not in member]
     position = {n: i for i, n in enumerate(compute)}
     first_op = next(i for i, n in enumerate(compute) if n.op != "placeholder")
@@ -105,27 +127,23 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
 
     original = list(graph.nodes)
     for group in groups.values():
-        inputs = {i for n in group.issue for i in n.all_input_nodes if member.get(i) is not group}
-        users = {u for n in group.issue + group.finish for u in n.users if member.get(u) is not group}
+        nodes = group.nodes
+        inputs = {i for n in nodes for i in n.all_input_nodes if member.get(i) is not group}
+        users = {u for n in nodes for u in n.users if member.get(u) is not group}
         if any(i in member for i in inputs) or any(u in member for u in users) or not users:
             # Depends on (or feeds) another bucket: keep the place lowering gave it.
             group.pinned = True
-            group.start = _next_compute_position(original, group.issue[0], position, end)
-            group.wait = _next_compute_position(original, group.finish[0], position, end) if group.finish else group.start
-            group.first_use = group.wait
+            group.at = [_next_compute_position(original, stage[0], position, end) for stage in group.stages]
             continue
         group.ready = max([position[i] + 1 for i in inputs] + [first_op])
         group.first_use = min(position[u] for u in users)
 
     inflight = [0] * (len(compute) + 1)
 
-    def span(group: _Group) -> range:
-        # A collective waited at its own position is still in flight for that moment.
-        return range(group.start, max(group.wait, group.start + 1))
-
     def occupy(group: _Group, sign: int = 1) -> None:
-        for t in span(group):
-            inflight[t] += sign * group.tag.bytes
+        for positions, size in group.spans():
+            for t in positions:
+                inflight[t] += sign * size
 
     gathers = sorted((g for g in groups.values() if g.tag.kind == "gather" and not g.pinned),
                      key=lambda g: g.first_use)
@@ -144,34 +162,41 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             desired = gathers[i - options.prefetch].first_use
         else:
             desired = first_op
-        group.wait = group.first_use
-        group.start = min(max(desired, group.ready), group.first_use)
-        while group.start < group.first_use and any(inflight[t] + group.tag.bytes > budget for t in span(group)):
-            group.start += 1
-        group.delayed = group.start > max(desired, group.ready)
+        start = min(max(desired, group.ready), group.first_use)
+        size = group.sizes[0]
+        while start < group.first_use and any(inflight[t] + size > budget for t in range(start, group.first_use)):
+            start += 1
+        group.at = [start, group.first_use]
+        group.delayed = start > max(desired, group.ready)
         occupy(group)
 
-    # Reductions: issued when their gradients exist (or as soon as the budget allows: earlier
-    # reductions still in flight are waited first, oldest first), waited as late as fits.
+    # Reductions: issued when their gradients exist (earlier reductions still in flight are
+    # waited first, oldest first, when the budget asks), each collective waited as late as fits.
     placed: list[_Group] = []
     for group in sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned),
                         key=lambda g: g.ready):
-        group.start = min(group.ready, group.first_use)
-        while inflight[group.start] + group.tag.bytes > budget:
-            in_flight = [q for q in placed if q.start < group.start < q.wait]
-            if in_flight:
-                oldest = min(in_flight, key=lambda q: q.start)
+        start = min(group.ready, group.first_use)
+        size = group.sizes[0]
+        while inflight[start] + size > budget:
+            older = [q for q in placed if q.at[0] < start < q.at[-1]]
+            if older:
+                oldest = min(older, key=lambda q: q.at[0])
                 occupy(oldest, -1)
-                oldest.wait = group.start
+                oldest.at = [min(p, start) for p in oldest.at]
                 occupy(oldest)
-            elif group.start < group.first_use:
-                group.start += 1
+            elif start < group.first_use:
+                start += 1
             else:
-                break  # only gathers fill the budget here and this one is due: issue anyway
-        group.wait = group.start
-        while group.wait < group.first_use and inflight[group.wait] + group.tag.bytes <= budget:
-            group.wait += 1
-        occupy(group)
+                break  # gathers fill the budget here and this one is due: issue anyway
+        group.at = [start]
+        for size in group.sizes:
+            wait = group.at[-1]
+            while wait < group.first_use and inflight[wait] + size <= budget:
+                inflight[wait] += size
+                wait += 1
+            if wait == group.at[-1]:
+                inflight[wait] += size  # waited where it is issued: in flight for that moment
+            group.at.append(wait)
         placed.append(group)
 
     _emit(graph, compute, groups.values())
@@ -184,10 +209,10 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         peak_inflight=max(inflight),
         collectives=[
             ScheduledCollective(
-                kind=g.tag.kind, bucket=g.tag.bucket, bytes=g.tag.bytes,
-                issued_before=compute[g.start].name, waited_before=compute[g.wait].name,
-                overlapped_nodes=g.wait - g.start, prefetch_delayed=g.delayed, pinned=g.pinned)
-            for g in sorted(groups.values(), key=lambda g: (g.start, g.wait))
+                kind=g.tag.kind, bucket=g.tag.bucket, bytes=g.sizes[0],
+                issued_before=compute[g.at[0]].name, waited_before=compute[g.at[1]].name,
+                overlapped_nodes=g.at[-1] - g.at[0], prefetch_delayed=g.delayed, pinned=g.pinned)
+            for g in sorted(groups.values(), key=lambda g: tuple(g.at))
         ],
     )
 
@@ -229,17 +254,23 @@ def _next_compute_position(order: list[fx.Node], node: fx.Node, position: dict, 
 
 
 def _emit(graph: fx.Graph, compute: list[fx.Node], groups) -> None:
-    """Lay the graph out: before each compute node, the stages scheduled at its position."""
-    at: dict[int, list[list[fx.Node]]] = {}
-    # At one position: reduction waits (free memory first), gather waits, gather issues,
-    # reduction issues, then waits due at their own issue; then the compute node itself.
-    rank = {("reduce", "finish"): 0, ("gather", "finish"): 1, ("gather", "issue"): 2, ("reduce", "issue"): 3}
+    """Lay the graph out: before each compute node, the stages scheduled at its position.
+
+    At one position: stages that wait for a collective issued earlier (freeing memory first),
+    then collectives issued and waited right there, then stages that issue a collective
+    waited later; then the compute node itself.
+    """
     entries = []
     for g in groups:
-        entries.append((g.start, rank[(g.tag.kind, "issue")], g.tag.group, g.issue))
-        finish_rank = rank[(g.tag.kind, "finish")] if g.wait > g.start else 4
-        entries.append((g.wait, finish_rank, g.tag.group, g.finish))
-    for pos, _, _, nodes in sorted(entries, key=lambda e: e[:3]):
+        for k, stage in enumerate(g.stages):
+            if k == 0:
+                waits_here = len(g.at) > 1 and g.at[1] == g.at[0]
+                rank = 1 if waits_here else 2
+            else:
+                rank = 0 if g.at[k] > g.at[k - 1] else 1
+            entries.append((g.at[k], rank, g.tag.group, k, stage))
+    at: dict[int, list[list[fx.Node]]] = {}
+    for pos, _, _, _, nodes in sorted(entries, key=lambda e: e[:4]):
         at.setdefault(pos, []).append(nodes)
     order: list[fx.Node] = []
     for i, node in enumerate(compute):

@@ -1,0 +1,116 @@
+"""The scheduling pass and the memory estimate on small hand-made graphs (traced fake)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fsdp_compile  # noqa: F401  (registers the markers)
+from fsdp_compile.memory import estimate_memory
+from fsdp_compile.passes.bucketing import parse_policy
+from fsdp_compile.passes.lowering import lower_markers
+from fsdp_compile.passes.scheduling import ScheduleOptions, schedule_collectives
+from fsdp_compile.runtime.collectives import CommSpec
+
+SPEC = CommSpec("g", 2, True, "", 1, None, None, True)
+BUCKET_BYTES = 8 * 8 * 4  # each layer's 8 x 8 fp32 weight, gathered from a 4 x 8 shard
+
+
+def chain(layers: int = 3):
+    """x -> tanh(x @ w_i.t()) for gathered weights w_i, one bucket each, lowered."""
+    def f(x, *shards):
+        for i, s in enumerate(shards):
+            w = torch.ops.fsdp_compile.unshard(s, f"b{i}.w", f"b{i}", 8, *SPEC.op_args())
+            x = torch.tanh(x @ w.t())
+        return x
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), *[torch.randn(4, 8) for _ in range(layers)])
+    lower_markers(gm, parse_policy("module"))
+    return gm
+
+
+def order(gm) -> list[str]:
+    return [n.name for n in gm.graph.nodes]
+
+
+def by_bucket(schedule):
+    return {c.bucket: c for c in schedule.collectives}
+
+
+def test_prefetch_one_issues_each_gather_when_the_previous_bucket_starts() -> None:
+    gm = chain()
+    sched = by_bucket(schedule_collectives(gm, ScheduleOptions(prefetch=1)))
+    names = order(gm)
+    # b1 is gathered while b0's layer computes, b2 while b1's does.
+    assert sched["b1"].issued_before == sched["b0"].waited_before == "t"
+    assert sched["b2"].issued_before == sched["b1"].waited_before == "t_1"
+    assert names.index("all_gather_into_tensor_1") < names.index("mm") < names.index("wait_tensor_1")
+    assert names.index("all_gather_into_tensor_2") < names.index("mm_1") < names.index("wait_tensor_2")
+    for bucket in ("b1", "b2"):
+        assert sched[bucket].overlapped_nodes > 0
+
+
+def test_prefetch_zero_gathers_right_before_use() -> None:
+    gm = chain()
+    sched = schedule_collectives(gm, ScheduleOptions(prefetch=0))
+    assert all(c.overlapped_nodes == 0 for c in sched.collectives)
+    names = order(gm)
+    for i in ("", "_1", "_2"):
+        assert names.index(f"wait_tensor{i}") == names.index(f"all_gather_into_tensor{i}") + 1
+
+
+def test_budget_delays_prefetch_instead_of_breaking() -> None:
+    gm = chain(4)
+    sched = schedule_collectives(gm, ScheduleOptions(prefetch=3, max_inflight_bytes=BUCKET_BYTES))
+    assert sched.budget == BUCKET_BYTES and sched.peak_inflight <= BUCKET_BYTES
+    assert any(c.prefetch_delayed for c in sched.collectives)
+    # The estimate of the laid-out graph agrees: never more than one bucket in flight.
+    assert estimate_memory(gm).peak_inflight_bytes <= BUCKET_BYTES
+    unlimited = chain(4)
+    free = schedule_collectives(unlimited, ScheduleOptions(prefetch=3, max_inflight_bytes=10 * BUCKET_BYTES))
+    assert free.peak_inflight > BUCKET_BYTES and not any(c.prefetch_delayed for c in free.collectives)
+
+
+def test_explicit_prefetch_order() -> None:
+    gm = chain()
+    sched = by_bucket(schedule_collectives(gm, ScheduleOptions(prefetch=0, explicit_prefetch={"b0": ["b2"]})))
+    assert sched["b2"].issued_before == sched["b0"].waited_before  # named: gathered when b0 starts
+    assert sched["b1"].overlapped_nodes == 0  # not named, prefetch 0
+
+
+def test_budget_smaller_than_a_bucket_and_negative_prefetch_are_errors() -> None:
+    with pytest.raises(ValueError, match=rf"max_inflight_bytes=100 is smaller than bucket 'b0' \({BUCKET_BYTES} bytes"):
+        schedule_collectives(chain(), ScheduleOptions(max_inflight_bytes=100))
+    with pytest.raises(ValueError, match="prefetch=-1 must be >= 0"):
+        schedule_collectives(chain(), ScheduleOptions(prefetch=-1))
+
+
+def test_reduction_is_issued_when_its_gradients_exist_and_waited_late() -> None:
+    def f(x, g0, g1):
+        a = torch.tanh(x) * g0
+        r0 = torch.ops.fsdp_compile.reduce_grad(a, "p0", "b0", 4, torch.float32, *SPEC.op_args())
+        b = torch.tanh(a) @ torch.tanh(a).t()
+        b = torch.tanh(b[:, :8] * g1)
+        r1 = torch.ops.fsdp_compile.reduce_grad(b, "p1", "b1", 4, torch.float32, *SPEC.op_args())
+        return r0, r1
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8))
+    lower_markers(gm, parse_policy("module"))
+    sched = by_bucket(schedule_collectives(gm, ScheduleOptions()))
+    names = order(gm)
+    # r0's reduce-scatter goes out before the compute producing b and is waited at the end.
+    assert names.index("reduce_scatter_tensor") < names.index("mm")
+    assert sched["b0"].overlapped_nodes > 0
+    assert names.index("wait_tensor") > names.index("tanh_3")
+
+
+def test_memory_estimate_counts_live_storages() -> None:
+    def f(x):
+        y = x * 2          # 64 bytes while x (held by the caller) is live
+        v = y.view(4, 4)   # a view: no new storage
+        z = v + 1          # y is still live here: x + y + z
+        return z * 3
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(16))
+    estimate = estimate_memory(gm)
+    assert estimate.peak_bytes == 3 * 64
+    assert estimate.peak_by_role["activation"] == 3 * 64
+    assert estimate.timeline[-1] == ("output", 2 * 64)  # x and the result
