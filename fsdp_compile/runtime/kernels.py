@@ -31,11 +31,14 @@ def _use_triton(device: torch.device, *dtypes: torch.dtype) -> bool:
 
 # ----------------------------------------------------------------------------- copy-in
 def copy_in_reference(shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    # Two multi-tensor calls (as FSDP2's copy-in): copy with cast, then zero the padding.
     out = torch.empty(sum(padded_numels), dtype=dtype, device=shards[0].device)
-    for piece, shard in zip(torch.split(out, list(padded_numels)), shards):
-        n = shard.numel()
-        piece[:n].copy_(shard.reshape(-1))
-        piece[n:].zero_()
+    pieces = torch.split(out, list(padded_numels))
+    with torch.no_grad():
+        torch._foreach_copy_([p[:s.numel()] for p, s in zip(pieces, shards)], [s.reshape(-1) for s in shards])
+        padding = [p[s.numel():] for p, s in zip(pieces, shards) if p.numel() > s.numel()]
+        if padding:
+            torch._foreach_zero_(padding)
     return out
 
 
@@ -54,19 +57,10 @@ def _(shards, padded_numels, dtype):
 
 # ----------------------------------------------------------------------------- chunk-cat
 def chunk_cat_reference(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    total = sum(padded_numels)
-    out = torch.empty(world, total, dtype=dtype, device=grads[0].device)
-    for piece, grad, padded in zip(torch.split(out, list(padded_numels), dim=1), grads, padded_numels):
-        flat = grad.reshape(-1)
-        n = flat.numel()
-        full_ranks, rest = divmod(n, padded)
-        if full_ranks:
-            piece[:full_ranks].copy_(flat[:full_ranks * padded].view(full_ranks, padded))
-        if rest:
-            piece[full_ranks, :rest].copy_(flat[full_ranks * padded:])
-            piece[full_ranks, rest:].zero_()
-        piece[full_ranks + (1 if rest else 0):].zero_()
-    return out.view(-1)
+    # As FSDP2: cast to the reduce dtype, then one _chunk_cat (pads each rank's chunk). Its
+    # chunks are whole dim-0 rows, so they match padded_numels.
+    grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
+    return torch._chunk_cat(grads, dim=0, num_chunks=world).view(-1)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_cat", mutates_args=())
@@ -84,13 +78,10 @@ def _(grads, world, padded_numels, dtype):
 
 # ----------------------------------------------------------------------------- copy-out
 def copy_out_reference(gathered: torch.Tensor, world: int, padded_numels: Sequence[int], numels: Sequence[int]) -> list[torch.Tensor]:
-    per_rank = gathered.view(world, -1)
-    outs = []
-    for piece, numel in zip(torch.split(per_rank, list(padded_numels), dim=1), numels):
-        full = torch.empty(piece.shape, dtype=gathered.dtype, device=gathered.device)
-        full.copy_(piece)
-        outs.append(full.view(-1)[:numel])
-    return outs
+    # One split_with_sizes_copy into per-parameter (world, chunk) buffers, as FSDP2's copy-out.
+    outs = [torch.empty(world, padded, dtype=gathered.dtype, device=gathered.device) for padded in padded_numels]
+    torch.split_with_sizes_copy(gathered.view(world, -1), list(padded_numels), dim=1, out=outs)
+    return [out.view(-1)[:numel] for out, numel in zip(outs, numels)]
 
 
 @torch.library.custom_op(f"{NAMESPACE}::copy_out", mutates_args=())
