@@ -230,8 +230,9 @@ def verdict(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    # Cold compiles for every variant, so compile times do not depend on the order they run in.
-    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    # Cold compiles for every variant, so compile times do not depend on the order they run in
+    # or on what earlier runs left in the cache.
+    torch._inductor.config.force_disable_caches = True
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
+import logging
+import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -31,16 +35,24 @@ from . import ops  # noqa: F401  (registers the marker ops)
 from .groups import Topology, resolve_topology
 from .mixed_precision import MixedPrecision
 from .passes.bucketing import Bucket, BucketPolicy, parse_policy
+from .dump import Dumper, graph_code, manifest_for
 from .graphinfo import is_gathered
+from .report import graph_summary, render_report
 from .memory import MemoryEstimate, estimate_memory, input_bytes
 from .passes.bucketing import ROOT_UNIT
 from .passes.lowering import ROLE_META, lower_markers
+from .passes.pipeline import PassFailure, run_passes
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
 from .passes.scheduling import Schedule, ScheduleOptions, schedule_collectives
 from .sharding import ShardedParamInfo, is_sharded, shard_module
 from .strategy import ShardingStrategy
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+log = logging.getLogger("fsdp_compile")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 @dataclass
@@ -60,6 +72,9 @@ class CompiledGraph:
     backward_memory: MemoryEstimate | None = None
     forward_output_roles: list[str] = field(default_factory=list)
     forward_param_bytes: int = 0
+    compiler: str = ""
+    fallbacks: list[dict[str, str]] = field(default_factory=list)  # passes that failed, per phase
+    pass_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +92,9 @@ class _Options:
     max_inflight_bytes: int | None
     forward_prefetch: Any
     backward_prefetch: Any
+    dump_dir: str | None
+    strict: bool
+    passes: dict[str, list[Callable]]
 
 
 class FSDPBackend:
@@ -92,7 +110,11 @@ class FSDPBackend:
     (:class:`fsdp_compile.MixedPrecision`); ``schedule`` (overlap collectives with compute),
     ``prefetch``, ``max_inflight_bytes``, ``forward_prefetch`` / ``backward_prefetch``
     (``{unit: [units to gather when it starts]}``, units by name or module) (see
-    :mod:`fsdp_compile.passes.scheduling`).
+    :mod:`fsdp_compile.passes.scheduling`); ``dump_dir`` (or ``FSDP_COMPILE_DUMP``): write
+    every graph before and after each pass plus a JSON summary (see :mod:`fsdp_compile.dump`);
+    ``strict``: raise when a pass fails instead of running that graph through the eager
+    runtime; ``passes``: extra passes ``{"forward" | "backward": [fn(GraphModule)]}`` run after
+    ours. ``FSDP_COMPILE_EAGER=1`` runs every captured graph through the eager runtime.
     """
 
     def __init__(
@@ -111,6 +133,9 @@ class FSDPBackend:
         max_inflight_bytes: int | None = None,
         forward_prefetch: dict | None = None,
         backward_prefetch: dict | None = None,
+        dump_dir: str | os.PathLike | None = None,
+        strict: bool = False,
+        passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
     ) -> None:
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
@@ -141,9 +166,18 @@ class FSDPBackend:
                 raise TypeError(f"{name}= takes a dict {{unit: [units to prefetch]}}, got {type(order).__name__}")
             if order is not None and not policy.uses_units:
                 raise ValueError(f"{name}= names bucket units, which bucket={policy.describe()} does not have")
+        passes = dict(passes or {})
+        for phase, fns in passes.items():
+            if phase not in ("forward", "backward"):
+                raise ValueError(f"passes= takes the phases 'forward' and 'backward', not {phase!r}")
+            if not all(callable(fn) for fn in fns):
+                raise TypeError(f"passes[{phase!r}] must hold callables GraphModule -> GraphModule | None")
+            passes[phase] = list(fns)
         self.options = _Options(strategy, compiler, mesh, process_groups, shard_size, timeout,
                                 bucket, mixed_precision, schedule, prefetch, max_inflight_bytes,
-                                forward_prefetch, backward_prefetch)
+                                forward_prefetch, backward_prefetch,
+                                os.fspath(dump_dir) if dump_dir is not None else None, strict, passes)
+        self._dumper_instance: Dumper | None = None
         self.bucket_policy = policy
         self.units: set[str] = {ROOT_UNIT}
         self.explicit_prefetch: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
@@ -197,6 +231,16 @@ class FSDPBackend:
             self._owned[param] = True
         return model
 
+    def summaries(self) -> list[dict[str, Any]]:
+        """One JSON-able summary per graph compiled so far on this rank (see report.py)."""
+        return [graph_summary(record, self) for record in self.graphs]
+
+    def report(self) -> str:
+        """Buckets, collectives and bytes per step against the theory, memory estimate and
+        schedule of every graph compiled so far on this rank: the same report as
+        ``python -m fsdp_compile inspect DUMP_DIR``, without files."""
+        return render_report(self.summaries())
+
     def _resolve_prefetch_orders(self, model: nn.Module) -> None:
         """Turn forward_prefetch / backward_prefetch into bucket names; reject unknown units."""
         names = {module: name for name, module in model.named_modules()}
@@ -236,10 +280,16 @@ class FSDPBackend:
     # ---------------------------------------------------------------- compiling
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         self._check_inputs(gm, example_inputs)
-        record = CompiledGraph(index=len(self.graphs), dynamo=gm)
+        compiler = "eager" if _env_flag("FSDP_COMPILE_EAGER") else self.options.compiler
+        record = CompiledGraph(index=len(self.graphs), dynamo=gm, compiler=compiler)
         self.graphs.append(record)
-        compiler = self.options.compiler
+        dumper = self._dumper()
+        if dumper is not None:
+            dumper.write_graph(record.index, "dynamo.py", graph_code(gm))
         if compiler == "eager":
+            # The captured graph as Python: every marker runs the eager runtime, so a user can
+            # step through it with pdb and print tensors.
+            self._write_summary(record)
             return gm.forward
         if compiler == "aot_eager":
             return self._compile_aot_eager(gm, example_inputs, record)
@@ -261,28 +311,97 @@ class FSDPBackend:
                 "torch.compile(model, backend=backend) (or use fsdp_compile.compile(model, ...))"
             )
 
-    def _partition(self, joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+    def _dumper(self) -> Dumper | None:
+        root = self.options.dump_dir or os.environ.get("FSDP_COMPILE_DUMP")
+        if not root:
+            return None
+        if self._dumper_instance is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            manifest = manifest_for(self.strategy.name, world, self._describe_options())
+            self._dumper_instance = Dumper(root, rank, manifest)
+        return self._dumper_instance
+
+    def _describe_options(self) -> dict[str, Any]:
+        o = self.options
+        return {"compiler": o.compiler, "bucket": self.bucket_policy.describe(), "schedule": o.schedule,
+                "prefetch": o.prefetch, "max_inflight_bytes": o.max_inflight_bytes,
+                "mixed_precision": repr(o.mixed_precision) if o.mixed_precision else None,
+                "shard_size": self.topology.shard_size if self.topology else None,
+                "replicate_size": self.topology.replicate_size if self.topology else None}
+
+    def _write_summary(self, record: CompiledGraph) -> None:
+        dumper = self._dumper()
+        if dumper is not None:
+            dumper.write_summary(record.index, graph_summary(record, self))
+
+    def _fail(self, record: CompiledGraph, phase: str, failure: PassFailure) -> None:
+        """A pass failed on a graph: raise under strict=True, else warn; the caller falls back."""
+        where = f"graph {record.index} ({phase})"
+        if self.options.strict:
+            raise RuntimeError(f"fsdp_compile: {failure} on {where}") from failure.__cause__
+        message = (f"fsdp_compile: {failure} on {where}; running that graph with its FSDP markers "
+                   "executed by the eager runtime (same results, no bucketing or scheduling). "
+                   "Pass strict=True to raise instead.")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        log.warning(message)
+        record.fallbacks.append({"phase": phase, "pass": failure.pass_name, "error": str(failure.__cause__)})
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs: Sequence[Any], record: CompiledGraph,
+                   **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        self._joint_passes(joint.graph)
+        self._joint_passes(joint.graph, record)
         joint.recompile()
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-    def _joint_passes(self, graph: fx.Graph) -> None:
-        elide_trivial_unshard(graph)
-        tag_reshard_policy(graph)
+    def _joint_passes(self, graph: fx.Graph, record: CompiledGraph) -> None:
+        """The reshard policy as partitioner tags, in place (the partitioner holds ``graph``).
+
+        Each step leaves a valid graph (a marker replaced, or tags set), so a failure stops
+        there: the partitioner then makes its default choices for the rest, a memory
+        difference only, with the same results.
+        """
+        dumper = self._dumper()
+        if dumper is not None:
+            dumper.write_graph(record.index, "joint_before.py", graph_code(graph))
+        for name, fn in (("elide_trivial_unshard", elide_trivial_unshard), ("tag_reshard_policy", tag_reshard_policy)):
+            try:
+                fn(graph)
+            except Exception as exc:
+                failure = PassFailure(name, exc)
+                failure.__cause__ = exc
+                self._fail(record, "joint", failure)
+                return
+        if dumper is not None:
+            dumper.write_graph(record.index, "joint_after.py", graph_code(graph, tags=True))
 
     def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph,
                       decompositions: dict | None = None) -> fx.GraphModule:
+        """Lower and schedule one graph; on a pass failure, keep it as it was (markers run eagerly)."""
         if phase == "backward":
             self._tag_saved_inputs(gm, record.forward_output_roles)
-        elide_trivial_unshard(gm.graph)
-        buckets = lower_markers(gm, self.bucket_policy, decompositions)
-        schedule = None
+        kind = "backward" if phase == "backward" else "forward"
+        passes = [
+            ("elide_trivial_unshard", lambda g: elide_trivial_unshard(g.graph)),
+            ("lower_markers", lambda g: lower_markers(g, self.bucket_policy, decompositions)),
+        ]
         if self.options.schedule:
-            explicit = self.explicit_prefetch["backward" if phase == "backward" else "forward"]
-            schedule = schedule_collectives(gm, ScheduleOptions(
-                self.options.prefetch, self.options.max_inflight_bytes, explicit))
+            options = ScheduleOptions(self.options.prefetch, self.options.max_inflight_bytes,
+                                      self.explicit_prefetch[kind])
+            passes.append(("schedule_collectives", lambda g: schedule_collectives(g, options)))
+        passes += [(getattr(fn, "__name__", "user_pass"), fn) for fn in self.options.passes.get(kind, [])]
+        dumper = self._dumper()
+        on_graph = None
+        if dumper is not None:
+            def on_graph(step: str, g: fx.GraphModule, counter=iter(range(100))) -> None:
+                dumper.write_graph(record.index, f"{phase}/{next(counter):02d}_{step}.py", graph_code(g))
+        try:
+            gm, results = run_passes(gm, passes, on_graph)
+        except PassFailure as failure:
+            self._fail(record, phase, failure)
+            results = []
+        values = {r.name: r.value for r in results}
         held = None
         if phase == "backward":
             # The caller keeps every parameter resident; backward only receives some of them.
@@ -291,15 +410,21 @@ class FSDPBackend:
         # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
         # all_reduce), and the record should show what our passes produced.
         snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        buckets = values.get("lower_markers") or {}
+        schedule = values.get("schedule_collectives")
+        timings = {r.name: r.seconds for r in results}
         if phase == "backward":
             record.backward, record.backward_buckets = snapshot, buckets
             record.backward_schedule, record.backward_memory = schedule, memory
+            record.pass_seconds["backward"] = timings
         else:
             record.forward, record.forward_buckets = snapshot, buckets
             record.forward_schedule, record.forward_memory = schedule, memory
             record.inference = phase == "inference"
             record.forward_output_roles = _output_roles(gm)
             record.forward_param_bytes = input_bytes(gm, "param")
+            record.pass_seconds["forward"] = timings
+        self._write_summary(record)
         return gm
 
     @staticmethod
@@ -327,7 +452,7 @@ class FSDPBackend:
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
-            partition_fn=self._partition,
+            partition_fn=functools.partial(self._partition, record=record),
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
@@ -343,7 +468,7 @@ class FSDPBackend:
             lowered = self._graph_passes(g, phase, record, select_decomp_table())
             return compile_fx_inner(lowered, inputs, **kwargs)
 
-        joint_pass = _JointPass(self, torch._inductor.config.joint_custom_pre_pass)
+        joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass)
         # The AOTAutograd cache keys on the Dynamo graph, not on our passes: a hit would skip
         # them (and reuse another strategy's partition), so it stays off for our graphs.
         with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -361,12 +486,14 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     A joint pass the user already configured still runs, after ours.
     """
 
-    def __init__(self, backend: FSDPBackend, user_pass: Callable[[fx.Graph], None] | None) -> None:
+    def __init__(self, backend: FSDPBackend, record: CompiledGraph,
+                 user_pass: Callable[[fx.Graph], None] | None) -> None:
         self.backend = backend
+        self.record = record
         self.user_pass = user_pass
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.backend._joint_passes(graph)
+        self.backend._joint_passes(graph, self.record)
         if self.user_pass is not None:
             self.user_pass(graph)
 

@@ -748,3 +748,86 @@ def schedule_errors_worker(rank: int, world: int) -> dict:
     errors["unknown_module"] = expect_error(
         lambda: fsdp_compile.backend("FULL_SHARD", backward_prefetch={model.blocks[1]: [model.blocks[1].mlp]}).shard(model))
     return errors
+
+
+def dump_worker(rank: int, world: int, dump_dir: str, via_env: bool) -> dict:
+    """One compiled training step of the test GPT with dumping on; returns backend.report()."""
+    import os
+
+    if via_env:
+        os.environ["FSDP_COMPILE_DUMP"] = dump_dir
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    options = {} if via_env else {"dump_dir": dump_dir}
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", **options)
+    backend.shard(model)
+    x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+    lm_loss(torch.compile(model, backend=backend)(x), y).backward()
+    return {"report": backend.report()}
+
+
+def dump_error_worker(rank: int, world: int, dump_dir: str, strategy: str) -> str:
+    torch._dynamo.reset()
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend(strategy, compiler="aot_eager", dump_dir=dump_dir)
+    backend.shard(model)
+    x = torch.randint(0, TEST_CONFIG.vocab_size, (2, SEQ))
+    return expect_error(lambda: torch.compile(model, backend=backend)(x))
+
+
+def eager_fallback_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    """compiler="eager", FSDP_COMPILE_EAGER=1 and aot_eager on the same data."""
+    import os
+
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    options = {"shard_size": 1} if ShardingStrategy.parse(strategy).is_hybrid else {}
+    out = {}
+    for mode in ("eager", "env", "aot_eager"):
+        torch._dynamo.reset()
+        if mode == "env":
+            os.environ["FSDP_COMPILE_EAGER"] = "1"
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="eager" if mode == "eager" else "aot_eager", **options)
+        backend.shard(model)
+        out[mode] = train(model, torch.compile(model, backend=backend), data, rank)
+        out[mode]["compilers"] = [g.compiler for g in backend.graphs]
+        os.environ.pop("FSDP_COMPILE_EAGER", None)
+    return out if rank == 0 else {}
+
+
+def failing_pass(gm):
+    raise ValueError("deliberately broken pass")
+
+
+def failing_pass_worker(rank: int, world: int, phase: str, strict: bool, steps: int) -> dict:
+    """A user pass that raises: the graph falls back to the eager runtime, or strict raises."""
+    import warnings
+
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", strict=strict,
+                                   passes={phase: [failing_pass]})
+    backend.shard(model)
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if strict:
+            return {"error": expect_error(lambda: train(model, compiled, data, rank))}
+        broken = train(model, compiled, data, rank)
+    (record,) = backend.graphs
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    backend.shard(model)
+    healthy = train(model, torch.compile(model, backend=backend), data, rank)
+    from fsdp_compile.graphinfo import collective_counts, marker_counts
+
+    graph = record.forward if phase == "forward" else record.backward
+    return {"warnings": [str(w.message) for w in caught], "fallbacks": record.fallbacks,
+            "broken": broken["params"], "healthy": healthy["params"],
+            "markers": marker_counts(graph), "collectives": collective_counts(graph)}

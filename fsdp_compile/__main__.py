@@ -1,0 +1,84 @@
+"""``python -m fsdp_compile inspect DUMP_DIR``: read a dump and report on it."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from pathlib import Path
+
+from .dump import DumpError, read_manifest, write_json
+from .report import chrome_trace, plot_memory, render_report
+
+
+def _summaries(root: Path, rank: int | None, graph: int | None) -> list[dict]:
+    found = []
+    for path in sorted(root.glob("rank*/graph*/summary.json"), key=lambda p: (int(p.parent.parent.name[4:]), int(p.parent.name[5:]))):
+        summary = json.loads(path.read_text())
+        if (rank is None or summary["rank"] == rank) and (graph is None or summary["graph"] == graph):
+            found.append(summary)
+    if not found:
+        which = f" for rank {rank}" if rank is not None else ""
+        which += f" graph {graph}" if graph is not None else ""
+        raise DumpError(f"{root} holds no graph summaries{which}: did the run compile anything with dump_dir set?")
+    return found
+
+
+def _diff(root: Path, pass_name: str, rank: int | None, graph: int | None) -> str:
+    """Unified diffs of the graphs each phase had before and after ``pass_name``."""
+    out, known = [], set()
+    for graph_dir in sorted(root.glob("rank*/graph*")):
+        r, g = int(graph_dir.parent.name[4:]), int(graph_dir.name[5:])
+        if (rank is not None and r != rank) or (graph is not None and g != graph):
+            continue
+        pairs = [(graph_dir / "joint_before.py", graph_dir / "joint_after.py", "tag_reshard_policy")]
+        for phase_dir in sorted(p for p in graph_dir.iterdir() if p.is_dir()):
+            steps = sorted(phase_dir.glob("*.py"))
+            pairs += [(a, b, b.stem.split("_", 1)[1]) for a, b in zip(steps, steps[1:])]
+        for before, after, name in pairs:
+            known.add(name)
+            if name != pass_name or not (before.exists() and after.exists()):
+                continue
+            out.extend(difflib.unified_diff(
+                before.read_text().splitlines(keepends=True), after.read_text().splitlines(keepends=True),
+                fromfile=str(before.relative_to(root)), tofile=str(after.relative_to(root))))
+    if not out:
+        if pass_name not in known:
+            raise DumpError(f"--diff {pass_name}: no such pass in this dump; passes: {', '.join(sorted(known)) or 'none'}")
+        return f"pass {pass_name} changed nothing in the selected graphs\n"
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_compile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="report on a dump written with dump_dir= / FSDP_COMPILE_DUMP=")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--rank", type=int, help="only this rank (default: all)")
+    inspect.add_argument("--graph", type=int, help="only this graph (default: all)")
+    inspect.add_argument("--diff", metavar="PASS", help="show what one pass changed, as a unified diff")
+    inspect.add_argument("--timeline", metavar="FILE.json", type=Path, help="write the schedule as a Chrome/Perfetto trace")
+    inspect.add_argument("--plot", metavar="FILE.png", type=Path, help="draw the memory timeline (needs matplotlib)")
+    args = parser.parse_args(argv)
+    try:
+        manifest = read_manifest(args.path)
+        if args.diff:
+            sys.stdout.write(_diff(args.path, args.diff, args.rank, args.graph))
+            return 0
+        summaries = _summaries(args.path, args.rank, args.graph)
+        sys.stdout.write(render_report(summaries, manifest))
+        if args.timeline:
+            write_json(args.timeline, chrome_trace(summaries))
+            print(f"timeline written to {args.timeline} (open it in chrome://tracing or ui.perfetto.dev)")
+        if args.plot:
+            plot_memory(summaries, str(args.plot))
+            print(f"memory plot written to {args.plot}")
+    except (DumpError, RuntimeError, ValueError) as exc:
+        print(f"fsdp_compile inspect: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Run a sequence of graph passes on a copy of a graph, recording (and optionally dumping) each.
+
+A pass is ``(name, fn)`` where ``fn(gm)`` rewrites ``gm`` in place and may return a value
+(buckets, a schedule) or a replacement GraphModule. The passes work on a copy, so a pass that
+fails half-way leaves the caller's graph untouched: the caller can still run it as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+Pass = tuple[str, Callable[[fx.GraphModule], Any]]
+
+
+@dataclass
+class PassResult:
+    name: str
+    seconds: float
+    value: Any = None
+
+
+class PassFailure(RuntimeError):
+    """A pass raised; ``pass_name`` says which, ``__cause__`` holds its error."""
+
+    def __init__(self, pass_name: str, error: BaseException) -> None:
+        super().__init__(f"pass {pass_name!r} failed: {type(error).__name__}: {error}")
+        self.pass_name = pass_name
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def run_passes(
+    gm: fx.GraphModule,
+    passes: Sequence[Pass],
+    on_graph: Callable[[str, fx.GraphModule], None] | None = None,
+) -> tuple[fx.GraphModule, list[PassResult]]:
+    """Apply ``passes`` to a copy of ``gm``; ``on_graph(step, graph)`` sees it before and after each."""
+    work = copy_graph_module(gm)
+    if on_graph is not None:
+        on_graph("partitioned", work)
+    results = []
+    for name, fn in passes:
+        start = time.perf_counter()
+        try:
+            value = fn(work)
+            if isinstance(value, fx.GraphModule):
+                work, value = value, None
+            work.recompile()
+        except Exception as exc:
+            raise PassFailure(name, exc) from exc
+        results.append(PassResult(name, time.perf_counter() - start, value))
+        if on_graph is not None:
+            on_graph(name, work)
+    return work, results

@@ -1,0 +1,320 @@
+"""What the backend did to each graph, as data (a JSON-able summary) and as a readable report.
+
+``graph_summary`` builds the summary from a compiled graph's record; the dump writes it as
+``summary.json`` and ``python -m fsdp_compile inspect`` reads it back, so the report looks the
+same from files (``render_report``) and from Python (``FSDPBackend.report()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch.fx as fx
+
+from .graphinfo import COLLECTIVES
+from .passes.lowering import COMM_META, WAIT
+from .passes.reshard import PURE_VIEWS
+from .runtime.collectives import padded_rows
+
+
+# ----------------------------------------------------------------------------- building
+def _bucket_summary(bucket) -> dict[str, Any]:
+    params, seen = [], set()
+    for marker in bucket.markers:
+        if marker.fqn in seen:
+            continue
+        seen.add(marker.fqn)
+        if marker.kind == "unshard":
+            val = marker.node.meta["val"]  # the full parameter, in the compute dtype
+            dtype = val.dtype
+        else:
+            val = marker.input.meta["val"]  # the full gradient
+            dtype = bucket.spec.grad_reduce_dtype(val.dtype)
+        params.append({"fqn": marker.fqn, "shape": list(val.shape), "dtype": str(dtype).replace("torch.", ""),
+                       "bytes": val.numel() * dtype.itemsize})
+    spec = bucket.spec
+    return {"bucket": bucket.key, "kind": "gather" if bucket.kind == "unshard" else "reduce",
+            "gathers": spec.gathers, "shard_size": spec.shard_size, "replicate_size": spec.replicate_size,
+            "params": params, "bytes": sum(p["bytes"] for p in params)}
+
+
+def _is_compute(node: fx.Node) -> bool:
+    return node.op == "call_function" and COMM_META not in node.meta and node.target not in PURE_VIEWS
+
+
+def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    compute_before = []  # compute nodes before each position
+    count = 0
+    for node in nodes:
+        compute_before.append(count)
+        count += _is_compute(node)
+    found, gathers_waited = [], []
+    waits = {n.args[0]: n for n in nodes if n.target is WAIT}
+    gather_rank = {}
+    for node in nodes:
+        if node.target in COLLECTIVES and COLLECTIVES[node.target] == "all_gather":
+            gather_rank[node] = len(gather_rank)
+    gather_order = sorted(gather_rank, key=lambda n: index[waits[n]] if n in waits else index[n])
+    use_rank = {n: i for i, n in enumerate(gather_order)}
+    for node in nodes:
+        kind = COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        tag = node.meta.get(COMM_META)
+        value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        group = node.args[2] if kind == "all_reduce" else node.args[-1]
+        wait = waits.get(node)
+        issue_at, wait_at = index[node], index[wait] if wait is not None else index[node]
+        overlapped = compute_before[wait_at] - compute_before[issue_at]
+        # all_gather(input, size, group), reduce_scatter(input, op, size, group), all_reduce(input, op, group)
+        size = {"all_gather": node.args[1], "reduce_scatter": node.args[2]}.get(kind)
+        entry = {"kind": kind, "bucket": tag.bucket if tag else None, "group": group, "group_size": size,
+                 "dtype": str(value.dtype).replace("torch.", ""), "bytes": value.numel() * value.element_size(),
+                 "issued_at": issue_at, "waited_at": wait_at, "issued_before": node.next.name,
+                 "overlapped_compute": overlapped}
+        if kind == "all_gather":
+            in_use = [use_rank[g] for g in gathers_waited if index[waits[g]] < issue_at]
+            entry["prefetch"] = 0 if overlapped == 0 else use_rank[node] - (max(in_use) if in_use else -1)
+        found.append(entry)
+        if kind == "all_gather" and wait is not None:
+            gathers_waited.append(node)
+    return found
+
+
+def _phase_summary(gm, buckets, schedule, memory, seconds) -> dict[str, Any] | None:
+    if gm is None:
+        return None
+    summary = {
+        "nodes": len(gm.graph.nodes),
+        "buckets": [_bucket_summary(b) for kind in ("unshard", "reduce_grad") for b in buckets.get(kind, [])],
+        "collectives": _collectives(gm),
+        "schedule": None if schedule is None else {"budget": schedule.budget, "peak_inflight": schedule.peak_inflight},
+        "passes": seconds or {},
+    }
+    if memory is not None:
+        summary["memory"] = memory.summary()
+        summary["timeline"] = {
+            "nodes": [name for name, _ in memory.timeline],
+            "live": [live for _, live in memory.timeline],
+            "inflight": memory.inflight_timeline,
+            "roles": {role: [r[role] for r in memory.role_timeline] for role in memory.peak_by_role},
+            "compute": [_is_compute(n) for n in gm.graph.nodes],
+        }
+    return summary
+
+
+def graph_summary(record, backend) -> dict[str, Any]:
+    """Everything the report needs about one compiled graph, JSON-able."""
+    import torch.distributed as dist
+
+    topo = backend.topology
+    return {
+        "graph": record.index,
+        "rank": dist.get_rank() if dist.is_initialized() else 0,
+        "strategy": backend.strategy.name,
+        "reshard_after_forward": backend.strategy.reshard_after_forward,
+        "shard_size": topo.shard_size if topo else None,
+        "replicate_size": topo.replicate_size if topo else None,
+        "compiler": record.compiler,
+        "inference": record.inference,
+        "fallbacks": list(record.fallbacks),
+        "dynamo_nodes": len(record.dynamo.graph.nodes),
+        "forward": _phase_summary(record.forward, record.forward_buckets, record.forward_schedule,
+                                  record.forward_memory, record.pass_seconds.get("forward")),
+        "backward": _phase_summary(record.backward, record.backward_buckets, record.backward_schedule,
+                                   record.backward_memory, record.pass_seconds.get("backward")),
+    }
+
+
+# ----------------------------------------------------------------------------- theory
+def theoretical_bytes(summary: dict[str, Any]) -> dict[str, int]:
+    """Collective buffer bytes one step needs under the strategy, from the buckets' parameters.
+
+    Every gathered parameter is gathered in forward and, when the strategy reshards, again in
+    backward; every gradient is reduce-scattered (all-reduced when not sharded); hybrid adds an
+    all-reduce of the gradient shards across replicas.
+    """
+    theory = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    forward, backward = summary.get("forward") or {}, summary.get("backward") or {}
+    gathers = 2 if summary["reshard_after_forward"] and backward else 1
+    for bucket in forward.get("buckets", []):
+        if bucket["kind"] == "gather" and bucket["gathers"]:
+            theory["all_gather"] += gathers * _padded(bucket)
+    for bucket in backward.get("buckets", []):
+        if bucket["kind"] != "reduce":
+            continue
+        if bucket["gathers"]:
+            theory["reduce_scatter"] += _padded(bucket)
+            if bucket["replicate_size"] > 1:
+                theory["all_reduce"] += _padded(bucket) // bucket["shard_size"]
+        else:
+            theory["all_reduce"] += bucket["bytes"] * (2 if bucket["shard_size"] > 1 and bucket["replicate_size"] > 1 else 1)
+    return theory
+
+
+def _padded(bucket: dict[str, Any]) -> int:
+    world = bucket["shard_size"]
+    total = 0
+    for p in bucket["params"]:
+        rows = p["shape"][0]
+        per_row = p["bytes"] // rows if rows else 0
+        total += padded_rows(rows, world) * world * per_row
+    return total
+
+
+def measured_bytes(summary: dict[str, Any]) -> dict[str, int]:
+    measured = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for phase in ("forward", "backward"):
+        for c in (summary.get(phase) or {}).get("collectives", []):
+            measured[c["kind"]] += c["bytes"]
+    return measured
+
+
+# ----------------------------------------------------------------------------- rendering
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def render_report(summaries: Iterable[dict[str, Any]], manifest: dict[str, Any] | None = None) -> str:
+    summaries = list(summaries)
+    lines = []
+    if manifest:
+        lines.append(f"fsdp_compile {manifest.get('fsdp_compile')} (torch {manifest.get('torch')}): "
+                     f"{manifest.get('strategy')}, world size {manifest.get('world_size')}")
+    if not summaries:
+        lines.append("no graph compiled yet")
+    for s in summaries:
+        lines += _render_graph(s)
+    return "\n".join(lines) + "\n"
+
+
+def _render_graph(s: dict[str, Any]) -> list[str]:
+    kind = "inference" if s["inference"] else ("training" if s.get("backward") else "forward only")
+    lines = ["", f"rank {s['rank']}, graph {s['graph']} ({kind}, {s['compiler']}, {s['strategy']}, "
+                 f"shard group {s['shard_size']}, replicas {s['replicate_size']})"]
+    for fb in s["fallbacks"]:
+        lines.append(f"  ! pass {fb['pass']} failed on the {fb['phase']} graph ({fb['error']}); "
+                     "that graph runs its markers through the eager runtime")
+    if s["compiler"] == "eager":
+        lines.append(f"  runs as captured ({s['dynamo_nodes']} nodes), every marker through the eager runtime")
+        return lines
+    for phase in ("forward", "backward"):
+        p = s.get(phase)
+        if not p:
+            continue
+        lines.append(f"  {phase}: {p['nodes']} nodes")
+        buckets = p["buckets"]
+        if buckets:
+            lines.append(f"    buckets: {sum(b['kind'] == 'gather' for b in buckets)} gathered, "
+                         f"{sum(b['kind'] == 'reduce' for b in buckets)} reduced")
+            for b in buckets:
+                params = ", ".join(f"{q['fqn']}{q['shape']} {q['dtype']}" for q in b["params"][:4])
+                more = f", +{len(b['params']) - 4} more" if len(b["params"]) > 4 else ""
+                lines.append(f"      {b['kind']:6} {b['bucket']:<16} {len(b['params']):3} params {_size(b['bytes']):>10}  {params}{more}")
+        counts: dict[str, int] = {}
+        for c in p["collectives"]:
+            counts[c["kind"]] = counts.get(c["kind"], 0) + 1
+        lines.append("    collectives: " + (", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"))
+        if p.get("schedule"):
+            lines.append(f"    schedule: budget {_size(p['schedule']['budget'])} in flight, peak {_size(p['schedule']['peak_inflight'])}")
+            for c in p["collectives"]:
+                extra = f", prefetch {c['prefetch']}" if "prefetch" in c else ""
+                lines.append(f"      {c['kind']:<14} {str(c['bucket']):<16} {_size(c['bytes']):>10} issued before "
+                             f"{c['issued_before']}, overlaps {c['overlapped_compute']} compute nodes{extra}")
+        if "memory" in p:
+            m = p["memory"]
+            roles = ", ".join(f"{k} {_size(v)}" for k, v in m["peak_by_role"].items())
+            lines.append(f"    memory estimate: peak {_size(m['peak_bytes'])} at {m['peak_node']} ({roles}); "
+                         f"in flight at most {_size(m['peak_inflight_bytes'])}")
+        if p["passes"]:
+            lines.append("    passes: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["passes"].items()))
+    if s.get("forward") and not s["inference"]:
+        theory, measured = theoretical_bytes(s), measured_bytes(s)
+        lines.append("  bytes per step (collective buffers), measured vs theory for the strategy:")
+        for kind in theory:
+            if theory[kind] or measured[kind]:
+                note = ""
+                if kind == "all_gather" and measured[kind] < theory[kind] and s["reshard_after_forward"]:
+                    note = "  (backward re-gathers only the parameters it needs)"
+                lines.append(f"    {kind:<15} {_size(measured[kind]):>10} vs {_size(theory[kind]):>10}{note}")
+    return lines
+
+
+# ----------------------------------------------------------------------------- timeline, plot
+def chrome_trace(summaries: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The schedule as a Chrome/Perfetto trace: one time unit per graph node.
+
+    Per rank and graph: a compute track (each compute node), a collectives track (each
+    collective from its issue to its wait), and counters for live and in-flight bytes.
+    """
+    events: list[dict[str, Any]] = []
+    for s in summaries:
+        pid = f"rank {s['rank']} graph {s['graph']}"
+        offset = 0
+        for phase in ("forward", "backward"):
+            p = s.get(phase)
+            if not p or "timeline" not in p:
+                continue
+            t = p["timeline"]
+            for i, (name, is_compute) in enumerate(zip(t["nodes"], t["compute"])):
+                if is_compute:
+                    events.append({"name": name, "ph": "X", "ts": offset + i, "dur": 1, "pid": pid,
+                                   "tid": f"{phase} compute", "cat": "compute"})
+                events.append({"name": "memory", "ph": "C", "ts": offset + i, "pid": pid,
+                               "args": {"live bytes": t["live"][i], "in flight bytes": t["inflight"][i]}})
+            for c in p["collectives"]:
+                events.append({"name": f"{c['kind']} {c['bucket']}", "ph": "X", "ts": offset + c["issued_at"],
+                               "dur": max(1, c["waited_at"] - c["issued_at"]), "pid": pid,
+                               "tid": f"{phase} collectives", "cat": "collective",
+                               "args": {"bytes": c["bytes"], "group": c["group"]}})
+            offset += len(t["nodes"]) + 10
+    return {"traceEvents": events, "displayTimeUnit": "ns",
+            "otherData": {"time unit": "one graph node"}}
+
+
+ROLE_COLORS = {"param": "tab:blue", "gathered": "tab:orange", "grad": "tab:green", "activation": "tab:red"}
+
+
+def plot_memory(summaries: Iterable[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (or fsdp_compile[plot])") from exc
+    summaries = [s for s in summaries if (s.get("forward") or {}).get("timeline")]
+    if not summaries:
+        raise ValueError("nothing to plot: no graph in this dump has a memory estimate")
+    fig, axes = plt.subplots(len(summaries), 1, figsize=(10, 3.2 * len(summaries)), squeeze=False)
+    for ax, s in zip(axes[:, 0], summaries):
+        x0 = 0
+        for phase in ("forward", "backward"):
+            p = s.get(phase)
+            if not p or "timeline" not in p:
+                continue
+            t = p["timeline"]
+            xs = range(x0, x0 + len(t["nodes"]))
+            roles = t["roles"]
+            ax.stackplot(xs, *[[v / 2**20 for v in roles[r]] for r in roles],
+                         labels=list(roles) if x0 == 0 else [], alpha=0.8,
+                         colors=[ROLE_COLORS.get(r, "tab:gray") for r in roles])
+            ax.plot(xs, [v / 2**20 for v in t["inflight"]], color="black", linewidth=1,
+                    label="in flight" if x0 == 0 else None)
+            ax.axvline(x0, color="grey", linestyle=":")
+            ax.text(x0, ax.get_ylim()[1] * 0.95, phase, fontsize=8)
+            x0 += len(t["nodes"]) + 10
+        ax.set_title(f"rank {s['rank']} graph {s['graph']} ({s['strategy']}): estimated live memory")
+        ax.set_xlabel("graph node")
+        ax.set_ylabel("MiB")
+        ax.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+

@@ -1,0 +1,189 @@
+"""Dumps of every graph, the inspect command, backend.report(), and the eager fallbacks."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed import run_workers
+from test_parity import assert_bitwise
+from workers import dump_error_worker, dump_worker, eager_fallback_worker, failing_pass_worker
+
+STEPS = 3
+
+
+@functools.cache
+def dumped(root: str, via_env: bool = False) -> list[dict]:
+    return run_workers(dump_worker, 2, root, via_env)
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dump")
+    dumped(str(root))
+    return root
+
+
+def inspect(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_compile", "inspect", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_dump_has_every_graph_before_and_after_each_pass(dump: Path) -> None:
+    manifest = json.loads((dump / "manifest.json").read_text())
+    assert manifest["strategy"] == "FULL_SHARD" and manifest["world_size"] == 2 and manifest["format"] == 1
+    for rank in (0, 1):
+        graph = dump / f"rank{rank}" / "graph0"
+        expected = ["dynamo.py", "joint_before.py", "joint_after.py", "summary.json"]
+        for phase in ("forward", "backward"):
+            expected += [f"{phase}/00_partitioned.py", f"{phase}/01_elide_trivial_unshard.py",
+                         f"{phase}/02_lower_markers.py", f"{phase}/03_schedule_collectives.py"]
+        for name in expected:
+            assert (graph / name).is_file(), name
+        for source in graph.rglob("*.py"):
+            compile(source.read_text(), str(source), "exec")  # readable, valid Python
+        assert "MUST_RECOMPUTE" in (graph / "joint_after.py").read_text()
+        assert "fsdp_compile.unshard" in (graph / "forward/00_partitioned.py").read_text()
+        assert "all_gather_into_tensor" in (graph / "forward/02_lower_markers.py").read_text()
+        summary = json.loads((graph / "summary.json").read_text())
+        forward, backward = summary["forward"], summary["backward"]
+        assert [b["bucket"] for b in forward["buckets"]] == ["<root>", "blocks.0", "blocks.1"]
+        first = forward["buckets"][0]["params"][0]
+        assert first == {"fqn": "tok_emb.weight", "shape": [67, 32], "dtype": "float32", "bytes": 67 * 32 * 4}
+        assert [c["kind"] for c in forward["collectives"]] == ["all_gather"] * 3
+        assert all(c["group_size"] == 2 and c["bytes"] > 0 for c in forward["collectives"])
+        assert {c["kind"] for c in backward["collectives"]} == {"all_gather", "reduce_scatter"}
+        assert forward["collectives"][2]["prefetch"] == 1
+        assert forward["memory"]["peak_bytes"] > 0 and backward["schedule"]["budget"] > 0
+    assert not list(dump.rglob("*.tmp")), "a temporary file was left behind"
+
+
+def test_inspect_reports_buckets_and_collectives(dump: Path) -> None:
+    proc = inspect(str(dump), "--rank", "0")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "FULL_SHARD, world size 2" in out
+    assert out.count("buckets: 3 gathered, 0 reduced") == 1  # forward
+    assert "buckets: 3 gathered, 3 reduced" in out  # backward re-gathers and reduces
+    assert "collectives: all_gather x3\n" in out
+    assert "collectives: all_gather x3, reduce_scatter x3" in out
+    assert "bytes per step" in out and "reduce_scatter" in out
+    assert "memory estimate: peak" in out and "schedule: budget" in out
+
+
+def test_report_from_python_matches_inspect(dump: Path) -> None:
+    reports = dumped(str(dump))
+    proc = inspect(str(dump), "--rank", "1")
+    python_report = reports[1]["report"]
+    assert python_report.strip() in proc.stdout
+    assert "rank 1, graph 0" in python_report
+
+
+def test_timeline_is_a_chrome_trace(dump: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "timeline.json"
+    assert inspect(str(dump), "--timeline", str(trace)).returncode == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["ph"] for e in events} == {"X", "C"}
+    collectives = [e for e in events if e.get("cat") == "collective"]
+    assert len(collectives) == 2 * 9  # 2 ranks x (3 forward + 6 backward)
+    assert all(e["dur"] >= 1 and isinstance(e["ts"], int) for e in collectives)
+
+
+def test_plot_draws_the_memory_timeline(dump: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "memory.png"
+    proc = inspect(str(dump), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_diff_shows_what_one_pass_changed(dump: Path) -> None:
+    proc = inspect(str(dump), "--rank", "0", "--diff", "lower_markers")
+    assert proc.returncode == 0
+    assert "--- rank0/graph0/forward/01_elide_trivial_unshard.py" in proc.stdout
+    assert "+++ rank0/graph0/forward/02_lower_markers.py" in proc.stdout
+    assert "+" in proc.stdout and "all_gather_into_tensor" in proc.stdout
+    bad = inspect(str(dump), "--diff", "no_such_pass")
+    assert bad.returncode == 2 and "no such pass in this dump; passes: elide_trivial_unshard" in bad.stderr
+
+
+def test_dump_via_environment_variable(tmp_path: Path) -> None:
+    root = tmp_path / "env"
+    run_workers(dump_worker, 2, str(root), True)
+    assert (root / "rank1" / "graph0" / "summary.json").is_file()
+
+
+def test_inspect_errors(tmp_path: Path, dump: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = inspect(str(empty))
+    assert proc.returncode == 2 and "is empty: no fsdp_compile dump there" in proc.stderr
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("hi")
+    assert "has no manifest.json: it is not an fsdp_compile dump" in inspect(str(stray)).stderr
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"format": 999, "fsdp_compile": "9.9"}))
+    proc = inspect(str(old))
+    assert proc.returncode == 2 and "format 999" in proc.stderr and "inspect it with the version that wrote it" in proc.stderr
+    assert "no graph summaries for rank 5" in inspect(str(dump), "--rank", "5").stderr
+
+
+def test_dump_dir_errors(tmp_path: Path, dump: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    message = run_workers(dump_error_worker, 1, str(blocker / "dump"), "FULL_SHARD")[0]
+    assert f"dump_dir={str(blocker / 'dump')!r} is not writable" in message
+    # A dump of another configuration in the same directory: refuse rather than mix.
+    message = run_workers(dump_error_worker, 2, str(dump), "SHARD_GRAD_OP")[0]
+    assert "already holds a dump with strategy='FULL_SHARD'" in message and "use an empty directory" in message
+
+
+def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monkeypatch) -> None:
+    from fsdp_compile import dump as dump_module
+
+    target = tmp_path / "summary.json"
+    dump_module.write_json(target, {"old": True})
+
+    def interrupted(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(OSError):
+        dump_module.write_json(target, {"new": True})
+    assert json.loads(target.read_text()) == {"old": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_eager_fallback_is_bitwise_equal_to_aot_eager(strategy: str) -> None:
+    out = run_workers(eager_fallback_worker, 2, strategy, STEPS)[0]
+    assert out["eager"]["compilers"] == ["eager"] and out["env"]["compilers"] == ["eager"]
+    assert out["aot_eager"]["compilers"] == ["aot_eager"]
+    for mode in ("eager", "env"):
+        assert_bitwise(out[mode]["grads0"], out["aot_eager"]["grads0"], f"{mode} first-step gradients")
+        assert_bitwise(out[mode]["params"], out["aot_eager"]["params"], f"{mode} parameters")
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_failing_pass_falls_back_to_the_eager_runtime(phase: str) -> None:
+    out = run_workers(failing_pass_worker, 2, phase, False, STEPS)[0]
+    (warning,) = [w for w in out["warnings"] if "failing_pass" in w]
+    assert f"pass 'failing_pass' failed: ValueError: deliberately broken pass on graph 0 ({phase})" in warning
+    assert out["fallbacks"] == [{"phase": phase, "pass": "failing_pass", "error": "deliberately broken pass"}]
+    # That graph kept its markers (run by the eager runtime) and no lowered collective.
+    assert out["markers"]["unshard" if phase == "forward" else "reduce_grad"] > 0
+    assert out["collectives"]["all_gather"] == 0
+    assert_bitwise(out["broken"], out["healthy"], "fallback vs healthy compile")
+
+
+def test_failing_pass_raises_under_strict() -> None:
+    out = run_workers(failing_pass_worker, 2, "forward", True, STEPS)[0]
+    assert "fsdp_compile: pass 'failing_pass' failed: ValueError: deliberately broken pass on graph 0 (forward)" in out["error"]
