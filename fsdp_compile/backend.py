@@ -13,6 +13,7 @@ Pipeline for one Dynamo graph (compiled mode):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -32,7 +33,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops  # noqa: F401  (registers the marker ops)
+from .errors import ConfigError
+from .grad_sync import GradientSync
 from .groups import Topology, resolve_topology
+from .offload import CPUOffload
 from .mixed_precision import MixedPrecision
 from .passes.bucketing import Bucket, BucketPolicy, parse_policy
 from .dump import Dumper, graph_code, manifest_for
@@ -43,8 +47,9 @@ from .passes.bucketing import ROOT_UNIT
 from .passes.lowering import ROLE_META, lower_markers
 from .passes.pipeline import PassFailure, run_passes
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
+from .passes.rng_state_order import order_rng_states_before_opaque
 from .passes.scheduling import Schedule, ScheduleOptions, schedule_collectives
-from .sharding import ShardedParamInfo, is_sharded, shard_module
+from .sharding import ShardedParamInfo, is_sharded, shard_module, sharded_name
 from .strategy import ShardingStrategy
 
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -95,6 +100,7 @@ class _Options:
     dump_dir: str | None
     strict: bool
     passes: dict[str, list[Callable]]
+    offload: CPUOffload | None
 
 
 class FSDPBackend:
@@ -114,7 +120,13 @@ class FSDPBackend:
     every graph before and after each pass plus a JSON summary (see :mod:`fsdp_compile.dump`);
     ``strict``: raise when a pass fails instead of running that graph through the eager
     runtime; ``passes``: extra passes ``{"forward" | "backward": [fn(GraphModule)]}`` run after
-    ours. ``FSDP_COMPILE_EAGER=1`` runs every captured graph through the eager runtime.
+    ours; ``offload``: :class:`fsdp_compile.CPUOffload` keeps shards, gradients and the
+    optimizer step in host memory. ``FSDP_COMPILE_EAGER=1`` runs every captured graph through
+    the eager runtime.
+
+    Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
+    accumulation without communication); see also :mod:`fsdp_compile.checkpoint` and
+    :func:`fsdp_compile.clip_grad_norm_`.
     """
 
     def __init__(
@@ -136,6 +148,7 @@ class FSDPBackend:
         dump_dir: str | os.PathLike | None = None,
         strict: bool = False,
         passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
+        offload: CPUOffload | None = None,
     ) -> None:
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
@@ -166,6 +179,8 @@ class FSDPBackend:
                 raise TypeError(f"{name}= takes a dict {{unit: [units to prefetch]}}, got {type(order).__name__}")
             if order is not None and not policy.uses_units:
                 raise ValueError(f"{name}= names bucket units, which bucket={policy.describe()} does not have")
+        if offload is not None and not isinstance(offload, CPUOffload):
+            raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
         passes = dict(passes or {})
         for phase, fns in passes.items():
             if phase not in ("forward", "backward"):
@@ -176,7 +191,8 @@ class FSDPBackend:
         self.options = _Options(strategy, compiler, mesh, process_groups, shard_size, timeout,
                                 bucket, mixed_precision, schedule, prefetch, max_inflight_bytes,
                                 forward_prefetch, backward_prefetch,
-                                os.fspath(dump_dir) if dump_dir is not None else None, strict, passes)
+                                os.fspath(dump_dir) if dump_dir is not None else None, strict, passes,
+                                offload)
         self._dumper_instance: Dumper | None = None
         self.bucket_policy = policy
         self.units: set[str] = {ROOT_UNIT}
@@ -185,6 +201,8 @@ class FSDPBackend:
         self.params: dict[str, ShardedParamInfo] = {}
         self.graphs: list[CompiledGraph] = []
         self._owned = WeakIdKeyDictionary()  # sharded parameter -> its info
+        self.gradient_sync = GradientSync()
+        self.init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
 
     @property
     def strategy(self) -> ShardingStrategy:
@@ -194,8 +212,16 @@ class FSDPBackend:
         return f"fsdp_compile.backend(strategy={self.strategy.name!r}, compiler={self.options.compiler!r})"
 
     # ---------------------------------------------------------------- sharding
-    def shard(self, model: nn.Module) -> nn.Module:
-        """Shard ``model``'s parameters in place over this backend's groups; returns ``model``."""
+    def shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
+              device: torch.device | str | None = None) -> nn.Module:
+        """Shard ``model``'s parameters in place over this backend's groups; returns ``model``.
+
+        A model built on the meta device is materialized on ``device`` (default: the current
+        accelerator, else the CPU) one bucket unit at a time, each module initialized by
+        ``init_fn(module)`` or its own ``reset_parameters()`` in post-order (as
+        ``model.apply``), and sharded as soon as its unit is done: no rank holds the whole
+        model, and the values equal the unsharded initialization with the same seed.
+        """
         if not isinstance(model, nn.Module):
             raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -208,7 +234,10 @@ class FSDPBackend:
                 "this model is already sharded (by fsdp_compile); shard a model once and reuse "
                 "the backend that sharded it"
             )
-        device_type = self._device_type(model)
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn= must be a callable taking a module, got {type(init_fn).__name__}")
+        init_device = torch.device(device) if device is not None else None
+        device_type = self._device_type(model, init_device)
         if self.topology is None:
             self.topology = resolve_topology(
                 self.strategy,
@@ -223,7 +252,15 @@ class FSDPBackend:
                 f"this backend shards over a {self.topology.mesh.device_type!r} mesh but the model's "
                 f"parameters are on {device_type!r}; use one backend per device type"
             )
-        infos = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision)
+        if init_device is None and self.topology.mesh.device_type != "cpu":
+            module = torch.get_device_module(self.topology.mesh.device_type)
+            init_device = torch.device(self.topology.mesh.device_type, module.current_device())
+        result = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision,
+                              sync=self.gradient_sync, offload=self.options.offload, init_fn=init_fn,
+                              init_device=init_device)
+        infos = result.infos
+        if result.peak_full_bytes is not None:
+            self.init_peak_bytes = max(self.init_peak_bytes or 0, result.peak_full_bytes)
         self.units.update(info.unit for info in infos.values())
         self._resolve_prefetch_orders(model)
         self.params.update(infos)
@@ -267,15 +304,56 @@ class FSDPBackend:
                 self.explicit_prefetch[phase][label(trigger, option)] = [label(t, option) for t in targets]
 
     @staticmethod
-    def _device_type(model: nn.Module) -> str:
+    def _device_type(model: nn.Module, init_device: torch.device | None = None) -> str:
         types = {p.device.type for p in model.parameters()}
         types.discard("meta")
+        if init_device is not None:
+            types.add(init_device.type)
         if len(types) > 1:
             raise ValueError(
                 f"the model's parameters are on several device types {sorted(types)}; move the "
                 "model to one device before sharding"
             )
-        return types.pop() if types else "cpu"
+        if types:
+            return types.pop()
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    # ---------------------------------------------------------------- gradient sync
+    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        """Whether backward reduces gradients (default True), for every model this backend sharded.
+
+        With False, backward communicates nothing and sums full, unreduced gradients locally
+        (FSDP's ``no_sync``); the first backward after turning it back on adds its own and
+        reduces them all into ``param.grad``. A compiled model gets one extra graph for this.
+        """
+        if not self.params:
+            raise RuntimeError("set_requires_gradient_sync() before backend.shard(model): shard the model first")
+        if self.options.offload is not None and not requires_sync:
+            raise ConfigError(
+                "gradient accumulation without sync keeps full-size gradients on the compute device, "
+                "which CPU offload exists to avoid; accumulate with sync on instead (backward adds "
+                "each micro-batch's reduced shard gradients into param.grad in host memory)"
+            )
+        self.gradient_sync.set_requires_sync(requires_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context manager: gradient accumulation without communication (see
+        :meth:`set_requires_gradient_sync`). Run the last micro-batch's backward outside it."""
+        previous = self.gradient_sync.requires_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.gradient_sync.set_requires_sync(previous)
+
+    def reduce_accumulated_gradients(self) -> None:
+        """Reduce gradients accumulated under :meth:`no_sync` into ``param.grad`` now.
+
+        Only needed when an accumulation window ends without a backward outside ``no_sync``
+        (that backward reduces them itself)."""
+        if self.gradient_sync.accumulating:
+            self.gradient_sync.reduce_accumulated()
 
     # ---------------------------------------------------------------- compiling
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -300,7 +378,7 @@ class FSDPBackend:
         for node, value in zip(placeholders, example_inputs):
             if not isinstance(value, nn.Parameter) or value in self._owned:
                 continue
-            name = _parameter_name(node)
+            name = sharded_name(value) or _parameter_name(node)
             if isinstance(value, DTensor):
                 raise RuntimeError(
                     f"parameter {name!r} is a DTensor that this backend did not shard; compile a "
@@ -353,7 +431,9 @@ class FSDPBackend:
 
         self._joint_passes(joint.graph, record)
         joint.recompile()
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        order_rng_states_before_opaque(forward, backward)
+        return forward, backward
 
     def _joint_passes(self, graph: fx.Graph, record: CompiledGraph) -> None:
         """The reshard policy as partitioner tags, in place (the partitioner holds ``graph``).
@@ -469,15 +549,13 @@ class FSDPBackend:
             return compile_fx_inner(lowered, inputs, **kwargs)
 
         joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass)
+        patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pass}
+        if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
+            patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn)
         # The AOTAutograd cache keys on the Dynamo graph, not on our passes: a hit would skip
         # them (and reuse another strategy's partition), so it stays off for our graphs.
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(
-                gm,
-                example_inputs,
-                inner_compile=inner_compile,
-                config_patches={"joint_custom_pre_pass": joint_pass},
-            )
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
@@ -501,6 +579,27 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
         from .passes import pass_fingerprint
 
         user_uuid = getattr(self.user_pass, "uuid", lambda: None)() if self.user_pass else None
+        return (pass_fingerprint(), user_uuid)
+
+
+class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitionerFn", object)):
+    """Inductor's partitioner (or the user's) followed by the RNG-state reordering fix."""
+
+    def __init__(self, user_partitioner: Callable[..., Any] | None) -> None:
+        self.user_partitioner = user_partitioner
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        partition = self.user_partitioner or min_cut_rematerialization_partition
+        forward, backward = partition(gm, joint_inputs, **kwargs)
+        order_rng_states_before_opaque(forward, backward)
+        return forward, backward
+
+    def uuid(self) -> Any:
+        from .passes import pass_fingerprint
+
+        user_uuid = getattr(self.user_partitioner, "uuid", lambda: None)() if self.user_partitioner else None
         return (pass_fingerprint(), user_uuid)
 
 

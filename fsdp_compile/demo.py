@@ -5,11 +5,18 @@
 The text is generated (sentences of small-number arithmetic, so there is structure to learn and
 no download). Each rank trains on its own batches; rank 0 prints the loss averaged over ranks
 and the throughput of every step.
+
+``--grad-accum N`` runs N micro-batches per optimizer step, all but the last under
+``backend.no_sync()`` (no communication in their backward). ``--save DIR`` writes a sharded
+checkpoint (model, optimizer, step and every rank's data position) after the last step and
+every ``--save-every`` steps; ``--resume DIR`` continues from one, up to ``--steps`` in total,
+with the same batches an uninterrupted run would have drawn (at the same world size).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import random
@@ -72,9 +79,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--shard-size", type=int, default=None, help="hybrid: ranks per shard group")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step (all but the last without gradient sync)")
+    p.add_argument("--save", metavar="DIR", help="save a sharded checkpoint here after the last step")
+    p.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: also every K steps")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with --save")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.grad_accum < 1:
+        p.error("--grad-accum must be at least 1")
+    if args.save_every < 0:
+        p.error("--save-every must be >= 0")
+    if args.save_every and not args.save:
+        p.error("--save-every needs --save DIR")
     return args
 
 
@@ -92,6 +110,13 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def _data_positions(gen: torch.Generator, world: int) -> list[torch.Tensor]:
+    """Every rank's data generator state, gathered (collective) so rank 0 can save them all."""
+    states: list = [None] * world
+    dist.all_gather_object(states, gen.get_state())
+    return states
+
+
 def train(args: argparse.Namespace, rank: int, world: int) -> None:
     data = CharData(generate_text(seed=args.seed))
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=args.seq_len, n_layer=args.layers,
@@ -104,33 +129,56 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
     forward = model if args.no_compile else torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own data
-    tokens_per_step = args.batch_size * args.seq_len * world
+    first_step = 1
+    if args.resume:
+        extra = fsdp_compile.load_checkpoint(args.resume, model, opt)
+        first_step = int(extra["step"]) + 1
+        positions = extra.get("data_positions", [])
+        if len(positions) == world:
+            gen.set_state(positions[rank])
+        elif rank == 0:
+            print(f"checkpoint was written by {len(positions)} ranks, not {world}: data order restarts", flush=True)
+        if rank == 0:
+            print(f"resumed from {args.resume} after step {first_step - 1}", flush=True)
+    tokens_per_step = args.batch_size * args.seq_len * world * args.grad_accum
     mode = "eager runtime" if args.no_compile else f"torch.compile ({args.compiler})"
     if rank == 0:
+        accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
         print(f"fsdp_compile demo: {backend.strategy.name}, {world} ranks, {mode}, "
-              f"{model.num_parameters():,} parameters, vocabulary {cfg.vocab_size}", flush=True)
+              f"{model.num_parameters():,} parameters, vocabulary {cfg.vocab_size}{accum}", flush=True)
     losses, times = [], []
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         start = time.perf_counter()
-        x, y = data.batch(args.batch_size, args.seq_len, gen)
-        logits = forward(x)
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
-        loss.backward()
+        step_loss = torch.zeros(())
+        for micro in range(args.grad_accum):
+            x, y = data.batch(args.batch_size, args.seq_len, gen)
+            last = micro == args.grad_accum - 1
+            with contextlib.nullcontext() if last else backend.no_sync():
+                logits = forward(x)
+                loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1)) / args.grad_accum
+                loss.backward()
+            step_loss += loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         elapsed = time.perf_counter() - start
-        losses.append(mean_loss.item())
+        losses.append(step_loss.item())
         times.append(elapsed)
         if rank == 0:
-            note = "  (includes compilation)" if step == 1 and not args.no_compile else ""
+            note = "  (includes compilation)" if step == first_step and not args.no_compile else ""
             print(f"step {step:4d} | loss {losses[-1]:.4f} | {tokens_per_step / elapsed:9.0f} tokens/s{note}",
                   flush=True)
-    if rank == 0:
+        if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            extra = {"step": step, "data_positions": _data_positions(gen, world)}
+            fsdp_compile.save_checkpoint(args.save, model, opt, extra=extra)
+            if rank == 0:
+                print(f"saved checkpoint {args.save} at step {step}", flush=True)
+    if rank == 0 and losses:
         steady = times[1:] or times
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
               f"{tokens_per_step * len(steady) / sum(steady):.0f} tokens/s after the first step", flush=True)
+    elif rank == 0:
+        print(f"nothing to do: the checkpoint is at step {first_step - 1} and --steps is {args.steps}", flush=True)
 
 
 if __name__ == "__main__":

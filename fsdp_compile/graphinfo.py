@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .ops import REDUCE_GRAD, UNSHARD
+from .ops import REDUCE_GRAD, UNSHARD, UNSHARD_NO_SYNC, UNSHARD_TARGETS
 from .passes.reshard import VIEW_LIKE
 
 _c10d = torch.ops._c10d_functional
@@ -30,7 +30,7 @@ def op_counts(gm: fx.GraphModule | None) -> Counter:
 
 def marker_counts(gm: fx.GraphModule | None) -> dict[str, int]:
     counts = op_counts(gm)
-    return {"unshard": counts[str(UNSHARD)], "reduce_grad": counts[str(REDUCE_GRAD)]}
+    return {"unshard": counts[str(UNSHARD)] + counts[str(UNSHARD_NO_SYNC)], "reduce_grad": counts[str(REDUCE_GRAD)]}
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _origin(node: fx.Node) -> fx.Node:
 def is_gathered(node: fx.Node) -> bool:
     """Whether ``node`` is (a view of) a gathered parameter."""
     node = _origin(node)
-    if node.target is UNSHARD:
+    if node.target in UNSHARD_TARGETS:
         return True
     return node.target is operator.getitem and getattr(node.args[0], "target", None) is COPY_OUT
 

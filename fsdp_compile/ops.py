@@ -37,17 +37,22 @@ def unshard(
     param_dtype: Optional[torch.dtype],
     reduce_dtype: Optional[torch.dtype],
     reshard_after_forward: bool,
+    compute_device: Optional[str],
 ) -> torch.Tensor:
     """The full parameter (in the compute dtype) gathered from every rank's dim-0 shard."""
     spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-                    param_dtype, reduce_dtype, reshard_after_forward)
+                    param_dtype, reduce_dtype, reshard_after_forward, compute_device)
     return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
 
 
 @unshard.register_fake
 def _unshard_fake(shard, fqn, unit, full_rows, *spec_args):
-    spec = CommSpec(*spec_args)
-    return shard.new_empty(_full_shape(shard, full_rows, spec), dtype=spec.compute_dtype(shard.dtype))
+    return _gathered_fake(shard, full_rows, CommSpec(*spec_args))
+
+
+def _gathered_fake(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> torch.Tensor:
+    return torch.empty(_full_shape(shard, full_rows, spec), dtype=spec.compute_dtype(shard.dtype),
+                       device=spec.compute_device or shard.device)
 
 
 def _full_shape(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> tuple:
@@ -71,19 +76,19 @@ def reduce_grad(
     param_dtype: Optional[torch.dtype],
     reduce_dtype: Optional[torch.dtype],
     reshard_after_forward: bool,
+    compute_device: Optional[str],
 ) -> torch.Tensor:
     """This rank's shard of the average over data-parallel ranks of the full gradient ``grad``."""
     spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-                    param_dtype, reduce_dtype, reshard_after_forward)
+                    param_dtype, reduce_dtype, reshard_after_forward, compute_device)
     return reduce_grads([grad], [local_rows], [grad_dtype], spec)[0]
 
 
 @reduce_grad.register_fake
 def _reduce_grad_fake(grad, fqn, unit, local_rows, grad_dtype, *spec_args):
     spec = CommSpec(*spec_args)
-    if spec.gathers:
-        return grad.new_empty((local_rows, *grad.shape[1:]), dtype=grad_dtype)
-    return grad.new_empty(grad.shape, dtype=grad_dtype)
+    shape = (local_rows, *grad.shape[1:]) if spec.gathers else grad.shape
+    return torch.empty(shape, dtype=grad_dtype, device="cpu" if spec.compute_device else grad.device)
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
@@ -102,7 +107,55 @@ def _unshard_backward(ctx, grad: torch.Tensor):
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
+
+@torch.library.custom_op(f"{NAMESPACE}::unshard_no_sync", mutates_args=())
+def unshard_no_sync(
+    shard: torch.Tensor,
+    accumulator: torch.Tensor,
+    fqn: str,
+    unit: str,
+    full_rows: int,
+    shard_group: str,
+    shard_size: int,
+    dim0_sharded: bool,
+    replicate_group: str,
+    replicate_size: int,
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+    reshard_after_forward: bool,
+    compute_device: Optional[str],
+) -> torch.Tensor:
+    """``unshard`` whose gradient is not reduced: it goes, unsharded, to ``accumulator``.
+
+    Used while gradient synchronization is off (``backend.no_sync()``): ``accumulator`` is a
+    leaf of the full parameter's shape, so autograd sums the full gradients of every
+    micro-batch into ``accumulator.grad`` and nothing is communicated in backward.
+    """
+    spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
+                    param_dtype, reduce_dtype, reshard_after_forward, compute_device)
+    return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
+
+
+@unshard_no_sync.register_fake
+def _unshard_no_sync_fake(shard, accumulator, fqn, unit, full_rows, *spec_args):
+    return _gathered_fake(shard, full_rows, CommSpec(*spec_args))
+
+
+def _unshard_no_sync_setup_context(ctx, inputs, output) -> None:
+    ctx.accumulator_dtype = inputs[1].dtype
+    ctx.num_args = len(inputs)
+
+
+def _unshard_no_sync_backward(ctx, grad: torch.Tensor):
+    return (None, grad.to(ctx.accumulator_dtype)) + (None,) * (ctx.num_args - 2)
+
+
+unshard_no_sync.register_autograd(_unshard_no_sync_backward, setup_context=_unshard_no_sync_setup_context)
+
 UNSHARD = torch.ops.fsdp_compile.unshard.default
+UNSHARD_NO_SYNC = torch.ops.fsdp_compile.unshard_no_sync.default
+# Both gather a parameter in forward; they differ only in where the gradient goes.
+UNSHARD_TARGETS = (UNSHARD, UNSHARD_NO_SYNC)
 REDUCE_GRAD = torch.ops.fsdp_compile.reduce_grad.default
 
 
@@ -120,12 +173,15 @@ class Marker:
 
     @property
     def kind(self) -> str:
-        return "unshard" if self.node.target is UNSHARD else "reduce_grad"
+        return "reduce_grad" if self.node.target is REDUCE_GRAD else "unshard"
 
 
 def decode(node: fx.Node) -> Marker:
     if node.target is UNSHARD:
         tensor, fqn, unit, rows, *spec_args = node.args
+        return Marker(node, tensor, fqn, unit, rows, CommSpec(*spec_args))
+    if node.target is UNSHARD_NO_SYNC:
+        tensor, _accumulator, fqn, unit, rows, *spec_args = node.args
         return Marker(node, tensor, fqn, unit, rows, CommSpec(*spec_args))
     if node.target is REDUCE_GRAD:
         tensor, fqn, unit, rows, grad_dtype, *spec_args = node.args
@@ -133,15 +189,10 @@ def decode(node: fx.Node) -> Marker:
     raise ValueError(f"{node.format_node()} is not an fsdp_compile marker")
 
 
-def markers(graph: fx.Graph, target=None) -> list[Marker]:
-    """Decoded markers of ``graph`` in graph order (of one kind when ``target`` is given)."""
-    kinds = (UNSHARD, REDUCE_GRAD) if target is None else (target,)
-    return [decode(n) for n in graph.nodes if n.op == "call_function" and n.target in kinds]
-
-
-def unshard_spec(node_args: tuple) -> CommSpec:
-    return CommSpec(*node_args[4:])
-
-
-def reduce_grad_spec(node_args: tuple) -> CommSpec:
-    return CommSpec(*node_args[5:])
+def markers(graph: fx.Graph, kind: Optional[str] = None) -> list[Marker]:
+    """Decoded markers of ``graph`` in graph order (only ``"unshard"`` or ``"reduce_grad"`` ones
+    when ``kind`` is given)."""
+    targets = {"unshard": UNSHARD_TARGETS, "reduce_grad": (REDUCE_GRAD,), None: (*UNSHARD_TARGETS, REDUCE_GRAD)}
+    if kind not in targets:
+        raise ValueError(f"kind={kind!r}: use 'unshard', 'reduce_grad' or None")
+    return [decode(n) for n in graph.nodes if n.op == "call_function" and n.target in targets[kind]]

@@ -23,14 +23,19 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
+from .grad_sync import SYNC_ATTR, GradientSync
 from .groups import Topology
 from .mixed_precision import MixedPrecision, cast_inputs, cast_output
-from .passes.bucketing import Policy, unit_modules, unit_of
+from .materialize import InitFn, has_meta, materialize
+from .offload import CPUOffload, offload_pins_memory
+from .passes.bucketing import Policy, parse_policy, unit_modules, unit_of
 from .runtime.collectives import CommSpec, padded_rows, shard_bounds
 
 SPECS_ATTR = "_fsdp_specs"
 MIXED_PRECISION_ATTR = "_fsdp_mixed_precision"
+LOCALS_ATTR = "_fsdp_local_shards"
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,16 @@ class ShardedParamInfo:
         return (self.fqn, self.unit, full_rows, *self.comm.op_args())
 
 
+# Every parameter any backend sharded -> its name, for errors about a graph's inputs (Dynamo's
+# source for a parameter read through the root's local shards says nothing a user recognizes).
+_SHARDED_NAMES = WeakIdKeyDictionary()
+
+
+def sharded_name(param: torch.Tensor) -> str | None:
+    """The name a parameter had when it was sharded, or None if no backend sharded it."""
+    return _SHARDED_NAMES.get(param)
+
+
 def is_sharded(module: nn.Module) -> bool:
     return any(SPECS_ATTR in m.__dict__ for m in module.modules())
 
@@ -63,7 +78,28 @@ def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
             "load new values with load_state_dict() or copy_() into the existing parameter"
         )
     info = module.__dict__[SPECS_ATTR][name]
-    return torch.ops.fsdp_compile.unshard(param.to_local(), *info.unshard_args)
+    shards = module.__dict__.get(LOCALS_ATTR)
+    local = shards.current.get(info.fqn) if shards is not None and shards.current is not None else None
+    if local is None:
+        local = param.to_local()
+    sync = module.__dict__.get(SYNC_ATTR)
+    if sync is not None and sync.accumulating and param.requires_grad:
+        return torch.ops.fsdp_compile.unshard_no_sync(local, sync.accumulators[info.fqn], *info.unshard_args)
+    return torch.ops.fsdp_compile.unshard(local, *info.unshard_args)
+
+
+class LocalShards:
+    """The local tensor of every shard of one model, taken once per forward at its root.
+
+    Why at the root: inside an activation-checkpointed region (a ``tag_activation_checkpoint``
+    higher-order op under torch.compile) ``DTensor.to_local()`` makes AOTAutograd save the
+    DeviceMesh for backward, which it cannot. Taken before the region, the region only sees
+    plain tensors.
+    """
+
+    def __init__(self) -> None:
+        self.params: list[tuple[str, nn.Parameter]] = []
+        self.current: dict[str, torch.Tensor] | None = None
 
 
 def _make_property(name: str) -> property:
@@ -81,15 +117,22 @@ def _make_property(name: str) -> property:
     return property(read, write, doc=f"Full value of sharded parameter {name!r} (gathers it).")
 
 
-def _make_casting_forward(cls: type):
+def _make_root_forward(cls: type):
     original_forward = cls.forward
 
     def forward(self: nn.Module, *args, **kwargs):
         # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
-        # own, so hooks would add graphs; this way the casts are part of the model's graph.
-        policy = self.__dict__[MIXED_PRECISION_ATTR]
-        args, kwargs = cast_inputs(policy, args, kwargs)
-        return cast_output(policy, original_forward(self, *args, **kwargs))
+        # own, so hooks would add graphs; this way all of it is part of the model's graph.
+        shards = self.__dict__[LOCALS_ATTR]
+        shards.current = {fqn: param.to_local() for fqn, param in shards.params}
+        try:
+            policy = self.__dict__.get(MIXED_PRECISION_ATTR)
+            if policy is None:
+                return original_forward(self, *args, **kwargs)
+            args, kwargs = cast_inputs(policy, args, kwargs)
+            return cast_output(policy, original_forward(self, *args, **kwargs))
+        finally:
+            shards.current = None
 
     return forward
 
@@ -97,13 +140,14 @@ def _make_casting_forward(cls: type):
 _CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool], type] = {}
 
 
-def _sharded_class(cls: type, names: tuple[str, ...], casts: bool) -> type:
-    """The generated subclass: a gathering property per parameter, a casting forward for the root."""
-    key = (cls, names, casts)
+def _sharded_class(cls: type, names: tuple[str, ...], root: bool) -> type:
+    """The generated subclass: a gathering property per parameter, and for the root a forward
+    that takes the local shards (and applies mixed precision casts)."""
+    key = (cls, names, root)
     if key not in _CLASS_CACHE:
         namespace = {name: _make_property(name) for name in names}
-        if casts:
-            namespace["forward"] = _make_casting_forward(cls)
+        if root:
+            namespace["forward"] = _make_root_forward(cls)
         namespace["__module__"] = cls.__module__
         namespace["_fsdp_original_class"] = cls
         _CLASS_CACHE[key] = type(f"Sharded{cls.__name__}", (cls,), namespace)
@@ -118,11 +162,11 @@ def _owners(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, str, nn.Par
                 yield module, mod_name, name, f"{mod_name}.{name}" if mod_name else name, param
 
 
-def _shard_tensor(param: nn.Parameter, topology: Topology) -> tuple[torch.Tensor, bool]:
+def _shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | None) -> tuple[torch.Tensor, bool]:
     """This rank's DTensor shard of ``param``, and whether it is split on dim 0."""
     full = param.detach()
     if full.dim() == 0 or topology.shard_size == 1:
-        local = full.clone()
+        local = _place(full.clone(), offload)
         return DTensor.from_local(local, topology.mesh, topology.replicated_placements(),
                                   run_check=False), False
     rows = full.shape[0]
@@ -131,10 +175,23 @@ def _shard_tensor(param: nn.Parameter, topology: Topology) -> tuple[torch.Tensor
     # Stored padded (as FSDP2 does) so every rank's copy-in reads an equal chunk.
     storage = full.new_zeros((chunk, *full.shape[1:]))
     storage[:length].copy_(full[start:start + length])
-    local = storage[:length]
+    local = _place(storage, offload)[:length]
     dtensor = DTensor.from_local(local, topology.mesh, topology.placements, run_check=False,
                                  shape=full.shape, stride=full.stride())
     return dtensor, True
+
+
+def _place(storage: torch.Tensor, offload: CPUOffload | None) -> torch.Tensor:
+    if offload is None:
+        return storage
+    storage = storage.to("cpu")
+    return storage.pin_memory() if offload.pin_memory and offload_pins_memory() else storage
+
+
+@dataclass
+class ShardResult:
+    infos: dict[str, ShardedParamInfo]
+    peak_full_bytes: int | None = None  # meta-device models: most full parameter bytes held
 
 
 def shard_module(
@@ -142,9 +199,30 @@ def shard_module(
     topology: Topology,
     policy: Policy,
     mixed_precision: MixedPrecision | None = None,
-) -> dict[str, ShardedParamInfo]:
-    """Shard every parameter of ``model`` in place; returns the info of each, by name."""
+    *,
+    sync: GradientSync | None = None,
+    offload: CPUOffload | None = None,
+    init_fn: InitFn | None = None,
+    init_device: torch.device | None = None,
+) -> ShardResult:
+    """Shard every parameter of ``model`` in place; returns the info of each, by name.
+
+    Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`),
+    on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``.
+    """
     units = unit_modules(model, policy)
+    presharded: dict[int, tuple[torch.Tensor, bool]] = {}
+    peak = None
+    if has_meta(model):
+        # Without units of its own (bytes / param policies) a model still materializes block by block.
+        init_units = units if policy.uses_units else unit_modules(model, parse_policy("module"))
+        result = materialize(model, init_units, init_device or torch.device(topology.mesh.device_type),
+                             lambda full: _shard_tensor(full, topology, offload), init_fn)
+        presharded, peak = result.shards, result.peak_full_bytes
+    elif init_fn is not None:
+        raise ValueError("init_fn= initializes parameters on the meta device, and this model has none; "
+                         "drop init_fn or build the model under torch.device('meta')")
+    compute_device = _compute_device(topology) if offload is not None else None
     seen: dict[int, tuple[nn.Parameter, ShardedParamInfo]] = {}
     per_module: dict[nn.Module, dict[str, ShardedParamInfo]] = {}
     infos: dict[str, ShardedParamInfo] = {}
@@ -156,12 +234,10 @@ def shard_module(
                     "fsdp_compile shards plain parameters, pass the model before any other "
                     "parallelism is applied"
                 )
-            if param.device.type == "meta":
-                raise ValueError(
-                    f"parameter {fqn!r} is on the meta device; materialize the model (e.g. "
-                    "model.to_empty(device=...) and re-initialize) before sharding"
-                )
-            dtensor, dim0_sharded = _shard_tensor(param, topology)
+            if id(param) in presharded:
+                dtensor, dim0_sharded = presharded[id(param)]
+            else:
+                dtensor, dim0_sharded = _shard_tensor(param, topology, offload)
             sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
             mp = mixed_precision if mixed_precision and mixed_precision.applies_to(param) else None
             comm = CommSpec(
@@ -173,10 +249,14 @@ def shard_module(
                 param_dtype=mp.param_dtype if mp else None,
                 reduce_dtype=mp.reduce_dtype if mp else None,
                 reshard_after_forward=topology.strategy.reshard_after_forward,
+                compute_device=compute_device,
             )
             info = ShardedParamInfo(fqn, unit_of(module_name, units), tuple(param.shape), comm)
             seen[id(param)] = (sharded, info)
             infos[fqn] = info
+            _SHARDED_NAMES[sharded] = fqn
+            if sync is not None:
+                sync.add(sharded, fqn, info.unit, info.full_shape, comm)
         sharded, info = seen[id(param)]
         module._parameters[name] = sharded
         per_module.setdefault(module, {})[name] = info
@@ -185,8 +265,20 @@ def shard_module(
         or (mixed_precision.cast_forward_inputs and mixed_precision.param_dtype is not None))
     if casts:
         model.__dict__[MIXED_PRECISION_ATTR] = mixed_precision
-        per_module.setdefault(model, {})
+    per_module.setdefault(model, {})
+    shards = LocalShards()
+    shards.params = [(fqn, sharded) for sharded, info in seen.values() for fqn in [info.fqn]]
     for module, specs in per_module.items():
         module.__dict__[SPECS_ATTR] = specs
-        module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), casts and module is model)
-    return infos
+        module.__dict__[LOCALS_ATTR] = shards
+        if sync is not None:
+            module.__dict__[SYNC_ATTR] = sync
+        module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), module is model)
+    return ShardResult(infos, peak)
+
+
+def _compute_device(topology: Topology) -> str:
+    device_type = topology.mesh.device_type
+    if device_type == "cpu":
+        return "cpu"
+    return f"{device_type}:{torch.get_device_module(device_type).current_device()}"

@@ -5,11 +5,19 @@
 before ``destroy_process_group()`` (gloo can abort at exit otherwise). When any rank raises, the
 others are killed at once and the failing rank's traceback is raised in the parent, so a test
 never waits on ranks blocked in a collective.
+
+The processes of one world size are kept for the whole test session and run one call after
+another: starting a rank and importing torch costs seconds, paid by dozens of tests. Each call
+starts from the same state a fresh process would have: the environment as it was at start-up
+(plus ``env``), Dynamo's caches cleared, torch's default RNG seed. After a failure or a timeout
+the processes are killed and the next call starts new ones.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import itertools
 import os
 import pickle
 import queue
@@ -39,28 +47,99 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tuple, results: Any) -> None:
-    os.environ.update(env)
+def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+    """A rank's loop: run each task ``(id, fn, args, env)`` until told to stop (``None``)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(tempfile.gettempdir(), "fsdp_compile_inductor"),
     )
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    fresh_environment = dict(os.environ)
+    fresh_seed = torch.initial_seed()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
-        value = fn(rank, world, *args)
+        while (task := tasks.get()) is not None:
+            task_id, fn, args, env = task
+            os.environ.clear()
+            os.environ.update(fresh_environment, **env)
+            torch._dynamo.reset()
+            torch.manual_seed(fresh_seed)
+            try:
+                value = fn(rank, world, *args)
+                dist.barrier()
+                results.put((task_id, rank, "ok", pickle.dumps(value)))
+            except BaseException:  # report anything, including KeyboardInterrupt, to the parent
+                results.put((task_id, rank, "error", traceback.format_exc()))
+                return  # the parent kills the others, which may be blocked in a collective
         dist.barrier()
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:  # report anything, including KeyboardInterrupt, to the parent
-        results.put((rank, "error", traceback.format_exc()))
-        return
     finally:
         if dist.is_initialized():
-            # After an error the barrier could block on dead peers; the parent kills us then.
             dist.destroy_process_group()
+
+
+class _Pool:
+    """``world`` ranks that run one function after another."""
+
+    _ids = itertools.count()
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, args: tuple, env: dict, timeout_s: float) -> list[Any]:
+        task_id = next(self._ids)
+        for q in self.tasks:
+            q.put((task_id, fn, args, env))
+        values: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(values) < self.world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerError(f"workers did not finish within {timeout_s:.0f}s (ranks done: {sorted(values)})")
+            try:
+                done_id, rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in values]
+                if dead:
+                    raise WorkerError(f"rank {dead[0]} exited with code {self.procs[dead[0]].exitcode} "
+                                      "without a result")
+                continue
+            if done_id != task_id:
+                continue
+            if status == "error":
+                raise WorkerError(f"rank {rank} failed:\n{payload}")
+            values[rank] = pickle.loads(payload)
+        return [values[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+_POOLS: dict[int, _Pool] = {}
 
 
 def run_workers(
@@ -70,39 +149,26 @@ def run_workers(
     env: dict | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns values by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), "fsdp_compile_inductor"),
-           **(env or {})}
-    procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, env, fn, args, results), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    values: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns values by rank.
+
+    ``fn`` must be importable by name (a module-level function of a module on ``sys.path``).
+    """
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _POOLS[world_size] = _Pool(world_size)
     try:
-        while len(values) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerError(f"workers did not finish within {timeout_s:.0f}s (ranks done: {sorted(values)})")
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-                if dead:
-                    raise WorkerError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
-                continue
-            if status == "error":
-                raise WorkerError(f"rank {rank} failed:\n{payload}")
-            values[rank] = pickle.loads(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(values) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [values[r] for r in range(world_size)]
+        return pool.run(fn, args, dict(env or {}), timeout_s)
+    except BaseException:
+        del _POOLS[world_size]
+        pool.kill()
+        raise
+
+
+@atexit.register
+def shutdown_workers() -> None:
+    """Stop every kept process cleanly (barrier, then destroy the process group)."""
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        pool.close()

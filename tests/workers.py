@@ -375,6 +375,17 @@ class Net(nn.Module):
         return self.out(torch.relu(self.fc(x)))
 
 
+class RawWeight(nn.Module):
+    """A parameter with no reset_parameters(): nothing can initialize it from the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
 def api_errors_worker(rank: int, world: int) -> dict:
     """Bad input to shard() and to compiled calls, at world 1."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -388,7 +399,8 @@ def api_errors_worker(rank: int, world: int) -> dict:
     errors["twice"] = expect_error(lambda: backend.shard(sharded))
     errors["not_a_module"] = expect_error(lambda: backend.shard(lambda x: x))
     errors["compiled_module"] = expect_error(lambda: backend.shard(torch.compile(Net())))
-    meta = Net().to("meta")
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4), RawWeight())
     errors["meta"] = expect_error(lambda: fsdp_compile.backend().shard(meta))
     tp = Net()
     mesh = init_device_mesh("cpu", (world,))

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ops import REDUCE_GRAD, UNSHARD, markers
+from ..ops import markers
 from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
 
@@ -171,8 +171,8 @@ def lower_markers(gm: fx.GraphModule, policy: Policy,
                   decompositions: Decompositions = None) -> dict[str, list[Bucket]]:
     """Lower every marker of ``gm`` bucket by bucket; returns the buckets by kind."""
     buckets = {
-        "unshard": assign_buckets(markers(gm.graph, UNSHARD), policy),
-        "reduce_grad": assign_buckets(markers(gm.graph, REDUCE_GRAD), policy),
+        "unshard": assign_buckets(markers(gm.graph, "unshard"), policy),
+        "reduce_grad": assign_buckets(markers(gm.graph, "reduce_grad"), policy),
     }
     for bucket in buckets["unshard"]:
         for marker in bucket.markers:

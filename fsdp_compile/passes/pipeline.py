@@ -1,7 +1,8 @@
 """Run a sequence of graph passes on a copy of a graph, recording (and optionally dumping) each.
 
 A pass is ``(name, fn)`` where ``fn(gm)`` rewrites ``gm`` in place and may return a value
-(buckets, a schedule) or a replacement GraphModule. The passes work on a copy, so a pass that
+(buckets, a schedule) or a replacement GraphModule. A ``ConfigError`` (the user's options
+cannot work) passes through unwrapped; any other error becomes a ``PassFailure``. The passes work on a copy, so a pass that
 fails half-way leaves the caller's graph untouched: the caller can still run it as it was.
 """
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
+
+from ..errors import ConfigError
 
 Pass = tuple[str, Callable[[fx.GraphModule], Any]]
 
@@ -53,6 +56,8 @@ def run_passes(
             if isinstance(value, fx.GraphModule):
                 work, value = value, None
             work.recompile()
+        except ConfigError:
+            raise
         except Exception as exc:
             raise PassFailure(name, exc) from exc
         results.append(PassResult(name, time.perf_counter() - start, value))

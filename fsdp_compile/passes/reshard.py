@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..ops import UNSHARD, decode
+from ..ops import UNSHARD_TARGETS, decode
 from .lowering import tag_parameter_input
 
 aten = torch.ops.aten
@@ -34,7 +34,7 @@ VIEW_LIKE = PURE_VIEWS | {
 
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target is UNSHARD]
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in UNSHARD_TARGETS]
 
 
 def elide_trivial_unshard(graph: fx.Graph) -> int:

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
+from ..errors import ConfigError
 from .lowering import COLLECTIVE_OPS, COMM_META, CommTag, collective_bytes, stable_topological_sort
 from .reshard import PURE_VIEWS
 
@@ -113,7 +114,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     largest_bytes = max(largest.sizes)
     budget = options.max_inflight_bytes or 2 * largest_bytes
     if budget < largest_bytes:
-        raise ValueError(
+        raise ConfigError(
             f"max_inflight_bytes={budget} is smaller than bucket {largest.tag.bucket!r} "
             f"({largest_bytes} bytes, {largest.tag.kind}); raise it to at least {largest_bytes} "
             "or use smaller buckets"

@@ -52,6 +52,9 @@ class CommSpec:
     ``dim0_sharded`` is False for a parameter kept whole on every rank even though the strategy
     shards (a 0-d tensor): it is not gathered, and its gradient is all-reduced over the shard
     group instead of reduce-scattered.
+
+    ``compute_device`` is set under CPU offload: the shard lives in host memory, is copied to
+    that device to be gathered, and its reduced gradient is copied back to the host.
     """
 
     shard_group: str
@@ -62,6 +65,7 @@ class CommSpec:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
+    compute_device: str | None = None
 
     def op_args(self) -> tuple:
         return (
@@ -73,6 +77,7 @@ class CommSpec:
             self.param_dtype,
             self.reduce_dtype,
             self.reshard_after_forward,
+            self.compute_device,
         )
 
     @classmethod
@@ -111,6 +116,9 @@ def gather_params(
     fresh copy in the compute dtype, never as an alias of the shard.
     """
     dtype = spec.compute_dtype(shards[0].dtype)
+    if spec.compute_device is not None:
+        # From pinned host memory this copy is asynchronous and ordered before the gather.
+        shards = [s.to(spec.compute_device, non_blocking=True) for s in shards]
     if not spec.gathers:
         return [s.to(dtype, copy=True) for s in shards]
     chunks = chunk_numels(full_shapes, spec.shard_size)
@@ -145,7 +153,7 @@ def reduce_grads(
 
     Sharded parameters: one reduce-scatter in the shard group; replicated ones (or NO_SHARD):
     an all-reduce in the shard group; then, with replicas, one all-reduce across them. Each
-    result is cast back to the parameter's dtype.
+    result is cast back to the parameter's dtype (and, under CPU offload, copied to the host).
     """
     reduce_dtype = spec.grad_reduce_dtype(grads[0].dtype)
     pre, post = divide_factors(reduce_dtype, spec.shard_size * spec.replicate_size)
@@ -177,4 +185,6 @@ def reduce_grads(
         numels = [math.prod(shape) for shape in full_shapes]
         for piece, shape, dtype in zip(torch.split(flat, numels), full_shapes, grad_dtypes):
             outs.append(piece.view(shape).to(dtype))
+    if spec.compute_device is not None:
+        outs = [o.to("cpu") for o in outs]
     return outs

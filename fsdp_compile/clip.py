@@ -1,0 +1,88 @@
+"""Gradient clipping by the global norm over every rank's shards."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+
+def clip_grad_norm_(
+    parameters: nn.Module | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale gradients in place so their global ``norm_type`` norm is at most ``max_norm``.
+
+    Same contract as ``torch.nn.utils.clip_grad_norm_`` (returns the total norm before
+    clipping, as a plain tensor equal on every rank), computed for sharded gradients: each
+    rank takes the norm of its own shards, and only mesh dimensions a gradient is sharded on
+    are summed across ranks (replicas hold copies and must not be counted twice). One
+    all-reduce in all.
+    """
+    if isinstance(parameters, nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a positive number")
+    norm_type = float(norm_type)
+    if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
+        raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device = _local(grads[0]).device
+    infinite = math.isinf(norm_type)
+
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple, list] = {}
+    for grad in grads:
+        local = _local(grad)
+        part = (torch.linalg.vector_norm(local.float(), norm_type) if local.numel()
+                else torch.zeros((), device=device))
+        if not infinite:
+            part = part ** norm_type
+        dims = _sharded_mesh_dims(grad)
+        if dims:
+            groups.setdefault(dims, []).append(grad)
+            sharded = torch.maximum(sharded, part) if infinite else sharded + part
+        else:
+            replicated = torch.maximum(replicated, part) if infinite else replicated + part
+    if len(groups) > 1:
+        raise ValueError(
+            "gradients are sharded over different mesh dimensions "
+            f"({[dims for _, dims in groups]}); clip each model's parameters separately"
+        )
+    if groups:
+        (mesh, mesh_dims), = groups
+        for dim in mesh_dims:
+            dist.all_reduce(sharded, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM,
+                            group=mesh.get_group(dim))
+    total = torch.maximum(sharded, replicated) if infinite else (sharded + replicated) ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is {total.item()}; "
+            "pass error_if_nonfinite=False to clip anyway"
+        )
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    locals_ = [_local(g) for g in grads]
+    torch._foreach_mul_(locals_, coefficient.to(locals_[0].device))
+    return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded_mesh_dims(t: torch.Tensor) -> tuple | None:
+    if not isinstance(t, DTensor):
+        return None
+    dims = tuple(i for i, p in enumerate(t.placements) if isinstance(p, Shard))
+    return (t.device_mesh, dims) if dims else None

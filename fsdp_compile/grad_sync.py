@@ -1,0 +1,110 @@
+"""Gradient accumulation without communication: ``backend.no_sync()``.
+
+While synchronization is off, every read of a trainable sharded parameter becomes
+``unshard_no_sync(shard, accumulator, ...)`` instead of ``unshard``: the forward is the same
+gather, but the gradient goes, unsharded and unreduced, to ``accumulator`` (a leaf of the full
+parameter's shape, stored as an expanded zero so it costs nothing until a gradient arrives) and
+autograd sums the micro-batches into ``accumulator.grad``. Backward communicates nothing.
+
+The first backward after synchronization is turned back on still accumulates (its forward
+reads the same flag), then reduces every accumulated gradient at once (bucket by bucket, with
+the same :func:`~fsdp_compile.runtime.collectives.reduce_grads` as the compiled graphs) into
+``param.grad``: one reduction per accumulation window, as FSDP's ``no_sync``.
+
+Dynamo guards on :attr:`GradientSync.accumulating`, so a compiled model has exactly one more
+graph for accumulation, whatever the number of micro-batches. Memory: like FSDP, the
+accumulated gradients are full-size (in the reduce dtype) until they are reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .runtime.collectives import CommSpec, reduce_grads
+
+SYNC_ATTR = "_fsdp_gradient_sync"
+
+
+@dataclass
+class _Entry:
+    param: nn.Parameter
+    fqn: str
+    unit: str
+    full_shape: tuple[int, ...]
+    comm: CommSpec
+
+
+class GradientSync:
+    """Whether backward reduces gradients, shared by every module of the models a backend shards."""
+
+    def __init__(self) -> None:
+        self.requires_sync = True
+        # Read by the parameters' properties: Dynamo guards on it (one graph per value).
+        self.accumulating = False
+        self.accumulators: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._reduce_queued = False
+
+    def add(self, param: nn.Parameter, fqn: str, unit: str, full_shape: tuple[int, ...], comm: CommSpec) -> None:
+        self._entries[fqn] = _Entry(param, fqn, unit, full_shape, comm)
+
+    def set_requires_sync(self, requires_sync: bool) -> None:
+        if not isinstance(requires_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync() takes a bool, got {type(requires_sync).__name__}")
+        self.requires_sync = requires_sync
+        if not requires_sync and not self.accumulating:
+            self.accumulators = {fqn: self._accumulator(e) for fqn, e in self._entries.items()
+                                 if e.param.requires_grad}
+            self.accumulating = True
+        # Turning sync back on keeps ``accumulating`` until the next backward has reduced.
+
+    def _accumulator(self, entry: _Entry) -> torch.Tensor:
+        local = entry.param.to_local()
+        dtype = entry.comm.grad_reduce_dtype(local.dtype)
+        device = entry.comm.compute_device or local.device
+        accumulator = torch.zeros((), dtype=dtype, device=device).expand(entry.full_shape).requires_grad_()
+        accumulator.register_post_accumulate_grad_hook(self._on_accumulated)
+        return accumulator
+
+    def _on_accumulated(self, _accumulator: torch.Tensor) -> None:
+        if self.requires_sync and not self._reduce_queued:
+            self._reduce_queued = True
+            # Runs once the whole backward is done: every accumulator then holds its last
+            # micro-batch too. The engine API FSDP and DDP use for their end-of-backward work.
+            torch.autograd.Variable._execution_engine.queue_callback(self.reduce_accumulated)
+
+    def reduce_accumulated(self) -> None:
+        """Reduce the accumulated gradients into ``param.grad`` now and end accumulation.
+
+        Called automatically at the end of the first backward with synchronization back on;
+        call it directly if the accumulation window ended without such a backward.
+        """
+        self._reduce_queued = False
+        if not self.requires_sync:
+            raise RuntimeError("reduce_accumulated() while gradient sync is off; turn it back on first")
+        groups: dict[tuple[str, CommSpec], list[tuple[_Entry, torch.Tensor]]] = {}
+        for fqn, accumulator in self.accumulators.items():
+            if accumulator.grad is not None:
+                entry = self._entries[fqn]
+                groups.setdefault((entry.unit, entry.comm), []).append((entry, accumulator.grad))
+        with torch.no_grad():
+            for (_unit, comm), members in groups.items():
+                locals_ = [e.param.to_local() for e, _ in members]
+                shards = reduce_grads([g for _, g in members], [t.shape[0] if t.dim() else 0 for t in locals_],
+                                      [t.dtype for t in locals_], comm)
+                for (entry, _), shard in zip(members, shards):
+                    _add_grad(entry.param, shard)
+        self.accumulators = {}
+        self.accumulating = False
+
+
+def _add_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+    grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad

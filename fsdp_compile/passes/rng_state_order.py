@@ -1,0 +1,70 @@
+"""Put activation checkpointing's saved RNG states where AOTAutograd's runtime looks for them.
+
+A forward graph returns its user outputs, then the values saved for backward: tensors first,
+then non-tensors (opaque objects such as the DeviceMesh that rebuilds DTensor gradients, and
+symbolic ints). When an activation-checkpointed region contains a random op (dropout, or CPU
+attention, which torch tags as seeded), the partitioner appends the RNG state of each such op
+to the saved values *after* the opaque objects (it only accounts for symbolic ints), and the
+runtime then finds a DeviceMesh among the saved tensors and fails. Sharded parameters always
+bring a DeviceMesh, so every checkpointed model with dropout would hit this.
+
+The pass moves those RNG states, in the forward outputs and in the backward inputs alike, in
+front of the trailing run of non-tensors, the order the runtime expects. It changes nothing
+when there is no RNG state or no trailing non-tensor.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+
+def _is_tensor(node: object) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _is_saved_rng_state(node: object) -> bool:
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return False
+    source, index = node.args
+    return index == 0 and getattr(source, "target", None) is torch._prims.rng_prims.run_and_save_rng_state
+
+
+def _before_trailing_non_tensors(items: list, moving: list) -> list:
+    rest = [x for x in items if not any(x is m for m in moving)]
+    first_moved = next(i for i, x in enumerate(items) if any(x is m for m in moving))
+    kept_before = [x for x in items[:first_moved] if not any(x is m for m in moving)]
+    cut = len(kept_before)
+    while cut > 0 and not _is_tensor(kept_before[cut - 1]):
+        cut -= 1
+    return rest[:cut] + moving + rest[cut:]
+
+
+def order_rng_states_before_opaque(forward: fx.GraphModule, backward: fx.GraphModule) -> bool:
+    """Reorder in place as the module docstring says; returns whether anything moved."""
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    outputs = list(output.args[0])
+    states = [x for x in outputs if _is_saved_rng_state(x)]
+    if not states:
+        return False
+    new_outputs = _before_trailing_non_tensors(outputs, states)
+    if all(a is b for a, b in zip(new_outputs, outputs)):
+        return False
+    placeholders = list(backward.graph.find_nodes(op="placeholder"))
+    state_inputs = [p for p in placeholders if p.name.startswith("rng_state_output")]
+    if len(state_inputs) != len(states):
+        raise RuntimeError(
+            f"found {len(states)} saved RNG states in forward but {len(state_inputs)} in backward; "
+            "cannot reorder them consistently"
+        )
+    new_inputs = _before_trailing_non_tensors(placeholders, state_inputs)
+    output.args = (tuple(new_outputs), *output.args[1:])
+    anchor = new_inputs[0]
+    for node in new_inputs[1:]:
+        anchor.append(node)
+        anchor = node
+    forward.recompile()
+    backward.recompile()
+    return True
