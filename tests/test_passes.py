@@ -75,3 +75,54 @@ def test_saved_gathered_parameters_sees_through_views() -> None:
         return x @ transposed, transposed, x
     gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(3, 4))
     assert saved_gathered_parameters(gm) == ["t"]
+
+
+def rng_graphs(misplaced: bool) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """A forward that saves (tensor, DeviceMesh-like object[, RNG state]) for backward, in the
+    order the partitioner leaves them when an activation-checkpointed region holds a random op,
+    and its backward's inputs in the same order."""
+    import operator
+
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    forward = torch.fx.Graph()
+    x = forward.placeholder("x")
+    x.meta["val"] = torch.empty(2)
+    opaque = forward.placeholder("mesh")
+    opaque.meta["val"] = object()  # not a tensor: what the runtime expects after the tensors
+    y = forward.call_function(torch.ops.aten.sin.default, (x,))
+    y.meta["val"] = torch.empty(2)
+    outputs = [y, x, opaque]
+    if misplaced:
+        both = forward.call_function(run_and_save_rng_state, (torch.ops.aten.rand.default, [2]))
+        state = forward.call_function(operator.getitem, (both, 0))
+        state.meta["val"] = torch.empty(16, dtype=torch.uint8)
+        outputs.append(state)
+    forward.output(tuple(outputs))
+    backward = torch.fx.Graph()
+    names = ["x", "mesh"] + (["rng_state_output_0"] if misplaced else []) + ["tangents_1"]
+    inputs = [backward.placeholder(n) for n in names]
+    for node in inputs:
+        node.meta["val"] = object() if node.name == "mesh" else torch.empty(2)
+    backward.output((inputs[0],))
+    return torch.fx.GraphModule({}, forward), torch.fx.GraphModule({}, backward)
+
+
+def test_saved_rng_states_move_before_the_opaque_values() -> None:
+    from fsdp_compile.passes.rng_state_order import order_rng_states_before_opaque
+
+    forward, backward = rng_graphs(misplaced=True)
+    assert order_rng_states_before_opaque(forward, backward)
+    (output,) = forward.graph.find_nodes(op="output")
+    assert [n.name for n in output.args[0]] == ["sin_default", "x", "getitem", "mesh"]
+    placeholders = [n.name for n in backward.graph.find_nodes(op="placeholder")]
+    assert placeholders == ["x", "rng_state_output_0", "mesh", "tangents_1"]
+
+
+def test_graphs_without_rng_states_are_left_alone() -> None:
+    from fsdp_compile.passes.rng_state_order import order_rng_states_before_opaque
+
+    forward, backward = rng_graphs(misplaced=False)
+    before = forward.code, backward.code
+    assert not order_rng_states_before_opaque(forward, backward)
+    assert (forward.code, backward.code) == before
