@@ -263,3 +263,29 @@ def test_bad_training_loop_input_is_named() -> None:
     assert errors["clip_negative"] == "ValueError: max_norm=-1 must be a positive number"
     assert "shard the model first" in errors["no_sync_before_shard"]
     assert errors["sync_not_bool"].startswith("TypeError") and "takes a bool" in errors["sync_not_bool"]
+
+
+@functools.cache
+def inductor_run() -> dict:
+    root = tempfile.mkdtemp(prefix="fsdp_compile_inductor_loop_")
+    return run_workers(loop_worker, 2, "FULL_SHARD", root, None, ("inductor",))[0]["inductor"]
+
+
+@pytest.mark.slow
+def test_training_loop_under_inductor() -> None:
+    """The default inner compiler: every feature compiles and trains like the reference
+    (Inductor's rounding differs from eager kernels, so within the parity tolerances)."""
+    out = inductor_run()
+    acc = out["accumulation"]
+    assert acc["graphs"] == 2
+    assert not [e for e in acc["no_sync_collectives"] if e != "gloo:all_gather"]
+    assert_close(acc["params"], acc["reference"]["params"], PARAM_ATOL, "accumulation")
+    for ours, ref in zip(acc["norms"], acc["reference"]["norms"]):
+        assert ours == pytest.approx(ref, rel=1e-5)
+    for case in ("frozen", "activation_checkpointing", "offload"):
+        assert_close(out[case]["params"], out[case]["reference"]["params"], PARAM_ATOL, case)
+    assert out["activation_checkpointing"]["facts"]["backward"]["all_gather"] == B
+    assert sorted(out["frozen"]["facts"]["reduce_buckets"]) == ["<root>", "blocks.1"]
+    checkpoint = out["checkpoint"]
+    assert checkpoint["resumed_losses"] == checkpoint["uninterrupted_losses"]
+    assert_bitwise(checkpoint["resumed_params"], checkpoint["uninterrupted_params"], "resumed under Inductor")
