@@ -40,14 +40,18 @@ def unshard(
     compute_device: Optional[str],
 ) -> torch.Tensor:
     """The full parameter (in the compute dtype) gathered from every rank's dim-0 shard."""
-    spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-                    param_dtype, reduce_dtype, reshard_after_forward, compute_device)
-    return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
+    return _gather_one(shard, full_rows, CommSpec(
+        shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
+        param_dtype, reduce_dtype, reshard_after_forward, compute_device))
 
 
 @unshard.register_fake
 def _unshard_fake(shard, fqn, unit, full_rows, *spec_args):
     return _gathered_fake(shard, full_rows, CommSpec(*spec_args))
+
+
+def _gather_one(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> torch.Tensor:
+    return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
 
 
 def _gathered_fake(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> torch.Tensor:
@@ -131,9 +135,9 @@ def unshard_no_sync(
     leaf of the full parameter's shape, so autograd sums the full gradients of every
     micro-batch into ``accumulator.grad`` and nothing is communicated in backward.
     """
-    spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-                    param_dtype, reduce_dtype, reshard_after_forward, compute_device)
-    return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
+    return _gather_one(shard, full_rows, CommSpec(
+        shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
+        param_dtype, reduce_dtype, reshard_after_forward, compute_device))
 
 
 @unshard_no_sync.register_fake
