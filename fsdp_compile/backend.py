@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ops  # noqa: F401  (registers the marker ops)
 from .errors import ConfigError
 from .grad_sync import GradientSync
-from .groups import Topology, resolve_topology
+from .groups import Topology, current_device, resolve_topology
 from .offload import CPUOffload
 from .mixed_precision import MixedPrecision
 from .passes.bucketing import Bucket, BucketPolicy, parse_policy
@@ -252,12 +252,9 @@ class FSDPBackend:
                 f"this backend shards over a {self.topology.mesh.device_type!r} mesh but the model's "
                 f"parameters are on {device_type!r}; use one backend per device type"
             )
-        if init_device is None and self.topology.mesh.device_type != "cpu":
-            module = torch.get_device_module(self.topology.mesh.device_type)
-            init_device = torch.device(self.topology.mesh.device_type, module.current_device())
         result = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision,
                               sync=self.gradient_sync, offload=self.options.offload, init_fn=init_fn,
-                              init_device=init_device)
+                              init_device=init_device or current_device(self.topology.mesh.device_type))
         infos = result.infos
         if result.peak_full_bytes is not None:
             self.init_peak_bytes = max(self.init_peak_bytes or 0, result.peak_full_bytes)

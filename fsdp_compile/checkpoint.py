@@ -26,6 +26,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .groups import current_device
+
 EXTRA_FILE = "extra.pt"
 _SHOWN = 5  # mismatches named in an error
 
@@ -113,15 +115,18 @@ def _mismatches(expected: Mapping[str, tuple | None], found: Mapping[str, tuple 
               for k in expected if k in found and expected[k] is not None and found[k] != expected[k]]
     parts = []
     if missing:
-        parts.append(f"missing from the {what}: {', '.join(missing[:_SHOWN])}"
-                     + (f" (and {len(missing) - _SHOWN} more)" if len(missing) > _SHOWN else ""))
+        parts.append(f"missing from the {what}: {_listed(missing)}")
     if unexpected:
-        parts.append(f"in the {what} but not in the model: {', '.join(unexpected[:_SHOWN])}"
-                     + (f" (and {len(unexpected) - _SHOWN} more)" if len(unexpected) > _SHOWN else ""))
+        parts.append(f"in the {what} but not in the model: {_listed(unexpected)}")
     if shapes:
-        parts.append("shape mismatch: " + "; ".join(shapes[:_SHOWN])
-                     + (f" (and {len(shapes) - _SHOWN} more)" if len(shapes) > _SHOWN else ""))
+        parts.append(f"shape mismatch: {_listed(shapes, '; ')}")
     return "; ".join(parts) if parts else None
+
+
+def _listed(items: list[str], sep: str = ", ") -> str:
+    """The first few items, and how many more there are."""
+    more = f" (and {len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
+    return sep.join(items[:_SHOWN]) + more
 
 
 def load_checkpoint(
@@ -215,7 +220,4 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 
 
 def _comm_device(t: torch.Tensor) -> torch.device:
-    if not isinstance(t, DTensor) or t.device_mesh.device_type == "cpu":
-        return t.to_local().device if isinstance(t, DTensor) else t.device
-    device_type = t.device_mesh.device_type
-    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+    return current_device(t.device_mesh.device_type) if isinstance(t, DTensor) else t.device

@@ -74,6 +74,13 @@ def world_timeout() -> datetime.timedelta:
         return _DEFAULT_TIMEOUT
 
 
+def current_device(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: the current accelerator, or the CPU."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
 def _default_device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .grad_sync import SYNC_ATTR, GradientSync
-from .groups import Topology
+from .groups import Topology, current_device
 from .mixed_precision import MixedPrecision, cast_inputs, cast_output
 from .materialize import InitFn, has_meta, materialize
 from .offload import CPUOffload, offload_pins_memory
@@ -216,13 +216,13 @@ def shard_module(
     if has_meta(model):
         # Without units of its own (bytes / param policies) a model still materializes block by block.
         init_units = units if policy.uses_units else unit_modules(model, parse_policy("module"))
-        result = materialize(model, init_units, init_device or torch.device(topology.mesh.device_type),
+        result = materialize(model, init_units, init_device or current_device(topology.mesh.device_type),
                              lambda full: _shard_tensor(full, topology, offload), init_fn)
         presharded, peak = result.shards, result.peak_full_bytes
     elif init_fn is not None:
         raise ValueError("init_fn= initializes parameters on the meta device, and this model has none; "
                          "drop init_fn or build the model under torch.device('meta')")
-    compute_device = _compute_device(topology) if offload is not None else None
+    compute_device = str(current_device(topology.mesh.device_type)) if offload is not None else None
     seen: dict[int, tuple[nn.Parameter, ShardedParamInfo]] = {}
     per_module: dict[nn.Module, dict[str, ShardedParamInfo]] = {}
     infos: dict[str, ShardedParamInfo] = {}
@@ -275,10 +275,3 @@ def shard_module(
             module.__dict__[SYNC_ATTR] = sync
         module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), module is model)
     return ShardResult(infos, peak)
-
-
-def _compute_device(topology: Topology) -> str:
-    device_type = topology.mesh.device_type
-    if device_type == "cpu":
-        return "cpu"
-    return f"{device_type}:{torch.get_device_module(device_type).current_device()}"
