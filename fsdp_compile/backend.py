@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops  # noqa: F401  (registers the marker ops)
+from .bucket_advice import oversized_bucket
 from .errors import ConfigError
 from .grad_sync import GradientSync
 from .groups import Topology, current_device, resolve_topology
@@ -203,6 +204,10 @@ class FSDPBackend:
         self._owned = WeakIdKeyDictionary()  # sharded parameter -> its info
         self.gradient_sync = GradientSync()
         self.init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
+        # Buckets over half of a model's parameters under a resharding strategy, by label: what
+        # the report marks (see bucket_advice.py).
+        self.oversized_buckets: dict[str, dict[str, Any]] = {}
+        self._warned_oversized = False
 
     @property
     def strategy(self) -> ShardingStrategy:
@@ -259,11 +264,33 @@ class FSDPBackend:
         if result.peak_full_bytes is not None:
             self.init_peak_bytes = max(self.init_peak_bytes or 0, result.peak_full_bytes)
         self.units.update(info.unit for info in infos.values())
+        self._check_bucket_sizes(model, infos)
         self._resolve_prefetch_orders(model)
         self.params.update(infos)
         for param in model.parameters():
             self._owned[param] = True
         return model
+
+    def _check_bucket_sizes(self, model: nn.Module, infos: dict[str, ShardedParamInfo]) -> None:
+        """Flag a bucket unit with more than half of the parameters where it defeats sharding:
+        gathered whole, freed, gathered again (FULL_SHARD, HYBRID_SHARD over a shard group of 2+).
+        Warns once per backend, on rank 0; the report marks the bucket on every rank."""
+        if not (self.bucket_policy.uses_units and self.strategy.reshard_after_forward
+                and self.topology.shard_size > 1):
+            return
+        params = dict(model.named_parameters())
+        itemsize = {fqn: (info.comm.param_dtype or params[fqn].dtype).itemsize for fqn, info in infos.items()}
+        found = oversized_bucket(model, {fqn: info.unit for fqn, info in infos.items()}, itemsize,
+                                 self.bucket_policy)
+        if found is None:
+            return
+        self.oversized_buckets[found.label] = {"share": found.share, "advice": found.advice}
+        if self._warned_oversized or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        self._warned_oversized = True
+        message = found.message(self.strategy.name)
+        warnings.warn(message, UserWarning, stacklevel=3)
+        log.warning(message)
 
     def summaries(self) -> list[dict[str, Any]]:
         """One JSON-able summary per graph compiled so far on this rank (see report.py)."""

@@ -120,6 +120,7 @@ def graph_summary(record, backend) -> dict[str, Any]:
         "compiler": record.compiler,
         "inference": record.inference,
         "fallbacks": list(record.fallbacks),
+        "oversized_buckets": dict(getattr(backend, "oversized_buckets", {})),
         "dynamo_nodes": len(record.dynamo.graph.nodes),
         "forward": _phase_summary(record.forward, record.forward_buckets, record.forward_schedule,
                                   record.forward_memory, record.pass_seconds.get("forward")),
@@ -201,6 +202,7 @@ def _render_graph(s: dict[str, Any]) -> list[str]:
     for fb in s["fallbacks"]:
         lines.append(f"  ! pass {fb['pass']} failed on the {fb['phase']} graph ({fb['error']}); "
                      "that graph runs its markers through the eager runtime")
+    oversized, explained = s.get("oversized_buckets", {}), set()
     if s["compiler"] == "eager":
         lines.append(f"  runs as captured ({s['dynamo_nodes']} nodes), every marker through the eager runtime")
         return lines
@@ -216,7 +218,14 @@ def _render_graph(s: dict[str, Any]) -> list[str]:
             for b in buckets:
                 params = ", ".join(f"{q['fqn']}{q['shape']} {q['dtype']}" for q in b["params"][:4])
                 more = f", +{len(b['params']) - 4} more" if len(b["params"]) > 4 else ""
-                lines.append(f"      {b['kind']:6} {b['bucket']:<16} {len(b['params']):3} params {_size(b['bytes']):>10}  {params}{more}")
+                flag = oversized.get(b["bucket"]) if b["kind"] == "gather" else None
+                mark = f"  ! {flag['share']:.0%} of all parameters" if flag else ""
+                lines.append(f"      {b['kind']:6} {b['bucket']:<16} {len(b['params']):3} params "
+                             f"{_size(b['bytes']):>10}{mark}  {params}{more}")
+                if flag and b["bucket"] not in explained:
+                    explained.add(b["bucket"])
+                    lines.append(f"        ! {s['strategy']} gathers this bucket whole, so sharding saves "
+                                 f"little of its memory. {flag['advice']}")
         counts: dict[str, int] = {}
         for c in p["collectives"]:
             counts[c["kind"]] = counts.get(c["kind"], 0) + 1

@@ -1,0 +1,191 @@
+"""The default policy (bucket="module") in every common model layout, and the warning when a
+bucket defeats sharding.
+
+One 2-rank FULL_SHARD run (aot_eager) trains each layout of tests/layouts.py with the default
+buckets and with the unbucketed eager runtime on the same data; the tests check the units chosen,
+that each forward all-gather carries exactly one unit, and bitwise equal training.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from distributed import run_workers
+from layouts import (
+    EXPECTED_UNITS,
+    LAYOUTS,
+    Block,
+    NoRepeatLM,
+    layout_worker,
+    warning_worker,
+)
+from test_parity import assert_bitwise
+from torch import nn
+
+from fsdp_compile.bucket_advice import oversized_bucket
+from fsdp_compile.passes.bucketing import (
+    parse_policy,
+    repeated_classes,
+    unit_modules,
+    unit_of,
+)
+
+WORLD = 2
+STEPS = 3
+FITTING = [name for name in LAYOUTS if name != "no_repeats"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_default_units(layout: str) -> None:
+    units = unit_modules(LAYOUTS[layout](), parse_policy("module"))
+    assert sorted(units) == sorted(EXPECTED_UNITS[layout])
+
+
+def test_the_test_gpt_keeps_its_buckets() -> None:
+    from workers import TEST_CONFIG
+
+    from fsdp_compile.gpt import GPT
+
+    assert unit_modules(GPT(TEST_CONFIG), parse_policy("module")) == {"blocks.0", "blocks.1"}
+
+
+class SharedBlock(nn.Module):
+    """One block registered twice: as ``self.shared`` first, then as a member of the list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = Block()
+        self.layers = nn.ModuleList([Block(), self.shared, Block()])
+
+
+def test_a_shared_module_counts_where_its_parameters_are_named() -> None:
+    # Its parameters are named shared.* (where named_modules() first meets it) and belong to the
+    # root; a unit "layers.1" would head a bucket that holds nothing.
+    assert unit_modules(SharedBlock(), parse_policy("module")) == {"layers.0", "layers.2"}
+
+
+class Containers(nn.Module):
+    """A container holding two leaf Linears (a Sequential MLP) is a block, not a stage of Linears;
+    a container whose composite members differ in class repeats nothing; dicts of blocks are
+    stages like lists of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2))
+        self.mixed = nn.ModuleList([LAYOUTS["module_list"](), NoRepeatLM()])
+        self.groups = nn.ModuleDict({key: nn.ModuleDict({"0": Block(), "1": Block()}) for key in "ab"})
+
+
+def test_containers_are_blocks_only_when_they_hold_no_blocks() -> None:
+    units = unit_modules(Containers(), parse_policy("module"))
+    assert {"mlps.0", "mlps.1"} <= units
+    assert not any(u.startswith("mlps.0.") for u in units)
+    # Inside the mixed list the search goes on: the first LM's blocks are found.
+    assert {"mixed.0.layers.0", "mixed.0.layers.1", "mixed.0.layers.2"} <= units
+    assert "mixed.0" not in units and "mixed.1" not in units
+    assert {"groups.a.0", "groups.a.1", "groups.b.0", "groups.b.1"} <= units
+    assert "groups.a" not in units
+
+
+def test_a_policy_that_selects_nothing_lists_the_repeated_classes() -> None:
+    model = LAYOUTS["nested_moe"]()
+    expected = "its repeated module classes are MoEBlock, Attention, MoE, FeedForward, Embedding, LayerNorm, Linear"
+    with pytest.raises(ValueError, match=r"bucket=\{Conv2d\} matches no module of MoELM .*" + expected):
+        unit_modules(model, parse_policy({nn.Conv2d}))
+
+    def never(module: nn.Module) -> bool:
+        return False
+    with pytest.raises(ValueError, match="bucket=never matches no module of MoELM .*" + expected):
+        unit_modules(model, parse_policy(never))
+    with pytest.raises(ValueError, match="it repeats no module class, so a size in bytes"):
+        unit_modules(nn.Sequential(nn.Linear(2, 2)), parse_policy({nn.Conv2d}))
+
+
+def test_repeated_classes_lists_blocks_before_leaf_layers() -> None:
+    assert repeated_classes(LAYOUTS["module_list"]()) == ["Block", "Attention", "FeedForward", "Embedding",
+                                                          "LayerNorm", "Linear"]
+
+
+def _oversized(model: nn.Module, policy) -> object:
+    units_set = unit_modules(model, policy)
+    units = {fqn: unit_of(fqn.rpartition(".")[0], units_set) for fqn, _ in model.named_parameters()}
+    return oversized_bucket(model, units, {fqn: 4 for fqn in units}, policy)
+
+
+def test_oversized_bucket_names_it_and_what_to_pass() -> None:
+    model = NoRepeatLM()
+    found = _oversized(model, parse_policy("module"))
+    assert found.label == "<root>" and found.share == 1.0
+    total_bytes = sum(p.numel() for p in model.parameters()) * 4
+    assert found.advice == (
+        "bucket='module' found no repeated blocks in it. Pass a set of its classes, e.g. bucket={Embedding, "
+        "LayerNorm, Linear} (these repeat in it), or a bucket size in bytes, e.g. "
+        f"bucket={-(-total_bytes // 8)} (about 1/8 of the model per bucket).")
+    for layout in FITTING:
+        assert _oversized(LAYOUTS[layout](), parse_policy("module")) is None, layout
+    # A class policy that keeps most of the model in one unit is flagged too.
+    found = _oversized(LAYOUTS["module_list"](), parse_policy({nn.Embedding}))
+    assert found.label == "<root>" and "bucket={Embedding} leaves it whole" in found.advice
+
+
+def test_a_parameter_over_half_the_model_is_not_flagged() -> None:
+    # Gathered whole under any policy: a warning could suggest nothing.
+    model = nn.Sequential(nn.Embedding(1000, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    assert _oversized(model, parse_policy("module")) is None
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+@functools.cache
+def layout_run() -> list[dict]:
+    return run_workers(layout_worker, WORLD, "FULL_SHARD", list(LAYOUTS), STEPS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_default_buckets_per_layout(layout: str) -> None:
+    out = layout_run()[0][layout]
+    assert out["units"] == sorted(EXPECTED_UNITS[layout])
+    labels = sorted(unit or "<root>" for unit in out["unit_bytes"])
+    assert sorted(out["gather_buckets"]) == labels
+    # Each forward all-gather carries exactly one unit's parameters (rows padded for 2 ranks) ...
+    assert sorted(out["gather_bytes"]) == sorted(out["unit_bytes"].values())
+    # ... so the largest is at most two blocks plus the root's own parameters.
+    blocks = [size for unit, size in out["unit_bytes"].items() if unit]
+    assert max(out["gather_bytes"]) <= 2 * max(blocks, default=0) + out["unit_bytes"].get("", 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_default_buckets_train_bitwise_like_the_eager_runtime(layout: str) -> None:
+    out = layout_run()[0][layout]
+    assert_bitwise(out["compiled"]["grads0"], out["eager"]["grads0"], f"{layout} first-step gradients")
+    assert_bitwise(out["compiled"]["params"], out["eager"]["params"], f"{layout} parameters")
+
+
+def test_only_a_bucket_that_defeats_sharding_warns_once_on_rank_0() -> None:
+    rank0, rank1 = layout_run()
+    for layout in FITTING:
+        assert rank0[layout]["warnings"] == rank0[layout]["logged"] == [], layout
+        assert "!" not in rank0[layout]["report"], layout
+    (warning,) = rank0["no_repeats"]["warnings"]
+    assert rank0["no_repeats"]["logged"] == [warning]
+    assert warning.startswith("fsdp_compile: bucket '<root>' holds 100% of the model's parameters (by element "
+                              "count), and FULL_SHARD gathers a bucket whole")
+    assert "bucket='module' found no repeated blocks in it. Pass a set of its classes, e.g. bucket={Embedding, LayerNorm, Linear}" in warning
+    assert rank1["no_repeats"]["warnings"] == rank1["no_repeats"]["logged"] == []
+
+
+def test_report_marks_the_oversized_bucket() -> None:
+    report = layout_run()[0]["no_repeats"]["report"]
+    gathers = [line for line in report.splitlines() if line.strip().startswith("gather <root>")]
+    assert gathers and all("! 100% of all parameters" in line for line in gathers)
+    explanations = [line.strip() for line in report.splitlines() if line.strip().startswith("! FULL_SHARD")]
+    assert len(explanations) == 1
+    assert explanations[0].startswith("! FULL_SHARD gathers this bucket whole, so sharding saves little of its "
+                                      "memory. bucket='module' found no repeated blocks in it. Pass a set of its classes")
+
+
+def test_warning_only_under_resharding_strategies_once_per_backend() -> None:
+    rank0, rank1 = run_workers(warning_worker, WORLD)
+    assert [len(rank0[case]) for case in rank0] == [1, 1, 0, 0, 0, 0, 0], rank0
+    assert "HYBRID_SHARD gathers a bucket whole" in rank0["HYBRID_SHARD"][0]
+    assert all(not messages for messages in rank1.values()), rank1
