@@ -207,7 +207,7 @@ class CollectiveCall:
 
     def describe(self) -> str:
         params = ", ".join(self.params[:4]) + (f", +{len(self.params) - 4} more" if len(self.params) > 4 else "")
-        return (f"{self.phase} {self.kind} of {self.bytes} bytes {self.dtype} in group {self.group!r} "
+        return (f"{self.phase} {self.kind} of {self.bytes} bytes {self.dtype} in the {self.group} "
                 f"(bucket {self.bucket}: {params or 'no parameters'})")
 
 
@@ -290,11 +290,13 @@ def _graph_mismatch(graph: str, rank: int, mine: list[CollectiveCall], other: in
     )
 
 
-def collective_calls(record: Any) -> list[CollectiveCall]:
+def collective_calls(record: Any, group_roles: dict[str, str]) -> list[CollectiveCall]:
     """The collectives a compiled graph pair issues, in order: forward, then backward.
 
     Lowered collectives are read from the graphs; markers that were not lowered (a pass fell
     back, or ``compiler="eager"``) count as one collective each, as the eager runtime runs them.
+    Groups are named by their role (``group_roles``: process-group name -> role): in a hybrid
+    mesh each rank's shard group is another process group, yet the same role.
     """
     from .graphinfo import COLLECTIVES
     from .ops import UNSHARD_TARGETS, REDUCE_GRAD, decode
@@ -318,13 +320,15 @@ def collective_calls(record: Any) -> list[CollectiveCall]:
                 group = node.args[2] if kind == "all_reduce" else node.args[-1]
                 tag = node.meta.get(COMM_META)
                 bucket = tag.bucket if tag is not None else "?"
-                calls.append(CollectiveCall(phase, kind, str(group), str(value.dtype).replace("torch.", ""),
+                calls.append(CollectiveCall(phase, kind, group_roles.get(str(group), str(group)),
+                                            str(value.dtype).replace("torch.", ""),
                                             int(value.numel() * value.element_size()), bucket,
                                             members.get(bucket, ())))
             elif node.target in UNSHARD_TARGETS or node.target is REDUCE_GRAD:
                 marker = decode(node)
                 value = node.meta["val"] if marker.kind == "unshard" else marker.input.meta["val"]
-                calls.append(CollectiveCall(phase, marker.kind, marker.spec.shard_group or marker.spec.replicate_group,
+                group = marker.spec.shard_group or marker.spec.replicate_group
+                calls.append(CollectiveCall(phase, marker.kind, group_roles.get(group, group),
                                             str(value.dtype).replace("torch.", ""),
                                             int(value.numel() * value.element_size()), marker.unit or "<root>",
                                             (marker.fqn,)))

@@ -302,6 +302,11 @@ class FSDPBackend:
         if self.verifier is None:
             self.verifier = GraphVerifier(key, ranks, timeout)
 
+    def _group_roles(self) -> dict[str, str]:
+        topo = self.topology
+        return {topo.shard_group_name: f"shard group ({topo.shard_size} ranks)",
+                topo.replicate_group_name: f"replicate group ({topo.replicate_size} ranks)"}
+
     def _sharding_items(self, model: nn.Module) -> list[tuple[str, Any]]:
         """What must be equal on every rank for the ranks to communicate alike, in a fixed order."""
         from . import __version__
@@ -455,7 +460,8 @@ class FSDPBackend:
             if verifier is not None:
                 if first_run[0]:
                     kind = "inference graph" if record.inference else "graph"
-                    verifier.verify(f"{kind} {record.index} (forward and backward)", collective_calls(record))
+                    verifier.verify(f"{kind} {record.index} (forward and backward)",
+                                    collective_calls(record, self._group_roles()))
                     first_run[0] = False
                 verifier.calls += 1
             try:

@@ -231,7 +231,7 @@ def load_checkpoint(
     if not _all_ok(problem is None, operation):
         detail = problem or "another rank found it damaged or not matching the model (see its error)"
         if not detail.startswith("checkpoint"):
-            detail = f"checkpoint {str(found)!r} {detail}"
+            detail = f"checkpoint {str(found)!r}: {detail}"
         raise CheckpointError(f"{detail}; nothing was loaded")
     backup = _snapshot(model, optimizer)
     try:

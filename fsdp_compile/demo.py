@@ -144,13 +144,30 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" not in os.environ:
         raise SystemExit("run the demo under torchrun, e.g.: torchrun --nproc_per_node 2 -m fsdp_compile.demo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    init_process_group(datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         train(args, rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def init_process_group(timeout: datetime.timedelta) -> None:
+    """The gloo group, in a store namespace of its own for each torchrun restart.
+
+    torchrun keeps one rendezvous store across restarts, and gloo reads its peers' addresses
+    from it: a restarted rank that starts before the others finds the dead attempt's
+    addresses and fails to connect. Keys under the attempt's own prefix cannot be stale.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"fsdp_compile.demo/attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def _data_positions(gen: torch.Generator, world: int) -> list[torch.Tensor]:
