@@ -4,16 +4,19 @@
     model = torch.compile(backend.shard(model), backend=backend)
 """
 
+from .agreement import AgreementError, GraphMismatchError
 from .backend import CompiledGraph, FSDPBackend, backend, compile
-from .checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
+from .checkpoint import CheckpointError, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from .clip import clip_grad_norm_
 from .errors import ConfigError
+from .faults import RankFailure
 from .memory import MemoryEstimate, estimate_memory
 from .mixed_precision import MixedPrecision
 from .offload import CPUOffload
 from .strategy import ShardingStrategy
 
-__all__ = ["CPUOffload", "CompiledGraph", "ConfigError", "FSDPBackend", "MemoryEstimate", "MixedPrecision",
-           "ShardingStrategy", "backend", "clip_grad_norm_", "compile", "estimate_memory", "full_state_dict",
-           "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
+__all__ = ["AgreementError", "CPUOffload", "CheckpointError", "CompiledGraph", "ConfigError", "FSDPBackend",
+           "GraphMismatchError", "MemoryEstimate", "MixedPrecision", "RankFailure", "ShardingStrategy", "backend",
+           "clip_grad_norm_", "compile", "estimate_memory", "full_state_dict", "load_checkpoint",
+           "load_full_state_dict", "save_checkpoint"]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -34,9 +35,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops  # noqa: F401  (registers the marker ops)
 from .bucket_advice import oversized_bucket
+from .agreement import GraphVerifier, agree_on_sharding, collective_calls
+from .faults import reraise_named
 from .errors import ConfigError
 from .grad_sync import GradientSync
-from .groups import Topology, current_device, resolve_topology
+from .groups import Topology, current_device, resolve_topology, world_timeout
 from .offload import CPUOffload
 from .mixed_precision import MixedPrecision
 from .passes.bucketing import Bucket, BucketPolicy, parse_policy
@@ -44,7 +47,7 @@ from .dump import Dumper, graph_code, manifest_for
 from .graphinfo import is_gathered
 from .report import graph_summary, render_report
 from .memory import MemoryEstimate, estimate_memory, input_bytes
-from .passes.bucketing import ROOT_UNIT
+from .passes.bucketing import ROOT_UNIT, unit_modules, unit_of
 from .passes.lowering import ROLE_META, lower_markers
 from .passes.pipeline import PassFailure, run_passes
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
@@ -55,6 +58,18 @@ from .strategy import ShardingStrategy
 
 COMPILERS = ("inductor", "aot_eager", "eager")
 log = logging.getLogger("fsdp_compile")
+# shard() calls per mesh on this process: the agreement key of the n-th call is the same on every rank.
+_SHARD_CALLS: dict[str, int] = {}
+
+
+def _unique_parameters(model: nn.Module):
+    """(module name, local name, parameter) for each distinct parameter, at its first owner."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                yield module_name, name, param
 
 
 def _env_flag(name: str) -> bool:
@@ -102,6 +117,7 @@ class _Options:
     strict: bool
     passes: dict[str, list[Callable]]
     offload: CPUOffload | None
+    verify: bool
 
 
 class FSDPBackend:
@@ -122,8 +138,10 @@ class FSDPBackend:
     ``strict``: raise when a pass fails instead of running that graph through the eager
     runtime; ``passes``: extra passes ``{"forward" | "backward": [fn(GraphModule)]}`` run after
     ours; ``offload``: :class:`fsdp_compile.CPUOffload` keeps shards, gradients and the
-    optimizer step in host memory. ``FSDP_COMPILE_EAGER=1`` runs every captured graph through
-    the eager runtime.
+    optimizer step in host memory; ``verify`` (default True): check at ``shard()`` and on the
+    first run of every compiled graph that all ranks will communicate alike, and raise a named
+    error on every rank otherwise (see :mod:`fsdp_compile.agreement`). ``FSDP_COMPILE_EAGER=1``
+    runs every captured graph through the eager runtime.
 
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
     accumulation without communication); see also :mod:`fsdp_compile.checkpoint` and
@@ -150,6 +168,7 @@ class FSDPBackend:
         strict: bool = False,
         passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
         offload: CPUOffload | None = None,
+        verify: bool = True,
     ) -> None:
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
@@ -182,6 +201,8 @@ class FSDPBackend:
                 raise ValueError(f"{name}= names bucket units, which bucket={policy.describe()} does not have")
         if offload is not None and not isinstance(offload, CPUOffload):
             raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify= takes a bool, got {type(verify).__name__}")
         passes = dict(passes or {})
         for phase, fns in passes.items():
             if phase not in ("forward", "backward"):
@@ -193,7 +214,7 @@ class FSDPBackend:
                                 bucket, mixed_precision, schedule, prefetch, max_inflight_bytes,
                                 forward_prefetch, backward_prefetch,
                                 os.fspath(dump_dir) if dump_dir is not None else None, strict, passes,
-                                offload)
+                                offload, verify)
         self._dumper_instance: Dumper | None = None
         self.bucket_policy = policy
         self.units: set[str] = {ROOT_UNIT}
@@ -208,6 +229,7 @@ class FSDPBackend:
         # the report marks (see bucket_advice.py).
         self.oversized_buckets: dict[str, dict[str, Any]] = {}
         self._warned_oversized = False
+        self.verifier: GraphVerifier | None = None
 
     @property
     def strategy(self) -> ShardingStrategy:
@@ -257,6 +279,8 @@ class FSDPBackend:
                 f"this backend shards over a {self.topology.mesh.device_type!r} mesh but the model's "
                 f"parameters are on {device_type!r}; use one backend per device type"
             )
+        if self.options.verify:
+            self._agree_on_sharding(model)
         result = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision,
                               sync=self.gradient_sync, offload=self.options.offload, init_fn=init_fn,
                               init_device=init_device or current_device(self.topology.mesh.device_type))
@@ -291,6 +315,53 @@ class FSDPBackend:
         message = found.message(self.strategy.name)
         warnings.warn(message, UserWarning, stacklevel=3)
         log.warning(message)
+
+    def _agree_on_sharding(self, model: nn.Module) -> None:
+        """Every rank of the mesh must shard the same model with the same options (one exchange
+        through the rendezvous store; a mismatch raises on every rank before anything is sharded)."""
+        topo = self.topology
+        ranks = [int(r) for r in topo.mesh.mesh.flatten().tolist()]
+        timeout = self.options.timeout or world_timeout()
+        mesh_key = hashlib.sha256(repr(ranks).encode()).hexdigest()[:12]
+        count = _SHARD_CALLS[mesh_key] = _SHARD_CALLS.get(mesh_key, 0) + 1
+        key = f"{mesh_key}/{count}"
+        agree_on_sharding(self._sharding_items(model), ranks, timeout, key)
+        if self.verifier is None:
+            self.verifier = GraphVerifier(key, ranks, timeout)
+
+    def _group_roles(self) -> dict[str, str]:
+        topo = self.topology
+        return {topo.shard_group_name: f"shard group ({topo.shard_size} ranks)",
+                topo.replicate_group_name: f"replicate group ({topo.replicate_size} ranks)"}
+
+    def _sharding_items(self, model: nn.Module) -> list[tuple[str, Any]]:
+        """What must be equal on every rank for the ranks to communicate alike, in a fixed order."""
+        from . import __version__
+
+        o, topo = self.options, self.topology
+        items: list[tuple[str, Any]] = [
+            ("the fsdp_compile version", __version__),
+            ("the torch version", torch.__version__),
+            ("strategy=", self.strategy.name),
+            ("compiler=", o.compiler),
+            ("bucket=", self.bucket_policy.describe()),
+            ("mixed_precision=", repr(o.mixed_precision)),
+            ("offload=", repr(o.offload)),
+            ("schedule=", o.schedule),
+            ("prefetch=", o.prefetch),
+            ("max_inflight_bytes=", o.max_inflight_bytes),
+            ("the world size", dist.get_world_size()),
+            ("the mesh (replicate x shard ranks)", topo.mesh.mesh.tolist()),
+        ]
+        units = unit_modules(model, self.bucket_policy)
+        for module_name, name, param in _unique_parameters(model):
+            fqn = f"{module_name}.{name}" if module_name else name
+            items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit)",
+                          [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
+                           unit_of(module_name, units) or "<root>"]))
+        # After the parameters: a missing or extra parameter is named before the count differs.
+        items.append(("the number of parameters", sum(1 for _ in _unique_parameters(model))))
+        return items
 
     def summaries(self) -> list[dict[str, Any]]:
         """One JSON-able summary per graph compiled so far on this rank (see report.py)."""
@@ -392,10 +463,41 @@ class FSDPBackend:
             # The captured graph as Python: every marker runs the eager runtime, so a user can
             # step through it with pdb and print tensors.
             self._write_summary(record)
-            return gm.forward
-        if compiler == "aot_eager":
-            return self._compile_aot_eager(gm, example_inputs, record)
-        return self._compile_inductor(gm, example_inputs, record)
+            return self._guarded(gm.forward, record)
+        # Compile the backward graph now, not at the first backward: the first run of the
+        # forward checks both graphs' collectives against the other ranks.
+        eager_backward = ({"force_non_lazy_backward_lowering": True}
+                          if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering") else {})
+        with torch._functorch.config.patch(**eager_backward):
+            if compiler == "aot_eager":
+                compiled = self._compile_aot_eager(gm, example_inputs, record)
+            else:
+                compiled = self._compile_inductor(gm, example_inputs, record)
+        return self._guarded(compiled, record)
+
+    def _guarded(self, compiled: Callable, record: CompiledGraph) -> Callable:
+        """``compiled`` as Dynamo calls it: its collectives checked against the other ranks' on
+        its first run (``verify=True``), and a failed collective reported as the forward of this
+        graph having lost another rank."""
+        verifier = self.verifier if self.options.verify else None
+        timeout = self.options.timeout or world_timeout()
+        first_run = [True]
+
+        def run(*args: Any) -> Any:
+            if verifier is not None:
+                if first_run[0]:
+                    kind = "inference graph" if record.inference else "graph"
+                    verifier.verify(f"{kind} {record.index} (forward and backward)",
+                                    collective_calls(record, self._group_roles()))
+                    first_run[0] = False
+                verifier.calls += 1
+            try:
+                return compiled(*args)
+            except Exception as exc:
+                reraise_named(exc, f"the forward of compiled graph {record.index}", timeout)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
 
     def _check_inputs(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -547,9 +649,22 @@ class FSDPBackend:
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
+        timeout = self.options.timeout or world_timeout()
+
         def compiler(phase: str):
             def compile_graph(g: fx.GraphModule, inputs: Sequence[Any]):
-                return make_boxed_func(self._graph_passes(g, phase, record).forward)
+                run = self._graph_passes(g, phase, record).forward
+                if phase != "backward":
+                    return make_boxed_func(run)
+
+                def backward(args: list) -> Any:
+                    try:
+                        return run(*args)
+                    except Exception as exc:
+                        reraise_named(exc, f"the backward of compiled graph {record.index}", timeout)
+
+                backward._boxed_call = True  # type: ignore[attr-defined]
+                return backward
             return compile_graph
 
         return aot_autograd(

@@ -5,7 +5,11 @@ communication. :func:`save_checkpoint` / :func:`load_checkpoint` write and read 
 optimizer's state) with ``torch.distributed.checkpoint``, which records global shapes and
 placements, so a checkpoint loads into another world size or another strategy. Saving is
 atomic: the checkpoint is written next to its destination and renamed into place only when
-every rank has written its part, so a failed save leaves the previous checkpoint intact.
+every rank has written its part, so a failed save (an error, or a rank that dies or stops
+answering) leaves the previous checkpoint intact. Loading checks the checkpoint before it
+touches the model (every file the metadata names is there and long enough, names and shapes
+match the model) and restores the model and optimizer if reading fails anyway, so a damaged
+checkpoint raises a named error and changes nothing.
 
 :func:`full_state_dict` gathers whole tensors (on rank 0 only, by default on the CPU) for
 export to a single-device model; :func:`load_full_state_dict` takes such a dict back into a
@@ -14,6 +18,7 @@ sharded model.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .faults import reraise_named
 from .groups import current_device
 
 EXTRA_FILE = "extra.pt"
@@ -36,17 +42,23 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(operation: str) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except Exception as exc:
+            reraise_named(exc, operation, None)
 
 
-def _all_ok(ok: bool) -> bool:
+def _all_ok(ok: bool, operation: str) -> bool:
     """Whether ``ok`` holds on every rank (so all ranks raise together instead of one hanging)."""
     if not dist.is_initialized():
         return ok
     flag = torch.tensor([0 if ok else 1])
-    dist.all_reduce(flag)
+    try:
+        dist.all_reduce(flag)
+    except Exception as exc:
+        reraise_named(exc, operation, None)
     return int(flag.item()) == 0
 
 
@@ -70,12 +82,12 @@ def save_checkpoint(
     has written: on failure the previous checkpoint there is intact.
     """
     path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
-    previous = path.with_name(f".{path.name}.previous")
+    operation = f"save_checkpoint({str(path)!r})"
+    partial, previous = _partial_path(path), _previous_path(path)
     if _rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
+    _barrier(operation)
     error: BaseException | None = None
     try:
         dcp.save(_model_and_optim_state(model, optimizer), checkpoint_id=str(partial))
@@ -83,7 +95,9 @@ def save_checkpoint(
             torch.save(dict(extra), partial / EXTRA_FILE)
     except BaseException as exc:  # reported on every rank below, never half-renamed
         error = exc
-    if not _all_ok(error is None):
+    if error is not None and not isinstance(error, Exception):
+        raise error  # KeyboardInterrupt and the like: stop now, the previous checkpoint is intact
+    if not _all_ok(error is None, operation):
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise RuntimeError(
@@ -95,13 +109,62 @@ def save_checkpoint(
         shutil.rmtree(previous, ignore_errors=True)
         if path.exists():
             os.replace(path, previous)
+        # Between these two renames the checkpoint is only at ``previous``: a crash right here
+        # leaves it there, and load_checkpoint / latest_checkpoint look there too.
         os.replace(partial, path)
         shutil.rmtree(previous, ignore_errors=True)
-    _barrier()
+    _barrier(operation)
 
 
-def _saved_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+def _partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def _previous_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.previous")
+
+
+def _complete(path: Path) -> Path | None:
+    """Where the complete checkpoint saved as ``path`` is: ``path``, or its previous version when
+    a save died between its two renames; None if there is none."""
+    for candidate in (path, _previous_path(path)):
+        if (candidate / ".metadata").is_file():
+            return candidate
+    return None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing parts, damaged, or written for another model."""
+
+
+def _read_metadata(path: Path) -> Any:
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: its index {str(path / '.metadata')!r} cannot be read "
+            f"({type(exc).__name__}: {exc}); the checkpoint is damaged: load an older one"
+        ) from exc
+
+
+def _missing_or_short_files(path: Path, metadata: Any) -> str | None:
+    """The first data file the index names that is absent or shorter than the index says."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is not None:
+            needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
+    for relative in sorted(needed):
+        file = path / relative
+        if not file.is_file():
+            return f"file {str(file)!r} is missing"
+        size = file.stat().st_size
+        if size < needed[relative]:
+            return f"file {str(file)!r} is truncated ({size} bytes, the index needs {needed[relative]})"
+    return None
+
+
+def _saved_shapes(metadata: Any) -> dict[str, tuple[int, ...] | None]:
     out = {}
     for key, item in metadata.state_dict_metadata.items():
         out[key] = tuple(item.size) if hasattr(item, "size") else None
@@ -136,29 +199,86 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
 
-    Any world size and strategy may have written it. The names and shapes of the model's
-    parameters and buffers must match the checkpoint's; otherwise a ``ValueError`` names the
-    first mismatches. Returns the ``extra`` dict that was saved (empty if none).
+    Any world size and strategy may have written it. Before anything is loaded, every rank
+    checks that the checkpoint is whole (every file its index names is there, at least as long
+    as the index says) and matches the model (names and shapes of parameters and buffers);
+    otherwise every rank raises a :class:`CheckpointError` (a ``ValueError``) naming the file or
+    the first mismatching keys. If reading fails anyway, the model and optimizer are restored
+    to what they were. Returns the ``extra`` dict that was saved (empty if none).
     """
     path = Path(path)
-    if not (path / ".metadata").is_file():
+    operation = f"load_checkpoint({str(path)!r})"
+    found = _complete(path)
+    if found is None:
         raise FileNotFoundError(f"no checkpoint at {str(path)!r} (expected a directory written by save_checkpoint)")
-    saved = _saved_shapes(path)
-    model_saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
     state = _model_and_optim_state(model, optimizer)
-    expected = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state["model"].items()}
-    problem = _mismatches(expected, model_saved, "checkpoint")
-    if problem:
-        raise ValueError(f"checkpoint {str(path)!r} does not match the model: {problem}")
-    if optimizer is not None and not any(k.startswith("optim.") for k in saved):
-        raise ValueError(f"checkpoint {str(path)!r} has no optimizer state; load it with optimizer=None")
-    dcp.load(state, checkpoint_id=str(path))
+    problem: str | None = None
+    try:
+        metadata = _read_metadata(found)
+        problem = _missing_or_short_files(found, metadata)
+        if problem is None:
+            saved = _saved_shapes(metadata)
+            model_saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+            expected = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state["model"].items()}
+            mismatch = _mismatches(expected, model_saved, "checkpoint")
+            if mismatch:
+                problem = f"does not match the model: {mismatch}"
+            elif optimizer is not None and not any(k.startswith("optim.") for k in saved):
+                problem = "has no optimizer state; load it with optimizer=None"
+    except CheckpointError as exc:
+        problem = str(exc)
+    # Every rank looks at the same files; agreeing anyway means no rank loads while another raises.
+    if not _all_ok(problem is None, operation):
+        detail = problem or "another rank found it damaged or not matching the model (see its error)"
+        if not detail.startswith("checkpoint"):
+            detail = f"checkpoint {str(found)!r}: {detail}"
+        raise CheckpointError(f"{detail}; nothing was loaded")
+    backup = _snapshot(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(found))
+        if optimizer is None:
+            model.load_state_dict(state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra_file = found / EXTRA_FILE
+        extra = torch.load(extra_file, weights_only=True) if extra_file.is_file() else {}
+    except Exception as exc:
+        _restore(model, optimizer, backup)
+        reraise_named(exc, operation, None)  # a communication failure: another rank is gone
+        raise CheckpointError(
+            f"reading checkpoint {str(found)!r} failed ({type(exc).__name__}: {exc}); the model and "
+            "optimizer are as they were before the call"
+        ) from exc
+    return extra
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple:
+    """Copies of this rank's model and optimizer state, to restore after a failed load."""
+    tensors = {name: _local(t).detach().clone() for name, t in model.state_dict().items()
+               if isinstance(t, torch.Tensor)}
     if optimizer is None:
-        model.load_state_dict(state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra_file = path / EXTRA_FILE
-    return torch.load(extra_file, weights_only=True) if extra_file.is_file() else {}
+        return tensors, None, None
+    state = {p: {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
+             for p, s in optimizer.state.items()}
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return tensors, state, groups
+
+
+def _restore(model: nn.Module, optimizer: torch.optim.Optimizer | None, backup: tuple) -> None:
+    tensors, state, groups = backup
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            if name in tensors:
+                _local(target).copy_(tensors[name])
+    if optimizer is not None:
+        optimizer.state.clear()
+        optimizer.state.update(state)
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -196,7 +316,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         box = [problem]
         dist.broadcast_object_list(box, src=0)
         problem = box[0]
-    elif not _all_ok(problem is None):
+    elif not _all_ok(problem is None, "load_full_state_dict()"):
         problem = problem or "mismatch on another rank"
     if problem:
         raise ValueError(f"state dict does not match the model: {problem}")

@@ -11,6 +11,13 @@ and the throughput of every step.
 checkpoint (model, optimizer, step and every rank's data position) after the last step and
 every ``--save-every`` steps; ``--resume DIR`` continues from one, up to ``--steps`` in total,
 with the same batches an uninterrupted run would have drawn (at the same world size).
+
+``--checkpoint-dir DIR`` makes a run restartable: it saves ``DIR/step-NNNNNN`` every
+``--checkpoint-every`` steps (keeping the last two) and, on start, resumes from the newest
+complete checkpoint there. Under ``torchrun --max-restarts 1`` a job whose rank was killed is
+restarted by torchrun and continues from there by itself, with the losses of an uninterrupted run:
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 --max-restarts 1 -m fsdp_compile.demo --checkpoint-dir ckpt
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ import contextlib
 import datetime
 import os
 import random
+import re
+import shutil
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -84,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", metavar="DIR", help="save a sharded checkpoint here after the last step")
     p.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: also every K steps")
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with --save")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save DIR/step-NNNNNN every --checkpoint-every steps and resume from the newest one "
+                        "there on start (for torchrun --max-restarts)")
+    p.add_argument("--checkpoint-every", type=int, default=5, metavar="K", help="with --checkpoint-dir (default 5)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
@@ -93,7 +107,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--save-every must be >= 0")
     if args.save_every and not args.save:
         p.error("--save-every needs --save DIR")
+    if args.checkpoint_every < 1:
+        p.error("--checkpoint-every must be at least 1")
+    if args.checkpoint_dir and args.resume:
+        p.error("--checkpoint-dir resumes by itself; drop --resume")
     return args
+
+
+_STEP_DIR = re.compile(r"^\.?step-(\d+)(\.previous)?$")
+_KEEP = 2  # checkpoints kept in --checkpoint-dir
+
+
+def newest_checkpoint(directory: str) -> Path | None:
+    """The newest complete checkpoint in ``directory``: ``step-N`` with the largest N, or the
+    previous version a save left behind when it died between its two renames."""
+    found: dict[int, Path] = {}
+    root = Path(directory)
+    for entry in root.iterdir() if root.is_dir() else []:
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry.name.startswith("step-") or match.group(2)) and (entry / ".metadata").is_file():
+            step = int(match.group(1))
+            if step not in found or entry.name.startswith("step-"):
+                found[step] = entry
+    return found[max(found)] if found else None
+
+
+def _prune(directory: str) -> None:
+    steps = sorted((int(m.group(1)), e) for e in Path(directory).iterdir()
+                   if (m := _STEP_DIR.match(e.name)) and e.name.startswith("step-"))
+    for _, entry in steps[:-_KEEP]:
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,13 +144,30 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" not in os.environ:
         raise SystemExit("run the demo under torchrun, e.g.: torchrun --nproc_per_node 2 -m fsdp_compile.demo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    init_process_group(datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         train(args, rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def init_process_group(timeout: datetime.timedelta) -> None:
+    """The gloo group, in a store namespace of its own for each torchrun restart.
+
+    torchrun keeps one rendezvous store across restarts, and gloo reads its peers' addresses
+    from it: a restarted rank that starts before the others finds the dead attempt's
+    addresses and fails to connect. Keys under the attempt's own prefix cannot be stale.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"fsdp_compile.demo/attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def _data_positions(gen: torch.Generator, world: int) -> list[torch.Tensor]:
@@ -130,8 +190,14 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own data
     first_step = 1
-    if args.resume:
-        extra = fsdp_compile.load_checkpoint(args.resume, model, opt)
+    resume = args.resume
+    if args.checkpoint_dir:
+        newest = newest_checkpoint(args.checkpoint_dir)
+        resume = str(newest) if newest is not None else None
+        if rank == 0 and newest is None:
+            print(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 1", flush=True)
+    if resume:
+        extra = fsdp_compile.load_checkpoint(resume, model, opt)
         first_step = int(extra["step"]) + 1
         positions = extra.get("data_positions", [])
         if len(positions) == world:
@@ -139,7 +205,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
         elif rank == 0:
             print(f"checkpoint was written by {len(positions)} ranks, not {world}: data order restarts", flush=True)
         if rank == 0:
-            print(f"resumed from {args.resume} after step {first_step - 1}", flush=True)
+            print(f"resumed from {resume} after step {first_step - 1}", flush=True)
     tokens_per_step = args.batch_size * args.seq_len * world * args.grad_accum
     mode = "eager runtime" if args.no_compile else f"torch.compile ({args.compiler})"
     if rank == 0:
@@ -168,11 +234,18 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
             note = "  (includes compilation)" if step == first_step and not args.no_compile else ""
             print(f"step {step:4d} | loss {losses[-1]:.4f} | {tokens_per_step / elapsed:9.0f} tokens/s{note}",
                   flush=True)
+        targets = []
         if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            targets.append(args.save)
+        if args.checkpoint_dir and (step == args.steps or step % args.checkpoint_every == 0):
+            targets.append(os.path.join(args.checkpoint_dir, f"step-{step:06d}"))
+        for target in targets:
             extra = {"step": step, "data_positions": _data_positions(gen, world)}
-            fsdp_compile.save_checkpoint(args.save, model, opt, extra=extra)
+            fsdp_compile.save_checkpoint(target, model, opt, extra=extra)
             if rank == 0:
-                print(f"saved checkpoint {args.save} at step {step}", flush=True)
+                print(f"saved checkpoint {target} at step {step}", flush=True)
+        if args.checkpoint_dir and targets and rank == 0:
+            _prune(args.checkpoint_dir)
     if rank == 0 and losses:
         steady = times[1:] or times
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; "

@@ -54,11 +54,29 @@ def _storage_key(t: torch.Tensor):
         return ("tensor", id(t))
 
 
+def concrete(value: int | torch.SymInt) -> int:
+    """A symbolic size's value for this compilation, without adding a guard.
+
+    ``int()`` on a symbolic size specializes the graph to that value: Dynamo would then
+    recompile for every new batch or sequence length. An estimate only needs the value seen
+    now (the hint).
+    """
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    from torch.fx.experimental import symbolic_shapes
+
+    hint = getattr(symbolic_shapes, "optimization_hint", None)
+    if hint is not None:
+        return hint(value)
+    node = value.node
+    return int(node.hint) if node.hint is not None else int(node.shape_env.size_hint(node.expr))
+
+
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
-        return int(t.untyped_storage().nbytes())
+        return concrete(t.untyped_storage().nbytes())
     except Exception:
-        return t.numel() * t.element_size()
+        return concrete(t.numel()) * t.element_size()
 
 
 def input_bytes(gm: fx.GraphModule, role: str) -> int:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from .faults import reraise_named
 from .runtime.collectives import CommSpec, gather_params, reduce_grads
 
 NAMESPACE = "fsdp_compile"
@@ -40,7 +41,7 @@ def unshard(
     compute_device: Optional[str],
 ) -> torch.Tensor:
     """The full parameter (in the compute dtype) gathered from every rank's dim-0 shard."""
-    return _gather_one(shard, full_rows, CommSpec(
+    return _gather_one(shard, fqn, full_rows, CommSpec(
         shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
         param_dtype, reduce_dtype, reshard_after_forward, compute_device))
 
@@ -50,8 +51,11 @@ def _unshard_fake(shard, fqn, unit, full_rows, *spec_args):
     return _gathered_fake(shard, full_rows, CommSpec(*spec_args))
 
 
-def _gather_one(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> torch.Tensor:
-    return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
+def _gather_one(shard: torch.Tensor, fqn: str, full_rows: int, spec: CommSpec) -> torch.Tensor:
+    try:
+        return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
+    except Exception as exc:
+        reraise_named(exc, f"the gather of parameter {fqn!r} (eager runtime)", None)
 
 
 def _gathered_fake(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> torch.Tensor:
@@ -85,7 +89,10 @@ def reduce_grad(
     """This rank's shard of the average over data-parallel ranks of the full gradient ``grad``."""
     spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
                     param_dtype, reduce_dtype, reshard_after_forward, compute_device)
-    return reduce_grads([grad], [local_rows], [grad_dtype], spec)[0]
+    try:
+        return reduce_grads([grad], [local_rows], [grad_dtype], spec)[0]
+    except Exception as exc:
+        reraise_named(exc, f"the gradient reduction of parameter {fqn!r} (eager runtime)", None)
 
 
 @reduce_grad.register_fake
@@ -135,7 +142,7 @@ def unshard_no_sync(
     leaf of the full parameter's shape, so autograd sums the full gradients of every
     micro-batch into ``accumulator.grad`` and nothing is communicated in backward.
     """
-    return _gather_one(shard, full_rows, CommSpec(
+    return _gather_one(shard, fqn, full_rows, CommSpec(
         shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
         param_dtype, reduce_dtype, reshard_after_forward, compute_device))
 

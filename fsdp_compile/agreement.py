@@ -1,0 +1,335 @@
+"""Ranks that disagree fail together, named, before any data is touched.
+
+A data-parallel job only works when every rank issues the same collectives in the same order.
+When one rank builds a different model (one more block, a config read from another file) or
+passes other options, the first mismatched collective aborts the process inside the
+communication library, or hangs, or silently pairs unrelated buffers. Two checks catch this
+before any collective of the training step runs:
+
+* at ``shard()``, every rank of the mesh describes what it is about to do (strategy, options
+  that change communication, world and group layout, and every parameter: name, shape, dtype,
+  ``requires_grad``, bucket unit) and the descriptions are compared
+  (:func:`agree_on_sharding`);
+* before a newly compiled graph runs for the first time, every rank compares the sequence of
+  collectives that graph will issue (kind, group, dtype, bytes) with those of the other ranks
+  (:class:`GraphVerifier`).
+
+Both exchange their data through the job's rendezvous store, never through the collective
+stream: a check that itself sent mismatched collectives would fail the way it tries to
+prevent. Each waits at most the group's timeout. The shard check costs one exchange per
+``shard()``; the graph check one per newly compiled graph, on its first run only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+_PREFIX = "fsdp_compile"
+_POLL_SECONDS = 0.02
+# Item values longer than this are cut in error messages (a whole layout can be long).
+_SHOWN_CHARS = 300
+
+
+def _store() -> dist.Store | None:
+    """The job's rendezvous store, or None where no exchange is possible or needed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _encode(value: Any) -> bytes:
+    return zlib.compress(json.dumps(value, default=str).encode())
+
+
+def _decode(raw: bytes) -> Any:
+    return json.loads(zlib.decompress(raw).decode())
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, default=str, sort_keys=False).encode()).hexdigest()[:16]
+
+
+def _shorten(value: Any) -> str:
+    if value is _ABSENT:
+        text = "<absent>"
+    else:
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+
+
+_ABSENT = object()
+
+
+def first_difference(described: dict[int, list[tuple[str, Any]]]) -> tuple[str, dict[str, list[int]]] | None:
+    """The first item (in the order the lowest rank lists them, then the others') whose value
+    differs between ranks, and which ranks hold which value; None when all agree."""
+    keys: list[str] = []
+    per_rank = {rank: dict(items) for rank, items in described.items()}
+    for rank in sorted(described):
+        # A key another rank lacks goes right after the key it follows here, so an extra
+        # parameter in the middle of one rank's model is found where it is.
+        previous = None
+        for key, _ in described[rank]:
+            if key not in keys:
+                keys.insert(keys.index(previous) + 1 if previous is not None else 0, key)
+            previous = key
+    for key in keys:
+        holders: dict[str, list[int]] = {}
+        for rank in sorted(described):
+            holders.setdefault(_shorten(per_rank[rank].get(key, _ABSENT)), []).append(rank)
+        if len(holders) > 1:
+            return key, holders
+    return None
+
+
+def _describe_holders(holders: dict[str, list[int]]) -> str:
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {_ranks(r)}: {value}" for value, r in holders.items())
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 8:
+        return f"{ranks[:8]} and {len(ranks) - 8} more"
+    return str(ranks) if len(ranks) > 1 else str(ranks[0])
+
+
+class AgreementError(ValueError):
+    """Ranks of one data-parallel mesh would communicate differently."""
+
+
+@dataclass
+class _Exchange:
+    """One round of the store exchange among ``ranks`` under ``prefix``."""
+
+    store: dist.Store
+    prefix: str
+    ranks: list[int]
+    timeout: datetime.timedelta
+
+    def wait(self, keys: list[str], what: str) -> None:
+        try:
+            self.store.wait(keys, self.timeout)
+        except Exception as exc:  # the store raises a plain RuntimeError/DistStoreError on timeout
+            missing = [k for k in keys if not self.store.check([k])]
+            raise AgreementError(
+                f"fsdp_compile: timed out after {self.timeout.total_seconds():.0f}s waiting for "
+                f"{what} ({len(missing)} of {len(keys)} not there, e.g. {missing[:3]}); a rank has "
+                "exited, is stuck, or runs a different program"
+            ) from exc
+
+
+def agree_on_sharding(items: list[tuple[str, Any]], ranks: Sequence[int], timeout: datetime.timedelta,
+                      key: str) -> None:
+    """Check that every rank in ``ranks`` passed the same ``items``; raise on every rank if not.
+
+    ``items`` are ``(name, JSON-able value)`` pairs in a fixed order. The lowest rank collects
+    the digests, compares the descriptions of one rank per distinct digest, and publishes the
+    verdict; all ranks raise the same :class:`AgreementError` on a mismatch. ``key`` must be the
+    same on every rank for the same call (and differ between calls).
+    """
+    store = _store()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ranks = sorted(ranks)
+    if store is None or len(ranks) < 2 or rank not in ranks:
+        return
+    ex = _Exchange(store, f"{_PREFIX}/shard/{key}", ranks, timeout)
+    mine = digest(items)
+    store.set(f"{ex.prefix}/items/{rank}", _encode(items))
+    store.set(f"{ex.prefix}/digest/{rank}", mine)
+    leader = ranks[0]
+    verdict_key = f"{ex.prefix}/verdict"
+    if rank == leader:
+        verdict = "ok"
+        try:
+            ex.wait([f"{ex.prefix}/digest/{r}" for r in ranks], "every rank's shard() description")
+            digests = {r: store.get(f"{ex.prefix}/digest/{r}").decode() for r in ranks}
+            groups: dict[str, list[int]] = {}
+            for r, d in digests.items():
+                groups.setdefault(d, []).append(r)
+            if len(groups) > 1:
+                described = {members[0]: [tuple(i) for i in _decode(store.get(f"{ex.prefix}/items/{members[0]}"))]
+                             for members in groups.values()}
+                found = first_difference(described)
+                verdict = _mismatch_message(found, groups)
+        except AgreementError as exc:
+            verdict = str(exc)
+        store.set(verdict_key, verdict)
+    else:
+        ex.wait([verdict_key], f"rank {leader}'s verdict on shard()")
+        verdict = store.get(verdict_key).decode()
+    if verdict != "ok":
+        raise AgreementError(verdict)
+
+
+def _mismatch_message(found: tuple[str, dict[str, list[int]]] | None, groups: dict[str, list[int]]) -> str:
+    if found is None:  # descriptions equal in content but not in order
+        return ("fsdp_compile: ranks describe their model and options in a different order: "
+                f"{_describe_holders({d: r for d, r in groups.items()})}")
+    item, holders = found
+    # Each listed rank stands for every rank with the same description.
+    representative = {members[0]: members for members in groups.values()}
+    expanded = {value: sorted(r for rep in reps for r in representative.get(rep, [rep]))
+                for value, reps in holders.items()}
+    return (
+        f"fsdp_compile: ranks disagree at shard() on {item}: {_describe_holders(expanded)}. Every rank "
+        "of a data-parallel mesh must build the same model with the same options (check that all "
+        "ranks read the same config, seed and checkpoint, and take no rank-dependent branch when "
+        "building the model)"
+    )
+
+
+# ----------------------------------------------------------------------------- per graph
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective a graph issues, as the other ranks must issue it too."""
+
+    phase: str  # "forward" or "backward"
+    kind: str
+    group: str
+    dtype: str
+    bytes: int
+    bucket: str
+    params: tuple[str, ...]
+
+    def signature(self) -> list:
+        """What must agree between ranks (the bucket and parameter names may not)."""
+        return [self.phase, self.kind, self.group, self.dtype, self.bytes]
+
+    def describe(self) -> str:
+        params = ", ".join(self.params[:4]) + (f", +{len(self.params) - 4} more" if len(self.params) > 4 else "")
+        return (f"{self.phase} {self.kind} of {self.bytes} bytes {self.dtype} in the {self.group} "
+                f"(bucket {self.bucket}: {params or 'no parameters'})")
+
+
+class GraphMismatchError(AgreementError):
+    """A newly compiled graph would issue other collectives than another rank's graph."""
+
+
+class GraphVerifier:
+    """Compares, on the first run of each compiled graph, its collectives with every other rank's.
+
+    Every run of a compiled graph (any graph of this backend) increments a call counter, equal
+    on all ranks while they are in step. On the first run of a graph, this rank publishes the
+    digest of the graph's collective sequence (``has``) and, under its call number, the
+    sequence itself. It then waits until each other rank either has compiled a graph with the
+    same digest (that rank may be running an older graph with the same collectives: ranks
+    recompile at different steps when their shapes differ) or has published a different
+    sequence under the same call number: a mismatch, raised on every rank that sees it, naming
+    the first differing collective.
+    """
+
+    def __init__(self, key: str, ranks: Sequence[int], timeout: datetime.timedelta) -> None:
+        self.prefix = f"{_PREFIX}/graphs/{key}"
+        self.ranks = sorted(ranks)
+        self.timeout = timeout
+        self.calls = 0
+        self.seconds = 0.0  # time spent verifying, for reporting its cost
+
+    def verify(self, graph: str, calls: list[CollectiveCall]) -> None:
+        store = _store()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        others = [r for r in self.ranks if r != rank]
+        if store is None or not others:
+            return
+        start = time.perf_counter()
+        signature = [c.signature() for c in calls]
+        mine = digest(signature)
+        call = self.calls
+        store.set(f"{self.prefix}/has/{rank}/{mine}", "1")
+        store.set(f"{self.prefix}/call/{call}/{rank}",
+                  _encode({"graph": graph, "calls": [[*c.signature(), c.describe()] for c in calls]}))
+        pending = set(others)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while pending:
+            for other in sorted(pending):
+                if store.check([f"{self.prefix}/has/{other}/{mine}"]):
+                    pending.discard(other)
+                    continue
+                theirs_key = f"{self.prefix}/call/{call}/{other}"
+                if store.check([theirs_key]):
+                    theirs = _decode(store.get(theirs_key))
+                    if digest([c[:5] for c in theirs["calls"]]) != mine:
+                        raise GraphMismatchError(_graph_mismatch(graph, rank, calls, other, theirs))
+                    pending.discard(other)
+            if pending and time.monotonic() > deadline:
+                raise GraphMismatchError(
+                    f"fsdp_compile: {graph} on rank {rank} was about to issue its first collective, but "
+                    f"rank{'s' if len(pending) > 1 else ''} {_ranks(sorted(pending))} compiled no graph "
+                    f"with the same collectives within {self.timeout.total_seconds():.0f}s: they have "
+                    "exited, are stuck, or run a different program (rank-dependent control flow around "
+                    "parameter use, different models or options)"
+                )
+            if pending:
+                time.sleep(_POLL_SECONDS)
+        self.seconds += time.perf_counter() - start
+
+
+def _graph_mismatch(graph: str, rank: int, mine: list[CollectiveCall], other: int, theirs: dict) -> str:
+    their_calls = theirs["calls"]
+    index = next((i for i, (a, b) in enumerate(zip(mine, their_calls)) if a.signature() != b[:5]),
+                 min(len(mine), len(their_calls)))
+    here = mine[index].describe() if index < len(mine) else "no further collective"
+    there = their_calls[index][5] if index < len(their_calls) else "no further collective"
+    return (
+        f"fsdp_compile: ranks would issue different collectives: {graph} on rank {rank} and "
+        f"{theirs['graph']} on rank {other} differ at collective #{index} "
+        f"({len(mine)} vs {len(their_calls)} collectives in all): rank {rank}: {here}; rank {other}: "
+        f"{there}. Usual causes: rank-dependent control flow around parameter use, different "
+        "models or options on different ranks, or no_sync()/eval on some ranks only. Nothing was "
+        "communicated; pass verify=False to the backend to skip this check"
+    )
+
+
+def collective_calls(record: Any, group_roles: dict[str, str]) -> list[CollectiveCall]:
+    """The collectives a compiled graph pair issues, in order: forward, then backward.
+
+    Lowered collectives are read from the graphs; markers that were not lowered (a pass fell
+    back, or ``compiler="eager"``) count as one collective each, as the eager runtime runs them.
+    Groups are named by their role (``group_roles``: process-group name -> role): in a hybrid
+    mesh each rank's shard group is another process group, yet the same role.
+    """
+    from .graphinfo import COLLECTIVES
+    from .ops import UNSHARD_TARGETS, REDUCE_GRAD, decode
+    from .passes.lowering import COMM_META
+
+    calls: list[CollectiveCall] = []
+    graphs = [("forward", record.forward, record.forward_buckets),
+              ("backward", record.backward, record.backward_buckets)]
+    if record.forward is None:  # not lowered at all: the Dynamo graph's markers
+        graphs = [("forward", record.dynamo, {})]
+    for phase, gm, buckets in graphs:
+        if gm is None:
+            continue
+        members = {b.key: tuple(dict.fromkeys(b.fqns)) for kind in buckets.values() for b in kind}
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in COLLECTIVES:
+                kind = COLLECTIVES[node.target]
+                value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+                group = node.args[2] if kind == "all_reduce" else node.args[-1]
+                tag = node.meta.get(COMM_META)
+                bucket = tag.bucket if tag is not None else "?"
+                calls.append(CollectiveCall(phase, kind, group_roles.get(str(group), str(group)),
+                                            str(value.dtype).replace("torch.", ""),
+                                            int(value.numel() * value.element_size()), bucket,
+                                            members.get(bucket, ())))
+            elif node.target in UNSHARD_TARGETS or node.target is REDUCE_GRAD:
+                marker = decode(node)
+                value = node.meta["val"] if marker.kind == "unshard" else marker.input.meta["val"]
+                group = marker.spec.shard_group or marker.spec.replicate_group
+                calls.append(CollectiveCall(phase, marker.kind, group_roles.get(group, group),
+                                            str(value.dtype).replace("torch.", ""),
+                                            int(value.numel() * value.element_size()), marker.unit or "<root>",
+                                            (marker.fqn,)))
+    return calls
