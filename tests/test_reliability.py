@@ -158,11 +158,11 @@ class SkipsABlockOnOneRank(nn.Module):
         return g.head(g.ln_f(x))
 
 
-def graph_agreement_worker(rank: int, world: int, strategies: list[str]) -> dict:
+def graph_agreement_worker(rank: int, world: int, strategies: list[str], mode: str = "aot_eager") -> dict:
     out = {}
     for strategy in strategies:
         model = SkipsABlockOnOneRank(skip=rank == world - 1)
-        _, forward, backend = _sharded(strategy, "aot_eager", model)
+        _, forward, _ = _sharded(strategy, mode, model)
         out[strategy] = expect_error(lambda: _step(forward, rank, world))
         # Still in step: nothing was communicated, so a collective completes everywhere.
         flag = torch.ones(1)
@@ -192,13 +192,13 @@ def test_ranks_whose_graphs_would_communicate_differently_all_raise_before_commu
 
 
 # ============================================================================ 6. uneven data
-def uneven_worker(rank: int, world: int, strategies: list[str], steps: int) -> dict:
+def uneven_worker(rank: int, world: int, strategies: list[str], steps: int, modes: tuple = MODES) -> dict:
     """Sequence lengths that differ by rank and by step (dynamic padding)."""
     gen = torch.Generator().manual_seed(100 + rank)
     out = {}
     for strategy in strategies:
         lengths = [int(torch.randint(4, 17, (1,), generator=gen)) for _ in range(steps)]
-        for mode in MODES:
+        for mode in modes:
             _, forward, backend = _sharded(strategy, mode)
             losses = [_step(forward, rank, world, seq).item() for seq in lengths]
             out[(strategy, mode)] = {"graphs": len(backend.graphs), "lengths": lengths, "losses": losses,
@@ -220,6 +220,20 @@ def test_uneven_sequence_lengths_train_without_hangs_or_recompilation_storms(str
         assert compiled["fallbacks"] == []
         assert all(torch.isfinite(torch.tensor(compiled["losses"])))
         assert r[(strategy, "eager")]["losses"] == pytest.approx(compiled["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_graphs_are_checked_and_take_uneven_lengths_too() -> None:
+    mismatch = run_workers(graph_agreement_worker, 2, ["FULL_SHARD"], "inductor")
+    for rank, out in enumerate(mismatch):
+        assert out["FULL_SHARD"].startswith("GraphMismatchError: fsdp_compile: ranks would issue different "
+                                            f"collectives: graph 0 (forward and backward) on rank {rank}")
+        assert out[("FULL_SHARD", "in_step")]
+    uneven = run_workers(uneven_worker, 2, ["FULL_SHARD"], 5, ("aot_eager", "inductor"))
+    for r in uneven:
+        compiled = r[("FULL_SHARD", "inductor")]
+        assert compiled["graphs"] == 2 and compiled["fallbacks"] == []
+        assert compiled["losses"] == pytest.approx(r[("FULL_SHARD", "aot_eager")]["losses"], rel=1e-4)
 
 
 # ============================================================================ 5. damaged checkpoints
