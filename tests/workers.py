@@ -232,6 +232,72 @@ def tied_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
     return report
 
 
+class TiedGPT(GPT):
+    """The test GPT with its output head tied to the token embedding (GPT-2's layout)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.head.weight = self.tok_emb.weight
+
+
+def tied_fsdp2_worker(rank: int, world: int, strategy: str, steps: int, lr: float) -> dict:
+    """TiedGPT with blocks.0 frozen: the eager runtime, aot_eager and FSDP2, every step's gradients."""
+    from fsdp_compile.graphinfo import collectives
+
+    strategy = ShardingStrategy.parse(strategy)
+    torch.manual_seed(0)
+    base = TiedGPT(TEST_CONFIG)
+    base.blocks[0].requires_grad_(False)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager", "fsdp2"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if mode == "fsdp2":
+            forward = fsdp2_model(model, strategy, world)
+        else:
+            backend = fsdp_compile.backend(strategy, compiler="aot_eager", **hybrid_options(strategy))
+            backend.shard(model)
+            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        grads = []
+        for x, y in data:
+            lm_loss(forward(local_slice(x, rank)), local_slice(y, rank)).backward()
+            grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+        out[mode] = {"grads": grads, "params": {n: full(p) for n, p in model.named_parameters()}}
+        if mode == "aot_eager":
+            (record,) = backend.graphs
+            out[mode]["backward_collectives"] = [(c.kind, c.group_size, c.buffer_bytes)
+                                                 for c in collectives(record.backward)]
+    out["trainable_shapes"] = [tuple(p.shape) for p in base.parameters() if p.requires_grad]
+    out["tied"] = base.head.weight is base.tok_emb.weight
+    # The documented exception: a block applied twice reduces each call's gradient separately.
+    torch.manual_seed(0)
+    twice = BlockTwiceGPT(TEST_CONFIG)
+    x, y = (local_slice(t, rank) for t in data[0])
+    for mode in ("block_twice", "block_twice_fsdp2"):
+        model = copy.deepcopy(twice)
+        if mode == "block_twice_fsdp2":
+            fsdp2_model(model, strategy, world)
+        else:
+            fsdp_compile.backend(strategy, **hybrid_options(strategy)).shard(model)
+        lm_loss(model(x), y).backward()
+        out[mode] = {n: full(p.grad) for n, p in model.named_parameters()}
+    return out if rank == 0 else {}
+
+
+class BlockTwiceGPT(GPT):
+    """The test GPT applying its last block twice."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(self.blocks[-1](x)))
+
+
 class EagerOnlyMLP(nn.Module):
     """An MLP whose forward Dynamo must not trace: it splits the model into two graphs."""
 
