@@ -100,6 +100,34 @@ def fsdp2_model(model: nn.Module, strategy: ShardingStrategy, world: int, mp_pol
     return model
 
 
+_c10d = torch.ops._c10d_functional
+COLLECTIVE_TARGETS = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
+                      _c10d.all_reduce.default)
+
+
+def collective_buffer_bytes(node: torch.fx.Node) -> int:
+    """An all-gather's output, else the input: the full buffer a collective holds."""
+    value = node.meta["val"] if node.target is _c10d.all_gather_into_tensor.default else node.args[0].meta["val"]
+    return value.numel() * value.element_size()
+
+
+def inflight_from_order(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """(most bytes of collectives issued and not yet waited at any point, the largest collective's
+    bytes), from the graph's node order and its collectives' buffers alone."""
+    live: dict[torch.fx.Node, int] = {}
+    peak = largest = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in COLLECTIVE_TARGETS:
+            live[node] = collective_buffer_bytes(node)
+            largest = max(largest, live[node])
+            peak = max(peak, sum(live.values()))
+        elif node.target is _c10d.wait_tensor.default:
+            live.pop(node.args[0], None)
+    return peak, largest
+
+
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     """What the backend's (single) compiled graph pair communicates and keeps for backward."""
     from fsdp_compile.graphinfo import collective_counts, marker_counts, missed_overlaps, saved_gathered_parameters
@@ -108,8 +136,11 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     fw_buckets, bw_buckets = record.forward_buckets, record.backward_buckets
     memories = (record.forward_memory, record.backward_memory)
     return {
-        "inflight": [(m.peak_inflight_bytes, s.budget) for m, s in
-                     zip(memories, (record.forward_schedule, record.backward_schedule))],
+        # (peak in flight, largest collective) read off the node order, and the pass's budget.
+        "inflight": [(*inflight_from_order(g), s.budget if s else None) for g, s in
+                     ((record.forward, record.forward_schedule), (record.backward, record.backward_schedule))],
+        "backward_gather_bytes": sum(collective_buffer_bytes(n) for n in record.backward.graph.nodes
+                                     if n.target is _c10d.all_gather_into_tensor.default),
         "parameter_memory": max(r["param"] + r["gathered"] + r["grad"] for m in memories for r in m.role_timeline),
         "missed_overlaps": missed_overlaps(record.forward) + missed_overlaps(record.backward),
         "trainable": sum(1 for p in model.parameters() if p.requires_grad),
@@ -123,6 +154,61 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
         "reduce_specs": sorted({b.spec for b in bw_buckets["reduce_grad"]}, key=repr),
         "reduced_params": sum(len(b.markers) for b in bw_buckets["reduce_grad"]),
     }
+
+
+def measured_step_memory(model: nn.Module, forward: Callable, batch: tuple, rank: int) -> dict[str, int]:
+    """Parameter memory of one training step, read off the real tensors: the parameter storage
+    this rank holds, the gathered parameters autograd keeps from forward to backward (saved
+    tensors of the backward graph whose values are a whole parameter, or its transpose), and
+    the gradient storage after backward."""
+    full_params = [full(p) for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    x, y = (local_slice(t, rank) for t in batch)
+    loss = lm_loss(forward(x), y)
+    resident = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+    kept = saved_parameter_bytes(loss, full_params, resident)
+    loss.backward()
+    grads = local_storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
+    return {"params": local_storage_bytes(model.parameters()), "kept_gathered": kept, "grads": grads}
+
+
+def saved_parameter_bytes(loss: torch.Tensor, full_params: list[torch.Tensor], resident: set[int]) -> int:
+    """Bytes of the distinct storages autograd saved for backward that hold a whole parameter,
+    other than the parameters' own (``resident``: their storages' addresses)."""
+    def is_parameter(t: torch.Tensor) -> bool:
+        return any(t.dtype == p.dtype and ((t.shape == p.shape and torch.equal(t, p)) or
+                                           (t.dim() == 2 and t.shape == p.t().shape and torch.equal(t, p.t())))
+                   for p in full_params)
+
+    seen, total, visited, stack = set(resident), 0, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for t in getattr(node, "saved_tensors", None) or ():
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen and is_parameter(t):
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        stack.extend(n for n, _ in node.next_functions)
+    return total
+
+
+def peak_allocated(prof) -> int:
+    """Most bytes the CPU allocator held at once during a profile, beyond what it held at the
+    start: the "Total Allocated" its memory events carry (every thread's allocations)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        with open(trace.name) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - start
 
 
 def parity_worker(rank: int, world: int, strategy: str, modes: list[str], steps: int) -> dict:
@@ -147,6 +233,7 @@ def parity_worker(rank: int, world: int, strategy: str, modes: list[str], steps:
         out[mode]["graphs"] = len(backend.graphs)
         if mode != "eager":
             out[mode]["facts"] = graph_facts(backend, model)
+            out[mode]["measured_memory"] = measured_step_memory(model, forward, data[0], rank)
     if rank == 0:
         out["initial"] = {n: p.detach().clone() for n, p in base.named_parameters()}
         reference = copy.deepcopy(base)
@@ -175,11 +262,15 @@ class TiedLM(nn.Module):
         return self.head(h) / self.temperature
 
 
-def local_storage_bytes(model: nn.Module) -> int:
+def local_storage_bytes(tensors: nn.Module | Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a module's parameters), local shards
+    for DTensors."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(tensors, nn.Module):
+        tensors = tensors.parameters()
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in tensors:
         local = p.to_local() if isinstance(p, DTensor) else p
         storage = local.untyped_storage()
         if storage.data_ptr() not in seen:
