@@ -702,10 +702,9 @@ class AllNeeded(nn.Module):
 
 def theoretical_bytes(model: nn.Module, strategy: ShardingStrategy, shard: int, replicas: int,
                       compute: torch.dtype, reduce: torch.dtype) -> dict[str, int]:
-    """Collective buffer bytes per rank per step that the strategy implies, from shapes alone."""
-    from fsdp_compile.runtime.collectives import padded_rows
-
-    padded = sum(padded_rows(p.shape[0], shard) * (p.numel() // p.shape[0]) for p in model.parameters())
+    """Collective buffer bytes per rank per step that the strategy implies, from shapes alone
+    (dim 0 padded up to a multiple of the shard group, as torch.chunk cuts it)."""
+    padded = sum(-(-p.shape[0] // shard) * (p.numel() // p.shape[0]) for p in model.parameters())
     whole = sum(p.numel() for p in model.parameters())
     c, r = compute.itemsize, reduce.itemsize
     if strategy is ShardingStrategy.NO_SHARD:
@@ -751,8 +750,10 @@ def bytes_worker(rank: int, world: int, strategy: str) -> dict:
             graph[c.kind] += c.buffer_bytes
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
+        # Element counts and dtypes as the profiler recorded the collectives' inputs; an
+        # all-gather's buffer is its output, the input times the group size.
         profiled = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        sizes = {"all_gather": compute.itemsize * topo.shard_size, "reduce_scatter": 4, "all_reduce": 4}
+        itemsize = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
         for event in prof.events():
             if event.name.startswith("_c10d_functional::") and "wait" not in event.name:
                 kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -760,33 +761,46 @@ def bytes_worker(rank: int, world: int, strategy: str) -> dict:
                 numel = 1
                 for d in event.input_shapes[0]:
                     numel *= d
-                profiled[kind] += numel * sizes[kind]
+                profiled[kind] += numel * itemsize[event.input_dtypes[0]] * (
+                    topo.shard_size if kind == "all_gather" else 1)
         out[label] = {"theory": theory, "graph": graph, "profiled": profiled}
     return out
 
 
+# Matmul-like ops and how many leading arguments are the operands they multiply (the CPU
+# attention backward also takes its fp32 logsumexp, which is not an operand).
+MATMULS = {torch.ops.aten.mm.default: 2, torch.ops.aten.addmm.default: 3, torch.ops.aten.bmm.default: 2,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 5}
+
+
 def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str], steps: int) -> dict:
-    """bf16 compute with fp32 reduction: every mode, FSDP2 with the same policy, fp32 reference."""
+    """bf16 compute with fp32 reduction: every mode, FSDP2 with the same policy, fp32 reference.
+
+    Modes ending in ``_default`` leave reduce_dtype unset (it defaults to param_dtype, bf16), for
+    us and for FSDP2 alike."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     strategy = ShardingStrategy.parse(strategy)
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)
     data = batches(TEST_CONFIG, world, steps)
-    policy = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out: dict[str, Any] = {}
     for mode in modes:
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        if mode == "fsdp2":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kind = mode.removesuffix("_default")
+        reduce_dtype = None if mode.endswith("_default") else torch.float32
+        if kind == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
             forward = fsdp2_model(model, strategy, world, mp)
         else:
-            compiler = "aot_eager" if mode == "eager" else mode
+            policy = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            compiler = "aot_eager" if kind == "eager" else kind
             backend = fsdp_compile.backend(strategy, compiler=compiler, mixed_precision=policy,
                                            **hybrid_options(strategy))
             backend.shard(model)
-            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+            forward = model if kind == "eager" else torch.compile(model, backend=backend)
         result = train(model, forward, data, rank)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         x, y = (local_slice(t, rank) for t in data[0])
@@ -799,12 +813,19 @@ def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str
             "grads": {p.grad.dtype for p in model.parameters()},
             "optimizer_state": {v.dtype for s in opt.state.values() for v in s.values() if v.dim()},
         }
-        if mode not in ("eager", "fsdp2"):
+        if kind not in ("eager", "fsdp2"):
             from fsdp_compile.graphinfo import collectives
 
             (record,) = backend.graphs
+            result["fallbacks"] = record.fallbacks
+            # Every (kind, dtype) pair: one kind may run in several dtypes.
             result["collective_dtypes"] = sorted(
                 {(c.kind, str(c.dtype)) for c in collectives(record.forward) + collectives(record.backward)})
+            # The dtypes the matmuls of the graphs handed to the inner compiler multiply.
+            result["matmul_dtypes"] = sorted({
+                str(a.meta["val"].dtype) for g in (record.forward, record.backward) for n in g.graph.nodes
+                if n.op == "call_function" and n.target in MATMULS
+                for a in n.args[:MATMULS[n.target]] if isinstance(a, torch.fx.Node)})
         out[mode] = result
     if rank == 0:
         reference = copy.deepcopy(base)
