@@ -84,7 +84,7 @@ def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     return _gather(param, info, shards, module.__dict__.get(SYNC_ATTR))
 
 
-def _gather(param: nn.Parameter, info: ShardedParamInfo, shards: "LocalShards | None",
+def _gather(param: nn.Parameter, info: ShardedParamInfo, shards: LocalShards | None,
             sync: GradientSync | None) -> torch.Tensor:
     """One marker: ``param``'s full value (its gradient reduced, or accumulated under no_sync)."""
     local = shards.current.get(info.fqn) if shards is not None and shards.current is not None else None
