@@ -428,6 +428,7 @@ def _group_ranks(group) -> list[int] | None:
 
 def groups_worker(rank: int, world: int) -> dict:
     """Hybrid layouts from each way of describing them, plus training through one of them."""
+    import datetime
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -441,8 +442,17 @@ def groups_worker(rank: int, world: int) -> dict:
         backend.shard(nn.Linear(4, 4))
         return backend
 
+    def timeouts(backend) -> list[float]:
+        topo = backend.topology
+        return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in (topo.shard_group, topo.replicate_group)]
+
     out = {}
-    out["shard_size"] = layout(shard_tiny(shard_size=2))
+    by_size = shard_tiny(shard_size=2)
+    out["shard_size"] = layout(by_size)
+    # Groups the backend creates get timeout=, else the default group's (tests: 300 s).
+    out["timeouts"] = {"default": timeouts(by_size),
+                       "given": timeouts(shard_tiny(shard_size=2, timeout=datetime.timedelta(seconds=123)))}
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     out["local_world_size"] = layout(shard_tiny())
     del os.environ["LOCAL_WORLD_SIZE"]
@@ -1021,3 +1031,70 @@ def failing_pass_worker(rank: int, world: int, phase: str, strict: bool, steps: 
     return {"warnings": [str(w.message) for w in caught], "fallbacks": record.fallbacks,
             "broken": broken["params"], "healthy": healthy["params"],
             "markers": marker_counts(graph), "collectives": collective_counts(graph)}
+
+
+def double_output(gm: torch.fx.GraphModule) -> None:
+    """A user pass that changes results visibly: the forward graph's first output (the
+    model's output) doubled. Rewrites in place."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first, *rest = output.args[0]
+    with gm.graph.inserting_before(output):
+        doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (first, 2))
+    doubled.meta["val"] = first.meta["val"]
+    output.args = ((doubled, *rest),)
+
+
+def rebuilt(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A user pass that returns a new GraphModule instead of rewriting in place."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def user_pass_worker(rank: int, world: int, dump_dir: str) -> dict:
+    """User passes on both phases, dumped; compiled output against the eager runtime's."""
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", dump_dir=dump_dir,
+                                   passes={"forward": [double_output], "backward": [rebuilt]})
+    backend.shard(model)
+    x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+    compiled = torch.compile(model, backend=backend)(x)
+    lm_loss(compiled, y).backward()
+    eager = model(x)
+    (record,) = backend.graphs
+    output = next(n for n in record.forward.graph.nodes if n.op == "output")
+    return {"doubled": torch.equal(compiled, 2 * eager), "fallbacks": record.fallbacks,
+            "first_output": str(output.args[0][0].target)}
+
+
+def overlapped_compute(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Per gathered bucket, the compute nodes between its all-gather and that gather's wait (in
+    node order). Buckets are told apart by the tag lowering puts on their nodes."""
+    from fsdp_compile.passes.lowering import COMM_META
+
+    nodes = list(gm.graph.nodes)
+    issued = {n: i for i, n in enumerate(nodes) if n.target is _c10d.all_gather_into_tensor.default}
+    out = {}
+    for i, node in enumerate(nodes):
+        if node.target is _c10d.wait_tensor.default and node.args[0] in issued:
+            start = issued[node.args[0]]
+            out[node.args[0].meta[COMM_META].bucket] = sum(
+                1 for n in nodes[start + 1:i] if n.op == "call_function" and COMM_META not in n.meta)
+    return out
+
+
+def explicit_prefetch_worker(rank: int, world: int) -> dict:
+    """prefetch=0, with and without an explicit order (names in forward, modules in backward)."""
+    out = {}
+    for name in ("explicit", "none"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(TEST_CONFIG)
+        orders = {"forward_prefetch": {"blocks.0": ["blocks.1"]},
+                  "backward_prefetch": {model.blocks[1]: [model.blocks[0]]}} if name == "explicit" else {}
+        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", prefetch=0, **orders)
+        backend.shard(model)
+        x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+        lm_loss(torch.compile(model, backend=backend)(x), y).backward()
+        (record,) = backend.graphs
+        out[name] = {"forward": overlapped_compute(record.forward), "backward": overlapped_compute(record.backward)}
+    return out
