@@ -177,7 +177,11 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monke
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
 def test_eager_fallback_is_bitwise_equal_to_aot_eager(strategy: str) -> None:
-    out = run_workers(eager_fallback_worker, 2, strategy, STEPS)[0]
+    from runs import WORLD
+
+    out = run_workers(eager_fallback_worker, WORLD[strategy], strategy, STEPS)[0]
+    if strategy.startswith("HYBRID"):
+        assert out["eager"]["shard_size"] == 2  # 2 x 2: reduce-scatter in the shard group, then across
     assert out["eager"]["compilers"] == ["eager"] and out["env"]["compilers"] == ["eager"]
     assert out["aot_eager"]["compilers"] == ["aot_eager"]
     for mode in ("eager", "env"):

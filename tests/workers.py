@@ -982,7 +982,7 @@ def eager_fallback_worker(rank: int, world: int, strategy: str, steps: int) -> d
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)
     data = batches(TEST_CONFIG, world, steps)
-    options = {"shard_size": 1} if ShardingStrategy.parse(strategy).is_hybrid else {}
+    options = hybrid_options(strategy)  # hybrid: 2 x 2, so the shard group really reduce-scatters
     out = {}
     for mode in ("eager", "env", "aot_eager"):
         torch._dynamo.reset()
@@ -993,6 +993,7 @@ def eager_fallback_worker(rank: int, world: int, strategy: str, steps: int) -> d
         backend.shard(model)
         out[mode] = train(model, torch.compile(model, backend=backend), data, rank)
         out[mode]["compilers"] = [g.compiler for g in backend.graphs]
+        out[mode]["shard_size"] = backend.topology.shard_size
         os.environ.pop("FSDP_COMPILE_EAGER", None)
     return out if rank == 0 else {}
 
