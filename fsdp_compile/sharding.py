@@ -79,10 +79,17 @@ def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
         )
     info = module.__dict__[SPECS_ATTR][name]
     shards = module.__dict__.get(LOCALS_ATTR)
+    if shards is not None and shards.shared_gathered is not None and info.fqn in shards.shared_gathered:
+        return shards.shared_gathered[info.fqn]
+    return _gather(param, info, shards, module.__dict__.get(SYNC_ATTR))
+
+
+def _gather(param: nn.Parameter, info: ShardedParamInfo, shards: LocalShards | None,
+            sync: GradientSync | None) -> torch.Tensor:
+    """One marker: ``param``'s full value (its gradient reduced, or accumulated under no_sync)."""
     local = shards.current.get(info.fqn) if shards is not None and shards.current is not None else None
     if local is None:
         local = param.to_local()
-    sync = module.__dict__.get(SYNC_ATTR)
     if sync is not None and sync.accumulating and param.requires_grad:
         return torch.ops.fsdp_compile.unshard_no_sync(local, sync.accumulators[info.fqn], *info.unshard_args)
     return torch.ops.fsdp_compile.unshard(local, *info.unshard_args)
@@ -95,11 +102,21 @@ class LocalShards:
     higher-order op under torch.compile) ``DTensor.to_local()`` makes AOTAutograd save the
     DeviceMesh for backward, which it cannot. Taken before the region, the region only sees
     plain tensors.
+
+    Parameters registered under several names (tied input/output embeddings) are gathered once
+    per forward, at the root, and every read returns that one tensor: autograd then sums the
+    gradients of all uses before the single reduction, as FSDP2 does (it gathers a unit once
+    and reduces its accumulated gradient once). One marker per read would reduce each use's
+    gradient separately and add the reduced shards: twice the bytes, and a different rounding.
+    At the root rather than on first read: a first read inside an activation-checkpointed
+    region would mutate state outside that region, which Dynamo refuses.
     """
 
     def __init__(self) -> None:
         self.params: list[tuple[str, nn.Parameter]] = []
+        self.shared: list[tuple[ShardedParamInfo, nn.Parameter]] = []
         self.current: dict[str, torch.Tensor] | None = None
+        self.shared_gathered: dict[str, torch.Tensor] | None = None
 
 
 def _make_property(name: str) -> property:
@@ -126,6 +143,8 @@ def _make_root_forward(cls: type):
         shards = self.__dict__[LOCALS_ATTR]
         shards.current = {fqn: param.to_local() for fqn, param in shards.params}
         try:
+            sync = self.__dict__.get(SYNC_ATTR)
+            shards.shared_gathered = {info.fqn: _gather(param, info, shards, sync) for info, param in shards.shared}
             policy = self.__dict__.get(MIXED_PRECISION_ATTR)
             if policy is None:
                 return original_forward(self, *args, **kwargs)
@@ -133,6 +152,7 @@ def _make_root_forward(cls: type):
             return cast_output(policy, original_forward(self, *args, **kwargs))
         finally:
             shards.current = None
+            shards.shared_gathered = None
 
     return forward
 
@@ -224,6 +244,7 @@ def shard_module(
                          "drop init_fn or build the model under torch.device('meta')")
     compute_device = str(current_device(topology.mesh.device_type)) if offload is not None else None
     seen: dict[int, tuple[nn.Parameter, ShardedParamInfo]] = {}
+    registrations: dict[int, int] = {}
     per_module: dict[nn.Module, dict[str, ShardedParamInfo]] = {}
     infos: dict[str, ShardedParamInfo] = {}
     for module, module_name, name, fqn, param in list(_owners(model)):
@@ -258,6 +279,7 @@ def shard_module(
             if sync is not None:
                 sync.add(sharded, fqn, info.unit, info.full_shape, comm)
         sharded, info = seen[id(param)]
+        registrations[id(param)] = registrations.get(id(param), 0) + 1
         module._parameters[name] = sharded
         per_module.setdefault(module, {})[name] = info
     casts = mixed_precision is not None and (
@@ -268,6 +290,7 @@ def shard_module(
     per_module.setdefault(model, {})
     shards = LocalShards()
     shards.params = [(fqn, sharded) for sharded, info in seen.values() for fqn in [info.fqn]]
+    shards.shared = [(info, sharded) for key, (sharded, info) in seen.items() if registrations[key] > 1]
     for module, specs in per_module.items():
         module.__dict__[SPECS_ATTR] = specs
         module.__dict__[LOCALS_ATTR] = shards

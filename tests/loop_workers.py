@@ -65,7 +65,7 @@ def reference_train(base: nn.Module, steps: list[list[tuple[torch.Tensor, torch.
     """Single-process AdamW on the global batch; each step concatenates its micro-batches."""
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    out: dict[str, Any] = {"losses": [], "norms": [], "grads": []}
+    out: dict[str, Any] = {"losses": [], "norms": [], "grads": [], "clipped_grads": []}
     for micro in steps:
         x = torch.cat([m[0] for m in micro])
         y = torch.cat([m[1] for m in micro])
@@ -74,6 +74,8 @@ def reference_train(base: nn.Module, steps: list[list[tuple[torch.Tensor, torch.
         out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         if clip is not None:
             out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+            out["clipped_grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                         if p.grad is not None})
         opt.step()
         opt.zero_grad()
         out["losses"].append(loss.item())
@@ -82,23 +84,33 @@ def reference_train(base: nn.Module, steps: list[list[tuple[torch.Tensor, torch.
 
 
 # ---------------------------------------------------------------- gradient accumulation + clipping
+# Each step's micro-batches. The last step runs all its micro-batches under no_sync and ends
+# with backend.reduce_accumulated_gradients().
+ACCUMULATION_PLAN = [[0], [1, 2], [3, 4, 5], [6, 7]]
+
+
 def accumulation_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, base: nn.Module) -> dict:
     """Step 1: one micro-batch, synchronized. Step 2: two micro-batches, the first under
-    ``backend.no_sync()``. Step 3: three, with ``set_requires_gradient_sync``. Every step is
-    clipped with :func:`fsdp_compile.clip_grad_norm_`."""
-    data = batches(TEST_CONFIG, world, 6)
-    plan = [[0], [1, 2], [3, 4, 5]]
+    ``backend.no_sync()``. Step 3: three, with ``set_requires_gradient_sync``. Step 4: two, both
+    without sync, reduced by ``reduce_accumulated_gradients()``. Every step is clipped with
+    torch's own ``clip_grad_norm_`` (on the DTensor gradients) and, from the same gradients,
+    with :func:`fsdp_compile.clip_grad_norm_`."""
+    plan = ACCUMULATION_PLAN
+    data = batches(TEST_CONFIG, world, 1 + plan[-1][-1])
     model, forward, backend = make(base, strategy, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    out: dict[str, Any] = {"grads": [], "norms": [], "torch_norms": [], "no_sync_collectives": []}
+    out: dict[str, Any] = {"grads": [], "norms": [], "torch_norms": [], "clipped_grads": [],
+                           "torch_clipped_grads": [], "no_sync_collectives": [], "synced_collectives": []}
     for step, micro in enumerate(plan):
+        manual = step == len(plan) - 1
         for i, index in enumerate(micro):
             x, y = (local_slice(t, rank) for t in data[index])
             last = i == len(micro) - 1
-
-            if last:
-                (lm_loss(forward(x), y) / len(micro)).backward()
-            elif step == 1:
+            if last and not manual:
+                # The positive control: the same profiler query sees this backward reduce.
+                loss = lm_loss(forward(x), y) / len(micro)
+                out["synced_collectives"].append(gloo_events(loss.backward))
+            elif step == 1 or manual:
                 with backend.no_sync():
                     loss = lm_loss(forward(x), y) / len(micro)
                     out["no_sync_collectives"] += gloo_events(loss.backward)
@@ -107,13 +119,21 @@ def accumulation_case(rank: int, world: int, strategy: ShardingStrategy, mode: s
                 loss = lm_loss(forward(x), y) / len(micro)
                 out["no_sync_collectives"] += gloo_events(loss.backward)
                 backend.set_requires_gradient_sync(True)
+        if manual:
+            out["grads_before_manual_reduce"] = sum(p.grad is not None for p in model.parameters())
+            backend.reduce_accumulated_gradients()
         out["grads"].append(full_grads(model))
-        # torch's own clipping on the DTensor gradients, with nothing to clip: only the norm.
-        torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        # torch's own clipping on our DTensor gradients, then ours from the same gradients.
+        params = [p for p in model.parameters() if p.grad is not None]
+        unclipped = [p.grad.to_local().clone() for p in params]
+        torch_norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
         out["torch_norms"].append(float(torch_norm.full_tensor() if hasattr(torch_norm, "full_tensor") else torch_norm))
+        out["torch_clipped_grads"].append(full_grads(model))
+        with torch.no_grad():
+            for p, g in zip(params, unclipped):
+                p.grad.to_local().copy_(g)
         out["norms"].append(fsdp_compile.clip_grad_norm_(model, MAX_NORM).item())
-        if step == 1:
-            out["clipped_grads"] = full_grads(model)
+        out["clipped_grads"].append(full_grads(model))
         opt.step()
         opt.zero_grad()
     out["params"] = full_params(model)
@@ -134,15 +154,20 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 def two_step_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, base: nn.Module,
-                  **options: Any) -> tuple[dict, nn.Module, torch.optim.Optimizer, Any]:
-    """Two AdamW steps; returns the record, the model, its optimizer and its backend."""
-    data = batches(TEST_CONFIG, world, 2)
+                  plan: tuple[tuple[int, ...], ...] = ((0,), (1,)),
+                  **options: Any) -> tuple[dict, nn.Module, Callable, torch.optim.Optimizer, Any]:
+    """AdamW steps over ``plan`` (each step's micro-batches, every backward synchronized: several
+    micro-batches accumulate reduced gradients in param.grad); returns the record, the model,
+    how to call it, its optimizer and its backend."""
+    data = batches(TEST_CONFIG, world, 1 + max(i for micro in plan for i in micro))
     model, forward, backend = make(base, strategy, mode, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out: dict[str, Any] = {"losses": []}
-    for step, (x, y) in enumerate(data):
-        loss = lm_loss(forward(local_slice(x, rank)), local_slice(y, rank))
-        loss.backward()
+    for step, micro in enumerate(plan):
+        for index in micro:
+            x, y = (local_slice(t, rank) for t in data[index])
+            loss = lm_loss(forward(x), y)
+            (loss / len(micro)).backward()
         if step == 0:
             out["grads0"] = full_grads(model)
             out["grad_is_none"] = {n: p.grad is None for n, p in model.named_parameters()}
@@ -151,18 +176,19 @@ def two_step_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, 
         out["losses"].append(loss.item())
     out["params"] = full_params(model)
     out["graph_collectives"] = graph_collectives(backend)
+    out["marker_compute_devices"] = marker_compute_devices(backend)
     if backend.graphs:
         from workers import graph_facts
 
         out["facts"] = graph_facts(backend, model)
     if rank == 0:
-        out["reference"] = reference_train(base, [[d] for d in data])
-    return out, model, opt, backend
+        out["reference"] = reference_train(base, [[data[i] for i in micro] for micro in plan])
+    return out, model, forward, opt, backend
 
 
 def frozen_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, base: nn.Module) -> dict:
     frozen = freeze(copy.deepcopy(base))
-    out, _, _, _ = two_step_case(rank, world, strategy, mode, frozen)
+    out, *_ = two_step_case(rank, world, strategy, mode, frozen)
     out["frozen"] = [n for n, p in frozen.named_parameters() if not p.requires_grad]
     out["initial"] = {n: p.detach().clone() for n, p in frozen.named_parameters()}
     return out
@@ -179,17 +205,55 @@ def with_activation_checkpointing(base: nn.Module) -> nn.Module:
 
 def activation_checkpointing_case(rank: int, world: int, strategy: ShardingStrategy, mode: str,
                                   base: nn.Module) -> dict:
-    out, _, _, _ = two_step_case(rank, world, strategy, mode, with_activation_checkpointing(base))
+    out, *_ = two_step_case(rank, world, strategy, mode, with_activation_checkpointing(base))
     return out
 
 
 # ---------------------------------------------------------------- CPU offload
+def marker_compute_devices(backend: fsdp_compile.FSDPBackend, run: Callable[[], Any] | None = None) -> list:
+    """The compute device every gather marker declares (its last argument): read from the Dynamo
+    graphs the backend compiled, or, for the eager runtime, from the markers ``run()`` executes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def is_gather(target: Any) -> bool:
+        return str(target).startswith("fsdp_compile.unshard")
+
+    if run is None:
+        return sorted({str(n.args[-1]) for g in backend.graphs for n in g.dynamo.graph.nodes
+                       if n.op == "call_function" and is_gather(n.target)})
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if is_gather(func):
+                self.seen.add(str(args[-1]))
+            return func(*args, **(kwargs or {}))
+
+    with Log() as log:
+        run()
+    return sorted(log.seen)
+
+
 def offload_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, base: nn.Module) -> dict:
-    out, model, opt, backend = two_step_case(rank, world, strategy, mode, base,
-                                             offload=fsdp_compile.CPUOffload())
+    """Step 1 accumulates two micro-batches with sync on (the accumulation offload allows),
+    step 2 has one; then one more compiled (or eager) step to read where everything lives."""
+    out, model, forward, opt, backend = two_step_case(rank, world, strategy, mode, base, plan=((0, 1), (2,)),
+                                                      offload=fsdp_compile.CPUOffload(pin_memory=True))
     out["shard_devices"] = sorted({p.to_local().device.type for p in model.parameters()})
+    out["shards_pinned"] = sorted({p.to_local().is_pinned() for p in model.parameters()})
     x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
-    lm_loss(model(x), y).backward()
+
+    def step() -> None:
+        lm_loss(forward(x), y).backward()
+
+    if mode == "eager":
+        out["marker_compute_devices"] = marker_compute_devices(backend, step)
+    else:
+        step()  # reading devices after a compiled step, not an eager one
+        out["marker_compute_devices"] = marker_compute_devices(backend)
     out["grad_devices"] = sorted({p.grad.to_local().device.type for p in model.parameters()})
     opt.step()
     out["optimizer_state_devices"] = sorted({v.to_local().device.type if hasattr(v, "to_local") else v.device.type
@@ -343,6 +407,9 @@ def param_bytes(model: nn.Module) -> int:
 
 
 def meta_init_case(rank: int, world: int, strategy: ShardingStrategy) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    from workers import peak_allocated
+
     out: dict[str, Any] = {}
     # reset_parameters(): equals ordinary construction with the same seed.
     torch.manual_seed(11)
@@ -351,7 +418,9 @@ def meta_init_case(rank: int, world: int, strategy: ShardingStrategy) -> dict:
         model = Stack()
     backend = fsdp_compile.backend(strategy, **hybrid_options(strategy))
     torch.manual_seed(11)
-    backend.shard(model)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        backend.shard(model)
+    out["stack_measured_peak"] = peak_allocated(prof)  # what the allocator held at most during shard()
     out["stack_equal"] = all(torch.equal(full(p), reference.get_parameter(n)) for n, p in model.named_parameters())
     out["stack_peak"] = backend.init_peak_bytes
     out["stack_total"] = param_bytes(reference)

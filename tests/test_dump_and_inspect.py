@@ -144,6 +144,19 @@ def test_dump_dir_errors(tmp_path: Path, dump: Path) -> None:
     # A dump of another configuration in the same directory: refuse rather than mix.
     message = run_workers(dump_error_worker, 2, str(dump), "SHARD_GRAD_OP")[0]
     assert "already holds a dump with strategy='FULL_SHARD'" in message and "use an empty directory" in message
+    # ... of another world size (the dump was written at world 2) ...
+    message = run_workers(dump_error_worker, 1, str(dump), "FULL_SHARD")[0]
+    assert "already holds a dump with world_size=2, this run has world_size=1" in message
+    # ... or written by another version of fsdp_compile.
+    import fsdp_compile
+
+    older = tmp_path / "older"
+    older.mkdir()
+    manifest = json.loads((dump / "manifest.json").read_text())
+    (older / "manifest.json").write_text(json.dumps({**manifest, "fsdp_compile": "0.0.1"}))
+    message = run_workers(dump_error_worker, 2, str(older), "FULL_SHARD")[0]
+    assert (f"already holds a dump with fsdp_compile='0.0.1', this run has fsdp_compile={fsdp_compile.__version__!r}"
+            in message)
 
 
 def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monkeypatch) -> None:
@@ -164,12 +177,32 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monke
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
 def test_eager_fallback_is_bitwise_equal_to_aot_eager(strategy: str) -> None:
-    out = run_workers(eager_fallback_worker, 2, strategy, STEPS)[0]
+    from runs import WORLD
+
+    out = run_workers(eager_fallback_worker, WORLD[strategy], strategy, STEPS)[0]
+    if strategy.startswith("HYBRID"):
+        assert out["eager"]["shard_size"] == 2  # 2 x 2: reduce-scatter in the shard group, then across
     assert out["eager"]["compilers"] == ["eager"] and out["env"]["compilers"] == ["eager"]
     assert out["aot_eager"]["compilers"] == ["aot_eager"]
     for mode in ("eager", "env"):
         assert_bitwise(out[mode]["grads0"], out["aot_eager"]["grads0"], f"{mode} first-step gradients")
         assert_bitwise(out[mode]["params"], out["aot_eager"]["params"], f"{mode} parameters")
+
+
+def test_user_passes_are_applied_and_dumped(tmp_path: Path) -> None:
+    """passes= adds the user's passes after ours: the forward one doubles the model's output,
+    so the compiled call returns twice what the eager runtime does; the backward one returns a
+    new GraphModule. Both are dumped after our passes under their own names."""
+    from workers import user_pass_worker
+
+    root = tmp_path / "user_passes"
+    for rank, out in enumerate(run_workers(user_pass_worker, 2, str(root))):
+        assert out["doubled"] and out["fallbacks"] == []
+        assert out["first_output"] == "aten.mul.Tensor"
+        graph = root / f"rank{rank}" / "graph0"
+        assert "torch.ops.aten.mul.Tensor" in (graph / "forward/04_double_output.py").read_text()
+        assert not (graph / "forward/03_double_output.py").exists()  # after ours: schedule is 03
+        assert (graph / "backward/04_rebuilt.py").is_file()
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])

@@ -6,7 +6,7 @@ import pytest
 import torch.nn as nn
 
 import fsdp_compile
-from distributed import run_workers
+from distributed import PG_TIMEOUT, run_workers
 from test_parity import PARAM_ATOL, assert_bitwise, max_diff
 from workers import api_errors_worker, groups_worker, hybrid_errors_worker
 
@@ -20,6 +20,9 @@ def test_hybrid_layouts_and_training_through_user_groups() -> None:
         # User groups may lay ranks out any way that tiles the world.
         assert report["process_groups"] == ([rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1])
         assert report["flat"] == ([0, 1, 2, 3], None)
+    for report in reports:
+        world_timeout = PG_TIMEOUT.total_seconds()  # the default group's, as the workers set it
+        assert report["timeouts"] == {"default": [world_timeout] * 2, "given": [123.0, 123.0]}
     trained = reports[0]["trained"]
     assert_bitwise(trained["process_groups"], trained["mesh"], "user groups vs the same mesh")
     assert max_diff(trained["process_groups"], trained["reference"])[0] <= PARAM_ATOL

@@ -124,3 +124,15 @@ def test_mixed_dtypes_in_one_launch_are_rejected() -> None:
     b = torch.zeros(4, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="one source dtype"):
         triton_kernels.copy_in([a, b], [4, 4], torch.float32)
+
+
+def test_kernels_env_forces_the_torch_path(monkeypatch) -> None:
+    """The dispatch decision the copy ops make for a CUDA tensor (only the device's type is
+    read, so it is checked without CUDA): Triton unless FSDP_COMPILE_KERNELS=torch."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("FSDP_COMPILE_KERNELS", raising=False)
+    assert kernels._use_triton(cuda, torch.float32, torch.bfloat16)
+    assert not kernels._use_triton(cpu, torch.float32, torch.bfloat16)  # CPU: always torch
+    for value in ("torch", "Torch"):
+        monkeypatch.setenv("FSDP_COMPILE_KERNELS", value)
+        assert not kernels._use_triton(cuda, torch.float32, torch.bfloat16)

@@ -41,6 +41,21 @@ def test_collectives_overlap_compute_on_cpu() -> None:
     assert share_on > 2 * share_off, (share_on, share_off)
 
 
+def test_explicit_prefetch_orders_change_the_compiled_schedule() -> None:
+    """forward_prefetch={"blocks.0": ["blocks.1"]} and backward_prefetch={blocks[1]: [blocks[0]]}
+    with prefetch=0: the named gathers run under the trigger's compute, read off the graphs'
+    node order; without the orders every gather is waited right where it is issued."""
+    from workers import explicit_prefetch_worker
+
+    out = run_workers(explicit_prefetch_worker, 2)[0]
+    explicit, none = out["explicit"], out["none"]
+    assert explicit["forward"]["blocks.1"] > 0 and none["forward"]["blocks.1"] == 0
+    assert explicit["backward"]["blocks.0"] > 0 and none["backward"]["blocks.0"] == 0
+    # Only the named buckets moved.
+    assert explicit["forward"]["<root>"] == explicit["forward"]["blocks.0"] == 0
+    assert explicit["backward"]["<root>"] == explicit["backward"]["blocks.1"] == 0
+
+
 def test_scheduling_option_errors() -> None:
     import fsdp_compile
 

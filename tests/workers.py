@@ -100,6 +100,34 @@ def fsdp2_model(model: nn.Module, strategy: ShardingStrategy, world: int, mp_pol
     return model
 
 
+_c10d = torch.ops._c10d_functional
+COLLECTIVE_TARGETS = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default,
+                      _c10d.all_reduce.default)
+
+
+def collective_buffer_bytes(node: torch.fx.Node) -> int:
+    """An all-gather's output, else the input: the full buffer a collective holds."""
+    value = node.meta["val"] if node.target is _c10d.all_gather_into_tensor.default else node.args[0].meta["val"]
+    return value.numel() * value.element_size()
+
+
+def inflight_from_order(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """(most bytes of collectives issued and not yet waited at any point, the largest collective's
+    bytes), from the graph's node order and its collectives' buffers alone."""
+    live: dict[torch.fx.Node, int] = {}
+    peak = largest = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in COLLECTIVE_TARGETS:
+            live[node] = collective_buffer_bytes(node)
+            largest = max(largest, live[node])
+            peak = max(peak, sum(live.values()))
+        elif node.target is _c10d.wait_tensor.default:
+            live.pop(node.args[0], None)
+    return peak, largest
+
+
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     """What the backend's (single) compiled graph pair communicates and keeps for backward."""
     from fsdp_compile.graphinfo import collective_counts, marker_counts, missed_overlaps, saved_gathered_parameters
@@ -108,8 +136,11 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     fw_buckets, bw_buckets = record.forward_buckets, record.backward_buckets
     memories = (record.forward_memory, record.backward_memory)
     return {
-        "inflight": [(m.peak_inflight_bytes, s.budget) for m, s in
-                     zip(memories, (record.forward_schedule, record.backward_schedule))],
+        # (peak in flight, largest collective) read off the node order, and the pass's budget.
+        "inflight": [(*inflight_from_order(g), s.budget if s else None) for g, s in
+                     ((record.forward, record.forward_schedule), (record.backward, record.backward_schedule))],
+        "backward_gather_bytes": sum(collective_buffer_bytes(n) for n in record.backward.graph.nodes
+                                     if n.target is _c10d.all_gather_into_tensor.default),
         "parameter_memory": max(r["param"] + r["gathered"] + r["grad"] for m in memories for r in m.role_timeline),
         "missed_overlaps": missed_overlaps(record.forward) + missed_overlaps(record.backward),
         "trainable": sum(1 for p in model.parameters() if p.requires_grad),
@@ -123,6 +154,61 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
         "reduce_specs": sorted({b.spec for b in bw_buckets["reduce_grad"]}, key=repr),
         "reduced_params": sum(len(b.markers) for b in bw_buckets["reduce_grad"]),
     }
+
+
+def measured_step_memory(model: nn.Module, forward: Callable, batch: tuple, rank: int) -> dict[str, int]:
+    """Parameter memory of one training step, read off the real tensors: the parameter storage
+    this rank holds, the gathered parameters autograd keeps from forward to backward (saved
+    tensors of the backward graph whose values are a whole parameter, or its transpose), and
+    the gradient storage after backward."""
+    full_params = [full(p) for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    x, y = (local_slice(t, rank) for t in batch)
+    loss = lm_loss(forward(x), y)
+    resident = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+    kept = saved_parameter_bytes(loss, full_params, resident)
+    loss.backward()
+    grads = local_storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
+    return {"params": local_storage_bytes(model.parameters()), "kept_gathered": kept, "grads": grads}
+
+
+def saved_parameter_bytes(loss: torch.Tensor, full_params: list[torch.Tensor], resident: set[int]) -> int:
+    """Bytes of the distinct storages autograd saved for backward that hold a whole parameter,
+    other than the parameters' own (``resident``: their storages' addresses)."""
+    def is_parameter(t: torch.Tensor) -> bool:
+        return any(t.dtype == p.dtype and ((t.shape == p.shape and torch.equal(t, p)) or
+                                           (t.dim() == 2 and t.shape == p.t().shape and torch.equal(t, p.t())))
+                   for p in full_params)
+
+    seen, total, visited, stack = set(resident), 0, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for t in getattr(node, "saved_tensors", None) or ():
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen and is_parameter(t):
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        stack.extend(n for n, _ in node.next_functions)
+    return total
+
+
+def peak_allocated(prof) -> int:
+    """Most bytes the CPU allocator held at once during a profile, beyond what it held at the
+    start: the "Total Allocated" its memory events carry (every thread's allocations)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        with open(trace.name) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - start
 
 
 def parity_worker(rank: int, world: int, strategy: str, modes: list[str], steps: int) -> dict:
@@ -147,6 +233,7 @@ def parity_worker(rank: int, world: int, strategy: str, modes: list[str], steps:
         out[mode]["graphs"] = len(backend.graphs)
         if mode != "eager":
             out[mode]["facts"] = graph_facts(backend, model)
+            out[mode]["measured_memory"] = measured_step_memory(model, forward, data[0], rank)
     if rank == 0:
         out["initial"] = {n: p.detach().clone() for n, p in base.named_parameters()}
         reference = copy.deepcopy(base)
@@ -175,11 +262,15 @@ class TiedLM(nn.Module):
         return self.head(h) / self.temperature
 
 
-def local_storage_bytes(model: nn.Module) -> int:
+def local_storage_bytes(tensors: nn.Module | Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a module's parameters), local shards
+    for DTensors."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(tensors, nn.Module):
+        tensors = tensors.parameters()
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in tensors:
         local = p.to_local() if isinstance(p, DTensor) else p
         storage = local.untyped_storage()
         if storage.data_ptr() not in seen:
@@ -232,6 +323,72 @@ def tied_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
     return report
 
 
+class TiedGPT(GPT):
+    """The test GPT with its output head tied to the token embedding (GPT-2's layout)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.head.weight = self.tok_emb.weight
+
+
+def tied_fsdp2_worker(rank: int, world: int, strategy: str, steps: int, lr: float) -> dict:
+    """TiedGPT with blocks.0 frozen: the eager runtime, aot_eager and FSDP2, every step's gradients."""
+    from fsdp_compile.graphinfo import collectives
+
+    strategy = ShardingStrategy.parse(strategy)
+    torch.manual_seed(0)
+    base = TiedGPT(TEST_CONFIG)
+    base.blocks[0].requires_grad_(False)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager", "fsdp2"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if mode == "fsdp2":
+            forward = fsdp2_model(model, strategy, world)
+        else:
+            backend = fsdp_compile.backend(strategy, compiler="aot_eager", **hybrid_options(strategy))
+            backend.shard(model)
+            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        grads = []
+        for x, y in data:
+            lm_loss(forward(local_slice(x, rank)), local_slice(y, rank)).backward()
+            grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+        out[mode] = {"grads": grads, "params": {n: full(p) for n, p in model.named_parameters()}}
+        if mode == "aot_eager":
+            (record,) = backend.graphs
+            out[mode]["backward_collectives"] = [(c.kind, c.group_size, c.buffer_bytes)
+                                                 for c in collectives(record.backward)]
+    out["trainable_shapes"] = [tuple(p.shape) for p in base.parameters() if p.requires_grad]
+    out["tied"] = base.head.weight is base.tok_emb.weight
+    # The documented exception: a block applied twice reduces each call's gradient separately.
+    torch.manual_seed(0)
+    twice = BlockTwiceGPT(TEST_CONFIG)
+    x, y = (local_slice(t, rank) for t in data[0])
+    for mode in ("block_twice", "block_twice_fsdp2"):
+        model = copy.deepcopy(twice)
+        if mode == "block_twice_fsdp2":
+            fsdp2_model(model, strategy, world)
+        else:
+            fsdp_compile.backend(strategy, **hybrid_options(strategy)).shard(model)
+        lm_loss(model(x), y).backward()
+        out[mode] = {n: full(p.grad) for n, p in model.named_parameters()}
+    return out if rank == 0 else {}
+
+
+class BlockTwiceGPT(GPT):
+    """The test GPT applying its last block twice."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(self.blocks[-1](x)))
+
+
 class EagerOnlyMLP(nn.Module):
     """An MLP whose forward Dynamo must not trace: it splits the model into two graphs."""
 
@@ -271,6 +428,7 @@ def _group_ranks(group) -> list[int] | None:
 
 def groups_worker(rank: int, world: int) -> dict:
     """Hybrid layouts from each way of describing them, plus training through one of them."""
+    import datetime
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -284,8 +442,17 @@ def groups_worker(rank: int, world: int) -> dict:
         backend.shard(nn.Linear(4, 4))
         return backend
 
+    def timeouts(backend) -> list[float]:
+        topo = backend.topology
+        return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in (topo.shard_group, topo.replicate_group)]
+
     out = {}
-    out["shard_size"] = layout(shard_tiny(shard_size=2))
+    by_size = shard_tiny(shard_size=2)
+    out["shard_size"] = layout(by_size)
+    # Groups the backend creates get timeout=, else the default group's (tests: 300 s).
+    out["timeouts"] = {"default": timeouts(by_size),
+                       "given": timeouts(shard_tiny(shard_size=2, timeout=datetime.timedelta(seconds=123)))}
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     out["local_world_size"] = layout(shard_tiny())
     del os.environ["LOCAL_WORLD_SIZE"]
@@ -545,10 +712,9 @@ class AllNeeded(nn.Module):
 
 def theoretical_bytes(model: nn.Module, strategy: ShardingStrategy, shard: int, replicas: int,
                       compute: torch.dtype, reduce: torch.dtype) -> dict[str, int]:
-    """Collective buffer bytes per rank per step that the strategy implies, from shapes alone."""
-    from fsdp_compile.runtime.collectives import padded_rows
-
-    padded = sum(padded_rows(p.shape[0], shard) * (p.numel() // p.shape[0]) for p in model.parameters())
+    """Collective buffer bytes per rank per step that the strategy implies, from shapes alone
+    (dim 0 padded up to a multiple of the shard group, as torch.chunk cuts it)."""
+    padded = sum(-(-p.shape[0] // shard) * (p.numel() // p.shape[0]) for p in model.parameters())
     whole = sum(p.numel() for p in model.parameters())
     c, r = compute.itemsize, reduce.itemsize
     if strategy is ShardingStrategy.NO_SHARD:
@@ -594,8 +760,10 @@ def bytes_worker(rank: int, world: int, strategy: str) -> dict:
             graph[c.kind] += c.buffer_bytes
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
+        # Element counts and dtypes as the profiler recorded the collectives' inputs; an
+        # all-gather's buffer is its output, the input times the group size.
         profiled = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        sizes = {"all_gather": compute.itemsize * topo.shard_size, "reduce_scatter": 4, "all_reduce": 4}
+        itemsize = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
         for event in prof.events():
             if event.name.startswith("_c10d_functional::") and "wait" not in event.name:
                 kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -603,33 +771,46 @@ def bytes_worker(rank: int, world: int, strategy: str) -> dict:
                 numel = 1
                 for d in event.input_shapes[0]:
                     numel *= d
-                profiled[kind] += numel * sizes[kind]
+                profiled[kind] += numel * itemsize[event.input_dtypes[0]] * (
+                    topo.shard_size if kind == "all_gather" else 1)
         out[label] = {"theory": theory, "graph": graph, "profiled": profiled}
     return out
 
 
+# Matmul-like ops and how many leading arguments are the operands they multiply (the CPU
+# attention backward also takes its fp32 logsumexp, which is not an operand).
+MATMULS = {torch.ops.aten.mm.default: 2, torch.ops.aten.addmm.default: 3, torch.ops.aten.bmm.default: 2,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 5}
+
+
 def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str], steps: int) -> dict:
-    """bf16 compute with fp32 reduction: every mode, FSDP2 with the same policy, fp32 reference."""
+    """bf16 compute with fp32 reduction: every mode, FSDP2 with the same policy, fp32 reference.
+
+    Modes ending in ``_default`` leave reduce_dtype unset (it defaults to param_dtype, bf16), for
+    us and for FSDP2 alike."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     strategy = ShardingStrategy.parse(strategy)
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)
     data = batches(TEST_CONFIG, world, steps)
-    policy = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out: dict[str, Any] = {}
     for mode in modes:
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        if mode == "fsdp2":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kind = mode.removesuffix("_default")
+        reduce_dtype = None if mode.endswith("_default") else torch.float32
+        if kind == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
             forward = fsdp2_model(model, strategy, world, mp)
         else:
-            compiler = "aot_eager" if mode == "eager" else mode
+            policy = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            compiler = "aot_eager" if kind == "eager" else kind
             backend = fsdp_compile.backend(strategy, compiler=compiler, mixed_precision=policy,
                                            **hybrid_options(strategy))
             backend.shard(model)
-            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+            forward = model if kind == "eager" else torch.compile(model, backend=backend)
         result = train(model, forward, data, rank)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         x, y = (local_slice(t, rank) for t in data[0])
@@ -642,12 +823,19 @@ def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str
             "grads": {p.grad.dtype for p in model.parameters()},
             "optimizer_state": {v.dtype for s in opt.state.values() for v in s.values() if v.dim()},
         }
-        if mode not in ("eager", "fsdp2"):
+        if kind not in ("eager", "fsdp2"):
             from fsdp_compile.graphinfo import collectives
 
             (record,) = backend.graphs
+            result["fallbacks"] = record.fallbacks
+            # Every (kind, dtype) pair: one kind may run in several dtypes.
             result["collective_dtypes"] = sorted(
                 {(c.kind, str(c.dtype)) for c in collectives(record.forward) + collectives(record.backward)})
+            # The dtypes the matmuls of the graphs handed to the inner compiler multiply.
+            result["matmul_dtypes"] = sorted({
+                str(a.meta["val"].dtype) for g in (record.forward, record.backward) for n in g.graph.nodes
+                if n.op == "call_function" and n.target in MATMULS
+                for a in n.args[:MATMULS[n.target]] if isinstance(a, torch.fx.Node)})
         out[mode] = result
     if rank == 0:
         reference = copy.deepcopy(base)
@@ -794,7 +982,7 @@ def eager_fallback_worker(rank: int, world: int, strategy: str, steps: int) -> d
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)
     data = batches(TEST_CONFIG, world, steps)
-    options = {"shard_size": 1} if ShardingStrategy.parse(strategy).is_hybrid else {}
+    options = hybrid_options(strategy)  # hybrid: 2 x 2, so the shard group really reduce-scatters
     out = {}
     for mode in ("eager", "env", "aot_eager"):
         torch._dynamo.reset()
@@ -805,6 +993,7 @@ def eager_fallback_worker(rank: int, world: int, strategy: str, steps: int) -> d
         backend.shard(model)
         out[mode] = train(model, torch.compile(model, backend=backend), data, rank)
         out[mode]["compilers"] = [g.compiler for g in backend.graphs]
+        out[mode]["shard_size"] = backend.topology.shard_size
         os.environ.pop("FSDP_COMPILE_EAGER", None)
     return out if rank == 0 else {}
 
@@ -843,3 +1032,70 @@ def failing_pass_worker(rank: int, world: int, phase: str, strict: bool, steps: 
     return {"warnings": [str(w.message) for w in caught], "fallbacks": record.fallbacks,
             "broken": broken["params"], "healthy": healthy["params"],
             "markers": marker_counts(graph), "collectives": collective_counts(graph)}
+
+
+def double_output(gm: torch.fx.GraphModule) -> None:
+    """A user pass that changes results visibly: the forward graph's first output (the
+    model's output) doubled. Rewrites in place."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first, *rest = output.args[0]
+    with gm.graph.inserting_before(output):
+        doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (first, 2))
+    doubled.meta["val"] = first.meta["val"]
+    output.args = ((doubled, *rest),)
+
+
+def rebuilt(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A user pass that returns a new GraphModule instead of rewriting in place."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def user_pass_worker(rank: int, world: int, dump_dir: str) -> dict:
+    """User passes on both phases, dumped; compiled output against the eager runtime's."""
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", dump_dir=dump_dir,
+                                   passes={"forward": [double_output], "backward": [rebuilt]})
+    backend.shard(model)
+    x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+    compiled = torch.compile(model, backend=backend)(x)
+    lm_loss(compiled, y).backward()
+    eager = model(x)
+    (record,) = backend.graphs
+    output = next(n for n in record.forward.graph.nodes if n.op == "output")
+    return {"doubled": torch.equal(compiled, 2 * eager), "fallbacks": record.fallbacks,
+            "first_output": str(output.args[0][0].target)}
+
+
+def overlapped_compute(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Per gathered bucket, the compute nodes between its all-gather and that gather's wait (in
+    node order). Buckets are told apart by the tag lowering puts on their nodes."""
+    from fsdp_compile.passes.lowering import COMM_META
+
+    nodes = list(gm.graph.nodes)
+    issued = {n: i for i, n in enumerate(nodes) if n.target is _c10d.all_gather_into_tensor.default}
+    out = {}
+    for i, node in enumerate(nodes):
+        if node.target is _c10d.wait_tensor.default and node.args[0] in issued:
+            start = issued[node.args[0]]
+            out[node.args[0].meta[COMM_META].bucket] = sum(
+                1 for n in nodes[start + 1:i] if n.op == "call_function" and COMM_META not in n.meta)
+    return out
+
+
+def explicit_prefetch_worker(rank: int, world: int) -> dict:
+    """prefetch=0, with and without an explicit order (names in forward, modules in backward)."""
+    out = {}
+    for name in ("explicit", "none"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(TEST_CONFIG)
+        orders = {"forward_prefetch": {"blocks.0": ["blocks.1"]},
+                  "backward_prefetch": {model.blocks[1]: [model.blocks[0]]}} if name == "explicit" else {}
+        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", prefetch=0, **orders)
+        backend.shard(model)
+        x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+        lm_loss(torch.compile(model, backend=backend)(x), y).backward()
+        (record,) = backend.graphs
+        out[name] = {"forward": overlapped_compute(record.forward), "backward": overlapped_compute(record.backward)}
+    return out

@@ -98,7 +98,9 @@ def _groups(graph: fx.Graph) -> dict[int, _Group]:
         group.stages[tag.stage].append(node)
         if node.target in COLLECTIVE_OPS:
             group.sizes.append(collective_bytes(node))
-    return groups
+    # A bucket lowered without a collective (NO_SHARD's cast to the compute dtype) is compute
+    # like any other: nothing is in flight, so it stays where lowering put it.
+    return {key: group for key, group in groups.items() if group.sizes}
 
 
 def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedule:

@@ -100,6 +100,20 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
+def _to_compute_device(shard: torch.Tensor, device: str) -> torch.Tensor:
+    """CPU offload's host-to-device copy of a shard (nothing if it is there already).
+
+    From pinned host memory the copy is asynchronous and ordered before the gather. The aten op
+    rather than ``Tensor.to``: ``Tensor.to`` first initializes the device's runtime, which
+    tracing with fake tensors of a device this machine lacks cannot do (tests/test_offload.py
+    compiles for a CUDA compute device on a CPU-only machine that way).
+    """
+    target = torch.device(device)
+    if shard.device == target:
+        return shard
+    return torch.ops.aten._to_copy.default(shard, device=target, non_blocking=True)
+
+
 def chunk_numels(full_shapes: Sequence[Sequence[int]], world: int) -> list[int]:
     """Elements of one rank's (padded) chunk of each tensor."""
     return [padded_rows(shape[0], world) * math.prod(shape[1:]) for shape in full_shapes]
@@ -117,8 +131,7 @@ def gather_params(
     """
     dtype = spec.compute_dtype(shards[0].dtype)
     if spec.compute_device is not None:
-        # From pinned host memory this copy is asynchronous and ordered before the gather.
-        shards = [s.to(spec.compute_device, non_blocking=True) for s in shards]
+        shards = [_to_compute_device(s, spec.compute_device) for s in shards]
     if not spec.gathers:
         return [s.to(dtype, copy=True) for s in shards]
     chunks = chunk_numels(full_shapes, spec.shard_size)

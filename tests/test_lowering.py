@@ -1,0 +1,48 @@
+"""Which markers share a collective when lowered (hand-made graphs, markers traced fake)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fsdp_compile  # noqa: F401  (registers the markers)
+from fsdp_compile.passes.bucketing import parse_policy
+from fsdp_compile.passes.lowering import lower_markers
+from fsdp_compile.runtime.collectives import CommSpec
+
+_c10d = torch.ops._c10d_functional
+GROUP_G = CommSpec("g", 2, True, "", 1, None, None, True)
+GROUP_H = CommSpec("h", 2, True, "", 1, None, None, True)  # another shard group of the same size
+
+
+def one_unit_graph():
+    """Four 8 x 8 weights of one unit "b0" (4 x 8 shards): two fp32 in group g, one fp64 in
+    group g, one fp32 in group h; forward gathers them, backward reduces their gradients."""
+    def f(x, a, b, c, d):
+        weights = [torch.ops.fsdp_compile.unshard(s, name, "b0", 8, *spec.op_args())
+                   for s, name, spec in ((a, "a", GROUP_G), (b, "b", GROUP_G), (c, "c", GROUP_G), (d, "d", GROUP_H))]
+        out = x @ weights[0].t() + x @ weights[1].t() + (x.double() @ weights[2].t()).float() + x @ weights[3].t()
+        grads = [torch.ops.fsdp_compile.reduce_grad(torch.tanh(w), name, "b0", 4, w.dtype, *spec.op_args())
+                 for w, name, spec in zip(weights, "abcd", (GROUP_G, GROUP_G, GROUP_G, GROUP_H))]
+        return out, grads
+    shards = [torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8)]
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), *shards)
+    lower_markers(gm, parse_policy("module"))
+    return gm
+
+
+def test_parameters_share_a_bucket_only_when_groups_and_dtypes_match() -> None:
+    gm = one_unit_graph()
+    gathers, reductions = [], []
+    for node in gm.graph.nodes:
+        if node.target is _c10d.all_gather_into_tensor.default:
+            out = node.meta["val"]
+            gathers.append((node.args[-1], out.dtype, out.numel()))
+        elif node.target is _c10d.reduce_scatter_tensor.default:
+            buffer = node.args[0].meta["val"]
+            reductions.append((node.args[-1], buffer.dtype, buffer.numel()))
+    # One collective per (group, dtype) within the unit, each holding 2 ranks x 32 elements
+    # per parameter it carries: a and b together, c and d alone.
+    expected = sorted([("g", torch.float32, 128), ("g", torch.float64, 64), ("h", torch.float32, 64)], key=str)
+    assert sorted(gathers, key=str) == expected
+    assert sorted(reductions, key=str) == expected
