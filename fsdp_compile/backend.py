@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import re
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -79,7 +80,11 @@ class CompiledGraph:
     forward_param_bytes: int = 0
     compiler: str = ""
     fallbacks: list[dict[str, str]] = field(default_factory=list)  # passes that failed, per phase
-    pass_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    pass_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> pass -> s
+    # For compile-time accounting (bench/compile_time.py): nodes each phase's passes received,
+    # and seconds spent in the whole of our work per phase (passes, copies, memory estimate).
+    graph_nodes: dict[str, int] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -428,7 +433,9 @@ class FSDPBackend:
 
         self._joint_passes(joint.graph, record)
         joint.recompile()
+        start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        record.stage_seconds["partition"] = time.perf_counter() - start
         order_rng_states_before_opaque(forward, backward)
         return forward, backward
 
@@ -439,10 +446,14 @@ class FSDPBackend:
         there: the partitioner then makes its default choices for the rest, a memory
         difference only, with the same results.
         """
+        started = time.perf_counter()
+        record.graph_nodes["joint"] = len(graph.nodes)
         dumper = self._dumper()
         if dumper is not None:
             dumper.write_graph(record.index, "joint_before.py", graph_code(graph))
+        timings = record.pass_seconds.setdefault("joint", {})
         for name, fn in (("elide_trivial_unshard", elide_trivial_unshard), ("tag_reshard_policy", tag_reshard_policy)):
+            start = time.perf_counter()
             try:
                 fn(graph)
             except Exception as exc:
@@ -450,12 +461,16 @@ class FSDPBackend:
                 failure.__cause__ = exc
                 self._fail(record, "joint", failure)
                 return
+            timings[name] = time.perf_counter() - start
         if dumper is not None:
             dumper.write_graph(record.index, "joint_after.py", graph_code(graph, tags=True))
+        record.stage_seconds["joint"] = time.perf_counter() - started
 
     def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph,
                       decompositions: dict | None = None) -> fx.GraphModule:
         """Lower and schedule one graph; on a pass failure, keep it as it was (markers run eagerly)."""
+        started = time.perf_counter()
+        record.graph_nodes[phase] = len(gm.graph.nodes)
         if phase == "backward":
             self._tag_saved_inputs(gm, record.forward_output_roles)
         kind = "backward" if phase == "backward" else "forward"
@@ -502,6 +517,7 @@ class FSDPBackend:
             record.forward_param_bytes = input_bytes(gm, "param")
             record.pass_seconds["forward"] = timings
         self._write_summary(record)
+        record.stage_seconds[phase] = time.perf_counter() - started
         return gm
 
     @staticmethod

@@ -36,6 +36,7 @@ from .runtime.collectives import CommSpec, padded_rows, shard_bounds
 SPECS_ATTR = "_fsdp_specs"
 MIXED_PRECISION_ATTR = "_fsdp_mixed_precision"
 LOCALS_ATTR = "_fsdp_local_shards"
+READS_ATTR = "_fsdp_reads"  # parameter name -> (fqn, the unshard marker's arguments)
 
 
 @dataclass(frozen=True)
@@ -68,24 +69,33 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+    # Dynamo inlines this once per parameter read, and its cost grows with every attribute,
+    # call and constant it meets: everything a read needs is precomputed at shard time, the
+    # marker's arguments included (one tuple), and per-forward state is read from the root's
+    # LocalShards, which the traced root forward itself set (no guard per module).
     param = module._parameters[name]
     if param is None:
         return None
+    state = module.__dict__
+    fqn, marker_args = state[READS_ATTR][name]
     if not isinstance(param, DTensor):
-        info = module.__dict__[SPECS_ATTR][name]
         raise RuntimeError(
-            f"parameter {info.fqn!r} was replaced by a plain tensor after the model was sharded; "
+            f"parameter {fqn!r} was replaced by a plain tensor after the model was sharded; "
             "load new values with load_state_dict() or copy_() into the existing parameter"
         )
-    info = module.__dict__[SPECS_ATTR][name]
-    shards = module.__dict__.get(LOCALS_ATTR)
-    local = shards.current.get(info.fqn) if shards is not None and shards.current is not None else None
+    shards = state[LOCALS_ATTR]
+    current = shards.current
+    if current is not None:  # inside the root's forward
+        local = current.get(fqn)
+        accumulating = shards.accumulating
+    else:  # a read outside the model's forward (eager runtime)
+        local = None
+        accumulating = shards.sync is not None and shards.sync.accumulating
     if local is None:
         local = param.to_local()
-    sync = module.__dict__.get(SYNC_ATTR)
-    if sync is not None and sync.accumulating and param.requires_grad:
-        return torch.ops.fsdp_compile.unshard_no_sync(local, sync.accumulators[info.fqn], *info.unshard_args)
-    return torch.ops.fsdp_compile.unshard(local, *info.unshard_args)
+    if accumulating and param.requires_grad:
+        return torch.ops.fsdp_compile.unshard_no_sync(local, shards.sync.accumulators[fqn], *marker_args)
+    return torch.ops.fsdp_compile.unshard(local, *marker_args)
 
 
 class LocalShards:
@@ -97,9 +107,13 @@ class LocalShards:
     plain tensors.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sync: GradientSync | None = None) -> None:
         self.params: list[tuple[str, nn.Parameter]] = []
+        self.sync = sync
+        # Set by the root's forward for its duration: the local shards, and whether gradients
+        # accumulate without synchronization (read once per forward, one guard under Dynamo).
         self.current: dict[str, torch.Tensor] | None = None
+        self.accumulating = False
 
 
 def _make_property(name: str) -> property:
@@ -124,6 +138,7 @@ def _make_root_forward(cls: type):
         # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
         # own, so hooks would add graphs; this way all of it is part of the model's graph.
         shards = self.__dict__[LOCALS_ATTR]
+        shards.accumulating = shards.sync is not None and shards.sync.accumulating
         shards.current = {fqn: param.to_local() for fqn, param in shards.params}
         try:
             policy = self.__dict__.get(MIXED_PRECISION_ATTR)
@@ -266,10 +281,11 @@ def shard_module(
     if casts:
         model.__dict__[MIXED_PRECISION_ATTR] = mixed_precision
     per_module.setdefault(model, {})
-    shards = LocalShards()
+    shards = LocalShards(sync)
     shards.params = [(fqn, sharded) for sharded, info in seen.values() for fqn in [info.fqn]]
     for module, specs in per_module.items():
         module.__dict__[SPECS_ATTR] = specs
+        module.__dict__[READS_ATTR] = {name: (info.fqn, info.unshard_args) for name, info in specs.items()}
         module.__dict__[LOCALS_ATTR] = shards
         if sync is not None:
             module.__dict__[SYNC_ATTR] = sync
