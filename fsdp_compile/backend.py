@@ -432,7 +432,6 @@ class FSDPBackend:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         self._joint_passes(joint.graph, record)
-        joint.recompile()
         start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         record.stage_seconds["partition"] = time.perf_counter() - start
@@ -482,6 +481,7 @@ class FSDPBackend:
             options = ScheduleOptions(self.options.prefetch, self.options.max_inflight_bytes,
                                       self.explicit_prefetch[kind])
             passes.append(("schedule_collectives", lambda g: schedule_collectives(g, options)))
+        ours = {fn for _, fn in passes}  # rewrite graphs only (see run_passes)
         passes += [(getattr(fn, "__name__", "user_pass"), fn) for fn in self.options.passes.get(kind, [])]
         dumper = self._dumper()
         on_graph = None
@@ -489,7 +489,7 @@ class FSDPBackend:
             def on_graph(step: str, g: fx.GraphModule, counter=iter(range(100))) -> None:
                 dumper.write_graph(record.index, f"{phase}/{next(counter):02d}_{step}.py", graph_code(g))
         try:
-            gm, results = run_passes(gm, passes, on_graph)
+            gm, results = run_passes(gm, passes, on_graph, graph_only=ours)
         except PassFailure as failure:
             self._fail(record, phase, failure)
             results = []
@@ -499,9 +499,10 @@ class FSDPBackend:
             # The caller keeps every parameter resident; backward only receives some of them.
             held = {"param": max(0, record.forward_param_bytes - input_bytes(gm, "param"))}
         memory = estimate_memory(gm, held)
-        # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
-        # all_reduce), and the record should show what our passes produced.
-        snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        # Inductor rewrites the graph it is given in place (e.g. re-inplacing all_reduce), and
+        # the record should show what our passes produced: a snapshot there. aot_eager runs
+        # the graph as it is.
+        snapshot = gm if record.compiler == "aot_eager" else _graph_module_copy(gm)
         buckets = values.get("lower_markers") or {}
         schedule = values.get("schedule_collectives")
         timings = {r.name: r.seconds for r in results}
@@ -614,6 +615,15 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
 
         user_uuid = getattr(self.user_partitioner, "uuid", lambda: None)() if self.user_partitioner else None
         return (pass_fingerprint(), user_uuid)
+
+
+def _graph_module_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose code is generated only if someone runs or reads it."""
+    try:
+        from torch.fx._lazy_graph_module import _make_graph_module
+    except ImportError:  # pragma: no cover
+        return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    return _make_graph_module(gm, copy.deepcopy(gm.graph))
 
 
 def _output_roles(gm: fx.GraphModule) -> list[str]:

@@ -24,7 +24,7 @@ from torch._guards import detect_fake_mode
 from ..ops import markers
 from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
-from .templates import TraceCache, refresh_fake_values
+from .templates import TraceCache, stamp_fake_values
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -88,13 +88,14 @@ def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.
     fake_mode = None if fresh else detect_fake_mode(values)
     placeholders = [n for n in traced.nodes if n.op == "placeholder"]
     previous = before.prev
+    copies = dict(zip(placeholders, inputs))
     with graph.inserting_before(before):
-        outputs = graph.graph_copy(traced, dict(zip(placeholders, inputs)))
+        outputs = graph.graph_copy(traced, copies)
+    if not fresh:
+        stamp_fake_values([(t, c) for t, c in copies.items() if t.op != "placeholder"], placeholders, fake_mode)
     stage = 0
     node = previous.next
     while node is not before:
-        if not fresh:
-            refresh_fake_values(node, fake_mode)
         if node.target is WAIT:
             stage += 1
         node.meta[COMM_META] = tag(stage)
@@ -180,6 +181,8 @@ def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decomposit
                   reuse_traces: bool = True, trace_cache: TraceCache | None = None) -> dict[str, list[Bucket]]:
     """Lower every marker of ``gm`` bucket by bucket; returns the buckets by kind.
 
+    Rewrites ``gm.graph`` only: call ``gm.recompile()`` before running ``gm``.
+
     ``reuse_traces=False`` traces every bucket afresh (the result is the same; for tests);
     ``trace_cache`` is the cache to use (a fresh one by default; it counts traces and stamps).
     """
@@ -201,5 +204,4 @@ def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decomposit
         group += 1
     stable_topological_sort(gm.graph)
     gm.graph.lint()
-    gm.recompile()
     return buckets

@@ -5,11 +5,13 @@ Lowering replaces a bucket's markers by the traced body of ``gather_params`` / `
 repeated blocks has one bucket per block, all alike: same shapes, strides, dtypes and
 communication spec. :class:`TraceCache` traces a signature the first time it is seen and hands
 out the same traced graph afterwards; the caller copies it into the target graph and
-:func:`refresh_fake_values` gives each copied node fresh fake values computed from its own
-inputs (what ``make_fx`` records on a node: ``val``, ``tensor_meta`` and, for ops with exact
-stride requirements, ``eager_input_vals``). A stamp is therefore node for node what a fresh
-trace would have produced, with storages of its own (the memory estimate and Inductor's
-re-inplacing tell buffers apart by storage), at the cost of one fake-tensor call per node.
+:func:`stamp_fake_values` gives each copied node fresh fake values (what ``make_fx`` records on
+a node: ``val``, ``tensor_meta`` and, for ops with exact stride requirements,
+``eager_input_vals``). A stamp is therefore node for node what a fresh trace would have
+produced, with storages of its own (the memory estimate and Inductor's re-inplacing tell
+buffers apart by storage). The values are the template's, re-created on new storages (views
+keep sharing theirs), which costs a few microseconds per tensor; a value that aliases an input
+is recomputed by running its op on fake tensors instead (:func:`refresh_fake_values`).
 
 Inputs with symbolic sizes are never shared: each such lowering is traced on its own.
 """
@@ -88,13 +90,13 @@ def _eager_input_value(node: Any) -> Any:
     return _extract_val(value)
 
 
-def refresh_fake_values(node: fx.Node, fake_mode: Any) -> None:
-    """Recompute a stamped node's fake value (and the metadata derived from it) from its inputs."""
+def refresh_fake_values(node: fx.Node) -> None:
+    """Recompute a stamped node's fake value (and the metadata derived from it) from its
+    inputs. Call it with the graph's fake mode active."""
     if node.op != "call_function":
         return
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    with fake_mode:
-        value = node.target(*args, **kwargs)
+    value = node.target(*args, **kwargs)
     node.meta["val"] = _extract_val(value)
     if isinstance(value, torch.Tensor) and _extract_tensor_metadata is not None:
         node.meta["tensor_meta"] = _extract_tensor_metadata(value)
@@ -102,3 +104,69 @@ def refresh_fake_values(node: fx.Node, fake_mode: Any) -> None:
         node.meta.pop("tensor_meta", None)
     if "eager_input_vals" in node.meta:
         node.meta["eager_input_vals"] = fx.node.map_aggregate((node.args, node.kwargs), _eager_input_value)
+
+
+class _Aliases(Exception):
+    """A template value lives on an input's storage: it must be recomputed, not re-created."""
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()
+    return getattr(storage, "_cdata", None) or id(storage)
+
+
+def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence[fx.Node],
+                      fake_mode: Any) -> None:
+    """Give the copies of a template's nodes fresh fake values (see the module docstring).
+
+    ``pairs`` are (template node, its copy) in graph order, ``inputs`` the template's
+    placeholders. Call it outside ``fake_mode`` (tensors made on the meta device inside a fake
+    mode would go through fake dispatch, which is what this avoids).
+    """
+    converter = getattr(fake_mode, "fake_tensor_converter", None)
+    input_storages = {_storage_key(t) for n in inputs for t in _tensors(n.meta.get("val"))}
+    storages: dict[int, Any] = {}
+
+    def recreate(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key in input_storages or t.requires_grad or converter is None:
+            raise _Aliases
+        storage = storages.get(key)
+        if storage is None:
+            storage = torch.empty((t.untyped_storage().nbytes(),), dtype=torch.uint8, device="meta").untyped_storage()
+            storages[key] = storage
+        meta = torch.empty((0,), dtype=t.dtype, device="meta")
+        meta.set_(storage, t.storage_offset(), t.shape, t.stride())
+        return converter.from_meta_and_device(fake_mode, meta, t.device)
+
+    def rebuild(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return recreate(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(rebuild(v) for v in value)
+        return value
+
+    for template, copy in pairs:
+        if copy.op != "call_function":
+            continue
+        try:
+            copy.meta["val"] = rebuild(template.meta.get("val"))
+        except _Aliases:
+            with fake_mode, _below_autograd():
+                refresh_fake_values(copy)
+            continue
+        if "eager_input_vals" in copy.meta:
+            copy.meta["eager_input_vals"] = fx.node.map_aggregate((copy.args, copy.kwargs), _eager_input_value)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def _below_autograd():
+    # Only fake values are computed: skip the autograd layer of every op (for custom ops it is
+    # Python, and the most expensive part of a fake call).
+    guard = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+    return guard() if guard is not None else torch.no_grad()
