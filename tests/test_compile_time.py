@@ -76,3 +76,51 @@ def test_identical_buckets_are_traced_once() -> None:
     lower_markers(gm, parse_policy("module"), trace_cache=cache)
     # One gather and one reduction signature; the other three blocks are stamps of them.
     assert (cache.traces, cache.stamps) == (2, 6)
+
+
+def _relu_module() -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))
+
+
+def test_failed_pass_restores_the_graph_the_caller_gave() -> None:
+    from fsdp_compile.passes.pipeline import PassFailure, run_passes
+
+    gm = _relu_module()
+    before = gm.code
+
+    def drop_tanh(g):
+        node = next(n for n in g.graph.nodes if n.op == "call_module" and n.target == "1")
+        node.replace_all_uses_with(node.args[0])
+        g.graph.erase_node(node)
+
+    def broken(g):
+        raise ValueError("deliberately broken")
+
+    try:
+        run_passes(gm, [("drop_tanh", drop_tanh), ("broken", broken)], graph_only={drop_tanh})
+    except PassFailure as failure:
+        assert failure.pass_name == "broken"
+    else:
+        raise AssertionError("the failing pass did not raise")
+    assert gm.code == before
+    x = torch.randn(4)
+    assert torch.equal(gm(x), torch.tanh(torch.relu(x)))
+
+
+def test_a_user_pass_sees_the_code_of_the_graph_so_far() -> None:
+    from fsdp_compile.passes.pipeline import run_passes
+
+    gm = _relu_module()
+    seen = []
+
+    def drop_tanh(g):
+        node = next(n for n in g.graph.nodes if n.op == "call_module" and n.target == "1")
+        node.replace_all_uses_with(node.args[0])
+        g.graph.erase_node(node)
+
+    def user_pass(g):  # runs the module: its code must reflect the graph-only pass before it
+        seen.append(g(torch.tensor([-1.0, 2.0])))
+
+    out, _ = run_passes(gm, [("drop_tanh", drop_tanh), ("user", user_pass)], graph_only={drop_tanh})
+    assert torch.equal(seen[0], torch.tensor([0.0, 2.0]))
+    assert torch.equal(out(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
