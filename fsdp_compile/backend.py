@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops  # noqa: F401  (registers the marker ops)
+from .compile_cache import CacheState, cache_key, prepare_directory, user_pass_uuids
 from .errors import ConfigError
 from .grad_sync import GradientSync
 from .groups import Topology, current_device, resolve_topology
@@ -85,6 +86,9 @@ class CompiledGraph:
     # and seconds spent in the whole of our work per phase (passes, copies, memory estimate).
     graph_nodes: dict[str, int] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # Inductor only (see fsdp_compile.compile_cache): "hit" (loaded: no passes ran, so no
+    # forward/backward graphs here), "miss" (compiled and stored), or "off: <why>".
+    cache: str = ""
 
 
 @dataclass
@@ -106,6 +110,7 @@ class _Options:
     strict: bool
     passes: dict[str, list[Callable]]
     offload: CPUOffload | None
+    cache_dir: str | None = None
 
 
 class FSDPBackend:
@@ -126,8 +131,10 @@ class FSDPBackend:
     ``strict``: raise when a pass fails instead of running that graph through the eager
     runtime; ``passes``: extra passes ``{"forward" | "backward": [fn(GraphModule)]}`` run after
     ours; ``offload``: :class:`fsdp_compile.CPUOffload` keeps shards, gradients and the
-    optimizer step in host memory. ``FSDP_COMPILE_EAGER=1`` runs every captured graph through
-    the eager runtime.
+    optimizer step in host memory; ``cache_dir``: under Inductor, a process that compiles what an
+    earlier one compiled with the same directory loads it from there (warm restarts; see
+    :mod:`fsdp_compile.compile_cache`). ``FSDP_COMPILE_EAGER=1`` runs every captured graph
+    through the eager runtime.
 
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
     accumulation without communication); see also :mod:`fsdp_compile.checkpoint` and
@@ -154,6 +161,7 @@ class FSDPBackend:
         strict: bool = False,
         passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
         offload: CPUOffload | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
@@ -186,6 +194,8 @@ class FSDPBackend:
                 raise ValueError(f"{name}= names bucket units, which bucket={policy.describe()} does not have")
         if offload is not None and not isinstance(offload, CPUOffload):
             raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir= takes a directory path, got {type(cache_dir).__name__}")
         passes = dict(passes or {})
         for phase, fns in passes.items():
             if phase not in ("forward", "backward"):
@@ -197,7 +207,11 @@ class FSDPBackend:
                                 bucket, mixed_precision, schedule, prefetch, max_inflight_bytes,
                                 forward_prefetch, backward_prefetch,
                                 os.fspath(dump_dir) if dump_dir is not None else None, strict, passes,
-                                offload)
+                                offload, os.fspath(cache_dir) if cache_dir is not None else None)
+        self.cache_state = (prepare_directory(cache_dir) if cache_dir is not None
+                            else CacheState(False, "no cache_dir= given"))
+        self.cache_stats = {"hits": 0, "misses": 0, "off": 0}
+        self._cache_warned = False
         self._dumper_instance: Dumper | None = None
         self.bucket_policy = policy
         self.units: set[str] = {ROOT_UNIT}
@@ -562,14 +576,88 @@ class FSDPBackend:
             lowered = self._graph_passes(g, phase, record, select_decomp_table())
             return compile_fx_inner(lowered, inputs, **kwargs)
 
-        joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass)
+        key, lookups, why_off = self._compile_cache_key()
+        joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass, key)
         patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pass}
         if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
-            patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn)
-        # The AOTAutograd cache keys on the Dynamo graph, not on our passes: a hit would skip
-        # them (and reuse another strategy's partition), so it stays off for our graphs.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+            patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn, key)
+        if not self.cache_state.enabled and self.cache_state.directory is not None:
+            patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
+        # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
+        # key travels as the uuid of the joint pass and partitioner above: a hit is exactly what
+        # our passes would produce again. A key of None (a pass we cannot key) makes Inductor
+        # bypass its caches.
+        counts = torch._dynamo.utils.counters["aot_autograd"]
+        hits, bypasses = counts["autograd_cache_hit"], counts["autograd_cache_bypass"]
+        with torch._functorch.config.patch(enable_autograd_cache=lookups):
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+        if lookups and counts["autograd_cache_bypass"] > bypasses:
+            lookups, why_off = False, "Inductor bypassed its cache for this graph (TORCH_LOGS=+aot_autograd says why)"
+        if not lookups:
+            record.cache = f"off: {why_off}"
+            self.cache_stats["off"] += 1
+        elif counts["autograd_cache_hit"] > hits:
+            record.cache = "hit"
+            self.cache_stats["hits"] += 1
+        else:
+            record.cache = "miss"
+            self.cache_stats["misses"] += 1
+        return compiled
+
+    def cache_key_parts(self) -> dict[str, Any]:
+        """Everything our passes' result depends on besides the Dynamo graph (see
+        :mod:`fsdp_compile.compile_cache`); the user's passes are keyed by their uuids."""
+        o, topo = self.options, self.topology
+        groups = {}
+        for name, group in (("shard", topo and topo.shard_group), ("replicate", topo and topo.replicate_group)):
+            groups[name] = dist.get_process_group_ranks(group) if group is not None else None
+        policy = self.bucket_policy
+        # AOTAutograd keys a DTensor input by its global metadata only, so with uneven shards
+        # ranks whose local shards differ would share an entry (a wrong graph, caught by a
+        # size assertion at best): the rank and every local shard's metadata are part of ours.
+        local = sorted((name, tuple(p.to_local().shape), tuple(p.to_local().stride()), str(p.dtype), str(p.device))
+                       for p in self._owned.keys() for name in [sharded_name(p) or ""])
+        return {
+            "strategy": self.strategy.name,
+            "compiler": o.compiler,
+            "world": dist.get_world_size() if dist.is_initialized() else 1,
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "local_shards": local,
+            "groups": groups,
+            "bucket": {"kind": policy.kind, "max_bytes": policy.max_bytes, "describe": policy.describe()},
+            "schedule": {"on": o.schedule, "prefetch": o.prefetch, "max_inflight_bytes": o.max_inflight_bytes,
+                         "explicit": self.explicit_prefetch},
+            "mixed_precision": repr(o.mixed_precision),
+            "offload": repr(o.offload),
+            "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
+            "strict": o.strict,
+        }
+
+    def _compile_cache_key(self) -> tuple[str | None, bool, str]:
+        """(key for Inductor's caches, None to bypass them; whether AOTAutograd's cache may be
+        read; why it may not)."""
+        state = self.cache_state
+        if not state.enabled and state.directory is not None:
+            return None, False, state.reason  # an unusable cache_dir: everything cold
+        uuids, why = user_pass_uuids(self.options.passes)
+        # Inductor's FX graph cache keys on the graph our passes produced, so it stays right
+        # whatever the key; AOTAutograd's keys on the graph before them and needs all of it.
+        key = cache_key({**self.cache_key_parts(), "user_passes": uuids if uuids is not None else "unkeyed"})
+        if not state.enabled:
+            return key, False, state.reason
+        if uuids is None:
+            self._warn_cache_off(why)
+            return key, False, why
+        if self._dumper() is not None:
+            # A hit would skip the passes, and with them the dump: compile (an entry stored
+            # under the same key stays right for later runs without dumps).
+            return key, False, "dumping graphs (dump_dir / FSDP_COMPILE_DUMP) needs the passes to run"
+        return key, True, ""
+
+    def _warn_cache_off(self, why: str) -> None:
+        if not self._cache_warned:
+            self._cache_warned = True
+            warnings.warn(f"fsdp_compile: compile cache off: {why}", RuntimeWarning, stacklevel=4)
 
 
 class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
@@ -579,10 +667,11 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     """
 
     def __init__(self, backend: FSDPBackend, record: CompiledGraph,
-                 user_pass: Callable[[fx.Graph], None] | None) -> None:
+                 user_pass: Callable[[fx.Graph], None] | None, key: str | None = None) -> None:
         self.backend = backend
         self.record = record
         self.user_pass = user_pass
+        self.key = key
 
     def __call__(self, graph: fx.Graph) -> None:
         self.backend._joint_passes(graph, self.record)
@@ -590,17 +679,27 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
             self.user_pass(graph)
 
     def uuid(self) -> Any:
-        from .passes import pass_fingerprint
+        return _uuid(self.key, self.user_pass)
 
-        user_uuid = getattr(self.user_pass, "uuid", lambda: None)() if self.user_pass else None
-        return (pass_fingerprint(), user_uuid)
+
+def _uuid(key: str | None, user_pass: Any) -> Any:
+    """Our key, plus the uuid of the user's pass we wrap; None (Inductor then bypasses its
+    caches) when either is unknown."""
+    if key is None:
+        return None
+    if user_pass is None:
+        return key
+    user_uuid = getattr(user_pass, "uuid", None)
+    user_uuid = user_uuid() if callable(user_uuid) else None
+    return None if user_uuid is None else (key, user_uuid)
 
 
 class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitionerFn", object)):
     """Inductor's partitioner (or the user's) followed by the RNG-state reordering fix."""
 
-    def __init__(self, user_partitioner: Callable[..., Any] | None) -> None:
+    def __init__(self, user_partitioner: Callable[..., Any] | None, key: str | None = None) -> None:
         self.user_partitioner = user_partitioner
+        self.key = key
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -611,10 +710,7 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
         return forward, backward
 
     def uuid(self) -> Any:
-        from .passes import pass_fingerprint
-
-        user_uuid = getattr(self.user_partitioner, "uuid", lambda: None)() if self.user_partitioner else None
-        return (pass_fingerprint(), user_uuid)
+        return _uuid(self.key, self.user_partitioner)
 
 
 def _graph_module_copy(gm: fx.GraphModule) -> fx.GraphModule:

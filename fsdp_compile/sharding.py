@@ -76,14 +76,14 @@ def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     param = module._parameters[name]
     if param is None:
         return None
-    state = module.__dict__
-    fqn, marker_args = state[READS_ATTR][name]
+    # Attribute reads, not module.__dict__[...]: Dynamo wraps a whole __dict__ it is asked for.
+    fqn, marker_args = getattr(module, READS_ATTR)[name]
     if not isinstance(param, DTensor):
         raise RuntimeError(
             f"parameter {fqn!r} was replaced by a plain tensor after the model was sharded; "
             "load new values with load_state_dict() or copy_() into the existing parameter"
         )
-    shards = state[LOCALS_ATTR]
+    shards = getattr(module, LOCALS_ATTR)
     current = shards.current
     if current is not None:  # inside the root's forward
         local = current.get(fqn)
