@@ -333,6 +333,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, aot_eager, for the tests")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into the results already in --out (rows measured now replace theirs)")
     parser.add_argument("--caveat", default="measured on a shared 2-core machine while other jobs ran; "
                         "absolute seconds are inflated and noisy, compare within a row")
     # worker-only
@@ -377,6 +379,13 @@ def main() -> None:
                     rows.append(row)
                     print(f"{compiler:9s} {layers:3d} layers {variant:16s} compile {row['compile_s']:7.2f} s "
                           f"(first step {row['first_step_s']:.2f} s)", flush=True)
+    if args.append and (out / f"{name}.json").exists():
+        # Keep the rows of an earlier run that this one did not measure again.
+        earlier = json.loads((out / f"{name}.json").read_text())
+        measured = {(r["compiler"], r["layers"], r["variant"]) for r in rows}
+        rows = [r for r in earlier["results"] if (r["compiler"], r["layers"], r["variant"]) not in measured] + rows
+        args.layers = sorted({*earlier["layers"], *args.layers})
+        args.compilers = [c for c in COMPILERS if c in {*earlier["compilers"], *args.compilers}]
     report = {
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

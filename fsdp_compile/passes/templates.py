@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
 try:  # what make_fx stores as a node's value (a detached alias of the traced fake tensor)
@@ -120,8 +120,7 @@ def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence
     """Give the copies of a template's nodes fresh fake values (see the module docstring).
 
     ``pairs`` are (template node, its copy) in graph order, ``inputs`` the template's
-    placeholders. Call it outside ``fake_mode`` (tensors made on the meta device inside a fake
-    mode would go through fake dispatch, which is what this avoids).
+    placeholders.
     """
     converter = getattr(fake_mode, "fake_tensor_converter", None)
     input_storages = {_storage_key(t) for n in inputs for t in _tensors(n.meta.get("val"))}
@@ -146,6 +145,13 @@ def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence
             return type(value)(rebuild(v) for v in value)
         return value
 
+    # AOTAutograd runs the forward compiler with the fake mode active; tensors made on the meta
+    # device inside it would go through fake dispatch (a hundred times slower).
+    with unset_fake_temporarily():
+        _stamp(pairs, rebuild, fake_mode)
+
+
+def _stamp(pairs: Sequence[tuple[fx.Node, fx.Node]], rebuild: Callable[[Any], Any], fake_mode: Any) -> None:
     for template, copy in pairs:
         if copy.op != "call_function":
             continue
