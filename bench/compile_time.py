@@ -270,8 +270,14 @@ def markdown(report: dict) -> str:
                     if fsdp and nosched else "-")
             ours = (f"{fsdp['breakdown_s']['ours']:.2f} ({fsdp['breakdown_s']['ours'] / fsdp['rank0_compile_s'] * 100:.0f}%)"
                     if fsdp else "-")
-            warm_s = (f"{warm['first_step_s']:.1f} ({warm['first_step_s'] / cold_cached['first_step_s'] * 100:.0f}% "
-                      f"of {cold_cached['first_step_s']:.1f})" if warm and cold_cached else "-")
+            warm_s = "-"
+            if warm and cold_cached:
+                warm_s = (f"{warm['first_step_s']:.1f} ({warm['first_step_s'] / cold_cached['first_step_s'] * 100:.0f}% "
+                          f"of the run that filled the cache, {cold_cached['first_step_s']:.1f}")
+                if fsdp:
+                    warm_s += f"; {warm['first_step_s'] / fsdp['first_step_s'] * 100:.0f}% of fsdp_compile's"
+                warm_s += ")"
+
             lines.append(f"| {layers} | {fmt(plain and plain['compile_s'])} | {fmt(fsdp and fsdp['compile_s'])} | "
                          f"{ratio} | {cpu_ratio} | {fmt(nosched and nosched['compile_s'])} | {cost} | {ours} | {warm_s} |")
         lines += ["", f"Breakdown on rank 0, seconds ({compiler}):", "",

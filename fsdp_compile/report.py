@@ -121,6 +121,7 @@ def graph_summary(record, backend) -> dict[str, Any]:
         "inference": record.inference,
         "fallbacks": list(record.fallbacks),
         "dynamo_nodes": len(record.dynamo.graph.nodes),
+        "cache": getattr(record, "cache", ""),
         "forward": _phase_summary(record.forward, record.forward_buckets, record.forward_schedule,
                                   record.forward_memory, record.pass_seconds.get("forward")),
         "backward": _phase_summary(record.backward, record.backward_buckets, record.backward_schedule,
@@ -203,6 +204,10 @@ def _render_graph(s: dict[str, Any]) -> list[str]:
                      "that graph runs its markers through the eager runtime")
     if s["compiler"] == "eager":
         lines.append(f"  runs as captured ({s['dynamo_nodes']} nodes), every marker through the eager runtime")
+        return lines
+    if s.get("cache") == "hit":
+        lines.append("  loaded from the compile cache (cache_dir=): no passes ran in this process, so no "
+                     "graphs to show here; the run that compiled it has them (dump_dir=)")
         return lines
     for phase in ("forward", "backward"):
         p = s.get(phase)

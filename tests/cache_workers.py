@@ -92,7 +92,8 @@ def cache_run(rank: int, world: int, cache_dir: str, change: str = "", steps: in
     return {"cache": [g.cache for g in backend.graphs], "stats": dict(backend.cache_stats),
             "losses": losses, "grads": grads,
             "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()},
-            "warnings": [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]}
+            "warnings": [str(w.message) for w in caught if "fsdp_compile" in str(w.message)],
+            "report": backend.report()}
 
 
 def cache_keys(rank: int, world: int, changes: list[str]) -> dict[str, str | None]:

@@ -50,6 +50,8 @@ def test_restart_loads_the_compilation_and_trains_bitwise_equal(cold_and_warm) -
         # Uneven shards: each rank has its own entry, and loads its own (AOTAutograd's key
         # alone would hand one rank the other's graph).
         assert_same_training(cold[rank], warm[rank])
+        assert "loaded from the compile cache" in warm[rank]["report"]
+        assert "forward:" in cold[rank]["report"] and "forward:" not in warm[rank]["report"]
     assert (cache / "fsdp_compile_cache.json").exists()
 
 
