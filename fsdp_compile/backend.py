@@ -14,6 +14,7 @@ Pipeline for one Dynamo graph (compiled mode):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import datetime
 import functools
@@ -21,6 +22,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -35,8 +37,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops  # noqa: F401  (registers the marker ops)
 from .bucket_advice import oversized_bucket
-from .agreement import GraphVerifier, agree_on_sharding, collective_calls
+from .agreement import CollectiveCall, GraphVerifier, agree_on_sharding, collective_calls
 from .faults import reraise_named
+from .compile_cache import (CacheState, cache_key, load_collectives, prepare_directory, save_collectives,
+                            user_pass_uuids)
 from .errors import ConfigError
 from .grad_sync import GradientSync
 from .groups import Topology, current_device, resolve_topology, world_timeout
@@ -95,7 +99,15 @@ class CompiledGraph:
     forward_param_bytes: int = 0
     compiler: str = ""
     fallbacks: list[dict[str, str]] = field(default_factory=list)  # passes that failed, per phase
-    pass_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    pass_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> pass -> s
+    # For compile-time accounting (bench/compile_time.py): nodes each phase's passes received,
+    # and seconds spent in the whole of our work per phase (passes, copies, memory estimate).
+    graph_nodes: dict[str, int] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    # Inductor only (see fsdp_compile.compile_cache): "hit" (loaded: no passes ran, so no
+    # forward/backward graphs here), "miss" (compiled and stored), or "off: <why>".
+    cache: str = ""
+    cache_key: str | None = None
 
 
 @dataclass
@@ -118,6 +130,7 @@ class _Options:
     passes: dict[str, list[Callable]]
     offload: CPUOffload | None
     verify: bool
+    cache_dir: str | None = None
 
 
 class FSDPBackend:
@@ -140,8 +153,11 @@ class FSDPBackend:
     ours; ``offload``: :class:`fsdp_compile.CPUOffload` keeps shards, gradients and the
     optimizer step in host memory; ``verify`` (default True): check at ``shard()`` and on the
     first run of every compiled graph that all ranks will communicate alike, and raise a named
-    error on every rank otherwise (see :mod:`fsdp_compile.agreement`). ``FSDP_COMPILE_EAGER=1``
-    runs every captured graph through the eager runtime.
+    error on every rank otherwise (see :mod:`fsdp_compile.agreement`). ``cache_dir``: under
+    Inductor, a process that
+    compiles what an earlier one compiled with the same directory loads it from there (warm
+    restarts; see :mod:`fsdp_compile.compile_cache`). ``FSDP_COMPILE_EAGER=1`` runs every
+    captured graph through the eager runtime.
 
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
     accumulation without communication); see also :mod:`fsdp_compile.checkpoint` and
@@ -169,6 +185,7 @@ class FSDPBackend:
         passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
         offload: CPUOffload | None = None,
         verify: bool = True,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
@@ -203,6 +220,8 @@ class FSDPBackend:
             raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify= takes a bool, got {type(verify).__name__}")
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir= takes a directory path, got {type(cache_dir).__name__}")
         passes = dict(passes or {})
         for phase, fns in passes.items():
             if phase not in ("forward", "backward"):
@@ -214,7 +233,11 @@ class FSDPBackend:
                                 bucket, mixed_precision, schedule, prefetch, max_inflight_bytes,
                                 forward_prefetch, backward_prefetch,
                                 os.fspath(dump_dir) if dump_dir is not None else None, strict, passes,
-                                offload, verify)
+                                offload, verify, os.fspath(cache_dir) if cache_dir is not None else None)
+        self.cache_state = (prepare_directory(cache_dir) if cache_dir is not None
+                            else CacheState(False, "no cache_dir= given"))
+        self.cache_stats = {"hits": 0, "misses": 0, "off": 0}
+        self._cache_warned = False
         self._dumper_instance: Dumper | None = None
         self.bucket_policy = policy
         self.units: set[str] = {ROOT_UNIT}
@@ -487,8 +510,7 @@ class FSDPBackend:
             if verifier is not None:
                 if first_run[0]:
                     kind = "inference graph" if record.inference else "graph"
-                    verifier.verify(f"{kind} {record.index} (forward and backward)",
-                                    collective_calls(record, self._group_roles()))
+                    verifier.verify(f"{kind} {record.index} (forward and backward)", self._collectives(record))
                     first_run[0] = False
                 verifier.calls += 1
             try:
@@ -498,6 +520,16 @@ class FSDPBackend:
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run
+
+    def _collectives(self, record: CompiledGraph) -> list[CollectiveCall]:
+        """What ``record`` issues, for the first-run agreement check. A graph loaded from the
+        compile cache has no lowered graphs here: its sequence was kept beside the entry by the
+        run that compiled it, so ranks that hit and ranks that missed compare alike."""
+        if record.cache == "hit" and self.cache_state.directory is not None:
+            kept = load_collectives(self.cache_state.directory, record.cache_key, record.dynamo.code)
+            if kept is not None:
+                return [CollectiveCall(**{**c, "params": tuple(c["params"])}) for c in kept]
+        return collective_calls(record, self._group_roles())
 
     def _check_inputs(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -556,8 +588,9 @@ class FSDPBackend:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         self._joint_passes(joint.graph, record)
-        joint.recompile()
+        start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        record.stage_seconds["partition"] = time.perf_counter() - start
         order_rng_states_before_opaque(forward, backward)
         return forward, backward
 
@@ -568,10 +601,14 @@ class FSDPBackend:
         there: the partitioner then makes its default choices for the rest, a memory
         difference only, with the same results.
         """
+        started = time.perf_counter()
+        record.graph_nodes["joint"] = len(graph.nodes)
         dumper = self._dumper()
         if dumper is not None:
             dumper.write_graph(record.index, "joint_before.py", graph_code(graph))
+        timings = record.pass_seconds.setdefault("joint", {})
         for name, fn in (("elide_trivial_unshard", elide_trivial_unshard), ("tag_reshard_policy", tag_reshard_policy)):
+            start = time.perf_counter()
             try:
                 fn(graph)
             except Exception as exc:
@@ -579,12 +616,16 @@ class FSDPBackend:
                 failure.__cause__ = exc
                 self._fail(record, "joint", failure)
                 return
+            timings[name] = time.perf_counter() - start
         if dumper is not None:
             dumper.write_graph(record.index, "joint_after.py", graph_code(graph, tags=True))
+        record.stage_seconds["joint"] = time.perf_counter() - started
 
     def _graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph,
                       decompositions: dict | None = None) -> fx.GraphModule:
         """Lower and schedule one graph; on a pass failure, keep it as it was (markers run eagerly)."""
+        started = time.perf_counter()
+        record.graph_nodes[phase] = len(gm.graph.nodes)
         if phase == "backward":
             self._tag_saved_inputs(gm, record.forward_output_roles)
         kind = "backward" if phase == "backward" else "forward"
@@ -596,6 +637,7 @@ class FSDPBackend:
             options = ScheduleOptions(self.options.prefetch, self.options.max_inflight_bytes,
                                       self.explicit_prefetch[kind])
             passes.append(("schedule_collectives", lambda g: schedule_collectives(g, options)))
+        ours = {fn for _, fn in passes}  # rewrite graphs only (see run_passes)
         passes += [(getattr(fn, "__name__", "user_pass"), fn) for fn in self.options.passes.get(kind, [])]
         dumper = self._dumper()
         on_graph = None
@@ -603,7 +645,7 @@ class FSDPBackend:
             def on_graph(step: str, g: fx.GraphModule, counter=iter(range(100))) -> None:
                 dumper.write_graph(record.index, f"{phase}/{next(counter):02d}_{step}.py", graph_code(g))
         try:
-            gm, results = run_passes(gm, passes, on_graph)
+            gm, results = run_passes(gm, passes, on_graph, graph_only=ours)
         except PassFailure as failure:
             self._fail(record, phase, failure)
             results = []
@@ -613,9 +655,10 @@ class FSDPBackend:
             # The caller keeps every parameter resident; backward only receives some of them.
             held = {"param": max(0, record.forward_param_bytes - input_bytes(gm, "param"))}
         memory = estimate_memory(gm, held)
-        # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
-        # all_reduce), and the record should show what our passes produced.
-        snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        # Inductor rewrites the graph it is given in place (e.g. re-inplacing all_reduce), and
+        # the record should show what our passes produced: a snapshot there. aot_eager runs
+        # the graph as it is.
+        snapshot = gm if record.compiler == "aot_eager" else _graph_module_copy(gm)
         buckets = values.get("lower_markers") or {}
         schedule = values.get("schedule_collectives")
         timings = {r.name: r.seconds for r in results}
@@ -631,6 +674,7 @@ class FSDPBackend:
             record.forward_param_bytes = input_bytes(gm, "param")
             record.pass_seconds["forward"] = timings
         self._write_summary(record)
+        record.stage_seconds[phase] = time.perf_counter() - started
         return gm
 
     @staticmethod
@@ -687,14 +731,91 @@ class FSDPBackend:
             lowered = self._graph_passes(g, phase, record, select_decomp_table())
             return compile_fx_inner(lowered, inputs, **kwargs)
 
-        joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass)
+        key, lookups, why_off = self._compile_cache_key()
+        joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass, key)
         patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pass}
         if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
-            patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn)
-        # The AOTAutograd cache keys on the Dynamo graph, not on our passes: a hit would skip
-        # them (and reuse another strategy's partition), so it stays off for our graphs.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+            patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn, key)
+        if not self.cache_state.enabled and self.cache_state.directory is not None:
+            patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
+        # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
+        # key travels as the uuid of the joint pass and partitioner above: a hit is exactly what
+        # our passes would produce again. A key of None (a pass we cannot key) makes Inductor
+        # bypass its caches.
+        counts = torch._dynamo.utils.counters["aot_autograd"]
+        hits, bypasses = counts["autograd_cache_hit"], counts["autograd_cache_bypass"]
+        with torch._functorch.config.patch(enable_autograd_cache=lookups):
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+        if lookups and counts["autograd_cache_bypass"] > bypasses:
+            lookups, why_off = False, "Inductor bypassed its cache for this graph (TORCH_LOGS=+aot_autograd says why)"
+        if not lookups:
+            record.cache = f"off: {why_off}"
+            self.cache_stats["off"] += 1
+        elif counts["autograd_cache_hit"] > hits:
+            record.cache = "hit"
+            self.cache_stats["hits"] += 1
+        else:
+            record.cache = "miss"
+            self.cache_stats["misses"] += 1
+            save_collectives(self.cache_state.directory, key, gm.code,
+                             [dataclasses.asdict(c) for c in collective_calls(record, self._group_roles())])
+        record.cache_key = key
+        return compiled
+
+    def cache_key_parts(self) -> dict[str, Any]:
+        """Everything our passes' result depends on besides the Dynamo graph (see
+        :mod:`fsdp_compile.compile_cache`); the user's passes are keyed by their uuids."""
+        o, topo = self.options, self.topology
+        groups = {}
+        for name, group in (("shard", topo and topo.shard_group), ("replicate", topo and topo.replicate_group)):
+            groups[name] = dist.get_process_group_ranks(group) if group is not None else None
+        policy = self.bucket_policy
+        # AOTAutograd keys a DTensor input by its global metadata only, so with uneven shards
+        # ranks whose local shards differ would share an entry (a wrong graph, caught by a
+        # size assertion at best): the rank and every local shard's metadata are part of ours.
+        local = sorted((name, tuple(p.to_local().shape), tuple(p.to_local().stride()), str(p.dtype), str(p.device))
+                       for p in self._owned.keys() for name in [sharded_name(p) or ""])
+        return {
+            "strategy": self.strategy.name,
+            "compiler": o.compiler,
+            "world": dist.get_world_size() if dist.is_initialized() else 1,
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "local_shards": local,
+            "groups": groups,
+            "bucket": {"kind": policy.kind, "max_bytes": policy.max_bytes, "describe": policy.describe()},
+            "schedule": {"on": o.schedule, "prefetch": o.prefetch, "max_inflight_bytes": o.max_inflight_bytes,
+                         "explicit": self.explicit_prefetch},
+            "mixed_precision": repr(o.mixed_precision),
+            "offload": repr(o.offload),
+            "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
+            "strict": o.strict,
+        }
+
+    def _compile_cache_key(self) -> tuple[str | None, bool, str]:
+        """(key for Inductor's caches, None to bypass them; whether AOTAutograd's cache may be
+        read; why it may not)."""
+        state = self.cache_state
+        if not state.enabled and state.directory is not None:
+            return None, False, state.reason  # an unusable cache_dir: everything cold
+        uuids, why = user_pass_uuids(self.options.passes)
+        # Inductor's FX graph cache keys on the graph our passes produced, so it stays right
+        # whatever the key; AOTAutograd's keys on the graph before them and needs all of it.
+        key = cache_key({**self.cache_key_parts(), "user_passes": uuids if uuids is not None else "unkeyed"})
+        if not state.enabled:
+            return key, False, state.reason
+        if uuids is None:
+            self._warn_cache_off(why)
+            return key, False, why
+        if self._dumper() is not None:
+            # A hit would skip the passes, and with them the dump: compile (an entry stored
+            # under the same key stays right for later runs without dumps).
+            return key, False, "dumping graphs (dump_dir / FSDP_COMPILE_DUMP) needs the passes to run"
+        return key, True, ""
+
+    def _warn_cache_off(self, why: str) -> None:
+        if not self._cache_warned:
+            self._cache_warned = True
+            warnings.warn(f"fsdp_compile: compile cache off: {why}", RuntimeWarning, stacklevel=4)
 
 
 class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
@@ -704,10 +825,11 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     """
 
     def __init__(self, backend: FSDPBackend, record: CompiledGraph,
-                 user_pass: Callable[[fx.Graph], None] | None) -> None:
+                 user_pass: Callable[[fx.Graph], None] | None, key: str | None = None) -> None:
         self.backend = backend
         self.record = record
         self.user_pass = user_pass
+        self.key = key
 
     def __call__(self, graph: fx.Graph) -> None:
         self.backend._joint_passes(graph, self.record)
@@ -715,17 +837,27 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
             self.user_pass(graph)
 
     def uuid(self) -> Any:
-        from .passes import pass_fingerprint
+        return _uuid(self.key, self.user_pass)
 
-        user_uuid = getattr(self.user_pass, "uuid", lambda: None)() if self.user_pass else None
-        return (pass_fingerprint(), user_uuid)
+
+def _uuid(key: str | None, user_pass: Any) -> Any:
+    """Our key, plus the uuid of the user's pass we wrap; None (Inductor then bypasses its
+    caches) when either is unknown."""
+    if key is None:
+        return None
+    if user_pass is None:
+        return key
+    user_uuid = getattr(user_pass, "uuid", None)
+    user_uuid = user_uuid() if callable(user_uuid) else None
+    return None if user_uuid is None else (key, user_uuid)
 
 
 class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitionerFn", object)):
     """Inductor's partitioner (or the user's) followed by the RNG-state reordering fix."""
 
-    def __init__(self, user_partitioner: Callable[..., Any] | None) -> None:
+    def __init__(self, user_partitioner: Callable[..., Any] | None, key: str | None = None) -> None:
         self.user_partitioner = user_partitioner
+        self.key = key
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -736,10 +868,16 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
         return forward, backward
 
     def uuid(self) -> Any:
-        from .passes import pass_fingerprint
+        return _uuid(self.key, self.user_partitioner)
 
-        user_uuid = getattr(self.user_partitioner, "uuid", lambda: None)() if self.user_partitioner else None
-        return (pass_fingerprint(), user_uuid)
+
+def _graph_module_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose code is generated only if someone runs or reads it."""
+    try:
+        from torch.fx._lazy_graph_module import _make_graph_module
+    except ImportError:  # pragma: no cover
+        return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    return _make_graph_module(gm, copy.deepcopy(gm.graph))
 
 
 def _output_roles(gm: fx.GraphModule) -> list[str]:

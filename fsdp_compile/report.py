@@ -122,6 +122,7 @@ def graph_summary(record, backend) -> dict[str, Any]:
         "fallbacks": list(record.fallbacks),
         "oversized_buckets": dict(getattr(backend, "oversized_buckets", {})),
         "dynamo_nodes": len(record.dynamo.graph.nodes),
+        "cache": getattr(record, "cache", ""),
         "forward": _phase_summary(record.forward, record.forward_buckets, record.forward_schedule,
                                   record.forward_memory, record.pass_seconds.get("forward")),
         "backward": _phase_summary(record.backward, record.backward_buckets, record.backward_schedule,
@@ -205,6 +206,10 @@ def _render_graph(s: dict[str, Any]) -> list[str]:
     oversized, explained = s.get("oversized_buckets", {}), set()
     if s["compiler"] == "eager":
         lines.append(f"  runs as captured ({s['dynamo_nodes']} nodes), every marker through the eager runtime")
+        return lines
+    if s.get("cache") == "hit":
+        lines.append("  loaded from the compile cache (cache_dir=): no passes ran in this process, so no "
+                     "graphs to show here; the run that compiled it has them (dump_dir=)")
         return lines
     for phase in ("forward", "backward"):
         p = s.get(phase)

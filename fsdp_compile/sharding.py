@@ -36,6 +36,7 @@ from .runtime.collectives import CommSpec, padded_rows, shard_bounds
 SPECS_ATTR = "_fsdp_specs"
 MIXED_PRECISION_ATTR = "_fsdp_mixed_precision"
 LOCALS_ATTR = "_fsdp_local_shards"
+READS_ATTR = "_fsdp_reads"  # parameter name -> (fqn, the unshard marker's arguments)
 
 
 @dataclass(frozen=True)
@@ -68,31 +69,41 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+    # Dynamo inlines this once per parameter read, and its cost grows with every attribute,
+    # call and constant it meets: everything a read needs is precomputed at shard time, the
+    # marker's arguments included (one tuple), and per-forward state is read from the root's
+    # LocalShards, which the traced root forward itself set (no guard per module).
     param = module._parameters[name]
     if param is None:
         return None
+    # Attribute reads, not module.__dict__[...]: Dynamo wraps a whole __dict__ it is asked for.
+    fqn, marker_args = getattr(module, READS_ATTR)[name]
     if not isinstance(param, DTensor):
-        info = module.__dict__[SPECS_ATTR][name]
         raise RuntimeError(
-            f"parameter {info.fqn!r} was replaced by a plain tensor after the model was sharded; "
+            f"parameter {fqn!r} was replaced by a plain tensor after the model was sharded; "
             "load new values with load_state_dict() or copy_() into the existing parameter"
         )
-    info = module.__dict__[SPECS_ATTR][name]
-    shards = module.__dict__.get(LOCALS_ATTR)
-    if shards is not None and shards.shared_gathered is not None and info.fqn in shards.shared_gathered:
-        return shards.shared_gathered[info.fqn]
-    return _gather(param, info, shards, module.__dict__.get(SYNC_ATTR))
+    shards = getattr(module, LOCALS_ATTR)
+    shared = shards.shared_gathered
+    if shared is not None and fqn in shared:  # a tied parameter: gathered once at the root
+        return shared[fqn]
+    return _gather(param, fqn, marker_args, shards)
 
 
-def _gather(param: nn.Parameter, info: ShardedParamInfo, shards: LocalShards | None,
-            sync: GradientSync | None) -> torch.Tensor:
+def _gather(param: nn.Parameter, fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
     """One marker: ``param``'s full value (its gradient reduced, or accumulated under no_sync)."""
-    local = shards.current.get(info.fqn) if shards is not None and shards.current is not None else None
+    current = shards.current
+    if current is not None:  # inside the root's forward
+        local = current.get(fqn)
+        accumulating = shards.accumulating
+    else:  # a read outside the model's forward (eager runtime)
+        local = None
+        accumulating = shards.sync is not None and shards.sync.accumulating
     if local is None:
         local = param.to_local()
-    if sync is not None and sync.accumulating and param.requires_grad:
-        return torch.ops.fsdp_compile.unshard_no_sync(local, sync.accumulators[info.fqn], *info.unshard_args)
-    return torch.ops.fsdp_compile.unshard(local, *info.unshard_args)
+    if accumulating and param.requires_grad:
+        return torch.ops.fsdp_compile.unshard_no_sync(local, shards.sync.accumulators[fqn], *marker_args)
+    return torch.ops.fsdp_compile.unshard(local, *marker_args)
 
 
 class LocalShards:
@@ -112,10 +123,16 @@ class LocalShards:
     region would mutate state outside that region, which Dynamo refuses.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sync: GradientSync | None = None) -> None:
         self.params: list[tuple[str, nn.Parameter]] = []
-        self.shared: list[tuple[ShardedParamInfo, nn.Parameter]] = []
+        self.sync = sync
+        # Tied parameters (registered under several names): (fqn, parameter, marker arguments).
+        self.shared: list[tuple[str, nn.Parameter, tuple]] = []
+        # Set by the root's forward for its duration: the local shards, whether gradients
+        # accumulate without synchronization (read once per forward, one guard under Dynamo),
+        # and the tied parameters' gathered values.
         self.current: dict[str, torch.Tensor] | None = None
+        self.accumulating = False
         self.shared_gathered: dict[str, torch.Tensor] | None = None
 
 
@@ -141,10 +158,10 @@ def _make_root_forward(cls: type):
         # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
         # own, so hooks would add graphs; this way all of it is part of the model's graph.
         shards = self.__dict__[LOCALS_ATTR]
+        shards.accumulating = shards.sync is not None and shards.sync.accumulating
         shards.current = {fqn: param.to_local() for fqn, param in shards.params}
         try:
-            sync = self.__dict__.get(SYNC_ATTR)
-            shards.shared_gathered = {info.fqn: _gather(param, info, shards, sync) for info, param in shards.shared}
+            shards.shared_gathered = {fqn: _gather(param, fqn, args_, shards) for fqn, param, args_ in shards.shared}
             policy = self.__dict__.get(MIXED_PRECISION_ATTR)
             if policy is None:
                 return original_forward(self, *args, **kwargs)
@@ -288,11 +305,13 @@ def shard_module(
     if casts:
         model.__dict__[MIXED_PRECISION_ATTR] = mixed_precision
     per_module.setdefault(model, {})
-    shards = LocalShards()
+    shards = LocalShards(sync)
     shards.params = [(fqn, sharded) for sharded, info in seen.values() for fqn in [info.fqn]]
-    shards.shared = [(info, sharded) for key, (sharded, info) in seen.items() if registrations[key] > 1]
+    shards.shared = [(info.fqn, sharded, info.unshard_args) for key, (sharded, info) in seen.items()
+                     if registrations[key] > 1]
     for module, specs in per_module.items():
         module.__dict__[SPECS_ATTR] = specs
+        module.__dict__[READS_ATTR] = {name: (info.fqn, info.unshard_args) for name, info in specs.items()}
         module.__dict__[LOCALS_ATTR] = shards
         if sync is not None:
             module.__dict__[SYNC_ATTR] = sync

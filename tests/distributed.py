@@ -148,12 +148,18 @@ def run_workers(
     *args: Any,
     env: dict | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns values by rank.
 
     ``fn`` must be importable by name (a module-level function of a module on ``sys.path``).
+    ``fresh=True`` runs it on new processes (nothing in memory from earlier calls), as a
+    restarted job would.
     """
     pool = _POOLS.get(world_size)
+    if fresh and pool is not None:
+        pool.close()
+        pool = None
     if pool is None or not pool.alive():
         if pool is not None:
             pool.kill()

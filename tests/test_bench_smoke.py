@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,3 +22,34 @@ def test_copy_in_benchmark_runs(tmp_path: Path) -> None:
     assert [r["params"] for r in report["rows"]] == [16, 16, 64, 64, 256, 256]
     assert all(r["ours_us"] > 0 and r["fsdp2_us"] > 0 for r in report["rows"])
     assert "| params | dtype |" in (tmp_path / "copy_in_smoke.md").read_text()
+
+
+def _run_compile_time(tmp_path: Path, *extra: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_time.py"), "--smoke", "--out", str(tmp_path),
+                           *extra], check=False, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((tmp_path / "compile_time_smoke.json").read_text())
+
+
+def test_compile_time_benchmark_runs(tmp_path: Path) -> None:
+    report = _run_compile_time(tmp_path)
+    rows = {(r["layers"], r["variant"]): r for r in report["results"]}
+    assert set(rows) == {(1, "plain"), (2, "plain"), (1, "fsdp"), (2, "fsdp")}
+    for row in rows.values():
+        assert row["first_step_s"] > 0 and row["breakdown_s"]["dynamo_trace"] > 0, row
+        assert row["breakdown_s"]["partitioner"] > 0, row  # timed for plain aot_eager too
+    ours = rows[(2, "fsdp")]
+    assert {"forward/lower_markers", "backward/lower_markers", "forward/schedule_collectives"} <= set(ours["passes_s"])
+    assert ours["breakdown_s"]["ours"] > 0 and ours["graph_nodes"]["forward"] > 0
+    text = (tmp_path / "compile_time_smoke.md").read_text()
+    assert "| layers | plain s | fsdp_compile s | ratio |" in text and "## Where the time goes" in text
+
+
+@pytest.mark.slow
+def test_compile_time_benchmark_warm_restart_under_inductor(tmp_path: Path) -> None:
+    report = _run_compile_time(tmp_path, "--compilers", "inductor", "--variants", "fsdp_warm")
+    rows = {(r["layers"], r["variant"]): r for r in report["results"]}
+    for layers in (1, 2):
+        assert rows[(layers, "fsdp_cold_cached")]["cache"]["misses"] == 1
+        assert rows[(layers, "fsdp_warm")]["cache"]["hits"] == 1

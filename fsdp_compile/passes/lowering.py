@@ -15,16 +15,16 @@ run, never what they compute.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ops import markers
 from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
+from .templates import TraceCache, stamp_fake_values
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -72,21 +72,27 @@ def tag_parameter_input(node: fx.Node) -> None:
 
 
 def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
-            decompositions: Decompositions, tag: Callable[[int], CommTag]) -> list[fx.Node]:
+            decompositions: Decompositions, tag: Callable[[int], CommTag],
+            cache: TraceCache | None = None, key: Hashable | None = None) -> list[fx.Node]:
     """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``.
 
     ``decompositions`` must be the table the graph itself was traced with (Inductor rejects an
     op it has a decomposition for, such as ``aten._to_copy``). Every new node gets
-    ``tag(stage)`` as its ``fsdp_comm`` metadata.
+    ``tag(stage)`` as its ``fsdp_comm`` metadata. With a ``cache``, ``key`` names ``fn``'s
+    constants: a lowering already traced with the same key and input signatures is stamped
+    from that trace instead of traced again (see :mod:`.templates`).
     """
     values = [n.meta["val"] for n in inputs]
-    fake_mode = detect_fake_mode(values)
-    with fake_mode:
-        traced = make_fx(fn, decomposition_table=decompositions)(*values)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    cache = cache if cache is not None else TraceCache()
+    traced, fresh = cache.graph_for(key, fn, values, decompositions)
+    fake_mode = None if fresh else detect_fake_mode(values)
+    placeholders = [n for n in traced.nodes if n.op == "placeholder"]
     previous = before.prev
+    copies = dict(zip(placeholders, inputs))
     with graph.inserting_before(before):
-        outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+        outputs = graph.graph_copy(traced, copies)
+    if not fresh:
+        stamp_fake_values([(t, c) for t, c in copies.items() if t.op != "placeholder"], placeholders, fake_mode)
     stage = 0
     node = previous.next
     while node is not before:
@@ -94,7 +100,7 @@ def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.
             stage += 1
         node.meta[COMM_META] = tag(stage)
         node = node.next
-    return list(outputs)
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
 def _buffer_bytes(shapes: Sequence[Sequence[int]], dtype: torch.dtype, spec) -> int:
@@ -104,7 +110,8 @@ def _buffer_bytes(shapes: Sequence[Sequence[int]], dtype: torch.dtype, spec) -> 
     return sum(int(torch.Size(s).numel()) for s in shapes) * dtype.itemsize
 
 
-def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions, group: int) -> None:
+def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions, group: int,
+                  cache: TraceCache | None = None) -> None:
     entries: dict[tuple, int] = {}  # (shard node, fqn) -> position in the bucket
     inputs, full_shapes = [], []
     for marker in bucket.markers:
@@ -117,13 +124,15 @@ def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
     size = _buffer_bytes(full_shapes, spec.compute_dtype(inputs[0].meta["val"].dtype), spec)
     outputs = _splice(graph, bucket.markers[0].node,
                       lambda *shards: gather_params(list(shards), full_shapes, spec), inputs,
-                      decompositions, lambda stage: CommTag(group, "gather", stage, bucket.key, size))
+                      decompositions, lambda stage: CommTag(group, "gather", stage, bucket.key, size),
+                      cache, ("gather", tuple(full_shapes), spec))
     for marker in bucket.markers:
         marker.node.replace_all_uses_with(outputs[entries[(marker.input, marker.fqn)]])
         graph.erase_node(marker.node)
 
 
-def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions, group: int) -> None:
+def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decompositions, group: int,
+                  cache: TraceCache | None = None) -> None:
     inputs = [m.input for m in bucket.markers]
     local_rows = [m.rows for m in bucket.markers]
     grad_dtypes = [m.grad_dtype for m in bucket.markers]
@@ -133,7 +142,8 @@ def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
     # Every gradient of the bucket exists once its last marker's input does.
     outputs = _splice(graph, bucket.markers[-1].node,
                       lambda *grads: reduce_grads(list(grads), local_rows, grad_dtypes, spec), inputs,
-                      decompositions, lambda stage: CommTag(group, "reduce", stage, bucket.key, size))
+                      decompositions, lambda stage: CommTag(group, "reduce", stage, bucket.key, size),
+                      cache, ("reduce", tuple(local_rows), tuple(grad_dtypes), spec))
     for marker, output in zip(bucket.markers, outputs):
         marker.node.replace_all_uses_with(output)
         graph.erase_node(marker.node)
@@ -167,9 +177,15 @@ def stable_topological_sort(graph: fx.Graph) -> None:
             cursor = node
 
 
-def lower_markers(gm: fx.GraphModule, policy: Policy,
-                  decompositions: Decompositions = None) -> dict[str, list[Bucket]]:
-    """Lower every marker of ``gm`` bucket by bucket; returns the buckets by kind."""
+def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decompositions = None,
+                  reuse_traces: bool = True, trace_cache: TraceCache | None = None) -> dict[str, list[Bucket]]:
+    """Lower every marker of ``gm`` bucket by bucket; returns the buckets by kind.
+
+    Rewrites ``gm.graph`` only: call ``gm.recompile()`` before running ``gm``.
+
+    ``reuse_traces=False`` traces every bucket afresh (the result is the same; for tests);
+    ``trace_cache`` is the cache to use (a fresh one by default; it counts traces and stamps).
+    """
     buckets = {
         "unshard": assign_buckets(markers(gm.graph, "unshard"), policy),
         "reduce_grad": assign_buckets(markers(gm.graph, "reduce_grad"), policy),
@@ -177,14 +193,15 @@ def lower_markers(gm: fx.GraphModule, policy: Policy,
     for bucket in buckets["unshard"]:
         for marker in bucket.markers:
             tag_parameter_input(marker.input)
+    # Identical blocks have identical buckets: each distinct lowering is traced once.
+    cache = (trace_cache if trace_cache is not None else TraceCache()) if reuse_traces else None
     group = 0
     for bucket in buckets["unshard"]:
-        _lower_gather(gm.graph, bucket, decompositions, group)
+        _lower_gather(gm.graph, bucket, decompositions, group, cache)
         group += 1
     for bucket in buckets["reduce_grad"]:
-        _lower_reduce(gm.graph, bucket, decompositions, group)
+        _lower_reduce(gm.graph, bucket, decompositions, group, cache)
         group += 1
     stable_topological_sort(gm.graph)
     gm.graph.lint()
-    gm.recompile()
     return buckets

@@ -104,7 +104,9 @@ def _groups(graph: fx.Graph) -> dict[int, _Group]:
 
 
 def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedule:
-    """Reorder ``gm`` in place as described in the module docstring; returns the schedule."""
+    """Reorder ``gm.graph`` in place as described in the module docstring; returns the schedule.
+
+    Call ``gm.recompile()`` before running ``gm``."""
     if options.prefetch < 0:
         raise ValueError(f"prefetch={options.prefetch} must be >= 0 (0 disables prefetching)")
     graph = gm.graph
@@ -205,7 +207,6 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     _emit(graph, compute, groups.values())
     stable_topological_sort(graph)
     graph.lint()
-    gm.recompile()
 
     return Schedule(
         budget=budget,

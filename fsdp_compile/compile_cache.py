@@ -1,0 +1,167 @@
+"""Warm restarts: a second process compiling the same model reuses the first one's compilation.
+
+Under ``compiler="inductor"`` torch keeps compiled graphs on disk: AOTAutograd's cache (keyed
+on the Dynamo graph, its inputs and the Inductor configuration; an entry holds the forward and
+backward graphs Inductor compiled) in front of Inductor's FX graph cache. A hit skips
+AOTAutograd's tracing, the partitioner, our passes and Inductor; only Dynamo runs again (it
+must, to build the guards of the new process).
+
+Our passes run inside Inductor's compilation, which the AOTAutograd key does not see, so the
+backend puts everything their result depends on into the key, as the ``uuid()`` of the joint
+pass and partitioner it installs in Inductor's configuration (:func:`cache_key`): this
+package's version and the hash of its sources, the strategy, world size and group layout, the
+bucket policy, scheduling options and prefetch orders, mixed precision, offload, and the uuids
+of the user's passes. Anything that changes one of them misses; the Dynamo graph itself
+already spells out every parameter's shapes, groups and dtypes (the markers' arguments).
+
+The cache is used when the user asks for it with ``cache_dir=``: that points Inductor's cache
+(``TORCHINDUCTOR_CACHE_DIR``, which holds the generated code too) at a directory of the
+user's choosing, for the whole process. A small manifest there records the versions that wrote
+it: entries of another fsdp_compile or torch version are never used (the versions are part of
+every key), and the backend says so. Without ``cache_dir=`` every compile runs AOTAutograd
+and our passes (Inductor's FX graph cache still skips code generation for a graph it has
+compiled before: its key is the graph our passes produced).
+
+A graph loaded from the cache ran none of our passes in this process: its record in
+``backend.graphs`` has ``cache == "hit"`` and no forward/backward graphs, buckets or schedule.
+
+The cache is off (each compile is cold, with a warning saying why) when it cannot be keyed or
+used safely: a user pass without a ``uuid()`` method (its behaviour cannot be keyed), dumping
+(a hit would write no graphs), or a ``cache_dir`` that cannot be written. ``aot_eager`` and
+``eager`` compile through no cache (torch caches only Inductor's output).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "fsdp_compile_cache.json"
+
+
+@dataclass
+class CacheState:
+    """Whether this backend's compiles may use the cache, and if not, why."""
+
+    enabled: bool
+    reason: str = ""  # why it is off
+    directory: str | None = None  # the cache_dir= the user chose, if any
+
+
+def _versions() -> dict[str, str]:
+    from . import __version__
+    from .passes import pass_fingerprint
+
+    return {"fsdp_compile": __version__, "sources": pass_fingerprint(), "torch": torch.__version__}
+
+
+def _callable_name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def user_pass_uuids(passes: dict[str, list[Any]]) -> tuple[dict[str, list[Any]] | None, str]:
+    """The uuids of the user's passes by phase, or (None, why) if one of them has none."""
+    uuids: dict[str, list[Any]] = {}
+    for phase, fns in sorted(passes.items()):
+        for fn in fns:
+            uuid = getattr(fn, "uuid", None)
+            value = uuid() if callable(uuid) else None
+            if value is None:
+                return None, (f"user pass {_callable_name(fn)} ({phase}) has no uuid() saying what it does, "
+                              "so its result cannot be keyed; give it a uuid() method (as Inductor's "
+                              "CustomGraphPass) to let compiles be cached")
+            uuids.setdefault(phase, []).append(value)
+    return uuids, ""
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A stable hash of ``parts`` (JSON-able, with reprs for anything else) plus the versions."""
+    text = json.dumps({**parts, "versions": _versions()}, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def prepare_directory(directory: str | os.PathLike) -> CacheState:
+    """Validate ``cache_dir=`` and point Inductor's cache at it; warn and disable on bad input."""
+    path = Path(directory).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".fsdp_compile_probe_"):
+            pass
+    except OSError as exc:
+        reason = (f"cache_dir={os.fspath(directory)!r} cannot be written ({type(exc).__name__}: {exc}); "
+                  "compiling without the compile cache (every compile is cold)")
+        warnings.warn(f"fsdp_compile: {reason}", RuntimeWarning, stacklevel=3)
+        return CacheState(False, reason, str(path))
+    _check_manifest(path)
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # Inductor itself sets the variable to its default on first use: only a choice of the user's
+    # is worth a word.
+    if previous is not None and Path(previous).resolve() not in (path, Path(default_cache_dir()).resolve()):
+        warnings.warn(f"fsdp_compile: cache_dir={str(path)!r} replaces TORCHINDUCTOR_CACHE_DIR={previous!r} "
+                      "for this process", RuntimeWarning, stacklevel=3)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return CacheState(True, "", str(path))
+
+
+def _check_manifest(path: Path) -> None:
+    manifest = path / MANIFEST
+    current = {k: v for k, v in _versions().items() if k != "sources"}
+    try:
+        written = json.loads(manifest.read_text()) if manifest.exists() else None
+    except (OSError, ValueError):
+        written = {"unreadable": True}
+    if written is not None and written != current:
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(written.items()))
+        warnings.warn(
+            f"fsdp_compile: cache_dir {str(path)!r} holds compilations of another version ({shown}; this is "
+            f"fsdp_compile {current['fsdp_compile']}, torch {current['torch']}); they are never reused "
+            "(versions are part of every key), so the first compile is cold",
+            RuntimeWarning, stacklevel=4)
+    if written != current:
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{MANIFEST}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(current, f)
+            os.replace(tmp, manifest)
+        except OSError:
+            pass  # the manifest is advisory; the keys hold the versions
+
+
+def _calls_path(directory: str, key: str, graph_code: str) -> Path:
+    digest = hashlib.sha256(f"{key}\n{graph_code}".encode()).hexdigest()[:32]
+    return Path(directory) / "fsdp_compile_collectives" / f"{digest}.json"
+
+
+def save_collectives(directory: str, key: str, graph_code: str, calls: list[dict[str, Any]]) -> None:
+    """Keep a compiled graph's collective sequence beside its cache entry.
+
+    A process that loads the graph from the cache runs none of our passes, so it cannot read
+    its collectives off the lowered graphs; the first-run agreement check (``verify=True``)
+    compares this sequence instead, and a rank that missed the cache compares the same one.
+    """
+    path = _calls_path(directory, key, graph_code)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(calls, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a hit without it verifies the Dynamo graph's markers instead
+
+
+def load_collectives(directory: str, key: str, graph_code: str) -> list[dict[str, Any]] | None:
+    try:
+        return json.loads(_calls_path(directory, key, graph_code).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,143 @@
+"""Warm restarts through the compile cache (fsdp_compile.compile_cache), both directions.
+
+A restarted job (new processes) with the same model, strategy, world, groups, options and
+package version loads its compiled graphs and trains bit for bit as the first job did; any
+change that changes what our passes produce misses. Inductor compiles are expensive on CPU:
+the default run has one cold/warm pair on a tiny model plus key and bad-input checks without
+compiling; every change compiled end to end is under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from cache_workers import cache_keys, cache_run
+from distributed import run_workers
+
+import fsdp_compile
+
+CHANGES = ["strategy", "bucket", "mixed_precision", "schedule", "version", "user_pass"]
+
+
+def assert_same_training(a: dict, b: dict) -> None:
+    for step, (la, lb) in enumerate(zip(a["losses"], b["losses"], strict=True)):
+        assert torch.equal(la, lb), f"loss of step {step} differs"
+    for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"], strict=True)):
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), f"gradient of {name} differs at step {step}"
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), f"parameter {name} differs"
+
+
+@pytest.fixture(scope="module")
+def cold_and_warm(tmp_path_factory) -> tuple[list[dict], list[dict], Path]:
+    cache = tmp_path_factory.mktemp("compile_cache")
+    cold = run_workers(cache_run, 2, str(cache), fresh=True)
+    warm = run_workers(cache_run, 2, str(cache), fresh=True)
+    return cold, warm, cache
+
+
+def test_restart_loads_the_compilation_and_trains_bitwise_equal(cold_and_warm) -> None:
+    cold, warm, cache = cold_and_warm
+    for rank in range(2):
+        assert cold[rank]["cache"] == ["miss"], cold[rank]
+        assert warm[rank]["cache"] == ["hit"], warm[rank]
+        # Uneven shards: each rank has its own entry, and loads its own (AOTAutograd's key
+        # alone would hand one rank the other's graph).
+        assert_same_training(cold[rank], warm[rank])
+        assert "loaded from the compile cache" in warm[rank]["report"]
+        assert "forward:" in cold[rank]["report"] and "forward:" not in warm[rank]["report"]
+    assert (cache / "fsdp_compile_cache.json").exists()
+
+
+def test_every_change_that_changes_the_passes_changes_the_key() -> None:
+    keys = run_workers(cache_keys, 2, ["", "", *CHANGES, "user_pass_changed", "user_pass_without_uuid"])
+    for rank_keys in keys:
+        baseline = rank_keys["baseline"]
+        assert baseline is not None
+        others = [k for name, k in rank_keys.items() if name != "baseline"]
+        assert len(set(others)) == len(others), rank_keys
+        assert baseline not in others
+    # The ranks hold different (uneven) shards: their keys differ.
+    assert keys[0]["baseline"] != keys[1]["baseline"]
+
+
+def test_same_configuration_gives_the_same_key_in_another_process() -> None:
+    first = run_workers(cache_keys, 2, [""], fresh=True)
+    second = run_workers(cache_keys, 2, [""], fresh=True)
+    assert first == second
+
+
+def test_unwritable_cache_dir_warns_and_compiles_cold(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.warns(RuntimeWarning, match=r"cache_dir=.*cannot be written.*cold"):
+        backend = fsdp_compile.backend("FULL_SHARD", cache_dir=blocker / "cache")
+    assert not backend.cache_state.enabled
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(blocker / "cache")
+
+
+def test_cache_dir_of_another_version_warns(tmp_path: Path) -> None:
+    (tmp_path / "fsdp_compile_cache.json").write_text(json.dumps({"fsdp_compile": "0.0.1", "torch": "1.0"}))
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        with pytest.warns(RuntimeWarning, match=r"another version.*fsdp_compile 0\.0\.1.*never reused"):
+            backend = fsdp_compile.backend("FULL_SHARD", cache_dir=tmp_path)
+        assert backend.cache_state.enabled
+        assert json.loads((tmp_path / "fsdp_compile_cache.json").read_text())["fsdp_compile"] == fsdp_compile.__version__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fsdp_compile.backend("FULL_SHARD", cache_dir=tmp_path)  # now it is this version's
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def test_bad_cache_dir_argument_is_named() -> None:
+    with pytest.raises(TypeError, match="cache_dir="):
+        fsdp_compile.backend("FULL_SHARD", cache_dir=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", CHANGES)
+def test_each_change_misses_end_to_end(cold_and_warm, change: str) -> None:
+    _, _, cache = cold_and_warm
+    out = run_workers(cache_run, 2, str(cache), change, fresh=True)
+    for rank in range(2):
+        assert out[rank]["cache"] == ["miss"], (change, out[rank])
+
+
+@pytest.mark.slow
+def test_world_size_change_misses(cold_and_warm) -> None:
+    _, _, cache = cold_and_warm
+    out = run_workers(cache_run, 4, str(cache), fresh=True)
+    assert all(r["cache"] == ["miss"] for r in out), out
+
+
+@pytest.mark.slow
+def test_user_pass_without_uuid_turns_the_cache_off_with_a_warning(cold_and_warm) -> None:
+    _, _, cache = cold_and_warm
+    out = run_workers(cache_run, 2, str(cache), "user_pass_without_uuid", fresh=True)
+    for rank in range(2):
+        (state,) = out[rank]["cache"]
+        assert state.startswith("off: user pass") and "uuid()" in state, state
+        assert any("compile cache off" in w for w in out[rank]["warnings"]), out[rank]["warnings"]
+
+
+@pytest.mark.slow
+def test_unwritable_cache_dir_still_trains_like_the_cached_run(cold_and_warm, tmp_path: Path) -> None:
+    cold, _, _ = cold_and_warm
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = run_workers(cache_run, 2, str(blocker / "cache"), fresh=True)
+    for rank in range(2):
+        assert out[rank]["cache"][0].startswith("off: cache_dir="), out[rank]["cache"]
+        assert any("cannot be written" in w for w in out[rank]["warnings"])
+        assert_same_training(cold[rank], out[rank])
