@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import functools
 import logging
@@ -45,7 +46,7 @@ from .report import graph_summary, render_report
 from .memory import MemoryEstimate, estimate_memory, input_bytes
 from .passes.bucketing import ROOT_UNIT
 from .passes.lowering import ROLE_META, lower_markers
-from .passes.pipeline import PassFailure, run_passes
+from .passes.pipeline import PassFailure, copy_graph_module, run_passes
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
 from .passes.rng_state_order import order_rng_states_before_opaque
 from .passes.scheduling import Schedule, ScheduleOptions, schedule_collectives
@@ -149,7 +150,26 @@ class FSDPBackend:
         strict: bool = False,
         passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
         offload: CPUOffload | None = None,
+        example_inputs: Any = None,
+        loss_fn: Callable[[Any], Any] | None = None,
+        cluster: Any = None,
+        memory_budget: float | None = None,
+        plan_options: dict[str, Any] | None = None,
     ) -> None:
+        auto = isinstance(strategy, str) and strategy.strip().lower() == "auto"
+        self._auto = None
+        if auto:
+            from .planning.auto import AutoRequest
+
+            if mesh is not None or process_groups is not None or shard_size is not None:
+                raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
+            if forward_prefetch is not None or backward_prefetch is not None or offload is not None:
+                raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
+            self._auto = AutoRequest(example_inputs, loss_fn, cluster, memory_budget, plan_options=dict(plan_options or {}))
+            strategy = ShardingStrategy.FULL_SHARD  # replaced by the plan's choice in shard()
+        elif any(v is not None for v in (example_inputs, loss_fn, cluster, memory_budget, plan_options)):
+            raise ValueError("example_inputs=, loss_fn=, cluster=, memory_budget= and plan_options= are for "
+                             "strategy='auto'; to plan by hand call fsdp_compile.plan()")
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -203,6 +223,8 @@ class FSDPBackend:
         self._owned = WeakIdKeyDictionary()  # sharded parameter -> its info
         self.gradient_sync = GradientSync()
         self.init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
+        self._joint_captures: list[JointCapture] | None = None  # planning: joints seen by _partition
+        self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
 
     @property
     def strategy(self) -> ShardingStrategy:
@@ -222,6 +244,12 @@ class FSDPBackend:
         ``model.apply``), and sharded as soon as its unit is done: no rank holds the whole
         model, and the values equal the unsharded initialization with the same seed.
         """
+        return self._shard(model, init_fn=init_fn, device=device, materialize=True)
+
+    def _shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
+               device: torch.device | str | None = None, materialize: bool = True) -> nn.Module:
+        """``shard``; with ``materialize=False`` (the planner's case) a meta-device model keeps
+        meta shards: every shape, group and marker is what a real run gets, no byte is allocated."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -234,6 +262,8 @@ class FSDPBackend:
                 "this model is already sharded (by fsdp_compile); shard a model once and reuse "
                 "the backend that sharded it"
             )
+        if self._auto is not None and self.plan is None:
+            self._choose_strategy(model)
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn= must be a callable taking a module, got {type(init_fn).__name__}")
         init_device = torch.device(device) if device is not None else None
@@ -254,7 +284,8 @@ class FSDPBackend:
             )
         result = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision,
                               sync=self.gradient_sync, offload=self.options.offload, init_fn=init_fn,
-                              init_device=init_device or current_device(self.topology.mesh.device_type))
+                              init_device=init_device or current_device(self.topology.mesh.device_type),
+                              materialize=materialize)
         infos = result.infos
         if result.peak_full_bytes is not None:
             self.init_peak_bytes = max(self.init_peak_bytes or 0, result.peak_full_bytes)
@@ -264,6 +295,19 @@ class FSDPBackend:
         for param in model.parameters():
             self._owned[param] = True
         return model
+
+    def _choose_strategy(self, model: nn.Module) -> None:
+        """strategy='auto': plan for this world (rank 0 plans, every rank gets the choice)."""
+        from .planning.auto import candidate_options, choose
+
+        device_type = self._device_type(model)
+        self.plan, row = choose(model, self._auto, self.options.mixed_precision, device_type)
+        chosen = candidate_options(self.plan, row)
+        strategy = ShardingStrategy.parse(chosen["strategy"])
+        shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
+        self.options = dataclasses.replace(self.options, strategy=strategy, bucket=chosen["bucket"],
+                                           prefetch=chosen["prefetch"], shard_size=shard_size)
+        self.bucket_policy = parse_policy(chosen["bucket"])
 
     def summaries(self) -> list[dict[str, Any]]:
         """One JSON-able summary per graph compiled so far on this rank (see report.py)."""
@@ -426,10 +470,14 @@ class FSDPBackend:
                    **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        if self._joint_captures is not None:
+            self._joint_captures.append(JointCapture(record, copy_graph_module(joint), list(joint_inputs), dict(kwargs)))
         self._joint_passes(joint.graph, record)
         joint.recompile()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         order_rng_states_before_opaque(forward, backward)
+        if self._joint_captures is not None:
+            self._joint_captures[-1].partitioned = (copy_graph_module(forward), copy_graph_module(backward))
         return forward, backward
 
     def _joint_passes(self, graph: fx.Graph, record: CompiledGraph) -> None:
@@ -553,6 +601,109 @@ class FSDPBackend:
         # them (and reuse another strategy's partition), so it stays off for our graphs.
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+    # ---------------------------------------------------------------- planning seam
+    # The planner (fsdp_compile/planning) runs this backend's own pipeline on fake tensors in a
+    # fake world; these two methods are all it uses of the backend's internals.
+    def _trace_for_planning(
+        self, fn: Callable, example_inputs: Sequence[Any], *, keep_joint: bool = False,
+        dynamo_pass: Callable[[fx.GraphModule], None] | None = None,
+    ) -> tuple[list[CompiledGraph], list[JointCapture]]:
+        """Run ``fn(*example_inputs)`` through ``torch.compile`` with this backend: Dynamo capture,
+        AOTAutograd, the reshard policy, partitioning and our passes, backward included.
+
+        Nothing is compiled for a device (the inner compiler is ``aot_eager``) and with fake
+        inputs and a model sharded by ``_shard(materialize=False)`` nothing is allocated.
+        ``dynamo_pass`` may rewrite each Dynamo graph first (the planner maps attention to the
+        kernel the target device dispatches to). With ``keep_joint`` the joint graph of each
+        Dynamo graph is kept, before our joint passes, for :meth:`_replay_for_planning`.
+        Returns the records of the graphs compiled by this call and the joints.
+        """
+        if self.options.compiler != "aot_eager":
+            raise ValueError("planning traces with compiler='aot_eager' (nothing is compiled for a device)")
+        start = len(self.graphs)
+        captures: list[JointCapture] = []
+        self._joint_captures = captures if keep_joint else None
+
+        def capture(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+            if dynamo_pass is not None:
+                dynamo_pass(gm)
+                gm.recompile()
+            return self(gm, inputs)
+
+        functorch_patches = {}
+        if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+            functorch_patches["force_non_lazy_backward_lowering"] = True  # lower backward now, not at .backward()
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        dynamo_patches = {limit: 1 << 20, "accumulated_" + limit: 1 << 20, "automatic_dynamic_shapes": False}
+        try:
+            with torch._functorch.config.patch(**functorch_patches), torch._dynamo.config.patch(**dynamo_patches):
+                output = torch.compile(fn, backend=capture)(*example_inputs)
+                records = self.graphs[start:]
+                if any(r.backward is None and not r.inference for r in records):
+                    # A torch whose AOTAutograd lowers backward lazily: run it (on fake tensors).
+                    loss = [t for t in torch.utils._pytree.tree_leaves(output)
+                            if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if loss:
+                        torch.autograd.backward(loss, [torch.ones_like(t) for t in loss])
+        finally:
+            self._joint_captures = None
+        return self.graphs[start:], captures
+
+    def _replay_for_planning(
+        self, capture: JointCapture, partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None,
+    ) -> tuple[CompiledGraph, tuple[fx.GraphModule, fx.GraphModule]]:
+        """What this backend's pipeline makes of a joint graph another backend captured.
+
+        Valid when both sharded the same model with the same shard shapes, so the joint graphs
+        differ only in the markers' arguments (groups, reshard flag, bucket unit): they are
+        rewritten to this backend's, then partitioned under this backend's reshard policy (or
+        ``partitioned`` reused, when the caller knows the policy is the same) and our passes
+        run. Returns the record and the partitioned graphs, before our passes.
+        """
+        record = CompiledGraph(index=len(self.graphs), dynamo=capture.record.dynamo, compiler="aot_eager")
+        self.graphs.append(record)
+        if partitioned is None:
+            joint = copy_graph_module(capture.joint)
+            self._rewrite_markers(joint.graph)
+            partitioned = self._partition(joint, capture.inputs, record, **capture.kwargs)
+        forward, backward = (copy_graph_module(g) for g in partitioned)
+        for graph in (forward.graph, backward.graph):
+            self._rewrite_markers(graph)
+        self._graph_passes(forward, "forward", record)
+        self._graph_passes(backward, "backward", record)
+        return record, partitioned
+
+    def _rewrite_markers(self, graph: fx.Graph) -> None:
+        """Give every marker of ``graph`` this backend's arguments for its parameter."""
+        from .ops import REDUCE_GRAD, UNSHARD, decode
+
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in (UNSHARD, REDUCE_GRAD):
+                continue
+            marker = decode(node)
+            info = self.params.get(marker.fqn)
+            if info is None:
+                raise ValueError(f"replaying a graph of parameter {marker.fqn!r}, which this backend did not shard")
+            if node.target is UNSHARD:
+                node.args = (marker.input, *info.unshard_args)
+            else:
+                node.args = (marker.input, info.fqn, info.unit, marker.rows, marker.grad_dtype, *info.comm.op_args())
+            if decode(node).spec.shard_size != marker.spec.shard_size:
+                raise ValueError(f"replaying a graph sharded over {marker.spec.shard_size} ranks with a backend "
+                                 f"that shards over {info.comm.shard_size}: trace this layout instead")
+
+
+@dataclass
+class JointCapture:
+    """A joint graph as AOTAutograd handed it to the partitioner, before our joint passes."""
+
+    record: CompiledGraph
+    joint: fx.GraphModule
+    inputs: list[Any]
+    kwargs: dict[str, Any]
+    partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None  # under the capturing backend's policy
 
 
 class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):

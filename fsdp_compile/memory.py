@@ -8,7 +8,8 @@ last node that uses any tensor on it. Graph inputs are held by the caller for th
 A caller can add bytes it holds without passing them in (``held``): the parameters a backward
 graph does not read stay resident all the same. Each storage gets a role, from what the passes recorded on the nodes: ``param`` (shards, or
 whole parameters for NO_SHARD), ``gathered`` (unsharded parameters and gather buffers),
-``grad`` (reduction buffers and gradients), ``activation`` (everything else). Separately it
+``grad`` (reduction buffers and gradients), ``buffer`` (module buffers, where a caller tagged
+them), ``activation`` (everything else). Separately it
 tracks the bytes of collectives in flight (issued, not yet waited), which the scheduler bounds.
 """
 
@@ -21,7 +22,7 @@ import torch.fx as fx
 
 from .passes.lowering import COLLECTIVE_OPS, COMM_META, ROLE_META, WAIT, collective_bytes
 
-ROLES = ("param", "gathered", "grad", "activation")
+ROLES = ("param", "gathered", "grad", "activation", "buffer")
 
 
 @dataclass
@@ -54,11 +55,61 @@ def _storage_key(t: torch.Tensor):
         return ("tensor", id(t))
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
+def _storage_bytes(t: torch.Tensor, symbolic: bool = False):
+    """Bytes of ``t``'s storage: an int, or with ``symbolic`` a sympy expression when the
+    graph was traced with symbolic sizes. A symbolic size is never turned into an int by
+    ``int()``, which would add a guard and specialize the graph: its hint is used instead."""
     try:
-        return int(t.untyped_storage().nbytes())
+        nbytes = t.untyped_storage().nbytes()
     except Exception:
-        return t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+    if isinstance(nbytes, torch.SymInt):
+        if symbolic:
+            return nbytes.node.expr
+        from torch.fx.experimental.symbolic_shapes import hint_int
+
+        return hint_int(nbytes)
+    return int(nbytes)
+
+
+@dataclass
+class StorageLifetimes:
+    """Each storage of a graph: its bytes, role, and the node indices it lives between."""
+
+    nodes: list[fx.Node]
+    size: dict
+    role: dict
+    born: dict
+    last_use: dict
+
+
+def storage_lifetimes(gm: fx.GraphModule, symbolic: bool = False) -> StorageLifetimes:
+    """A storage is allocated by the first node producing it (inputs: at the start) and freed
+    after the last node using any tensor on it (inputs: at the end)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    size: dict = {}
+    role: dict = {}
+    born: dict = {}
+    last_use: dict = {}
+    node_storages: dict[fx.Node, list] = {}
+    for i, node in enumerate(nodes):
+        keys = []
+        for t in _tensors(node.meta.get("val")):
+            key = _storage_key(t)
+            keys.append(key)
+            if key not in size:
+                size[key] = _storage_bytes(t, symbolic)
+                role[key] = role_of(node)
+                born[key] = 0 if node.op == "placeholder" else i
+                last_use[key] = end if node.op == "placeholder" else i
+        node_storages[node] = keys
+    for node in nodes:
+        for user in node.users:
+            for key in node_storages[node]:
+                last_use[key] = max(last_use[key], index[user])
+    return StorageLifetimes(nodes, size, role, born, last_use)
 
 
 def input_bytes(gm: fx.GraphModule, role: str) -> int:
@@ -86,29 +137,9 @@ def role_of(node: fx.Node) -> str:
 def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> MemoryEstimate:
     """``held``: bytes per role the caller keeps alive during the graph without passing them
     in (e.g. the parameters a backward graph does not read), counted at every node."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes) - 1
-    size: dict = {}
-    role: dict = {}
-    born: dict = {}
-    last_use: dict = {}
-    node_storages: dict[fx.Node, list] = {}
-    for i, node in enumerate(nodes):
-        keys = []
-        for t in _tensors(node.meta.get("val")):
-            key = _storage_key(t)
-            keys.append(key)
-            if key not in size:
-                size[key] = _storage_bytes(t)
-                role[key] = role_of(node)
-                born[key] = 0 if node.op == "placeholder" else i
-                last_use[key] = end if node.op == "placeholder" else i
-        node_storages[node] = keys
-    for node in nodes:
-        for user in node.users:
-            for key in node_storages[node]:
-                last_use[key] = max(last_use[key], index[user])
+    lifetimes = storage_lifetimes(gm)
+    nodes, size, role, born, last_use = (lifetimes.nodes, lifetimes.size, lifetimes.role,
+                                          lifetimes.born, lifetimes.last_use)
 
     allocs: dict[int, list] = {}
     frees: dict[int, list] = {}

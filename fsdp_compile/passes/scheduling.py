@@ -98,7 +98,9 @@ def _groups(graph: fx.Graph) -> dict[int, _Group]:
         group.stages[tag.stage].append(node)
         if node.target in COLLECTIVE_OPS:
             group.sizes.append(collective_bytes(node))
-    return groups
+    # A bucket lowered without a collective (a cast of whole parameters: NO_SHARD with mixed
+    # precision) has nothing to overlap: its nodes stay where they are, as compute.
+    return {key: g for key, g in groups.items() if g.sizes}
 
 
 def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedule:
