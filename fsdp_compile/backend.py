@@ -14,7 +14,6 @@ Pipeline for one Dynamo graph (compiled mode):
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import datetime
 import functools
@@ -534,7 +533,7 @@ class FSDPBackend:
         memory = estimate_memory(gm, held)
         # A snapshot: Inductor rewrites the graph it is given in place (e.g. re-inplacing
         # all_reduce), and the record should show what our passes produced.
-        snapshot = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        snapshot = copy_graph_module(gm)
         buckets = values.get("lower_markers") or {}
         schedule = values.get("schedule_collectives")
         timings = {r.name: r.seconds for r in results}
@@ -608,7 +607,7 @@ class FSDPBackend:
     # fake world; these two methods are all it uses of the backend's internals.
     def _trace_for_planning(
         self, fn: Callable, example_inputs: Sequence[Any], *, keep_joint: bool = False,
-        dynamo_pass: Callable[[fx.GraphModule], None] | None = None,
+        dynamo_pass: Callable[[fx.GraphModule], None] | None = None, fake_mode: Any = None,
     ) -> tuple[list[CompiledGraph], list[JointCapture]]:
         """Run ``fn(*example_inputs)`` through ``torch.compile`` with this backend: Dynamo capture,
         AOTAutograd, the reshard policy, partitioning and our passes, backward included.
@@ -618,7 +617,9 @@ class FSDPBackend:
         ``dynamo_pass`` may rewrite each Dynamo graph first (the planner maps attention to the
         kernel the target device dispatches to). With ``keep_joint`` the joint graph of each
         Dynamo graph is kept, before our joint passes, for :meth:`_replay_for_planning`.
-        Returns the records of the graphs compiled by this call and the joints.
+        ``fake_mode``: the FakeTensorMode of fake inputs; the compiled graphs run under it, so
+        tensors they create (``arange``) are fake too. Returns the records of the graphs
+        compiled by this call and the joints.
         """
         if self.options.compiler != "aot_eager":
             raise ValueError("planning traces with compiler='aot_eager' (nothing is compiled for a device)")
@@ -630,7 +631,14 @@ class FSDPBackend:
             if dynamo_pass is not None:
                 dynamo_pass(gm)
                 gm.recompile()
-            return self(gm, inputs)
+            compiled = self(gm, inputs)
+            if fake_mode is None:
+                return compiled
+
+            def run(*args: Any) -> Any:
+                with fake_mode:
+                    return compiled(*args)
+            return run
 
         functorch_patches = {}
         if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):

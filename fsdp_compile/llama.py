@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -46,14 +46,14 @@ class LlamaConfig:
         return self.d_model // self.n_heads
 
     @classmethod
-    def llama3_8b(cls, **overrides) -> "LlamaConfig":
+    def llama3_8b(cls, **overrides) -> LlamaConfig:
         """Llama-3-8B's shape (Meta's model card: 32 layers, d_model 4096, 32 heads, 8 KV heads,
         FFN 14336, vocabulary 128256, RoPE theta 500000)."""
         return replace(cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                            ffn_hidden=14336, max_seq_len=8192), **overrides)
 
     @classmethod
-    def llama3_70b(cls, **overrides) -> "LlamaConfig":
+    def llama3_70b(cls, **overrides) -> LlamaConfig:
         """Llama-3-70B's shape (80 layers, d_model 8192, 64 heads, 8 KV heads, FFN 28672,
         vocabulary 128256)."""
         return replace(cls(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,

@@ -64,12 +64,21 @@ def _storage_bytes(t: torch.Tensor, symbolic: bool = False):
     except Exception:
         nbytes = t.numel() * t.element_size()
     if isinstance(nbytes, torch.SymInt):
-        if symbolic:
-            return nbytes.node.expr
-        from torch.fx.experimental.symbolic_shapes import hint_int
-
-        return hint_int(nbytes)
+        return nbytes.node.expr if symbolic else size_hint(nbytes)
     return int(nbytes)
+
+
+def size_hint(value) -> int:
+    """The example value behind a symbolic size, without guarding on it (torch >= 2.11)."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    from torch.fx.experimental import symbolic_shapes
+
+    for name in ("optimization_hint", "hint_int"):  # 2.13 / 2.11
+        fn = getattr(symbolic_shapes, name, None)
+        if fn is not None:
+            return int(fn(value))
+    return int(value.node.hint)
 
 
 @dataclass

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile.planning import Cluster, ClusterError

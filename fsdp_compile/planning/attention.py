@@ -14,7 +14,7 @@ head sizes) keep the CPU kernel: the plan says so in the row's notes.
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 _SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 

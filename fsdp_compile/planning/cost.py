@@ -22,9 +22,14 @@ from typing import Any
 import sympy
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch import fx
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
+from ..memory import size_hint
 from ..passes.lowering import ALL_GATHER, WAIT
 from ..passes.reshard import PURE_VIEWS
 from .cluster import Cluster
@@ -64,7 +69,7 @@ def maximum(a: Any, b: Any) -> Any:
     """``max`` for numbers and sympy expressions alike."""
     if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
         return sympy.Max(a, b)
-    return a if a >= b else b
+    return max(a, b)
 
 
 def _value(x: Any, symbolic: bool) -> Any:
@@ -75,11 +80,7 @@ def _value(x: Any, symbolic: bool) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(_value(v, symbolic) for v in x)
     if isinstance(x, torch.SymInt):
-        if symbolic:
-            return x.node.expr
-        from torch.fx.experimental.symbolic_shapes import hint_int
-
-        return hint_int(x)
+        return x.node.expr if symbolic else size_hint(x)
     return x
 
 

@@ -14,9 +14,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
+from torch import fx
 
-from .cluster import COLLECTIVE_KINDS, Cluster, ClusterError, MeasuredCollective, _fit_line
+from .cluster import (
+    COLLECTIVE_KINDS,
+    Cluster,
+    ClusterError,
+    MeasuredCollective,
+    _fit_line,
+)
 
 _c10d = torch.ops._c10d_functional
 

@@ -29,7 +29,7 @@ from ..memory import input_bytes
 from ..mixed_precision import MixedPrecision
 from ..runtime.collectives import padded_rows
 from ..strategy import ShardingStrategy
-from .cluster import GiB, Cluster, ClusterError
+from .cluster import Cluster, ClusterError, GiB
 from .cost import Group, graph_costs, optimizer_seconds
 from .simulate import Timeline, memory_timeline, simulate_graph
 from .trace import Candidate, Traced, trace_candidates
@@ -399,21 +399,30 @@ def choose(rows: list[PlanRow], budget: float, skipped: Sequence[str] = ()) -> t
     return best, why + notes
 
 
+def size(value: float) -> str:
+    """Bytes for people: GiB, MiB or KiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
 def _nothing_fits(rows: list[PlanRow], budget: float) -> str:
-    least = min(rows, key=lambda r: r.peak_bytes)
+    traced = [r for r in rows if r.traced] or rows  # untraced rows hold lower bounds only
+    least = min(traced, key=lambda r: r.peak_bytes)
     need = least.peak_bytes
     act = least.memory.get("activations", 0) + least.memory.get("gathered", 0)
     advice = [f"more devices (parameters, gradients and optimizer state shrink with the shard group; "
-              f"{least.strategy} needs {need / GiB:.1f} GiB per device at this world size)"]
+              f"{least.strategy} needs {size(need)} per device at this world size)"]
     states = least.memory.get("params", 0) + least.memory.get("grads", 0) + least.memory.get("optimizer", 0)
     if states > 0:
-        advice.append(f"CPU offload (fsdp_compile.CPUOffload: moves {states / GiB:.1f} GiB of shards, gradients and "
+        advice.append(f"CPU offload (fsdp_compile.CPUOffload: moves {size(states)} of shards, gradients and "
                       "optimizer state to host memory)")
     if act > 0:
         advice.append(f"activation checkpointing (torch.utils.checkpoint per block: most of the "
-                      f"{act / GiB:.1f} GiB of activations and gathered parameters at the peak)")
+                      f"{size(act)} of activations and gathered parameters at the peak)")
     advice.append("a smaller batch or sequence")
-    return (f"no strategy fits in {budget / GiB:.2f} GiB per device: the least memory is {need / GiB:.2f} GiB "
+    return (f"no strategy fits in {size(budget)} per device: the least memory is {size(need)} "
             f"({least.strategy}, {least.phase}); what would make it fit: " + "; ".join(advice))
 
 

@@ -14,10 +14,11 @@ as ints or sympy expressions for graphs traced with symbolic sizes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-import torch.fx as fx
+from torch import fx
 
 from ..memory import ROLES, storage_lifetimes
 from .cost import NodeCost, maximum

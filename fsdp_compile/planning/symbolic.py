@@ -24,11 +24,10 @@ import torch
 
 from ..memory import input_bytes
 from ..strategy import ShardingStrategy
-from .cost import graph_costs
-from .cost import optimizer_seconds
+from .cost import graph_costs, optimizer_seconds
 from .plan import OPTIMIZER_STATES, PlanError, model_state_bytes
 from .simulate import memory_timeline, simulate_graph
-from .trace import Candidate, trace_candidates
+from .trace import trace_candidates
 from .world import fake_world
 
 
@@ -152,7 +151,7 @@ def symbolic_analysis(plan: Any, strategy: ShardingStrategy | str, size: str, in
             bound = shape_env.var_to_range.get(sympy.Symbol(name, positive=True, integer=True))
             if bound is None:
                 bound = next((r for s, r in shape_env.var_to_range.items() if str(s) == name), None)
-            if bound is not None and bound.upper.is_finite:
+            if bound is not None and getattr(bound.upper, "is_Integer", False):
                 upper = int(bound.upper) if upper is None else min(upper, int(bound.upper))
     largest = _largest_fitting(polys, plan.budget_bytes, x)
     if upper is not None:

@@ -106,9 +106,8 @@ def tag_buffer_inputs(record: CompiledGraph) -> None:
         value = node.meta.get("example_value")
         if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
             continue
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        name = source.name() if source is not None and callable(getattr(source, "name", None)) else str(source)
-        dynamo.append((tuple(value.shape), "_buffers[" in name or ".buffers" in name))
+        # Dynamo names a placeholder after its source: L['model']._buffers['x'] -> l_model_buffers_x_
+        dynamo.append((tuple(value.shape), "buffers_" in node.name))
     forward = [n for n in record.forward.graph.find_nodes(op="placeholder")
                if isinstance(n.meta.get("val"), torch.Tensor) and n.meta.get(ROLE_META) != "param"
                and "rng" not in n.name]
@@ -175,7 +174,7 @@ def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devic
                     return loss_fn(_model(*args))
 
                 records, captures = backend._trace_for_planning(step, inputs, keep_joint=len(group) > 1,
-                                                                dynamo_pass=dynamo_pass)
+                                                                dynamo_pass=dynamo_pass, fake_mode=mode)
                 for k, capture in enumerate(captures):
                     if capture.partitioned is not None:
                         partitions[(candidate.strategy, k)] = capture.partitioned
@@ -207,13 +206,11 @@ def _symbol_labels(records: list[CompiledGraph], inputs: Sequence[Any],
         user = []
         for node in record.dynamo.graph.find_nodes(op="placeholder"):
             value = node.meta.get("example_value")
-            source = getattr(node.meta.get("grapharg"), "source", None)
-            name = source.name() if source is not None and callable(getattr(source, "name", None)) else ""
-            if isinstance(value, torch.Tensor) and name.startswith("L['args']"):
-                user.append((name, value))
+            if isinstance(value, torch.Tensor):
+                user.append((node.name, value))  # L['args'][i] -> l_args_i_
         for (index, dim), label in symbols.items():
             for name, value in user:
-                if name == f"L['args'][{index}]" and dim < value.dim():
+                if name == f"l_args_{index}_" and dim < value.dim():
                     size = value.shape[dim]
                     if isinstance(size, torch.SymInt):
                         for symbol in size.node.expr.free_symbols:
