@@ -2,6 +2,8 @@
 
     backend = fsdp_compile.backend(strategy="FULL_SHARD")
     model = torch.compile(backend.shard(model), backend=backend)
+
+    print(fsdp_compile.plan(model, inputs, cluster=fsdp_compile.Cluster.preset("h100-sxm", nodes=4)))
 """
 
 from .backend import CompiledGraph, FSDPBackend, backend, compile
@@ -11,9 +13,10 @@ from .errors import ConfigError
 from .memory import MemoryEstimate, estimate_memory
 from .mixed_precision import MixedPrecision
 from .offload import CPUOffload
+from .planning import Cluster, Plan, PlanError, plan
 from .strategy import ShardingStrategy
 
-__all__ = ["CPUOffload", "CompiledGraph", "ConfigError", "FSDPBackend", "MemoryEstimate", "MixedPrecision",
-           "ShardingStrategy", "backend", "clip_grad_norm_", "compile", "estimate_memory", "full_state_dict",
-           "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
+__all__ = ["CPUOffload", "Cluster", "CompiledGraph", "ConfigError", "FSDPBackend", "MemoryEstimate", "MixedPrecision",
+           "Plan", "PlanError", "ShardingStrategy", "backend", "clip_grad_norm_", "compile", "estimate_memory",
+           "full_state_dict", "load_checkpoint", "load_full_state_dict", "plan", "save_checkpoint"]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -32,6 +33,7 @@ class LlamaConfig:
     max_seq_len: int = 128
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    checkpoint_blocks: bool = False  # activation checkpointing: recompute each block in backward
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -164,7 +166,10 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            if self.cfg.checkpoint_blocks and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                x = layer(x, self.rope_cos, self.rope_sin)
         return self.output(self.norm(x))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -79,3 +79,15 @@ def auto_worker(rank: int, world: int, steps: int) -> dict:
         "params": all(torch.equal(result["params"][n], expected["params"][n]) for n in expected["params"]),
         "same_graphs": [r.forward.code for r in auto.graphs] == [r.forward.code for r in explicit.graphs],
     }
+
+
+def measure_worker(rank: int, world: int) -> dict:
+    cluster = Cluster.measure(sizes=(1 << 14, 1 << 16, 1 << 18), repeats=3, device_memory=1 << 30)
+    return {
+        "world": cluster.world_size, "flops": {str(k): v for k, v in cluster.peak_flops.items()},
+        "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
+        "overlap": cluster.comm_overlap,
+        "collectives": {k: (v.step_latency, v.bandwidth, v.group_size, len(v.samples))
+                        for k, v in cluster.measured_collectives.items()},
+        "sources": sorted(cluster.sources),
+    }

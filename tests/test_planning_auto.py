@@ -28,3 +28,18 @@ def test_auto_options_are_checked():
         fsdp_compile.backend("auto", shard_size=2)
     with pytest.raises(ValueError, match="are for strategy='auto'"):
         fsdp_compile.backend("FULL_SHARD", memory_budget=1 << 30)
+
+
+def test_measure_calibrates_this_machine_on_every_rank_alike():
+    from planning_workers import measure_worker
+
+    results = run_workers(measure_worker, 2)
+    assert results[0] == results[1]  # every rank gets the slowest rank's numbers
+    r = results[0]
+    assert r["world"] == 2
+    assert r["flops"]["torch.float32"] > 1e8 and r["memory_bandwidth"] > 1e8 and r["op_overhead"] > 0
+    assert 0.0 <= r["overlap"] <= 1.0
+    assert set(r["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    for latency, bandwidth, group, samples in r["collectives"].values():
+        assert latency >= 0 and bandwidth > 0 and group == 2 and samples == 3
+    assert "collectives" in r["sources"] and "peak_flops" in r["sources"]

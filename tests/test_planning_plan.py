@@ -156,3 +156,37 @@ def test_attention_uses_the_cuda_kernel_on_gpu_clusters():
     ops = {str(n.target) for r in traced.records for g in (r.forward, r.backward) for n in g.graph.nodes}
     assert "aten._scaled_dot_product_flash_attention.default" in ops
     assert not any("for_cpu" in op for op in ops)
+
+
+def test_max_batch_and_seq_len_are_solved_and_match_brute_force():
+    cfg = GPTConfig(vocab_size=128, block_size=4096, n_layer=1, n_head=2, d_model=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    cluster = cpu_cluster(nodes=1, per_node=4, memory=3e7, inter_node_bandwidth=None, inter_node_latency=None)
+    kwargs = dict(cluster=cluster, loss_fn=gpt_loss, prefetch=(1,), strategies=["FULL_SHARD"])
+    p = plan(model, (torch.zeros(4, 32, dtype=torch.long),), **kwargs)
+    batch = p.max_batch("FULL_SHARD")
+    seq = p.max_seq_len("FULL_SHARD")
+    assert 8 < batch < 1000 and 32 < seq < 4096
+    expr = p.memory_expr("FULL_SHARD")
+    (symbol,) = expr.free_symbols
+    assert symbol.name == "batch"
+    assert float(expr.subs(symbol, 4)) == pytest.approx(p.row("FULL_SHARD").peak_bytes, rel=1e-9)
+    assert p.step_time_expr("FULL_SHARD").free_symbols
+    for b, fits in ((batch, True), (batch + 1, False)):
+        q = plan(model, (torch.zeros(b, 32, dtype=torch.long),), **kwargs)
+        assert q.row("FULL_SHARD").fits is fits, b
+    for s, fits in ((seq, True), (seq + 1, False)):
+        q = plan(model, (torch.zeros(4, s, dtype=torch.long),), **kwargs)
+        assert q.row("FULL_SHARD").fits is fits, s
+
+
+def test_max_seq_len_respects_the_models_own_bound():
+    from fsdp_compile.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(n_layers=1, max_seq_len=48))
+    p = plan(model, (torch.zeros(1, 16, dtype=torch.long),), cluster=cpu_cluster(nodes=1, per_node=2, memory=1e9,
+             inter_node_bandwidth=None, inter_node_latency=None), strategies=["FULL_SHARD"], prefetch=(1,))
+    # memory would allow far longer sequences; the rotary table stops at 48 (Dynamo's guard on the size)
+    assert p.max_seq_len("FULL_SHARD") == 48

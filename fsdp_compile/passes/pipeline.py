@@ -36,15 +36,14 @@ class PassFailure(RuntimeError):
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy with its own graph, of the same class: a copy of AOTAutograd's lazy graph module
-    stays lazy, so the passes' ``recompile()`` calls defer Python code generation to the first
-    call of ``forward`` (or read of ``.code``) instead of regenerating it after every pass,
-    which for a graph of tens of thousands of nodes costs seconds each time."""
+    """A copy with its own graph, as a lazy graph module where torch has them: the passes'
+    ``recompile()`` calls then defer Python code generation to the first call of ``forward``
+    (or read of ``.code``) instead of regenerating it after every pass, which for a graph of
+    tens of thousands of nodes costs seconds each time. It runs the same code either way."""
     try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule
+        from torch.fx._lazy_graph_module import _LazyGraphModule as cls
     except ImportError:  # a torch without lazy graph modules: copies recompile eagerly
-        _LazyGraphModule = None
-    cls = _LazyGraphModule if _LazyGraphModule is not None and isinstance(gm, _LazyGraphModule) else fx.GraphModule
+        cls = fx.GraphModule
     return cls(gm, copy.deepcopy(gm.graph))
 
 

@@ -360,7 +360,8 @@ def plan(
                 if candidate in context.traced:
                     rows.append(evaluate(context.traced[candidate], cluster, optimizer, budget, tokens,
                                          compute_dtype, states[candidate.strategy]))
-                else:
+                elif not any(r.strategy == candidate.strategy.name for r in rows):
+                    # one row per strategy ruled out: its bucket and prefetch variants cannot fit either
                     rows.append(_untraced_row(candidate, states[candidate.strategy], budget))
     except RealProcessGroupError:
         from .isolated import plan_in_subprocess
@@ -411,19 +412,21 @@ def _nothing_fits(rows: list[PlanRow], budget: float) -> str:
     traced = [r for r in rows if r.traced] or rows  # untraced rows hold lower bounds only
     least = min(traced, key=lambda r: r.peak_bytes)
     need = least.peak_bytes
-    act = least.memory.get("activations", 0) + least.memory.get("gathered", 0)
-    advice = [f"more devices (parameters, gradients and optimizer state shrink with the shard group; "
-              f"{least.strategy} needs {size(need)} per device at this world size)"]
-    states = least.memory.get("params", 0) + least.memory.get("grads", 0) + least.memory.get("optimizer", 0)
-    if states > 0:
-        advice.append(f"CPU offload (fsdp_compile.CPUOffload: moves {size(states)} of shards, gradients and "
-                      "optimizer state to host memory)")
+    m = least.memory
+    states = m.get("params", 0) + m.get("grads", 0) + m.get("optimizer", 0)
+    act = m.get("activations", 0) + m.get("gathered", 0)
+    advice = []
     if act > 0:
-        advice.append(f"activation checkpointing (torch.utils.checkpoint per block: most of the "
-                      f"{size(act)} of activations and gathered parameters at the peak)")
-    advice.append("a smaller batch or sequence")
+        advice.append(f"activation checkpointing (torch.utils.checkpoint per block: most of the {size(act)} of "
+                      "activations and gathered parameters at the peak is recomputed instead of kept)")
+    advice.append(f"more devices (they shrink only the {size(states)} of parameters, gradients and optimizer "
+                  "state, which FSDP shards" + (f", not the {size(act)} of activations)" if act else ")"))
+    if states > 0:
+        advice.append(f"CPU offload (fsdp_compile.CPUOffload moves the {size(states)} of shards, gradients and "
+                      "optimizer state to host memory)")
+    advice.append("a smaller batch or sequence (activations shrink with them)")
     return (f"no strategy fits in {size(budget)} per device: the least memory is {size(need)} "
-            f"({least.strategy}, {least.phase}); what would make it fit: " + "; ".join(advice))
+            f"({least.strategy}, at its {least.phase} peak); what would make it fit: " + "; ".join(advice))
 
 
 def require_fit(result: Plan) -> PlanRow:

@@ -7,8 +7,10 @@ from typing import Any
 from .cluster import GiB
 
 
-def _gib(value: float) -> str:
-    return f"{value / GiB:.2f}"
+def _unit(plan: Any) -> tuple[str, float]:
+    """GiB for real devices; MiB for small budgets (tests, this machine's small models)."""
+    largest = max([plan.budget_bytes] + [r.peak_bytes for r in plan.rows])
+    return ("GiB", GiB) if largest >= GiB else ("MiB", float(1 << 20))
 
 
 def _time(seconds: float | None) -> str:
@@ -30,7 +32,12 @@ def render_plan(plan: Any) -> str:
     """One line per candidate: fits?, peak and memory by role (GiB per device), bytes per
     step per link, step time, exposed communication, tokens/s per device, MFU; the chosen row
     marked, and why."""
-    header = ["", "strategy", "bucket", "pf", "fits", "peak GiB", "params", "grads", "optim", "gathered", "activ",
+    unit, scale = _unit(plan)
+
+    def _gib(value: float) -> str:
+        return f"{value / scale:.2f}"
+
+    header = ["", "strategy", "bucket", "pf", "fits", f"peak {unit}", "params", "grads", "optim", "gathered", "activ",
               "buffers", "intra/step", "inter/step", "step", "exposed", "tok/s/dev", "MFU"]
     lines = []
     for row in plan.rows:
@@ -44,7 +51,7 @@ def render_plan(plan: Any) -> str:
             f"{row.mfu * 100:.1f}%" if row.mfu is not None else "-"])
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
     out = [f"Plan for {plan.world_size} devices of {plan.cluster.describe()}",
-           f"memory budget {plan.budget_bytes / GiB:.2f} GiB per device; {plan.tokens_per_step} tokens per device "
+           f"memory budget {plan.budget_bytes / scale:.2f} {unit} per device (memory columns in {unit}); {plan.tokens_per_step} tokens per device "
            "per step; predicted (roofline compute, ring collectives, one compute and one communication stream), "
            "not measured",
            "  ".join(h.ljust(w) for h, w in zip(header, widths))]

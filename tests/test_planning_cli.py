@@ -1,0 +1,60 @@
+"""`python -m fsdp_compile plan` and `compare`: they run and say what they must."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], timeout: int = 900, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, **kwargs)
+
+
+def test_plan_command_prints_rows_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-tiny", "--seq", "32", "--batch", "2",
+                 "--cluster", "a10g", "--nodes", "2", "--prefetch", "1", "--strategies",
+                 "FULL_SHARD,HYBRID_SHARD", "--max-batch", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Plan for 16 devices of a10g" in proc.stdout and "chosen:" in proc.stdout
+    assert "largest batch FULL_SHARD fits:" in proc.stdout
+    data = json.loads(out.read_text())
+    assert {r["strategy"] for r in data["rows"]} == {"FULL_SHARD", "HYBRID_SHARD"}
+    assert data["best"]["chosen"] and data["max_batch"]["FULL_SHARD"] > 2
+
+
+def test_plan_command_rejects_unknown_model_and_cluster() -> None:
+    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-9000"])
+    assert proc.returncode != 0 and "use one of" in proc.stderr
+    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-tiny", "--cluster", "tpu"])
+    assert proc.returncode == 2 and "error: unknown cluster preset 'tpu'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compare_needs_torchrun() -> None:
+    proc = _run(["-m", "fsdp_compile", "compare"])
+    assert proc.returncode != 0 and "start it with torchrun" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> None:
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_compile",
+                 "compare", "--model", "gpt-tiny", "--steps", "3", "--strategies", "FULL_SHARD,NO_SHARD",
+                 "--out", str(tmp_path)], timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert [r["strategy"] for r in data["rows"]] == ["FULL_SHARD", "NO_SHARD"]
+    for row in data["rows"]:
+        m, p = row["measured"], row["predicted"]
+        assert m["step_seconds"] > 0 and m["peak_bytes"] > m["resident_bytes"] > 0 and m["compile_seconds"] >= 0
+        assert m["bytes_per_step"]["intra"] > 0 and p["step_seconds"] > 0
+    assert (tmp_path / "compare.png").stat().st_size > 1000
+    assert "step ms" in proc.stdout and "pred ms" in proc.stdout
