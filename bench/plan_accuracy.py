@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
-import fsdp_compile  # noqa: E402
-from fsdp_compile.gpt import GPT, GPTConfig  # noqa: E402
-from fsdp_compile.planning import Cluster, plan  # noqa: E402
-from fsdp_compile.planning.cli import _cross_entropy  # noqa: E402
+import fsdp_compile
+from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.planning import Cluster, plan
+from fsdp_compile.planning.cli import _cross_entropy
 
 GB = 1e9
 GiB = 1 << 30

@@ -676,21 +676,28 @@ class FSDPBackend:
             joint = copy_graph_module(capture.joint)
             self._rewrite_markers(joint.graph)
             partitioned = self._partition(joint, capture.inputs, record, **capture.kwargs)
-        forward, backward = (copy_graph_module(g) for g in partitioned)
-        for graph in (forward.graph, backward.graph):
-            self._rewrite_markers(graph)
-        self._graph_passes(forward, "forward", record)
-        self._graph_passes(backward, "backward", record)
+        for phase, gm in zip(("forward", "backward"), partitioned):
+            # Our passes work on a copy of the graph they are given: rewrite the shared graph's
+            # markers for them and put the caller's arguments back afterwards.
+            previous = self._rewrite_markers(gm.graph)
+            try:
+                self._graph_passes(gm, phase, record)
+            finally:
+                for node, args in previous.items():
+                    node.args = args
         return record, partitioned
 
-    def _rewrite_markers(self, graph: fx.Graph) -> None:
-        """Give every marker of ``graph`` this backend's arguments for its parameter."""
+    def _rewrite_markers(self, graph: fx.Graph) -> dict[fx.Node, tuple]:
+        """Give every marker of ``graph`` this backend's arguments for its parameter; returns
+        the previous arguments by node."""
         from .ops import REDUCE_GRAD, UNSHARD, decode
 
+        previous = {}
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in (UNSHARD, REDUCE_GRAD):
                 continue
             marker = decode(node)
+            previous[node] = node.args
             info = self.params.get(marker.fqn)
             if info is None:
                 raise ValueError(f"replaying a graph of parameter {marker.fqn!r}, which this backend did not shard")
@@ -701,6 +708,7 @@ class FSDPBackend:
             if decode(node).spec.shard_size != marker.spec.shard_size:
                 raise ValueError(f"replaying a graph sharded over {marker.spec.shard_size} ranks with a backend "
                                  f"that shards over {info.comm.shard_size}: trace this layout instead")
+        return previous
 
 
 @dataclass

@@ -6,11 +6,11 @@ import copy
 import logging
 
 import torch
+from workers import PER_RANK_BATCH, SEQ, TEST_CONFIG, batches, train
 
 import fsdp_compile
 from fsdp_compile.gpt import GPT
 from fsdp_compile.planning import Cluster, PlanError
-from workers import PER_RANK_BATCH, SEQ, TEST_CONFIG, batches, train
 
 
 def plan_loss(output: torch.Tensor) -> torch.Tensor:

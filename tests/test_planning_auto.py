@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_workers
 from planning_workers import auto_worker
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _run(args: list[str], timeout: int = 900, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, **kwargs)
+                          cwd=ROOT, check=False, **kwargs)
 
 
 def test_plan_command_prints_rows_and_writes_json(tmp_path: Path) -> None:

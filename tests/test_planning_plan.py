@@ -15,10 +15,10 @@ CFG = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, d_model=64)
 
 
 def cpu_cluster(nodes=2, per_node=4, memory=2e9, **changes) -> Cluster:
-    fields = dict(name="toy-cpu", nodes=nodes, devices_per_node=per_node, device_memory=memory,
-                  peak_flops={torch.float32: 5e10, torch.bfloat16: 5e10}, memory_bandwidth=1e10,
-                  intra_node_bandwidth=1e9, inter_node_bandwidth=2e8, intra_node_latency=1e-5,
-                  inter_node_latency=5e-5, device_type="cpu")
+    fields = {"name": "toy-cpu", "nodes": nodes, "devices_per_node": per_node, "device_memory": memory,
+                  "peak_flops": {torch.float32: 5e10, torch.bfloat16: 5e10}, "memory_bandwidth": 1e10,
+                  "intra_node_bandwidth": 1e9, "inter_node_bandwidth": 2e8, "intra_node_latency": 1e-5,
+                  "inter_node_latency": 5e-5, "device_type": "cpu"}
     fields.update(changes)
     return Cluster(**fields)
 
@@ -88,7 +88,7 @@ def test_replayed_candidates_equal_direct_traces():
     with torch.device("meta"):
         model = GPT(CFG)
     tokens = torch.zeros(2, 32, dtype=torch.long)
-    kwargs = dict(world=4, devices_per_node=4, mixed_precision=None, device_type="cpu")
+    kwargs = {"world": 4, "devices_per_node": 4, "mixed_precision": None, "device_type": "cpu"}
     shared = [Candidate(ShardingStrategy.FULL_SHARD), Candidate(ShardingStrategy.SHARD_GRAD_OP),
               Candidate(ShardingStrategy.FULL_SHARD, bucket=1 << 14, prefetch=2)]
     with fake_world(4):
@@ -163,7 +163,7 @@ def test_max_batch_and_seq_len_are_solved_and_match_brute_force():
     with torch.device("meta"):
         model = GPT(cfg)
     cluster = cpu_cluster(nodes=1, per_node=4, memory=3e7, inter_node_bandwidth=None, inter_node_latency=None)
-    kwargs = dict(cluster=cluster, loss_fn=gpt_loss, prefetch=(1,), strategies=["FULL_SHARD"])
+    kwargs = {"cluster": cluster, "loss_fn": gpt_loss, "prefetch": (1,), "strategies": ["FULL_SHARD"]}
     p = plan(model, (torch.zeros(4, 32, dtype=torch.long),), **kwargs)
     batch = p.max_batch("FULL_SHARD")
     seq = p.max_seq_len("FULL_SHARD")
@@ -190,3 +190,16 @@ def test_max_seq_len_respects_the_models_own_bound():
              inter_node_bandwidth=None, inter_node_latency=None), strategies=["FULL_SHARD"], prefetch=(1,))
     # memory would allow far longer sequences; the rotary table stops at 48 (Dynamo's guard on the size)
     assert p.max_seq_len("FULL_SHARD") == 48
+
+
+def test_no_shard_with_mixed_precision_schedules_without_falling_back():
+    """A bucket lowered to a cast only (no collective) used to make the scheduling pass fail."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16)
+    p = plan(model, (torch.zeros(2, 32, dtype=torch.long),), cluster=cpu_cluster(), loss_fn=gpt_loss,
+             mixed_precision=mp, strategies=["NO_SHARD"], prefetch=(1,))
+    row = p.row("NO_SHARD")
+    assert row.traced and "pass failed" not in row.note, row.note
+    records = next(iter(p._context.traced.values())).records
+    assert all(not r.fallbacks for r in records)

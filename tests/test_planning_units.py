@@ -16,10 +16,10 @@ H100 = Cluster.preset("h100-sxm", nodes=2)
 
 
 def small_cluster(**changes) -> Cluster:
-    fields = dict(name="toy", nodes=2, devices_per_node=4, device_memory=1e9,
-                  peak_flops={torch.float32: 1e12}, memory_bandwidth=1e11,
-                  intra_node_bandwidth=1e10, inter_node_bandwidth=1e9,
-                  intra_node_latency=1e-6, inter_node_latency=1e-5, collective_latency=0.0)
+    fields = {"name": "toy", "nodes": 2, "devices_per_node": 4, "device_memory": 1e9,
+                  "peak_flops": {torch.float32: 1e12}, "memory_bandwidth": 1e11,
+                  "intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9,
+                  "intra_node_latency": 1e-6, "inter_node_latency": 1e-5, "collective_latency": 0.0}
     fields.update(changes)
     return Cluster(**fields)
 
@@ -135,7 +135,7 @@ def test_matmul_is_compute_bound_and_counts_torch_flops():
 def test_elementwise_is_memory_bound_and_views_are_free():
     gm = _graph(lambda a: (a * 2).view(-1), (1024, 1024))
     cluster = small_cluster(op_overhead=1e-6)
-    costs = dict((n.target, c) for n, c in graph_costs(gm, cluster))
+    costs = {n.target: c for n, c in graph_costs(gm, cluster)}
     mul = costs[torch.ops.aten.mul.Tensor]
     assert mul.kind == "compute" and mul.flops == 0
     assert mul.seconds == pytest.approx(2 * 1024 * 1024 * 4 / 1e11 + 1e-6)

@@ -260,15 +260,15 @@ _NCCL_LATENCY = ("NCCL src/graph/tuning.cc defaults for ring/Simple (quoted in t
                  "comm_analysis.py): base {base} us, {hw} hop {hop} us per step")
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    "h100-sxm": dict(
-        name="h100-sxm", devices_per_node=8,
-        device_memory=80 * GB,
-        peak_flops={torch.bfloat16: 989 * TFLOPS, torch.float16: 989 * TFLOPS, torch.float32: 67 * TFLOPS},
-        memory_bandwidth=3.35e12,
-        intra_node_bandwidth=450 * GB, inter_node_bandwidth=400 * GBITS,
-        intra_node_latency=3.4e-6, inter_node_latency=14e-6, collective_latency=8.4e-6,
-        reserved_memory=2 * GiB, device_type="cuda",
-        sources={
+    "h100-sxm": {
+        "name": "h100-sxm", "devices_per_node": 8,
+        "device_memory": 80 * GB,
+        "peak_flops": {torch.bfloat16: 989 * TFLOPS, torch.float16: 989 * TFLOPS, torch.float32: 67 * TFLOPS},
+        "memory_bandwidth": 3.35e12,
+        "intra_node_bandwidth": 450 * GB, "inter_node_bandwidth": 400 * GBITS,
+        "intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
+        "reserved_memory": 2 * GiB, "device_type": "cuda",
+        "sources": {
             "device_memory": "NVIDIA H100 Tensor Core GPU data sheet (SXM): 80 GB HBM3",
             "peak_flops": "NVIDIA H100 data sheet (SXM): BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989 dense; "
                           "FP32 67 TFLOPS (non-tensor; torch's default fp32 matmul precision)",
@@ -278,16 +278,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
                                     "clusters -> 50 GB/s one way",
             "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
             "reserved_memory": "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers and allocator slack",
-        }),
-    "a100-80gb": dict(
-        name="a100-80gb", devices_per_node=8,
-        device_memory=80 * GB,
-        peak_flops={torch.bfloat16: 312 * TFLOPS, torch.float16: 312 * TFLOPS, torch.float32: 19.5 * TFLOPS},
-        memory_bandwidth=2.039e12,
-        intra_node_bandwidth=300 * GB, inter_node_bandwidth=200 * GBITS,
-        intra_node_latency=3.4e-6, inter_node_latency=14e-6, collective_latency=8.4e-6,
-        reserved_memory=2 * GiB, device_type="cuda",
-        sources={
+        }},
+    "a100-80gb": {
+        "name": "a100-80gb", "devices_per_node": 8,
+        "device_memory": 80 * GB,
+        "peak_flops": {torch.bfloat16: 312 * TFLOPS, torch.float16: 312 * TFLOPS, torch.float32: 19.5 * TFLOPS},
+        "memory_bandwidth": 2.039e12,
+        "intra_node_bandwidth": 300 * GB, "inter_node_bandwidth": 200 * GBITS,
+        "intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
+        "reserved_memory": 2 * GiB, "device_type": "cuda",
+        "sources": {
             "device_memory": "NVIDIA A100 Tensor Core GPU data sheet (80GB SXM): 80 GB HBM2e",
             "peak_flops": "NVIDIA A100 data sheet: BF16/FP16 tensor 312 TFLOPS dense; FP32 19.5 TFLOPS",
             "memory_bandwidth": "NVIDIA A100 data sheet (80GB SXM): 2,039 GB/s",
@@ -295,16 +295,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
             "inter_node_bandwidth": "assumed: one 200 Gb/s InfiniBand HDR NIC per GPU, as in DGX A100 -> 25 GB/s one way",
             "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
             "reserved_memory": "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers and allocator slack",
-        }),
-    "a10g": dict(
-        name="a10g", devices_per_node=8,
-        device_memory=24 * GB,
-        peak_flops={torch.bfloat16: 125 * TFLOPS, torch.float16: 125 * TFLOPS, torch.float32: 31.2 * TFLOPS},
-        memory_bandwidth=600 * GB,
-        intra_node_bandwidth=32 * GB, inter_node_bandwidth=100 * GBITS / 8,
-        intra_node_latency=5.7e-6, inter_node_latency=14e-6, collective_latency=8.4e-6,
-        reserved_memory=1 * GiB, device_type="cuda",
-        sources={
+        }},
+    "a10g": {
+        "name": "a10g", "devices_per_node": 8,
+        "device_memory": 24 * GB,
+        "peak_flops": {torch.bfloat16: 125 * TFLOPS, torch.float16: 125 * TFLOPS, torch.float32: 31.2 * TFLOPS},
+        "memory_bandwidth": 600 * GB,
+        "intra_node_bandwidth": 32 * GB, "inter_node_bandwidth": 100 * GBITS / 8,
+        "intra_node_latency": 5.7e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
+        "reserved_memory": 1 * GiB, "device_type": "cuda",
+        "sources": {
             "device_memory": "AWS G5 instance page / NVIDIA A10 data sheet: 24 GB GDDR6 per GPU",
             "peak_flops": "NVIDIA A10 data sheet (the A10G is AWS's variant): BF16/FP16 tensor 125 TFLOPS dense "
                           "(250 with sparsity); FP32 31.2 TFLOPS",
@@ -314,5 +314,5 @@ _PRESETS: dict[str, dict[str, Any]] = {
                                     "GPUs -> 1.56 GB/s per GPU",
             "latency": _NCCL_LATENCY.format(base=8.4, hw="PCIe", hop=5.7) + "; network hop 14 us",
             "reserved_memory": "assumed: ~1 GiB per GPU for the CUDA context and NCCL buffers",
-        }),
+        }},
 }

@@ -22,7 +22,6 @@ few steps with AdamW and measures:
 
 from __future__ import annotations
 
-import copy
 import gc
 import statistics
 import time
@@ -99,7 +98,7 @@ def _collective_bytes(events: list, world_sizes: dict[str, int]) -> tuple[dict[s
     n = world_sizes.get("default", 2)
     for event in events:
         name = event.name()
-        if not (name.startswith("gloo:") or name.startswith("nccl:")):
+        if not (name.startswith(("gloo:", "nccl:"))):
             continue
         kind = name.split(":", 1)[1]
         counts[kind] = counts.get(kind, 0) + 1

@@ -58,7 +58,7 @@ def _matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int) -> flo
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        seconds = _median_time(lambda: torch.mm(a, b), repeats, device)
+        seconds = _median_time(lambda a=a, b=b: torch.mm(a, b), repeats, device)
         best = max(best, 2 * n ** 3 / seconds)
     return best
 
@@ -113,7 +113,8 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repea
             numel = max(n, size // 4 // n * n)
             local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
             dist.barrier(group=group)
-            seconds = _slowest(_median_time(lambda: _run_collective(kind, local, n, name), repeats, device), group)
+            seconds = _slowest(_median_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
+                                                repeats, device), group)
             samples.append((numel * 4, seconds))
         latency, per_byte = _fit_line([(_wire_bytes(kind, b, n), s) for b, s in samples])
         fits[kind] = MeasuredCollective(step_latency=latency / max(ring_steps(kind, n), 1),

@@ -51,9 +51,9 @@ def render_plan(plan: Any) -> str:
             f"{row.mfu * 100:.1f}%" if row.mfu is not None else "-"])
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
     out = [f"Plan for {plan.world_size} devices of {plan.cluster.describe()}",
-           f"memory budget {plan.budget_bytes / scale:.2f} {unit} per device (memory columns in {unit}); {plan.tokens_per_step} tokens per device "
-           "per step; predicted (roofline compute, ring collectives, one compute and one communication stream), "
-           "not measured",
+           (f"memory budget {plan.budget_bytes / scale:.2f} {unit} per device (memory columns in {unit}); "
+            f"{plan.tokens_per_step} tokens per device per step; predicted (roofline compute, ring "
+            "collectives, one compute and one communication stream), not measured"),
            "  ".join(h.ljust(w) for h, w in zip(header, widths))]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
     notes = [f"{row.strategy} {row.bucket} pf={row.prefetch}: {row.note}" for row in plan.rows if row.note]
