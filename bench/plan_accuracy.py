@@ -57,10 +57,15 @@ def gpt_medium() -> GPT:
     return GPT(GPTConfig(vocab_size=1024, block_size=256, n_layer=4, n_head=8, d_model=512))
 
 
+def gpt_tiny() -> GPT:
+    return GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=2, d_model=64))
+
+
 ACCURACY_RUNS = [  # (factory, batch, seq)
     ("gpt_small", 4, 128),
     ("gpt_medium", 4, 256),
 ]
+SMOKE_RUNS = [("gpt_tiny", 2, 32)]
 
 
 def _torchrun(world: int, args: list[str], out: Path) -> dict:
@@ -72,16 +77,18 @@ def _torchrun(world: int, args: list[str], out: Path) -> dict:
     return json.loads((out / "compare.json").read_text())
 
 
-def part_accuracy(steps: int) -> dict:
+def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
     runs = []
-    for factory, batch, seq in ACCURACY_RUNS:
+    for factory, batch, seq in SMOKE_RUNS if smoke else ACCURACY_RUNS:
         model = f"plan_accuracy:{factory}"
         common = ["--model", model, "--batch", str(batch), "--seq", str(seq), "--steps", str(steps)]
-        flat = _torchrun(2, common + ["--strategies", "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD"],
-                         RESULTS / f"compare_{factory}_w2")
-        hybrid = _torchrun(4, common + ["--strategies", "HYBRID_SHARD,HYBRID_SHARD_ZERO2", "--shard-size", "2"],
-                           RESULTS / f"compare_{factory}_w4")
-        for data in (flat, hybrid):
+        flat = _torchrun(2, common + ["--strategies", "FULL_SHARD,NO_SHARD" if smoke else
+                                      "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD"], out / f"compare_{factory}_w2")
+        runs_here = [flat]
+        if not smoke:
+            runs_here.append(_torchrun(4, common + ["--strategies", "HYBRID_SHARD,HYBRID_SHARD_ZERO2",
+                                                    "--shard-size", "2"], out / f"compare_{factory}_w4"))
+        for data in runs_here:
             for row in data["rows"]:
                 m, p = row["measured"], row["predicted"]
                 runs.append({
@@ -91,10 +98,11 @@ def part_accuracy(steps: int) -> dict:
                     "measured_peak_bytes": m["peak_bytes"], "predicted_peak_bytes": p["peak_bytes"],
                     "peak_error": p["peak_bytes"] / m["peak_bytes"] - 1,
                     "measured_wire_bytes": sum(m["bytes_per_step"].values()),
+                    "measured_backend_wire_bytes": m.get("backend_bytes_per_step", 0.0),
                     "predicted_wire_bytes": sum(p["bytes_per_step"].values()),
                     "collectives": m["collectives"], "compile_s": m["compile_seconds"], "cluster": data["cluster"]})
     ranking = []
-    for factory, _, _ in ACCURACY_RUNS:
+    for factory, _, _ in SMOKE_RUNS if smoke else ACCURACY_RUNS:
         for world in (2, 4):
             rows = [r for r in runs if r["model"] == factory and r["world"] == world]
             for i, a in enumerate(rows):
@@ -108,12 +116,14 @@ def part_accuracy(steps: int) -> dict:
 
 
 # ---------------------------------------------------------------------- ZeRO Table 1
-def part_zero() -> dict:
+def part_zero(smoke: bool = False) -> dict:
     # A GPT of ~7.5B parameters (ZeRO's Table 1 model size): 36 layers of d_model 4096.
+    cfg = (GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, d_model=64) if smoke else
+           GPTConfig(vocab_size=50257, block_size=1024, n_layer=36, n_head=32, d_model=4096))
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=36, n_head=32, d_model=4096))
+        model = GPT(cfg)
     P = sum(p.numel() for p in model.parameters())
-    tokens = torch.zeros(1, 1024, dtype=torch.long)
+    tokens = torch.zeros(1, cfg.block_size, dtype=torch.long)
     result = plan(model, (tokens,), cluster=Cluster.preset("h100-sxm", nodes=8), loss_fn=_cross_entropy,
                   mixed_precision=BF16, strategies=["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"], prefetch=(1,),
                   memory_budget=1e15)
@@ -176,13 +186,13 @@ def part_anchors() -> dict:
 
 
 # ---------------------------------------------------------------------- the seed's A10G chart
-def part_a10g(width: int = 2048, seq: int = 1024) -> dict:
+def part_a10g(width: int = 2048, seq: int = 1024, memory_budget: float | None = None, vocab: int = 50257) -> dict:
     """Deepest GPT (d_model ``width``, batch 1 x ``seq``) each strategy fits on 8x A10G, by bisection
     on depth with plan() (each probe traces the real graphs)."""
     cluster = Cluster.preset("a10g", nodes=1)
     tokens = torch.zeros(1, seq, dtype=torch.long)
     per_layer = 12 * width * width
-    embeddings = 2 * 50257 * width
+    embeddings = 2 * vocab * width
     found = {}
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
         cache: dict[int, bool] = {}
@@ -190,10 +200,10 @@ def part_a10g(width: int = 2048, seq: int = 1024) -> dict:
         def fits(depth: int) -> bool:
             if depth not in cache:
                 with torch.device("meta"):
-                    model = GPT(GPTConfig(vocab_size=50257, block_size=seq, n_layer=depth, n_head=width // 128,
+                    model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=depth, n_head=max(width // 128, 1),
                                           d_model=width))
                 r = plan(model, (tokens,), cluster=cluster, loss_fn=_cross_entropy, mixed_precision=BF16,
-                         strategies=[strategy], prefetch=(1,))
+                         strategies=[strategy], prefetch=(1,), memory_budget=memory_budget)
                 cache[depth] = r.row(strategy).fits
                 print(f"  {strategy} depth {depth}: {'fits' if cache[depth] else 'does not fit'}", flush=True)
             return cache[depth]
@@ -205,7 +215,7 @@ def part_a10g(width: int = 2048, seq: int = 1024) -> dict:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         found[strategy] = {"depth": lo, "parameters": lo * per_layer + embeddings, "probes": len(cache)}
-    usable = cluster.device_memory
+    usable = memory_budget or cluster.device_memory
     formula = {"NO_SHARD": usable / 16, "SHARD_GRAD_OP": usable / (2 + 14 / 8), "FULL_SHARD": usable / (16 / 8)}
     for name, value in formula.items():
         found[name]["zero_formula_parameters"] = value
@@ -221,23 +231,25 @@ def render(results: dict) -> str:
     acc = results.get("accuracy")
     if acc:
         lines += ["## Measured on this machine (CPU, gloo)", "",
-                  "| model | world | strategy | step measured | step predicted | error | peak measured | peak predicted | error | wire MB measured / predicted |",
+                  "| model | world | strategy | step measured | step predicted | error | peak measured | peak predicted | error | wire MB issued / by gloo / predicted |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in acc["runs"]:
             lines.append(
                 f"| {r['model']} b{r['batch']}x{r['seq']} | {r['world']} | {r['strategy']} | {r['measured_step_s'] * 1e3:.0f} ms | "
                 f"{r['predicted_step_s'] * 1e3:.0f} ms | {r['step_error'] * 100:+.0f}% | "
                 f"{r['measured_peak_bytes'] / 2**20:.1f} MiB | {r['predicted_peak_bytes'] / 2**20:.1f} MiB | "
-                f"{r['peak_error'] * 100:+.0f}% | {r['measured_wire_bytes'] / 1e6:.1f} / {r['predicted_wire_bytes'] / 1e6:.1f} |")
+                f"{r['peak_error'] * 100:+.0f}% | {r['measured_wire_bytes'] / 1e6:.1f} / "
+                f"{r.get('measured_backend_wire_bytes', 0) / 1e6:.1f} / {r['predicted_wire_bytes'] / 1e6:.1f} |")
         within_mem = sum(abs(r["peak_error"]) <= 0.10 for r in acc["runs"])
         within_step = sum(abs(r["step_error"]) <= 0.25 for r in acc["runs"])
         agree = sum(p["agree"] for p in acc["ranking"])
         lines += ["", f"Peak memory within 10%: {within_mem}/{len(acc['runs'])}; step time within 25%: "
                   f"{within_step}/{len(acc['runs'])}; ranking agrees on {agree}/{len(acc['ranking'])} pairs whose "
                   "measured times differ by more than 10%.", "",
-                  "Wire bytes differ where gloo runs a reduce-scatter as an all-reduce of the whole buffer "
-                  "(measured: 2x a ring reduce-scatter's bytes); the planner predicts the ring collective the graph "
-                  "asks for, and its time from the measured cost of that collective on gloo.", ""]
+                  "Wire bytes: 'issued' counts the collectives the compiled graphs called (from the profiler's "
+                  "functional-collective events), 'by gloo' what gloo ran: it runs a reduce-scatter as an all-reduce "
+                  "of the whole buffer, twice a ring reduce-scatter's bytes. The planner predicts the collectives the "
+                  "graph issues, timed with the measured cost of each kind on gloo.", ""]
     zero = results.get("zero")
     if zero:
         lines += ["## ZeRO paper, Table 1 (7.5B parameters, Adam, 64 devices)", "",
@@ -290,21 +302,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", action="append", choices=["accuracy", "zero", "anchors", "a10g"])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "plan_accuracy.json"
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    name = "plan_accuracy_smoke" if args.smoke else "plan_accuracy"
+    path = out / f"{name}.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results.update(when=time.strftime("%Y-%m-%d %H:%M"), machine=f"{platform.machine()} {os.cpu_count()} cores",
                    torch=torch.__version__)
-    for part in args.part or ["accuracy", "zero", "anchors", "a10g"]:
+    runners = {
+        "accuracy": lambda: part_accuracy(args.steps, out, args.smoke),
+        "zero": lambda: part_zero(args.smoke),
+        "anchors": part_anchors,
+        "a10g": (lambda: part_a10g(width=128, seq=32, memory_budget=2e7, vocab=256)) if args.smoke else part_a10g,
+    }
+    default_parts = ["accuracy", "zero", "a10g"] if args.smoke else ["accuracy", "zero", "anchors", "a10g"]
+    for part in args.part or default_parts:
         started = time.time()
-        results[part] = {"accuracy": lambda: part_accuracy(args.steps), "zero": part_zero,
-                         "anchors": part_anchors, "a10g": part_a10g}[part]()
+        results[part] = runners[part]()
         results[part]["seconds"] = time.time() - started
         path.write_text(json.dumps(results, indent=2, default=str))
-        (RESULTS / "plan_accuracy.md").write_text(render(results))
+        (out / f"{name}.md").write_text(render(results))
         print(f"{part}: done in {time.time() - started:.0f}s", flush=True)
-    print((RESULTS / "plan_accuracy.md").read_text())
+    print((out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -124,6 +124,13 @@ class FSDPBackend:
     optimizer step in host memory. ``FSDP_COMPILE_EAGER=1`` runs every captured graph through
     the eager runtime.
 
+    ``strategy="auto"`` plans at :meth:`shard` time for this job's world, topology and device
+    memory and applies the fastest configuration that fits (strategy, bucket policy, prefetch
+    depth); it takes ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default:
+    the GPU's preset, or ``Cluster.measure()`` on a CPU), ``memory_budget`` (bytes per device;
+    needed on a CPU) and ``plan_options`` (passed to :func:`fsdp_compile.plan`); the plan is
+    ``backend.plan``. See the README's "Choosing a strategy".
+
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
     accumulation without communication); see also :mod:`fsdp_compile.checkpoint` and
     :func:`fsdp_compile.clip_grad_norm_`.
@@ -230,7 +237,8 @@ class FSDPBackend:
         return self.options.strategy
 
     def __repr__(self) -> str:
-        return f"fsdp_compile.backend(strategy={self.strategy.name!r}, compiler={self.options.compiler!r})"
+        strategy = "auto" if self._auto is not None and self.plan is None else self.strategy.name
+        return f"fsdp_compile.backend(strategy={strategy!r}, compiler={self.options.compiler!r})"
 
     # ---------------------------------------------------------------- sharding
     def shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,

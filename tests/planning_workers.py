@@ -42,7 +42,8 @@ def auto_worker(rank: int, world: int, steps: int) -> dict:
 
     # a budget nothing fits in: every rank gets the planner's error
     tiny = fsdp_compile.backend("auto", compiler="aot_eager", example_inputs=example, loss_fn=plan_loss,
-                                cluster=test_cluster(world, 1e4), memory_budget=1e4, plan_options=options)
+                                cluster=test_cluster(world, 1e4), memory_budget=1e4,
+                                plan_options={"prefetch": (1,), "strategies": ["FULL_SHARD"]})
     try:
         tiny.shard(copy.deepcopy(base))
         error = ""

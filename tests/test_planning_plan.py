@@ -158,6 +158,7 @@ def test_attention_uses_the_cuda_kernel_on_gpu_clusters():
     assert not any("for_cpu" in op for op in ops)
 
 
+@pytest.mark.slow
 def test_max_batch_and_seq_len_are_solved_and_match_brute_force():
     cfg = GPTConfig(vocab_size=128, block_size=4096, n_layer=1, n_head=2, d_model=64)
     with torch.device("meta"):
@@ -181,6 +182,7 @@ def test_max_batch_and_seq_len_are_solved_and_match_brute_force():
         assert q.row("FULL_SHARD").fits is fits, s
 
 
+@pytest.mark.slow
 def test_max_seq_len_respects_the_models_own_bound():
     from fsdp_compile.llama import Llama, LlamaConfig
 

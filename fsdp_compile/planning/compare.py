@@ -45,7 +45,8 @@ class Measured:
     peak_bytes: float
     resident_bytes: float
     tokens_per_second: float
-    bytes_per_step: dict[str, float]
+    bytes_per_step: dict[str, float]  # what the compiled graphs' collectives move (ring formula)
+    backend_bytes_per_step: float = 0.0  # what gloo / NCCL ran (gloo: reduce-scatter as all-reduce)
     collectives: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,34 +92,50 @@ def resident_bytes(*objects: Any) -> int:
     return total
 
 
-def _collective_bytes(events: list, world_sizes: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
-    """Wire bytes per rank from the profiler's collective events (ring formula, like the plan)."""
-    wire: dict[str, float] = {"intra": 0.0, "inter": 0.0}
+def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, float], float, dict[str, int]]:
+    """Wire bytes per rank from the profiler's events, with the planner's ring formula.
+
+    From the functional collectives the compiled graphs issued (their group size is an
+    argument; an all-reduce's is ``all_reduce_size``), and separately from what the backend
+    (gloo / NCCL) ran, which for gloo turns a reduce-scatter into an all-reduce.
+    """
+    issued: dict[str, float] = {"intra": 0.0, "inter": 0.0}
+    backend_bytes = 0.0
     counts: dict[str, int] = {}
-    n = world_sizes.get("default", 2)
+
+    def ring(kind: str, buffer: float, n: int) -> float:
+        share = (n - 1) / n if n > 1 else 0.0
+        return buffer * share * (2 if kind == "all_reduce" else 1)
+
+    def nbytes(event) -> float:
+        shapes, dtypes = event.shapes(), event.dtypes()
+        numel = 1
+        for d in (shapes[0] if shapes else []):
+            numel *= d
+        return numel * torch.empty((), dtype=_dtype(dtypes[0] if dtypes else "float")).element_size()
+
     for event in events:
         name = event.name()
-        if not (name.startswith(("gloo:", "nccl:"))):
-            continue
-        kind = name.split(":", 1)[1]
-        counts[kind] = counts.get(kind, 0) + 1
-        shapes = event.shapes()
-        dtypes = event.dtypes()
-        if not shapes or not shapes[0]:
-            continue
-        numel = 1
-        for d in shapes[0]:
-            numel *= d
-        itemsize = torch.empty((), dtype=_dtype(dtypes[0] if dtypes else "float")).element_size()
-        buffer = numel * itemsize
-        share = (n - 1) / n
-        if "all_gather" in kind:
-            wire["intra"] += buffer * (n - 1)  # the input is this rank's chunk
-        elif "reduce_scatter" in kind:
-            wire["intra"] += buffer * share
-        elif "all_reduce" in kind or "allreduce" in kind:
-            wire["intra"] += 2 * buffer * share
-    return wire, counts
+        if name.startswith("_c10d_functional::"):
+            kind = name.split("::", 1)[1]
+            if kind == "all_gather_into_tensor":
+                n = int(event.concrete_inputs()[1])
+                issued["intra"] += ring("all_gather", nbytes(event) * n, n)
+            elif kind == "reduce_scatter_tensor":
+                issued["intra"] += ring("reduce_scatter", nbytes(event), int(event.concrete_inputs()[2]))
+            elif kind == "all_reduce":
+                issued["intra"] += ring("all_reduce", nbytes(event), all_reduce_size)
+        elif name.startswith(("gloo:", "nccl:")):
+            kind = name.split(":", 1)[1]
+            counts[kind] = counts.get(kind, 0) + 1
+            n = all_reduce_size
+            if "all_gather" in kind:
+                backend_bytes += nbytes(event) * (n - 1)
+            elif "reduce_scatter" in kind:
+                backend_bytes += ring("reduce_scatter", nbytes(event), n)
+            elif "all_reduce" in kind or "allreduce" in kind:
+                backend_bytes += ring("all_reduce", nbytes(event), n)
+    return issued, backend_bytes, counts
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -198,12 +215,12 @@ def measure_strategy(
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
     during, events = _profiled_step(lambda: step(inputs, targets), device)
-    sizes = {"default": dist.get_world_size()}
-    wire, counts = _collective_bytes(events, sizes)
+    shard = options.get("shard_size", dist.get_world_size()) if strategy.is_hybrid else 1
+    wire, backend_wire, counts = _collective_bytes(events, dist.get_world_size() // shard)
     tokens = tokens_per_step or int(next(t for t in inputs if isinstance(t, torch.Tensor)).numel())
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
-                    float(resident), tokens / step_seconds, wire, counts)
+                    float(resident), tokens / step_seconds, wire, backend_wire, counts)
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
