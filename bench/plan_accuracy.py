@@ -186,7 +186,7 @@ def part_anchors() -> dict:
 
 
 # ---------------------------------------------------------------------- the seed's A10G chart
-def part_a10g(width: int = 2048, seq: int = 1024, memory_budget: float | None = None, vocab: int = 50257) -> dict:
+def part_a10g(width: int = 4096, seq: int = 1024, memory_budget: float | None = None, vocab: int = 50257) -> dict:
     """Deepest GPT (d_model ``width``, batch 1 x ``seq``) each strategy fits on 8x A10G, by bisection
     on depth with plan() (each probe traces the real graphs)."""
     cluster = Cluster.preset("a10g", nodes=1)
@@ -208,7 +208,10 @@ def part_a10g(width: int = 2048, seq: int = 1024, memory_budget: float | None = 
                 print(f"  {strategy} depth {depth}: {'fits' if cache[depth] else 'does not fit'}", flush=True)
             return cache[depth]
 
-        lo, hi = 0, 1
+        # The ZeRO formula ignores activations, so its depth is an upper bound: start there.
+        states_per_param = {"NO_SHARD": 16, "SHARD_GRAD_OP": 2 + 14 / 8, "FULL_SHARD": 16 / 8}[strategy]
+        budget = memory_budget or cluster.usable_memory
+        lo, hi = 0, max(int((budget / states_per_param - embeddings) / per_layer) + 1, 1)
         while fits(hi):
             lo, hi = hi, hi * 2
         while hi - lo > 1:

@@ -681,9 +681,15 @@ class FSDPBackend:
         record = CompiledGraph(index=len(self.graphs), dynamo=capture.record.dynamo, compiler="aot_eager")
         self.graphs.append(record)
         if partitioned is None:
+            from torch._guards import detect_fake_mode
+
             joint = copy_graph_module(capture.joint)
             self._rewrite_markers(joint.graph)
-            partitioned = self._partition(joint, capture.inputs, record, **capture.kwargs)
+            # The partitioner may make fake tensors (RNG states of checkpointed regions) in the
+            # fake mode AOTAutograd traced with, which is no longer active here.
+            fake_mode = detect_fake_mode(capture.inputs)
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                partitioned = self._partition(joint, capture.inputs, record, **capture.kwargs)
         for phase, gm in zip(("forward", "backward"), partitioned):
             # Our passes work on a copy of the graph they are given: rewrite the shared graph's
             # markers for them and put the caller's arguments back afterwards.

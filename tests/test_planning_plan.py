@@ -205,3 +205,21 @@ def test_no_shard_with_mixed_precision_schedules_without_falling_back():
     assert row.traced and "pass failed" not in row.note, row.note
     records = next(iter(p._context.traced.values())).records
     assert all(not r.fallbacks for r in records)
+
+
+def test_activation_checkpointing_is_planned_and_replayed():
+    """Checkpointed blocks: the replayed partition runs under the traced fake mode (RNG states)."""
+    from fsdp_compile.llama import Llama, LlamaConfig
+
+    rows = {}
+    for checkpoint in (False, True):
+        with torch.device("meta"):
+            model = Llama(LlamaConfig(n_layers=2, max_seq_len=64, checkpoint_blocks=checkpoint))
+        p = plan(model, (torch.zeros(2, 64, dtype=torch.long),), cluster=cpu_cluster(nodes=1, per_node=2,
+                 inter_node_bandwidth=None, inter_node_latency=None), prefetch=(1,),
+                 strategies=["FULL_SHARD", "SHARD_GRAD_OP"])
+        rows[checkpoint] = p
+        assert all(r.traced and not r.note for r in p.rows)
+    # recomputing blocks keeps fewer activations and costs more compute
+    assert rows[True].row("FULL_SHARD").memory["activations"] < rows[False].row("FULL_SHARD").memory["activations"]
+    assert rows[True].row("FULL_SHARD").compute_seconds > rows[False].row("FULL_SHARD").compute_seconds

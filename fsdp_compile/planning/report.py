@@ -8,8 +8,8 @@ from .cluster import GiB
 
 
 def _unit(plan: Any) -> tuple[str, float]:
-    """GiB for real devices; MiB for small budgets (tests, this machine's small models)."""
-    largest = max([plan.budget_bytes] + [r.peak_bytes for r in plan.rows])
+    """GiB for real models; MiB for small ones (tests, this machine's models)."""
+    largest = max(r.peak_bytes for r in plan.rows)
     return ("GiB", GiB) if largest >= GiB else ("MiB", float(1 << 20))
 
 
