@@ -319,7 +319,7 @@ def main() -> None:
         "accuracy": lambda: part_accuracy(args.steps, out, args.smoke),
         "zero": lambda: part_zero(args.smoke),
         "anchors": part_anchors,
-        "a10g": (lambda: part_a10g(width=128, seq=32, memory_budget=2e7, vocab=256)) if args.smoke else part_a10g,
+        "a10g": (lambda: part_a10g(width=128, seq=32, memory_budget=4e6, vocab=256)) if args.smoke else part_a10g,
     }
     default_parts = ["accuracy", "zero", "a10g"] if args.smoke else ["accuracy", "zero", "anchors", "a10g"]
     for part in args.part or default_parts:

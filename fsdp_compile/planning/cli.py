@@ -19,6 +19,7 @@ GPT_SIZES = {
     "gpt-1.3b": (24, 2048, 16), "gpt-2.7b": (32, 2560, 32), "gpt-6.7b": (32, 4096, 32),
     "gpt-13b": (40, 5120, 40), "gpt-175b": (96, 12288, 96),
     "gpt-tiny": (2, 64, 2),  # for smoke tests and this machine
+    "gpt-demo": (2, 64, 4),  # the demo's GPT (python -m fsdp_compile.demo)
 }
 LLAMA_SIZES = ("llama3-8b", "llama3-70b", "llama-tiny")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "none": None}
@@ -46,7 +47,7 @@ def build_model(name: str, *, layers: int | None = None, seq: int = 2048, vocab:
         from ..gpt import GPT, GPTConfig
 
         n_layer, d_model, n_head = GPT_SIZES[name]
-        cfg = GPTConfig(vocab_size=vocab or (128 if name == "gpt-tiny" else 50257), block_size=seq,
+        cfg = GPTConfig(vocab_size=vocab or (128 if name in ("gpt-tiny", "gpt-demo") else 50257), block_size=seq,
                         n_layer=layers or n_layer, n_head=n_head, d_model=d_model)
         with torch.device(device):
             return GPT(cfg)
@@ -158,9 +159,10 @@ def _token_loss(output: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- compare
 def add_compare_parser(sub: Any) -> None:
     p = sub.add_parser("compare", help="(under torchrun) run every strategy here and set the plan beside it")
-    p.add_argument("--model", default="gpt-tiny", help=f"{', '.join(model_names())}, or module:factory")
+    p.add_argument("--model", default="gpt-demo", help=f"{', '.join(model_names())}, or module:factory "
+                   "(default: the demo's GPT)")
     p.add_argument("--layers", type=int)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="steps per strategy (the first two warm up)")
     p.add_argument("--strategies", help="comma-separated (default: all that apply at this world size)")

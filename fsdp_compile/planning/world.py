@@ -33,20 +33,18 @@ class RealProcessGroupError(RuntimeError):
 def fake_world(world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks (this process is rank 0).
 
-    Reuses one of the same size if the planner made it; a real default group cannot be
-    replaced (plan in a subprocess then, see :mod:`fsdp_compile.planning.isolated`).
+    Reuses a fake default group of the same size; any other default group is left alone
+    (the planner then runs in a subprocess, see :mod:`fsdp_compile.planning.isolated`).
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        if dist.get_backend() != "fake":
-            raise RealProcessGroupError(
-                "a real default process group exists in this process; the planner traces in a "
-                "fake world of its own, so it runs in a subprocess here")
-        if dist.get_world_size() == world_size:
-            yield
+        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
+            yield  # a fake world of this size (the caller's or an enclosing plan's): trace in it
             return
-        dist.destroy_process_group()
+        raise RealProcessGroupError(
+            "a default process group exists in this process; the planner traces in a fake world of "
+            "its own, so it runs in a subprocess here")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
