@@ -386,14 +386,18 @@ def choose(rows: list[PlanRow], budget: float, skipped: Sequence[str] = ()) -> t
     best = min(close, key=lambda r: (r.peak_bytes, r.step_seconds))
     best.chosen = True
     others = sorted((r for r in fitting if r is not best), key=lambda r: r.step_seconds)
-    why = (f"fastest of the {len(fitting)} configurations that fit in {budget / GiB:.1f} GiB per device "
-           f"({best.step_seconds * 1e3:.4g} ms per step, peak {best.peak_bytes / GiB:.2f} GiB)")
-    if len(close) > 1:
-        why += "; others within 1% of its time need more memory"
+    why = (f"fastest (a tie within 1% goes to less memory) of the {len(fitting)} configurations that fit in "
+           f"{size(budget)} per device "
+           f"({best.step_seconds * 1e3:.4g} ms per step, peak {size(best.peak_bytes)})")
     if others:
         runner = others[0]
-        why += (f"; next: {runner.strategy} bucket={runner.bucket} prefetch={runner.prefetch} "
-                f"{(runner.step_seconds / best.step_seconds - 1) * 100:.1f}% slower")
+        change = (runner.step_seconds / best.step_seconds - 1) * 100
+        label = f"{runner.strategy} bucket={runner.bucket} prefetch={runner.prefetch}"
+        if change < 0:
+            why += (f"; {label} is {-change:.1f}% faster, within 1%, but needs "
+                    f"{size(runner.peak_bytes - best.peak_bytes)} more memory")
+        else:
+            why += f"; next: {label}, {change:.1f}% slower"
     not_fitting = sorted({r.strategy for r in rows} - {r.strategy for r in fitting})
     if not_fitting:
         why += f"; does not fit: {', '.join(not_fitting)}"
