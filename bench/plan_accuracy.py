@@ -257,19 +257,22 @@ def render(results: dict) -> str:
     if zero:
         lines += ["## ZeRO paper, Table 1 (7.5B parameters, Adam, 64 devices)", "",
                   f"Model: a GPT of {zero['parameters'] / 1e9:.2f}B parameters, bf16 compute, fp32 shards.", "",
-                  "| strategy | paper | formula at this P | plan: model states | plan: + gathered at peak | where |",
+                  "| strategy | paper | formula at this P | plan: resident model states | plan: + gathered parameters "
+                  "at the peak | plan: whole peak (where) |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in zero["rows"]:
             lines.append(f"| {r['strategy']} | {r['paper_gb']} GB ({r['formula']}) | {r['formula_gb_at_P']:.2f} GB | "
-                         f"{r['plan_model_states_gb']:.2f} GB | {r['plan_states_at_peak_gb'] + r['plan_gathered_at_peak_gb']:.2f} GB | "
-                         f"{r['peak_phase']} |")
+                         f"{r['plan_model_states_gb']:.2f} GB | "
+                         f"{r['plan_model_states_gb'] + r['plan_gathered_at_peak_gb']:.2f} GB | "
+                         f"{r['plan_peak_gb']:.2f} GB ({r['peak_phase']}) |")
         lines += ["", "Why they differ: ZeRO counts fp16 parameters (2P) and fp16 gradients (2P) plus K=12 bytes of "
                   "optimizer state (fp32 master copy, momentum, variance). Here the shards are the fp32 master "
                   "parameters (4 bytes), gradients are fp32 (4), AdamW keeps two fp32 moments (8): 16 bytes per "
                   "parameter, as in ZeRO, but SHARD_GRAD_OP keeps no resident fp16 copy: its 2P of bf16 parameters "
                   "exist only while gathered, from forward to backward (the 'gathered at peak' column), so its "
                   "resident model states are 16P/N, and its peak adds the gathered parameters instead of ZeRO-2's "
-                  "2P + 14P/N.", ""]
+                  "2P + 14P/N. The whole peak adds what ZeRO's table leaves out: activations, fp32 reduction "
+                  "buffers and, at NO_SHARD's optimizer step, AdamW's shard-sized temporary.", ""]
     anchors = results.get("anchors")
     if anchors:
         f = anchors["fsdp_paper_gpt175b_128xA100"]

@@ -19,16 +19,35 @@ def _run(args: list[str], timeout: int = 900, **kwargs) -> subprocess.CompletedP
                           cwd=ROOT, check=False, **kwargs)
 
 
-def test_plan_command_prints_rows_and_writes_json(tmp_path: Path) -> None:
+def test_plan_command_prints_rows_and_writes_json(tmp_path: Path, capsys) -> None:
+    from fsdp_compile.__main__ import main
+
     out = tmp_path / "plan.json"
-    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-tiny", "--seq", "32", "--batch", "2",
-                 "--cluster", "a10g", "--nodes", "2", "--prefetch", "1", "--strategies",
-                 "FULL_SHARD,HYBRID_SHARD", "--json", str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Plan for 16 devices of a10g" in proc.stdout and "chosen:" in proc.stdout
+    code = main(["plan", "--model", "gpt-tiny", "--seq", "32", "--batch", "2", "--cluster", "a10g", "--nodes", "2",
+                 "--prefetch", "1", "--strategies", "FULL_SHARD,HYBRID_SHARD", "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert "Plan for 16 devices of a10g" in stdout and "chosen:" in stdout
     data = json.loads(out.read_text())
     assert {r["strategy"] for r in data["rows"]} == {"FULL_SHARD", "HYBRID_SHARD"}
     assert data["best"]["chosen"] and data["max_batch"] == {}
+
+
+def test_plan_command_rejects_unknown_model_and_cluster(capsys) -> None:
+    from fsdp_compile.__main__ import main
+
+    with pytest.raises(SystemExit, match="use one of"):
+        main(["plan", "--model", "gpt-9000"])
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "tpu"]) == 2
+    assert "error: unknown cluster preset 'tpu'" in capsys.readouterr().err
+
+
+def test_compare_needs_torchrun(monkeypatch) -> None:
+    from fsdp_compile.__main__ import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="start it with torchrun"):
+        main(["compare"])
 
 
 @pytest.mark.slow
