@@ -1,4 +1,5 @@
-"""``python -m fsdp_compile inspect DUMP_DIR``: read a dump and report on it."""
+"""``python -m fsdp_compile inspect DUMP_DIR`` (report on a dump), ``plan`` (predict every
+strategy on a cluster) and ``compare`` (under torchrun: run every strategy here, beside the plan)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .dump import DumpError, read_manifest, write_json
+from .errors import ConfigError
 from .report import chrome_trace, plot_memory, render_report
 
 
@@ -60,7 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--diff", metavar="PASS", help="show what one pass changed, as a unified diff")
     inspect.add_argument("--timeline", metavar="FILE.json", type=Path, help="write the schedule as a Chrome/Perfetto trace")
     inspect.add_argument("--plot", metavar="FILE.png", type=Path, help="draw the memory timeline (needs matplotlib)")
+    from .planning.cli import add_compare_parser, add_plan_parser, run_compare, run_plan
+
+    add_plan_parser(sub)
+    add_compare_parser(sub)
     args = parser.parse_args(argv)
+    if args.command in ("plan", "compare"):
+        try:
+            return run_plan(args) if args.command == "plan" else run_compare(args)
+        except (ConfigError, ValueError, TypeError) as exc:
+            print(f"fsdp_compile {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     try:
         manifest = read_manifest(args.path)
         if args.diff:

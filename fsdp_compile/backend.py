@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import copy
 import datetime
 import functools
 import hashlib
@@ -53,7 +52,7 @@ from .report import graph_summary, render_report
 from .memory import MemoryEstimate, estimate_memory, input_bytes
 from .passes.bucketing import ROOT_UNIT, unit_modules, unit_of
 from .passes.lowering import ROLE_META, lower_markers
-from .passes.pipeline import PassFailure, run_passes
+from .passes.pipeline import PassFailure, copy_graph_module, run_passes
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
 from .passes.rng_state_order import order_rng_states_before_opaque
 from .passes.scheduling import Schedule, ScheduleOptions, schedule_collectives
@@ -159,6 +158,13 @@ class FSDPBackend:
     restarts; see :mod:`fsdp_compile.compile_cache`). ``FSDP_COMPILE_EAGER=1`` runs every
     captured graph through the eager runtime.
 
+    ``strategy="auto"`` plans at :meth:`shard` time for this job's world, topology and device
+    memory and applies the fastest configuration that fits (strategy, bucket policy, prefetch
+    depth); it takes ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default:
+    the GPU's preset, or ``Cluster.measure()`` on a CPU), ``memory_budget`` (bytes per device;
+    needed on a CPU) and ``plan_options`` (passed to :func:`fsdp_compile.plan`); the plan is
+    ``backend.plan``. See the README's "Choosing a strategy".
+
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
     accumulation without communication); see also :mod:`fsdp_compile.checkpoint` and
     :func:`fsdp_compile.clip_grad_norm_`.
@@ -186,7 +192,26 @@ class FSDPBackend:
         offload: CPUOffload | None = None,
         verify: bool = True,
         cache_dir: str | os.PathLike | None = None,
+        example_inputs: Any = None,
+        loss_fn: Callable[[Any], Any] | None = None,
+        cluster: Any = None,
+        memory_budget: float | None = None,
+        plan_options: dict[str, Any] | None = None,
     ) -> None:
+        auto = isinstance(strategy, str) and strategy.strip().lower() == "auto"
+        self._auto = None
+        if auto:
+            from .planning.auto import AutoRequest
+
+            if mesh is not None or process_groups is not None or shard_size is not None:
+                raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
+            if forward_prefetch is not None or backward_prefetch is not None or offload is not None:
+                raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
+            self._auto = AutoRequest(example_inputs, loss_fn, cluster, memory_budget, plan_options=dict(plan_options or {}))
+            strategy = ShardingStrategy.FULL_SHARD  # replaced by the plan's choice in shard()
+        elif any(v is not None for v in (example_inputs, loss_fn, cluster, memory_budget, plan_options)):
+            raise ValueError("example_inputs=, loss_fn=, cluster=, memory_budget= and plan_options= are for "
+                             "strategy='auto'; to plan by hand call fsdp_compile.plan()")
         strategy = ShardingStrategy.parse(strategy)
         policy = parse_policy(bucket)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -253,13 +278,16 @@ class FSDPBackend:
         self.oversized_buckets: dict[str, dict[str, Any]] = {}
         self._warned_oversized = False
         self.verifier: GraphVerifier | None = None
+        self._joint_captures: list[JointCapture] | None = None  # planning: joints seen by _partition
+        self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
 
     @property
     def strategy(self) -> ShardingStrategy:
         return self.options.strategy
 
     def __repr__(self) -> str:
-        return f"fsdp_compile.backend(strategy={self.strategy.name!r}, compiler={self.options.compiler!r})"
+        strategy = "auto" if self._auto is not None and self.plan is None else self.strategy.name
+        return f"fsdp_compile.backend(strategy={strategy!r}, compiler={self.options.compiler!r})"
 
     # ---------------------------------------------------------------- sharding
     def shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
@@ -272,6 +300,12 @@ class FSDPBackend:
         ``model.apply``), and sharded as soon as its unit is done: no rank holds the whole
         model, and the values equal the unsharded initialization with the same seed.
         """
+        return self._shard(model, init_fn=init_fn, device=device, materialize=True)
+
+    def _shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
+               device: torch.device | str | None = None, materialize: bool = True) -> nn.Module:
+        """``shard``; with ``materialize=False`` (the planner's case) a meta-device model keeps
+        meta shards: every shape, group and marker is what a real run gets, no byte is allocated."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -284,6 +318,8 @@ class FSDPBackend:
                 "this model is already sharded (by fsdp_compile); shard a model once and reuse "
                 "the backend that sharded it"
             )
+        if self._auto is not None and self.plan is None:
+            self._choose_strategy(model)
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn= must be a callable taking a module, got {type(init_fn).__name__}")
         init_device = torch.device(device) if device is not None else None
@@ -306,7 +342,8 @@ class FSDPBackend:
             self._agree_on_sharding(model)
         result = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision,
                               sync=self.gradient_sync, offload=self.options.offload, init_fn=init_fn,
-                              init_device=init_device or current_device(self.topology.mesh.device_type))
+                              init_device=init_device or current_device(self.topology.mesh.device_type),
+                              materialize=materialize)
         infos = result.infos
         if result.peak_full_bytes is not None:
             self.init_peak_bytes = max(self.init_peak_bytes or 0, result.peak_full_bytes)
@@ -385,6 +422,18 @@ class FSDPBackend:
         # After the parameters: a missing or extra parameter is named before the count differs.
         items.append(("the number of parameters", sum(1 for _ in _unique_parameters(model))))
         return items
+    def _choose_strategy(self, model: nn.Module) -> None:
+        """strategy='auto': plan for this world (rank 0 plans, every rank gets the choice)."""
+        from .planning.auto import candidate_options, choose
+
+        device_type = self._device_type(model)
+        self.plan, row = choose(model, self._auto, self.options.mixed_precision, device_type)
+        chosen = candidate_options(self.plan, row)
+        strategy = ShardingStrategy.parse(chosen["strategy"])
+        shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
+        self.options = dataclasses.replace(self.options, strategy=strategy, bucket=chosen["bucket"],
+                                           prefetch=chosen["prefetch"], shard_size=shard_size)
+        self.bucket_policy = parse_policy(chosen["bucket"])
 
     def summaries(self) -> list[dict[str, Any]]:
         """One JSON-able summary per graph compiled so far on this rank (see report.py)."""
@@ -587,11 +636,15 @@ class FSDPBackend:
                    **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        if self._joint_captures is not None:
+            self._joint_captures.append(JointCapture(record, copy_graph_module(joint), list(joint_inputs), dict(kwargs)))
         self._joint_passes(joint.graph, record)
         start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         record.stage_seconds["partition"] = time.perf_counter() - start
         order_rng_states_before_opaque(forward, backward)
+        if self._joint_captures is not None:
+            self._joint_captures[-1].partitioned = (copy_graph_module(forward), copy_graph_module(backward))
         return forward, backward
 
     def _joint_passes(self, graph: fx.Graph, record: CompiledGraph) -> None:
@@ -655,10 +708,7 @@ class FSDPBackend:
             # The caller keeps every parameter resident; backward only receives some of them.
             held = {"param": max(0, record.forward_param_bytes - input_bytes(gm, "param"))}
         memory = estimate_memory(gm, held)
-        # Inductor rewrites the graph it is given in place (e.g. re-inplacing all_reduce), and
-        # the record should show what our passes produced: a snapshot there. aot_eager runs
-        # the graph as it is.
-        snapshot = gm if record.compiler == "aot_eager" else _graph_module_copy(gm)
+        snapshot = gm if record.compiler == "aot_eager" else copy_graph_module(gm)
         buckets = values.get("lower_markers") or {}
         schedule = values.get("schedule_collectives")
         timings = {r.name: r.seconds for r in results}
@@ -818,6 +868,133 @@ class FSDPBackend:
             warnings.warn(f"fsdp_compile: compile cache off: {why}", RuntimeWarning, stacklevel=4)
 
 
+    # ---------------------------------------------------------------- planning seam
+    # The planner (fsdp_compile/planning) runs this backend's own pipeline on fake tensors in a
+    # fake world; these two methods are all it uses of the backend's internals.
+    def _trace_for_planning(
+        self, fn: Callable, example_inputs: Sequence[Any], *, keep_joint: bool = False,
+        dynamo_pass: Callable[[fx.GraphModule], None] | None = None, fake_mode: Any = None,
+    ) -> tuple[list[CompiledGraph], list[JointCapture]]:
+        """Run ``fn(*example_inputs)`` through ``torch.compile`` with this backend: Dynamo capture,
+        AOTAutograd, the reshard policy, partitioning and our passes, backward included.
+
+        Nothing is compiled for a device (the inner compiler is ``aot_eager``) and with fake
+        inputs and a model sharded by ``_shard(materialize=False)`` nothing is allocated.
+        ``dynamo_pass`` may rewrite each Dynamo graph first (the planner maps attention to the
+        kernel the target device dispatches to). With ``keep_joint`` the joint graph of each
+        Dynamo graph is kept, before our joint passes, for :meth:`_replay_for_planning`.
+        ``fake_mode``: the FakeTensorMode of fake inputs; the compiled graphs run under it, so
+        tensors they create (``arange``) are fake too. Returns the records of the graphs
+        compiled by this call and the joints.
+        """
+        if self.options.compiler != "aot_eager":
+            raise ValueError("planning traces with compiler='aot_eager' (nothing is compiled for a device)")
+        start = len(self.graphs)
+        captures: list[JointCapture] = []
+        self._joint_captures = captures if keep_joint else None
+
+        def capture(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+            if dynamo_pass is not None:
+                dynamo_pass(gm)
+                gm.recompile()
+            compiled = self(gm, inputs)
+            if fake_mode is None:
+                return compiled
+
+            def run(*args: Any) -> Any:
+                with fake_mode:
+                    return compiled(*args)
+            return run
+
+        functorch_patches = {}
+        if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+            functorch_patches["force_non_lazy_backward_lowering"] = True  # lower backward now, not at .backward()
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        dynamo_patches = {limit: 1 << 20, "accumulated_" + limit: 1 << 20, "automatic_dynamic_shapes": False}
+        try:
+            with torch._functorch.config.patch(**functorch_patches), torch._dynamo.config.patch(**dynamo_patches):
+                output = torch.compile(fn, backend=capture)(*example_inputs)
+                records = self.graphs[start:]
+                if any(r.backward is None and not r.inference for r in records):
+                    # A torch whose AOTAutograd lowers backward lazily: run it (on fake tensors).
+                    loss = [t for t in torch.utils._pytree.tree_leaves(output)
+                            if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if loss:
+                        torch.autograd.backward(loss, [torch.ones_like(t) for t in loss])
+        finally:
+            self._joint_captures = None
+        return self.graphs[start:], captures
+
+    def _replay_for_planning(
+        self, capture: JointCapture, partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None,
+    ) -> tuple[CompiledGraph, tuple[fx.GraphModule, fx.GraphModule]]:
+        """What this backend's pipeline makes of a joint graph another backend captured.
+
+        Valid when both sharded the same model with the same shard shapes, so the joint graphs
+        differ only in the markers' arguments (groups, reshard flag, bucket unit): they are
+        rewritten to this backend's, then partitioned under this backend's reshard policy (or
+        ``partitioned`` reused, when the caller knows the policy is the same) and our passes
+        run. Returns the record and the partitioned graphs, before our passes.
+        """
+        record = CompiledGraph(index=len(self.graphs), dynamo=capture.record.dynamo, compiler="aot_eager")
+        self.graphs.append(record)
+        if partitioned is None:
+            from torch._guards import detect_fake_mode
+
+            joint = copy_graph_module(capture.joint)
+            self._rewrite_markers(joint.graph)
+            # The partitioner may make fake tensors (RNG states of checkpointed regions) in the
+            # fake mode AOTAutograd traced with, which is no longer active here.
+            fake_mode = detect_fake_mode(capture.inputs)
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                partitioned = self._partition(joint, capture.inputs, record, **capture.kwargs)
+        for phase, gm in zip(("forward", "backward"), partitioned):
+            # Our passes rewrite the graph they are given in place, and the partitioned graphs
+            # are shared between candidates: a copy carrying this backend's markers gets them.
+            previous = self._rewrite_markers(gm.graph)
+            try:
+                mine = copy_graph_module(gm)
+            finally:
+                for node, args in previous.items():
+                    node.args = args
+            self._graph_passes(mine, phase, record)
+        return record, partitioned
+
+    def _rewrite_markers(self, graph: fx.Graph) -> dict[fx.Node, tuple]:
+        """Give every marker of ``graph`` this backend's arguments for its parameter; returns
+        the previous arguments by node."""
+        from .ops import REDUCE_GRAD, UNSHARD, decode
+
+        previous = {}
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in (UNSHARD, REDUCE_GRAD):
+                continue
+            marker = decode(node)
+            previous[node] = node.args
+            info = self.params.get(marker.fqn)
+            if info is None:
+                raise ValueError(f"replaying a graph of parameter {marker.fqn!r}, which this backend did not shard")
+            if node.target is UNSHARD:
+                node.args = (marker.input, *info.unshard_args)
+            else:
+                node.args = (marker.input, info.fqn, info.unit, marker.rows, marker.grad_dtype, *info.comm.op_args())
+            if decode(node).spec.shard_size != marker.spec.shard_size:
+                raise ValueError(f"replaying a graph sharded over {marker.spec.shard_size} ranks with a backend "
+                                 f"that shards over {info.comm.shard_size}: trace this layout instead")
+        return previous
+
+
+@dataclass
+class JointCapture:
+    """A joint graph as AOTAutograd handed it to the partitioner, before our joint passes."""
+
+    record: CompiledGraph
+    joint: fx.GraphModule
+    inputs: list[Any]
+    kwargs: dict[str, Any]
+    partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None  # under the capturing backend's policy
+
+
 class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     """Our joint-graph passes, run by Inductor's partition step before it partitions.
 
@@ -869,15 +1046,6 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
 
     def uuid(self) -> Any:
         return _uuid(self.key, self.user_partitioner)
-
-
-def _graph_module_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose code is generated only if someone runs or reads it."""
-    try:
-        from torch.fx._lazy_graph_module import _make_graph_module
-    except ImportError:  # pragma: no cover
-        return fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    return _make_graph_module(gm, copy.deepcopy(gm.graph))
 
 
 def _output_roles(gm: fx.GraphModule) -> list[str]:

@@ -8,7 +8,8 @@ last node that uses any tensor on it. Graph inputs are held by the caller for th
 A caller can add bytes it holds without passing them in (``held``): the parameters a backward
 graph does not read stay resident all the same. Each storage gets a role, from what the passes recorded on the nodes: ``param`` (shards, or
 whole parameters for NO_SHARD), ``gathered`` (unsharded parameters and gather buffers),
-``grad`` (reduction buffers and gradients), ``activation`` (everything else). Separately it
+``grad`` (reduction buffers and gradients), ``buffer`` (module buffers, where a caller tagged
+them), ``activation`` (everything else). Separately it
 tracks the bytes of collectives in flight (issued, not yet waited), which the scheduler bounds.
 """
 
@@ -21,7 +22,7 @@ import torch.fx as fx
 
 from .passes.lowering import COLLECTIVE_OPS, COMM_META, ROLE_META, WAIT, collective_bytes
 
-ROLES = ("param", "gathered", "grad", "activation")
+ROLES = ("param", "gathered", "grad", "activation", "buffer")
 
 
 @dataclass
@@ -54,29 +55,70 @@ def _storage_key(t: torch.Tensor):
         return ("tensor", id(t))
 
 
-def concrete(value: int | torch.SymInt) -> int:
-    """A symbolic size's value for this compilation, without adding a guard.
+def _storage_bytes(t: torch.Tensor, symbolic: bool = False):
+    """Bytes of ``t``'s storage: an int, or with ``symbolic`` a sympy expression when the
+    graph was traced with symbolic sizes. A symbolic size is never turned into an int by
+    ``int()``, which would add a guard and specialize the graph: its hint is used instead."""
+    try:
+        nbytes = t.untyped_storage().nbytes()
+    except Exception:
+        nbytes = t.numel() * t.element_size()
+    if isinstance(nbytes, torch.SymInt):
+        return nbytes.node.expr if symbolic else size_hint(nbytes)
+    return int(nbytes)
 
-    ``int()`` on a symbolic size specializes the graph to that value: Dynamo would then
-    recompile for every new batch or sequence length. An estimate only needs the value seen
-    now (the hint).
-    """
+
+def size_hint(value) -> int:
+    """The example value behind a symbolic size, without guarding on it (torch >= 2.11)."""
     if not isinstance(value, torch.SymInt):
         return int(value)
     from torch.fx.experimental import symbolic_shapes
 
-    hint = getattr(symbolic_shapes, "optimization_hint", None)
-    if hint is not None:
-        return hint(value)
-    node = value.node
-    return int(node.hint) if node.hint is not None else int(node.shape_env.size_hint(node.expr))
+    for name in ("optimization_hint", "hint_int"):  # 2.13 / 2.11
+        fn = getattr(symbolic_shapes, name, None)
+        if fn is not None:
+            return int(fn(value))
+    return int(value.node.hint)
 
 
-def _storage_bytes(t: torch.Tensor) -> int:
-    try:
-        return concrete(t.untyped_storage().nbytes())
-    except Exception:
-        return concrete(t.numel()) * t.element_size()
+@dataclass
+class StorageLifetimes:
+    """Each storage of a graph: its bytes, role, and the node indices it lives between."""
+
+    nodes: list[fx.Node]
+    size: dict
+    role: dict
+    born: dict
+    last_use: dict
+
+
+def storage_lifetimes(gm: fx.GraphModule, symbolic: bool = False) -> StorageLifetimes:
+    """A storage is allocated by the first node producing it (inputs: at the start) and freed
+    after the last node using any tensor on it (inputs: at the end)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    size: dict = {}
+    role: dict = {}
+    born: dict = {}
+    last_use: dict = {}
+    node_storages: dict[fx.Node, list] = {}
+    for i, node in enumerate(nodes):
+        keys = []
+        for t in _tensors(node.meta.get("val")):
+            key = _storage_key(t)
+            keys.append(key)
+            if key not in size:
+                size[key] = _storage_bytes(t, symbolic)
+                role[key] = role_of(node)
+                born[key] = 0 if node.op == "placeholder" else i
+                last_use[key] = end if node.op == "placeholder" else i
+        node_storages[node] = keys
+    for node in nodes:
+        for user in node.users:
+            for key in node_storages[node]:
+                last_use[key] = max(last_use[key], index[user])
+    return StorageLifetimes(nodes, size, role, born, last_use)
 
 
 def input_bytes(gm: fx.GraphModule, role: str) -> int:
@@ -104,29 +146,9 @@ def role_of(node: fx.Node) -> str:
 def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> MemoryEstimate:
     """``held``: bytes per role the caller keeps alive during the graph without passing them
     in (e.g. the parameters a backward graph does not read), counted at every node."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes) - 1
-    size: dict = {}
-    role: dict = {}
-    born: dict = {}
-    last_use: dict = {}
-    node_storages: dict[fx.Node, list] = {}
-    for i, node in enumerate(nodes):
-        keys = []
-        for t in _tensors(node.meta.get("val")):
-            key = _storage_key(t)
-            keys.append(key)
-            if key not in size:
-                size[key] = _storage_bytes(t)
-                role[key] = role_of(node)
-                born[key] = 0 if node.op == "placeholder" else i
-                last_use[key] = end if node.op == "placeholder" else i
-        node_storages[node] = keys
-    for node in nodes:
-        for user in node.users:
-            for key in node_storages[node]:
-                last_use[key] = max(last_use[key], index[user])
+    lifetimes = storage_lifetimes(gm)
+    nodes, size, role, born, last_use = (lifetimes.nodes, lifetimes.size, lifetimes.role,
+                                          lifetimes.born, lifetimes.last_use)
 
     allocs: dict[int, list] = {}
     frees: dict[int, list] = {}

@@ -241,22 +241,24 @@ def shard_module(
     offload: CPUOffload | None = None,
     init_fn: InitFn | None = None,
     init_device: torch.device | None = None,
+    materialize: bool = True,
 ) -> ShardResult:
     """Shard every parameter of ``model`` in place; returns the info of each, by name.
 
     Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`),
-    on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``.
+    on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
+    with ``materialize=False`` they become meta shards instead (planning: shapes only).
     """
     units = unit_modules(model, policy)
     presharded: dict[int, tuple[torch.Tensor, bool]] = {}
     peak = None
-    if has_meta(model):
+    if has_meta(model) and materialize:
         # Without units of its own (bytes / param policies) a model still materializes block by block.
         init_units = units if policy.uses_units else unit_modules(model, parse_policy("module"))
         result = materialize(model, init_units, init_device or current_device(topology.mesh.device_type),
                              lambda full: _shard_tensor(full, topology, offload), init_fn)
         presharded, peak = result.shards, result.peak_full_bytes
-    elif init_fn is not None:
+    elif init_fn is not None and materialize:
         raise ValueError("init_fn= initializes parameters on the meta device, and this model has none; "
                          "drop init_fn or build the model under torch.device('meta')")
     compute_device = str(current_device(topology.mesh.device_type)) if offload is not None else None

@@ -37,7 +37,15 @@ class PassFailure(RuntimeError):
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    """A copy with its own graph, as a lazy graph module where torch has them: the passes'
+    ``recompile()`` calls then defer Python code generation to the first call of ``forward``
+    (or read of ``.code``) instead of regenerating it after every pass, which for a graph of
+    tens of thousands of nodes costs seconds each time. It runs the same code either way."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule as cls
+    except ImportError:  # a torch without lazy graph modules: copies recompile eagerly
+        cls = fx.GraphModule
+    return cls(gm, copy.deepcopy(gm.graph))
 
 
 def run_passes(

@@ -1,0 +1,42 @@
+"""Attention as the target device runs it.
+
+The planner traces on CPU fake tensors, where ``F.scaled_dot_product_attention`` dispatches
+to the CPU's flash kernel. A CUDA run dispatches to FlashAttention (fp16/bf16) or the
+memory-efficient kernel (fp32, or with a mask): same FLOPs, but what each saves for backward
+(and so activation memory) is the CUDA kernel's. This Dynamo-graph pass calls the CUDA
+kernel's op directly, whose fake implementation gives the shapes it returns and saves; it
+is applied only when the cluster's devices are CUDA devices.
+
+Cases the CUDA dispatcher would send to the math fallback (dropout with a mask, unsupported
+head sizes) keep the CPU kernel: the plan says so in the row's notes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+_SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+
+
+def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+def use_cuda_attention(gm: fx.GraphModule) -> int:
+    """Route every ``scaled_dot_product_attention`` of a Dynamo graph to the CUDA kernel it
+    would dispatch to; returns how many were routed."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SDPA_TARGETS:
+            node.target = _cuda_sdpa
+            count += 1
+    return count

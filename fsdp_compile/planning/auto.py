@@ -1,0 +1,92 @@
+"""``strategy="auto"``: plan for the actual world, topology and device memory, then shard.
+
+Rank 0 plans (in a subprocess: the job's process group is the default one here, see
+:mod:`.isolated`) and broadcasts the plan, so every rank applies the same choice; a planning
+error is raised on every rank. The choice is the plan's best row: strategy, bucket policy and
+prefetch depth (and, for hybrid strategies, shard groups of one node).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..mixed_precision import MixedPrecision
+from .cluster import Cluster, ClusterError
+from .plan import Plan, PlanError, PlanRow, plan, require_fit
+
+log = logging.getLogger("fsdp_compile")
+
+_GPU_PRESETS = (("H100", "h100-sxm"), ("A100", "a100-80gb"), ("A10G", "a10g"))
+
+
+@dataclass
+class AutoRequest:
+    """What ``backend(strategy="auto", ...)`` plans with."""
+
+    example_inputs: Sequence[Any] | torch.Tensor | None
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    cluster: Cluster | None = None
+    memory_budget: float | None = None
+    optimizer: str = "adamw"
+    plan_options: dict[str, Any] = field(default_factory=dict)
+
+
+def machine_cluster(world: int, devices_per_node: int, device_type: str, memory_budget: float | None) -> Cluster:
+    """The cluster this job runs on: a preset matched by GPU name, or measured on a CPU."""
+    nodes = max(world // devices_per_node, 1)
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        for marker, preset in _GPU_PRESETS:
+            if marker in name:
+                return Cluster.preset(preset, nodes=nodes, devices_per_node=devices_per_node)
+        raise ClusterError(f"no cluster preset matches GPU {name!r}: pass cluster=fsdp_compile.Cluster(...) "
+                           "or Cluster.measure() to backend(strategy='auto', cluster=...)")
+    if memory_budget is None:
+        raise ClusterError("strategy='auto' on a CPU needs memory_budget= (bytes per rank to plan for)")
+    return Cluster.measure(nodes=nodes, device_memory=memory_budget)
+
+
+def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecision | None,
+           device_type: str) -> tuple[Plan, PlanRow]:
+    """Plan on rank 0, broadcast, and return (plan, chosen row) on every rank."""
+    if request.example_inputs is None:
+        raise ValueError("strategy='auto' plans from one rank's inputs: pass example_inputs= (real, meta or "
+                         "fake tensors of one training step's inputs) to fsdp_compile.backend")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    devices_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if request.cluster is not None:
+        cluster = request.cluster
+    else:
+        cluster = machine_cluster(world, devices_per_node, device_type, request.memory_budget)
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            outcome[0] = plan(model, request.example_inputs, cluster=cluster, loss_fn=request.loss_fn,
+                              mixed_precision=mixed_precision, optimizer=request.optimizer, world_size=world,
+                              memory_budget=request.memory_budget, **request.plan_options)
+        except Exception as exc:  # noqa: BLE001  (raised on every rank below, not only on rank 0)
+            outcome[0] = exc
+    dist.broadcast_object_list(outcome, src=0)
+    result = outcome[0]
+    if isinstance(result, Exception):
+        raise result
+    best = require_fit(result)
+    if rank == 0:
+        log.info("fsdp_compile: strategy='auto' chose %s (bucket=%s, prefetch=%d): %s",
+                 best.strategy, best.bucket, best.prefetch, result.why)
+    return result, best
+
+
+def candidate_options(result: Plan, row: PlanRow) -> dict[str, Any]:
+    """The backend options of ``row``: strategy, bucket policy, prefetch (and shard size)."""
+    if row.bucket not in result.bucket_policies:
+        raise PlanError(f"the plan does not know bucket policy {row.bucket!r}")
+    return {"strategy": row.strategy, "bucket": result.bucket_policies[row.bucket], "prefetch": row.prefetch}

@@ -1,0 +1,249 @@
+"""``python -m fsdp_compile plan ...`` and ``torchrun ... -m fsdp_compile compare ...``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# GPT-3 paper (Brown et al., 2020), Table 2.1: layers, d_model, heads; vocabulary 50257, context 2048.
+GPT_SIZES = {
+    "gpt-125m": (12, 768, 12), "gpt-350m": (24, 1024, 16), "gpt-760m": (24, 1536, 16),
+    "gpt-1.3b": (24, 2048, 16), "gpt-2.7b": (32, 2560, 32), "gpt-6.7b": (32, 4096, 32),
+    "gpt-13b": (40, 5120, 40), "gpt-175b": (96, 12288, 96),
+    "gpt-tiny": (2, 64, 2),  # for smoke tests and this machine
+    "gpt-demo": (2, 64, 4),  # the demo's GPT (python -m fsdp_compile.demo)
+}
+LLAMA_SIZES = ("llama3-8b", "llama3-70b", "llama-tiny")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "none": None}
+
+
+def model_names() -> list[str]:
+    return [*GPT_SIZES, *LLAMA_SIZES]
+
+
+def build_model(name: str, *, layers: int | None = None, seq: int = 2048, vocab: int | None = None,
+                checkpoint: bool = False, device: str = "meta") -> nn.Module:
+    """A built-in model by name (``gpt-1.3b``, ``llama3-70b``, ...) or ``module:factory``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise SystemExit(f"--model {name}: cannot import {attr!r} from {module_name!r}: {exc}") from None
+        with torch.device(device):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            raise SystemExit(f"--model {name}: the factory returned {type(model).__name__}, not an nn.Module")
+        return model
+    if name in GPT_SIZES:
+        from ..gpt import GPT, GPTConfig
+
+        n_layer, d_model, n_head = GPT_SIZES[name]
+        cfg = GPTConfig(vocab_size=vocab or (128 if name in ("gpt-tiny", "gpt-demo") else 50257), block_size=seq,
+                        n_layer=layers or n_layer, n_head=n_head, d_model=d_model)
+        with torch.device(device):
+            return GPT(cfg)
+    if name in LLAMA_SIZES:
+        from ..llama import Llama, LlamaConfig
+
+        overrides: dict[str, Any] = {"max_seq_len": max(seq, 2), "checkpoint_blocks": checkpoint}
+        if layers:
+            overrides["n_layers"] = layers
+        if vocab:
+            overrides["vocab_size"] = vocab
+        if name == "llama-tiny":
+            cfg = LlamaConfig(**overrides)
+        else:
+            cfg = (LlamaConfig.llama3_8b if name == "llama3-8b" else LlamaConfig.llama3_70b)(**overrides)
+        with torch.device(device):
+            return Llama(cfg)
+    raise SystemExit(f"--model {name!r}: use one of {', '.join(model_names())} or module:factory")
+
+
+def _strategies(text: str | None) -> list[str] | None:
+    return [s.strip() for s in text.split(",")] if text else None
+
+
+def _bucket(text: str) -> Any:
+    if text in ("module", "param"):
+        return text
+    try:
+        return int(float(text) * (1 << 20))  # MiB
+    except ValueError:
+        raise SystemExit(f"--bucket {text!r}: use module, param or a size in MiB") from None
+
+
+def add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="predict every strategy's memory and step time on a cluster")
+    p.add_argument("--model", default="gpt-1.3b", help=f"{', '.join(model_names())}, or module:factory")
+    p.add_argument("--layers", type=int, help="override the model's depth")
+    p.add_argument("--batch", type=int, default=1, help="sequences per device per step")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length")
+    p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block (llama)")
+    p.add_argument("--cluster", default="h100-sxm", help="preset: " + ", ".join(_presets()))
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--world-size", type=int, help="default: every device of the cluster")
+    p.add_argument("--mixed-precision", choices=list(DTYPES), default="bf16",
+                   help="parameter (compute) dtype; 'none' keeps the parameters' dtype")
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--strategies", help="comma-separated (default: all that apply)")
+    p.add_argument("--bucket", action="append", help="bucket policy: module, param or MiB (repeatable)")
+    p.add_argument("--prefetch", type=int, action="append", help="prefetch depth (repeatable; default 1 and 2)")
+    p.add_argument("--memory-budget", type=float, help="GiB per device (default: the cluster's usable memory)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument("--max-batch", action="store_true", help="also solve the largest batch each fitting strategy takes")
+    p.add_argument("--json", type=Path, help="write the plan as JSON")
+    p.add_argument("--verbose", action="store_true")
+
+
+def _presets() -> list[str]:
+    from .cluster import Cluster
+
+    return Cluster.presets()
+
+
+def _mixed_precision(args: argparse.Namespace):
+    from ..mixed_precision import MixedPrecision
+
+    param = DTYPES[args.mixed_precision]
+    if param is None:
+        return None
+    return MixedPrecision(param_dtype=param, reduce_dtype=DTYPES[args.reduce_dtype])
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .cluster import Cluster
+    from .plan import plan
+
+    cluster = Cluster.preset(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
+    model = build_model(args.model, layers=args.layers, seq=args.seq, checkpoint=args.activation_checkpointing)
+    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    result = plan(model, (tokens,), cluster=cluster, loss_fn=_token_loss, mixed_precision=_mixed_precision(args),
+                  optimizer=args.optimizer, world_size=args.world_size, strategies=_strategies(args.strategies),
+                  buckets=[_bucket(b) for b in args.bucket] if args.bucket else ("module",),
+                  prefetch=args.prefetch or (1, 2),
+                  memory_budget=args.memory_budget * (1 << 30) if args.memory_budget else None,
+                  verbose=args.verbose)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model {args.model}: {params / 1e9:.3g}B parameters, batch {args.batch} x sequence {args.seq} per device")
+    sys.stdout.write(str(result))
+    solved = {}
+    if args.max_batch:
+        for row in result.rows:
+            if row.fits and row.strategy not in solved:
+                solved[row.strategy] = result.max_batch(row.strategy)
+                print(f"largest batch {row.strategy} fits: {solved[row.strategy]}")
+    print(f"planned in {result.seconds:.1f}s")
+    if args.json:
+        data = result.to_json()
+        data.update(model=args.model, parameters=params, batch=args.batch, seq=args.seq, max_batch=solved)
+        args.json.write_text(json.dumps(data, indent=2))
+    return 0 if result.best is not None else 1
+
+
+def _token_loss(output: torch.Tensor) -> torch.Tensor:
+    """A language model's loss over the logits (the shape of cross-entropy's work, no targets needed)."""
+    logits = output.float()
+    return torch.logsumexp(logits, dim=-1).mean() - logits.mean()
+
+
+# ---------------------------------------------------------------------- compare
+def add_compare_parser(sub: Any) -> None:
+    p = sub.add_parser("compare", help="(under torchrun) run every strategy here and set the plan beside it")
+    p.add_argument("--model", default="gpt-demo", help=f"{', '.join(model_names())}, or module:factory "
+                   "(default: the demo's GPT)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5, help="steps per strategy (the first two warm up)")
+    p.add_argument("--strategies", help="comma-separated (default: all that apply at this world size)")
+    p.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor"])
+    p.add_argument("--shard-size", type=int, help="hybrid strategies: ranks per shard group (default LOCAL_WORLD_SIZE)")
+    p.add_argument("--out", type=Path, default=Path("compare_out"), help="directory for compare.json and compare.png")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from .cluster import Cluster
+    from .compare import bar_chart, measure_strategy
+    from .plan import plan
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise SystemExit("compare runs strategies on the current processes: start it with torchrun, e.g. "
+                             "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m fsdp_compile compare")
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shard_size = args.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    names = _strategies(args.strategies) or [
+        s for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+        if not s.startswith("HYBRID") or (shard_size < world and world % shard_size == 0)]
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return build_model(args.model, layers=args.layers, seq=args.seq, device="cpu")
+
+    probe = build()
+    vocab = getattr(getattr(probe, "cfg", None), "vocab_size", 128)
+    gen = torch.Generator().manual_seed(1 + rank)
+    batches = []
+    for _ in range(args.steps):
+        data = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
+        batches.append(((data[:, :-1],), data[:, 1:]))
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
+                              device_memory=64 << 30)
+    measured = {}
+    for name in names:
+        options = {"shard_size": shard_size} if name.startswith("HYBRID") else {}
+        measured[name] = measure_strategy(name, build, batches, loss_fn, compiler=args.compiler,
+                                          backend_options=options)
+    rows = []
+    if rank == 0:
+        example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
+        predicted = plan(probe, example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
+                         strategies=names, prefetch=(1,), memory_budget=64 << 30)
+        for name in names:
+            row = predicted.row(name)
+            rows.append({"strategy": name, "measured": measured[name].as_dict(), "predicted": row.as_dict()})
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "compare.json").write_text(json.dumps(
+            {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
+             "cluster": cluster.describe(), "rows": rows}, indent=2, default=str))
+        print(f"{'strategy':<20}{'step ms':>10}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}{'pred MiB':>10}"
+              f"{'wire MB':>10}{'pred MB':>10}{'compile s':>11}")
+        for r in rows:
+            m, p = r["measured"], r["predicted"]
+            print(f"{r['strategy']:<20}{m['step_seconds'] * 1e3:>10.1f}{p['step_seconds'] * 1e3:>10.1f}"
+                  f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
+                  f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
+                  f"{m['compile_seconds']:>11.1f}")
+        try:
+            bar_chart(rows, str(args.out / "compare.png"), f"{args.model}, world {world}: measured vs predicted")
+        except ImportError:
+            print("matplotlib is not installed: no chart (pip install -e '.[plot]')")
+        print(f"written to {args.out}/compare.json and compare.png")
+    dist.barrier()
+    return 0
+
+
+def _cross_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits against class 0 (the values do not change the cost);
+    module level, so the planner can pickle it for its subprocess."""
+    import torch.nn.functional as F
+
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))

@@ -1,0 +1,318 @@
+"""What the planner knows about the machines: devices, their memory and speed, and the links.
+
+A :class:`Cluster` is ``nodes`` x ``devices_per_node`` identical devices. Every number is per
+device; bandwidths are bytes per second in one direction. Presets carry vendor data-sheet
+figures with their source beside each; :meth:`Cluster.measure` calibrates the machine it runs
+on instead (matmul FLOP/s, memory bandwidth, collectives on the current process groups).
+
+Collectives are modelled as rings (what NCCL and gloo use for large messages): a ring of
+``n`` ranks takes ``n - 1`` steps (``2 (n - 1)`` for all-reduce), each rank sends
+``(n - 1) / n`` of the buffer per pass, and the ring runs at the speed of its slowest link: a
+group whose ranks are all on one node uses the intra-node link, a group that spans nodes is
+bound by the inter-node link. Latency is a fixed start-up cost plus a per-step cost for each
+intra- and inter-node step (NCCL's tuning model, ``src/graph/tuning.cc``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+GB = 1e9
+GiB = 1 << 30
+TFLOPS = 1e12
+GBITS = 1e9 / 8  # bytes per second in one gigabit per second
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+class ClusterError(ConfigError):
+    """A cluster description is incomplete or impossible."""
+
+
+@dataclass(frozen=True)
+class MeasuredCollective:
+    """A fitted ring model of one collective kind, from :meth:`Cluster.measure`.
+
+    time = ``step_latency`` x ring steps + wire bytes / ``bandwidth`` (wire bytes: what each
+    rank sends, ``(n - 1) / n`` of the buffer, twice that for all-reduce).
+    """
+
+    step_latency: float  # seconds per ring step
+    bandwidth: float  # wire bytes per second
+    group_size: int  # the group it was measured on
+    samples: tuple[tuple[int, float], ...] = ()  # (buffer bytes, median seconds)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` identical devices and the links between them.
+
+    ``peak_flops`` maps a compute dtype to dense FLOP/s (matmuls); ``memory_bandwidth`` is the
+    device memory's bytes/s; ``intra_node_bandwidth`` / ``inter_node_bandwidth`` are bytes/s per
+    device in one direction; ``*_latency`` are seconds per ring step, ``collective_latency`` the
+    fixed start-up of a collective. ``device_memory`` is the capacity in bytes and
+    ``reserved_memory`` what the runtime keeps for itself (CUDA context, communication
+    buffers), so plans must fit in ``usable_memory``. ``op_overhead`` is seconds per operator
+    beyond its roofline time (0 on GPUs, where the CPU launches ahead; measured on a CPU, where
+    each operator of an ``aot_eager`` graph is a Python call). ``comm_overlap`` is the fraction
+    of a collective's time that can hide under compute (1: a separate engine; on a CPU with
+    gloo, communication takes CPU time from compute, measured). ``device_type`` selects the
+    kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``sources`` says where
+    each number comes from.
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device_memory: float
+    peak_flops: dict[torch.dtype, float]
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float | None
+    intra_node_latency: float
+    inter_node_latency: float | None
+    collective_latency: float = 0.0
+    reserved_memory: float = 0.0
+    op_overhead: float = 0.0
+    comm_overlap: float = 1.0
+    device_type: str = "cuda"
+    measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise :class:`ClusterError` naming every missing or impossible number."""
+        problems = []
+
+        def need(name: str, value: Any, *, positive: bool = True, integer: bool = False,
+                 at_most: float | None = None) -> None:
+            if value is None:
+                problems.append(f"{name} is missing")
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                problems.append(f"{name}={value!r} must be a number")
+                return
+            if integer and int(value) != value:
+                problems.append(f"{name}={value!r} must be a whole number")
+            if math.isnan(value) or math.isinf(value):
+                problems.append(f"{name}={value!r} must be finite")
+            elif positive and value <= 0:
+                problems.append(f"{name}={value!r} must be > 0")
+            elif not positive and value < 0:
+                problems.append(f"{name}={value!r} must be >= 0")
+            elif at_most is not None and value > at_most:
+                problems.append(f"{name}={value!r} must be <= {at_most}")
+
+        need("nodes", self.nodes, integer=True)
+        need("devices_per_node", self.devices_per_node, integer=True)
+        need("device_memory", self.device_memory)
+        need("memory_bandwidth", self.memory_bandwidth)
+        need("intra_node_bandwidth", self.intra_node_bandwidth)
+        need("intra_node_latency", self.intra_node_latency, positive=False)
+        need("collective_latency", self.collective_latency, positive=False)
+        need("reserved_memory", self.reserved_memory, positive=False)
+        need("op_overhead", self.op_overhead, positive=False)
+        need("comm_overlap", self.comm_overlap, positive=False, at_most=1.0)
+        if isinstance(self.nodes, int) and self.nodes > 1:
+            # Several nodes talk over the inter-node link: it must be described.
+            need("inter_node_bandwidth", self.inter_node_bandwidth)
+            need("inter_node_latency", self.inter_node_latency, positive=False)
+        else:
+            if self.inter_node_bandwidth is not None:
+                need("inter_node_bandwidth", self.inter_node_bandwidth)
+            if self.inter_node_latency is not None:
+                need("inter_node_latency", self.inter_node_latency, positive=False)
+        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
+            problems.append("peak_flops is missing: give {dtype: dense FLOP/s}, e.g. {torch.bfloat16: 989e12}")
+        else:
+            for dtype, value in self.peak_flops.items():
+                if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                    problems.append(f"peak_flops key {dtype!r} must be a floating-point torch.dtype")
+                need(f"peak_flops[{dtype}]", value)
+        if (isinstance(self.device_memory, (int, float)) and isinstance(self.reserved_memory, (int, float))
+                and self.device_memory > 0 and self.reserved_memory >= self.device_memory):
+            problems.append(f"reserved_memory={self.reserved_memory:.3g} leaves nothing of "
+                            f"device_memory={self.device_memory:.3g}")
+        if self.device_type not in ("cuda", "cpu"):
+            problems.append(f"device_type={self.device_type!r} must be 'cuda' or 'cpu'")
+        for kind, fit in self.measured_collectives.items():
+            if kind not in COLLECTIVE_KINDS:
+                problems.append(f"measured_collectives[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
+            elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
+                problems.append(f"measured_collectives[{kind!r}] has bandwidth {fit.bandwidth} and latency "
+                                f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
+        if problems:
+            raise ClusterError(f"cluster {self.name!r}: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory(self) -> float:
+        return self.device_memory - self.reserved_memory
+
+    def flops_for(self, dtype: torch.dtype) -> float:
+        """Dense FLOP/s for matmuls in ``dtype``; a clear error when the cluster does not say."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if dtype in (torch.float64,) and torch.float32 in self.peak_flops:
+            return self.peak_flops[torch.float32] / 2
+        known = ", ".join(str(d) for d in self.peak_flops)
+        raise ClusterError(
+            f"cluster {self.name!r} has no peak FLOP/s for {dtype} (it has: {known}); add it with "
+            f"cluster.replace(peak_flops={{**cluster.peak_flops, {dtype}: ...}})")
+
+    def check_world(self, world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ClusterError(f"world_size={world_size!r} must be a positive int")
+        if world_size > self.world_size:
+            raise ClusterError(
+                f"world_size={world_size} does not fit cluster {self.name!r}: it holds {self.nodes} node(s) x "
+                f"{self.devices_per_node} devices = {self.world_size}; use a smaller world or "
+                f"Cluster.preset(..., nodes={-(-world_size // self.devices_per_node)})")
+
+    def replace(self, **changes: Any) -> Cluster:
+        """A copy with some numbers changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        flops = ", ".join(f"{str(d).replace('torch.', '')} {v / TFLOPS:.4g} TFLOP/s" for d, v in self.peak_flops.items())
+        inter = (f"{self.inter_node_bandwidth / GB:.4g} GB/s" if self.inter_node_bandwidth else "n/a")
+        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device_type} devices, "
+                f"{self.device_memory / GiB:.3g} GiB each ({self.usable_memory / GiB:.3g} usable), {flops}, "
+                f"memory {self.memory_bandwidth / GB:.4g} GB/s, intra-node {self.intra_node_bandwidth / GB:.4g} GB/s, "
+                f"inter-node {inter} per device")
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
+        """A cluster of ``nodes`` nodes from data-sheet numbers: ``"h100-sxm"``, ``"a100-80gb"``,
+        ``"a10g"`` (AWS G5.48xlarge: 8x A10G per node). Each number's source is in ``.sources``."""
+        key = name.strip().lower()
+        if key not in _PRESETS:
+            raise ClusterError(f"unknown cluster preset {name!r}; presets: {', '.join(sorted(_PRESETS))}")
+        fields = dict(_PRESETS[key])
+        fields["nodes"] = nodes
+        if devices_per_node is not None:
+            fields["devices_per_node"] = devices_per_node
+        return cls(**fields)
+
+    @staticmethod
+    def presets() -> list[str]:
+        return sorted(_PRESETS)
+
+    # ------------------------------------------------------------------ measuring
+    @classmethod
+    def measure(cls, *, group: Any = None, sizes: tuple[int, ...] | None = None, repeats: int = 5,
+                dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+                nodes: int = 1, device: torch.device | str | None = None,
+                device_memory: float | None = None) -> Cluster:
+        """Calibrate a cluster from the machine this runs on, on the current process groups.
+
+        Collective over ``group`` (default: the world): every rank must call it. Measures
+        matmul FLOP/s per dtype, memory bandwidth (a large copy), the per-operator overhead
+        of running a graph as Python, all-gather / reduce-scatter / all-reduce over ``sizes``
+        (buffer bytes) fitted to the ring model, and how much a collective slows compute that
+        runs at the same time (``comm_overlap``). ``device_memory`` defaults to the device's
+        capacity (on a CPU: pass the budget to plan against).
+        """
+        from . import measure as measuring
+
+        return measuring.measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
+                                         nodes=nodes, device=device, device_memory=device_memory)
+
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope), both clipped at 0 (time never falls with size)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    slope = max(slope, 1e-18)
+    return max(my - slope * mx, 0.0), slope
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+_NCCL_LATENCY = ("NCCL src/graph/tuning.cc defaults for ring/Simple (quoted in torch/_inductor/"
+                 "comm_analysis.py): base {base} us, {hw} hop {hop} us per step")
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "h100-sxm": {
+        "name": "h100-sxm", "devices_per_node": 8,
+        "device_memory": 80 * GB,
+        "peak_flops": {torch.bfloat16: 989 * TFLOPS, torch.float16: 989 * TFLOPS, torch.float32: 67 * TFLOPS},
+        "memory_bandwidth": 3.35e12,
+        "intra_node_bandwidth": 450 * GB, "inter_node_bandwidth": 400 * GBITS,
+        "intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
+        "reserved_memory": 2 * GiB, "device_type": "cuda",
+        "sources": {
+            "device_memory": "NVIDIA H100 Tensor Core GPU data sheet (SXM): 80 GB HBM3",
+            "peak_flops": "NVIDIA H100 data sheet (SXM): BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989 dense; "
+                          "FP32 67 TFLOPS (non-tensor; torch's default fp32 matmul precision)",
+            "memory_bandwidth": "NVIDIA H100 data sheet (SXM): 3.35 TB/s",
+            "intra_node_bandwidth": "NVIDIA H100 data sheet: NVLink 900 GB/s per GPU, both directions -> 450 GB/s one way",
+            "inter_node_bandwidth": "assumed: one 400 Gb/s InfiniBand NDR (ConnectX-7) NIC per GPU, as in DGX H100 "
+                                    "clusters -> 50 GB/s one way",
+            "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
+            "reserved_memory": "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers and allocator slack",
+        }},
+    "a100-80gb": {
+        "name": "a100-80gb", "devices_per_node": 8,
+        "device_memory": 80 * GB,
+        "peak_flops": {torch.bfloat16: 312 * TFLOPS, torch.float16: 312 * TFLOPS, torch.float32: 19.5 * TFLOPS},
+        "memory_bandwidth": 2.039e12,
+        "intra_node_bandwidth": 300 * GB, "inter_node_bandwidth": 200 * GBITS,
+        "intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
+        "reserved_memory": 2 * GiB, "device_type": "cuda",
+        "sources": {
+            "device_memory": "NVIDIA A100 Tensor Core GPU data sheet (80GB SXM): 80 GB HBM2e",
+            "peak_flops": "NVIDIA A100 data sheet: BF16/FP16 tensor 312 TFLOPS dense; FP32 19.5 TFLOPS",
+            "memory_bandwidth": "NVIDIA A100 data sheet (80GB SXM): 2,039 GB/s",
+            "intra_node_bandwidth": "NVIDIA A100 data sheet: NVLink 600 GB/s per GPU, both directions -> 300 GB/s one way",
+            "inter_node_bandwidth": "assumed: one 200 Gb/s InfiniBand HDR NIC per GPU, as in DGX A100 -> 25 GB/s one way",
+            "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
+            "reserved_memory": "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers and allocator slack",
+        }},
+    "a10g": {
+        "name": "a10g", "devices_per_node": 8,
+        "device_memory": 24 * GB,
+        "peak_flops": {torch.bfloat16: 125 * TFLOPS, torch.float16: 125 * TFLOPS, torch.float32: 31.2 * TFLOPS},
+        "memory_bandwidth": 600 * GB,
+        "intra_node_bandwidth": 32 * GB, "inter_node_bandwidth": 100 * GBITS / 8,
+        "intra_node_latency": 5.7e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
+        "reserved_memory": 1 * GiB, "device_type": "cuda",
+        "sources": {
+            "device_memory": "AWS G5 instance page / NVIDIA A10 data sheet: 24 GB GDDR6 per GPU",
+            "peak_flops": "NVIDIA A10 data sheet (the A10G is AWS's variant): BF16/FP16 tensor 125 TFLOPS dense "
+                          "(250 with sparsity); FP32 31.2 TFLOPS",
+            "memory_bandwidth": "NVIDIA A10 data sheet: 600 GB/s",
+            "intra_node_bandwidth": "assumed: PCIe Gen4 x16, 32 GB/s one way (G5.48xlarge has no NVLink)",
+            "inter_node_bandwidth": "AWS G5 instance page: 100 Gb/s networking per G5.48xlarge node, shared by its 8 "
+                                    "GPUs -> 1.56 GB/s per GPU",
+            "latency": _NCCL_LATENCY.format(base=8.4, hw="PCIe", hop=5.7) + "; network hop 14 us",
+            "reserved_memory": "assumed: ~1 GiB per GPU for the CUDA context and NCCL buffers",
+        }},
+}

@@ -1,0 +1,248 @@
+"""Run strategies for real on the current processes and set the measurements beside the plan.
+
+Every rank builds the same model (same seed), shards it with each strategy in turn, trains a
+few steps with AdamW and measures:
+
+* step time: the median over the timed steps of the slowest rank's step (a step waits for
+  the slowest rank), after warm-up steps that include compilation;
+* compile time: the first step's time minus a steady step's;
+* peak memory per rank, by the allocator: the bytes of every storage alive before a profiled
+  step (shards, optimizer state, buffers: storages the allocator handed out, counted once
+  each) plus the largest running sum of the allocator's events during the step
+  (``torch.profiler`` memory events on a CPU; ``torch.cuda.max_memory_allocated`` on a GPU).
+  Never the planner's estimate;
+* bytes per step: from the profiler's collective events (``gloo:*`` / ``nccl:*``), their
+  buffers converted to wire bytes with the same ring formula as the planner. gloo runs a
+  reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
+  it moves more bytes than a ring reduce-scatter would: the difference is gloo's, and shown.
+
+:func:`compare` returns the measured rows and the plan made for this machine, for the
+``compare`` subcommand and ``bench/plan_accuracy.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..strategy import ShardingStrategy
+
+
+@dataclass
+class Measured:
+    strategy: str
+    step_seconds: float
+    step_times: list[float]
+    compile_seconds: float
+    peak_bytes: float
+    resident_bytes: float
+    tokens_per_second: float
+    bytes_per_step: dict[str, float]  # what the compiled graphs' collectives move (ring formula)
+    backend_bytes_per_step: float = 0.0  # what gloo / NCCL ran (gloo: reduce-scatter as all-reduce)
+    collectives: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _slowest(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def resident_bytes(*objects: Any) -> int:
+    """Bytes of the distinct storages reachable from modules, optimizers and tensors."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            for t in [*obj.parameters(), *obj.buffers()]:
+                add(t)
+                if t.grad is not None:
+                    add(t.grad)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                for value in state.values():
+                    add(value)
+        else:
+            add(obj)
+    return total
+
+
+def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, float], float, dict[str, int]]:
+    """Wire bytes per rank from the profiler's events, with the planner's ring formula.
+
+    From the functional collectives the compiled graphs issued (their group size is an
+    argument; an all-reduce's is ``all_reduce_size``), and separately from what the backend
+    (gloo / NCCL) ran, which for gloo turns a reduce-scatter into an all-reduce.
+    """
+    issued: dict[str, float] = {"intra": 0.0, "inter": 0.0}
+    backend_bytes = 0.0
+    counts: dict[str, int] = {}
+
+    def ring(kind: str, buffer: float, n: int) -> float:
+        share = (n - 1) / n if n > 1 else 0.0
+        return buffer * share * (2 if kind == "all_reduce" else 1)
+
+    def nbytes(event) -> float:
+        shapes, dtypes = event.shapes(), event.dtypes()
+        numel = 1
+        for d in (shapes[0] if shapes else []):
+            numel *= d
+        return numel * torch.empty((), dtype=_dtype(dtypes[0] if dtypes else "float")).element_size()
+
+    for event in events:
+        name = event.name()
+        if name.startswith("_c10d_functional::"):
+            kind = name.split("::", 1)[1]
+            if kind == "all_gather_into_tensor":
+                n = int(event.concrete_inputs()[1])
+                issued["intra"] += ring("all_gather", nbytes(event) * n, n)
+            elif kind == "reduce_scatter_tensor":
+                issued["intra"] += ring("reduce_scatter", nbytes(event), int(event.concrete_inputs()[2]))
+            elif kind == "all_reduce":
+                issued["intra"] += ring("all_reduce", nbytes(event), all_reduce_size)
+        elif name.startswith(("gloo:", "nccl:")):
+            kind = name.split(":", 1)[1]
+            counts[kind] = counts.get(kind, 0) + 1
+            n = all_reduce_size
+            if "all_gather" in kind:
+                backend_bytes += nbytes(event) * (n - 1)
+            elif "reduce_scatter" in kind:
+                backend_bytes += ring("reduce_scatter", nbytes(event), n)
+            elif "all_reduce" in kind or "allreduce" in kind:
+                backend_bytes += ring("all_reduce", nbytes(event), n)
+    return issued, backend_bytes, counts
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
+             "double": torch.float64, "long int": torch.int64, "int": torch.int32}
+    return table.get(name, torch.float32)
+
+
+def _profiled_step(step: Callable[[], None], device: torch.device) -> tuple[float, list]:
+    """The largest running sum of allocator events during one step, and the profiler's events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+            torch.cuda.synchronize()
+        return float(torch.cuda.max_memory_allocated() - before), list(prof.profiler.kineto_results.events())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        step()
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    running = peak = 0
+    for _, delta in memory:
+        running += delta
+        peak = max(peak, running)
+    return float(peak), events
+
+
+def measure_strategy(
+    strategy: ShardingStrategy | str, build: Callable[[], nn.Module], batches: Sequence[tuple],
+    loss_fn: Callable, *, compiler: str = "aot_eager", warmup: int = 2, backend_options: dict | None = None,
+    tokens_per_step: int | None = None,
+) -> Measured:
+    """Train ``len(batches)`` steps of ``strategy``; see the module docstring for what is measured.
+
+    ``build()`` returns the model (same on every rank); each batch is ``(inputs, targets)`` of
+    this rank; ``loss_fn(output, targets)``.
+    """
+    import fsdp_compile
+
+    strategy = ShardingStrategy.parse(strategy)
+    options = dict(backend_options or {})
+    if strategy.is_hybrid and "shard_size" not in options:
+        import os
+
+        options["shard_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    backend = fsdp_compile.backend(strategy, compiler=compiler, **options)
+    model = backend.shard(build())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    compiled = torch.compile(model, backend=backend)
+    device = next(model.parameters()).device
+
+    def step(inputs: Any, targets: Any) -> None:
+        loss = loss_fn(compiled(*inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = []
+    for i, (inputs, targets) in enumerate(batches):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(inputs, targets)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(_slowest(time.perf_counter() - start))
+        if i == 0:
+            gc.collect()
+    steady = times[warmup:] or times[-1:]
+    step_seconds = statistics.median(steady)
+    gc.collect()
+    resident = resident_bytes(model, optimizer)
+    inputs, targets = batches[-1]
+    during, events = _profiled_step(lambda: step(inputs, targets), device)
+    shard = options.get("shard_size", dist.get_world_size()) if strategy.is_hybrid else 1
+    wire, backend_wire, counts = _collective_bytes(events, dist.get_world_size() // shard)
+    tokens = tokens_per_step or int(next(t for t in inputs if isinstance(t, torch.Tensor)).numel())
+    peak = _slowest(resident + during)
+    return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
+                    float(resident), tokens / step_seconds, wire, backend_wire, counts)
+
+
+def bar_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Measured against predicted step time and peak memory per strategy (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["strategy"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(rows))
+    for ax, key, unit, scale in ((axes[0], "step_seconds", "ms", 1e3), (axes[1], "peak_bytes", "MiB", 1 / 2**20)):
+        measured = [(r["measured"][key] or 0) * scale for r in rows]
+        predicted = [(r["predicted"][key] or 0) * scale for r in rows]
+        ax.bar([i - 0.2 for i in x], measured, 0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], predicted, 0.4, label="predicted")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=20, fontsize=8)
+        ax.set_ylabel(f"{key.replace('_', ' ')} ({unit})")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,212 @@
+"""What each node of a lowered graph costs on a cluster.
+
+* Compute nodes: a roofline. FLOPs come from torch's own formulas
+  (``torch.utils.flop_counter``, the table ``FlopCounterMode`` uses) applied to the node's
+  fake tensors; bytes are what the node reads and writes. Time is the larger of FLOPs over
+  the device's peak for the operands' dtype and bytes over memory bandwidth, plus the
+  cluster's per-operator overhead. Views and other metadata-only nodes cost nothing.
+* Collectives: the ring model of :mod:`.cluster`, per link: a group inside one node runs at
+  the intra-node bandwidth, a group spanning nodes at the inter-node one, and the latency
+  counts each intra- and inter-node ring step.
+
+Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
+sequence sizes): every cost is then an expression too.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from ..memory import size_hint
+from ..passes.lowering import ALL_GATHER, WAIT
+from ..passes.reshard import PURE_VIEWS
+from .cluster import Cluster
+from .measure import ring_steps
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+ALL_REDUCE = _c10d.all_reduce.default
+COLLECTIVE_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+# Nodes that only reinterpret or name existing storage: no kernel runs.
+FREE = PURE_VIEWS | {
+    aten.alias.default, aten.detach.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int, aten.chunk.default, aten.view_as_real.default, aten.view_as_complex.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.lift_fresh.default, aten.sym_size.int,
+    aten.sym_numel.default, aten.sym_stride.int, operator.getitem,
+}
+
+
+def _sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs):
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# The CPU flash kernels have no entry in torch's table; they compute what the CUDA ones do.
+_EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+}
+
+
+def maximum(a: Any, b: Any) -> Any:
+    """``max`` for numbers and sympy expressions alike."""
+    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+        return sympy.Max(a, b)
+    return max(a, b)
+
+
+def _value(x: Any, symbolic: bool) -> Any:
+    """An fx argument as the planner computes with it: fake tensors stay, SymInts become
+    sympy expressions (symbolic) or their hints."""
+    if isinstance(x, fx.Node):
+        return _value(x.meta.get("val"), symbolic)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_value(v, symbolic) for v in x)
+    if isinstance(x, torch.SymInt):
+        return x.node.expr if symbolic else size_hint(x)
+    return x
+
+
+def _number(x: Any, symbolic: bool) -> Any:
+    if isinstance(x, torch.SymInt):
+        return _value(x, symbolic)
+    if isinstance(x, sympy.Basic):
+        return x
+    return int(x)
+
+
+def tensor_bytes(t: torch.Tensor, symbolic: bool = False) -> Any:
+    return _number(t.numel(), symbolic) * t.element_size()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group as the cost model sees it: its size and how many nodes it spans."""
+
+    size: int
+    nodes: int
+
+
+def group_of(name: str, devices_per_node: int, cache: dict[str, Group]) -> Group:
+    """The group registered under ``name`` in the current (fake) world."""
+    if name not in cache:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        ranks = dist.get_process_group_ranks(_resolve_process_group(name))
+        cache[name] = Group(len(ranks), len({r // devices_per_node for r in ranks}))
+    return cache[name]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node's cost. ``kind``: "compute", "free", "collective" or "wait"."""
+
+    kind: str
+    seconds: Any = 0.0
+    flops: Any = 0
+    bytes: Any = 0
+    link: str | None = None  # collectives: "intra" or "inter"
+    wire_bytes: Any = 0  # collectives: bytes each rank sends
+
+
+def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster) -> NodeCost:
+    """Ring model of one collective on ``group`` (see the module docstring)."""
+    n = group.size
+    share = (n - 1) / n if n > 1 else 0.0
+    wire = buffer_bytes * share * (2 if kind == "all_reduce" else 1)
+    link = "intra" if group.nodes <= 1 else "inter"
+    if n <= 1:
+        return NodeCost("collective", 0.0, link=link, wire_bytes=0)
+    steps = ring_steps(kind, n)
+    measured = cluster.measured_collectives.get(kind)
+    if measured is not None:
+        seconds = steps * measured.step_latency + wire / measured.bandwidth
+        return NodeCost("collective", seconds, link=link, wire_bytes=wire)
+    if group.nodes <= 1:
+        latency = cluster.collective_latency + steps * cluster.intra_node_latency
+        bandwidth = cluster.intra_node_bandwidth
+    else:
+        inter_steps = ring_steps(kind, group.nodes)
+        latency = (cluster.collective_latency + (steps - inter_steps) * cluster.intra_node_latency
+                   + inter_steps * cluster.inter_node_latency)
+        bandwidth = min(cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
+    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire)
+
+
+def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symbolic: bool = False) -> NodeCost:
+    if node.op != "call_function":
+        return NodeCost("free")
+    target = node.target
+    if target is WAIT:
+        return NodeCost("wait")
+    if target in COLLECTIVE_KIND:
+        kind = COLLECTIVE_KIND[target]
+        buffer = node.meta["val"] if target is ALL_GATHER else node.args[0].meta["val"]
+        group = group_of(node.args[-1], cluster.devices_per_node, groups)
+        return collective_cost(kind, tensor_bytes(buffer, symbolic), group, cluster)
+    if target in FREE:
+        return NodeCost("free")
+    args = _value(node.args, symbolic)
+    kwargs = {k: _value(v, symbolic) for k, v in node.kwargs.items()}
+    out = _value(node.meta.get("val"), symbolic)
+    packet = getattr(target, "overloadpacket", None)
+    formula = _EXTRA_FLOPS.get(packet) or flop_registry.get(packet)
+    flops = 0
+    dtype = None
+    if formula is not None:
+        flops = formula(*args, **kwargs, out_val=out)
+        if isinstance(flops, torch.SymInt):
+            flops = _number(flops, symbolic)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        dtype = tensors[0].dtype if tensors else None
+    moved = 0
+    seen: set[int] = set()
+    for t in _tensors(args) + _tensors(kwargs) + _tensors(out):
+        if id(t) not in seen:
+            seen.add(id(t))
+            moved = moved + tensor_bytes(t, symbolic)
+    seconds = moved / cluster.memory_bandwidth
+    if flops and dtype is not None and dtype.is_floating_point:
+        seconds = maximum(flops / cluster.flops_for(dtype), seconds)
+    return NodeCost("compute", seconds + cluster.op_overhead, flops=flops, bytes=moved)
+
+
+def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] | None = None,
+                symbolic: bool = False) -> list[tuple[fx.Node, NodeCost]]:
+    groups = {} if groups is None else groups
+    return [(node, node_cost(node, cluster, groups, symbolic)) for node in gm.graph.nodes]
+
+
+def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int, cluster: Cluster) -> float:
+    """One optimizer step over this rank's shards: memory-bound elementwise updates.
+
+    AdamW (torch's foreach implementation) reads parameter, gradient and both moments and
+    writes parameter and moments: 7 passes over the shard bytes; SGD reads parameter and
+    gradient and writes the parameter. Each foreach operator (about a dozen for AdamW) costs
+    the per-operator overhead once per tensor on a CPU.
+    """
+    passes, ops = {"adamw": (7, 12), "adam": (7, 12), "sgd": (3, 2), "none": (0, 0)}[optimizer]
+    return passes * shard_bytes / cluster.memory_bandwidth + ops * tensors * cluster.op_overhead

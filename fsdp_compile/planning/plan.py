@@ -1,0 +1,440 @@
+"""``fsdp_compile.plan()``: which strategy for this model on this cluster, and why.
+
+For every candidate (strategy x bucket policy x prefetch depth) the planner traces the graphs
+a real run would execute (see :mod:`.trace`), costs every node (:mod:`.cost`), plays the
+forward and backward graphs on a compute and a communication stream (:mod:`.simulate`) and
+walks their memory in the same order, then adds what lives outside the graphs: the optimizer
+state, gradients kept for the optimizer step, buffers the graphs do not read.
+
+Memory per device, by role: ``params`` (this rank's shards; whole parameters for NO_SHARD),
+``grads`` (gradient shards and reduction buffers), ``optimizer`` (AdamW: two fp32 moments per
+parameter of the shard, plus one shard-sized temporary during the step), ``gathered``
+(unsharded parameters and gather buffers), ``activations`` (everything the graphs compute and
+keep), ``buffers`` (module buffers). The peak is the largest of three moments: during
+forward, during backward, and at the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..memory import input_bytes
+from ..mixed_precision import MixedPrecision
+from ..runtime.collectives import padded_rows
+from ..strategy import ShardingStrategy
+from .cluster import Cluster, ClusterError, GiB
+from .cost import Group, graph_costs, optimizer_seconds
+from .simulate import Timeline, memory_timeline, simulate_graph
+from .trace import Candidate, Traced, trace_candidates
+
+ROLE_NAMES = {"param": "params", "grad": "grads", "gathered": "gathered", "activation": "activations",
+              "buffer": "buffers"}
+MEMORY_KEYS = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "none": 0}
+
+
+class PlanError(ConfigError):
+    """No strategy fits, or the planner was asked something it cannot answer."""
+
+
+@dataclass
+class PlanRow:
+    """One candidate's prediction. Times in seconds, memory in bytes per device."""
+
+    strategy: str
+    bucket: str
+    prefetch: int
+    fits: bool
+    peak_bytes: float
+    memory: dict[str, float]
+    step_seconds: float | None
+    exposed_comm_seconds: float | None
+    bytes_per_step: dict[str, float]
+    compute_seconds: float | None = None
+    comm_seconds: float | None = None
+    tokens_per_second: float | None = None  # per device
+    mfu: float | None = None
+    traced: bool = True
+    note: str = ""
+    phase: str = ""  # where the peak is: "forward", "backward" or "optimizer step"
+    chosen: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Context:
+    model: nn.Module
+    example_inputs: tuple
+    loss_fn: Callable | None
+    mixed_precision: MixedPrecision | None
+    optimizer: str
+    world: int
+    traced: dict[Candidate, Traced] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """The planner's answer: ``rows`` (one per candidate), ``best`` (the chosen row), ``why``."""
+
+    cluster: Cluster
+    world_size: int
+    rows: list[PlanRow]
+    best: PlanRow | None
+    why: str
+    budget_bytes: float
+    tokens_per_step: int
+    seconds: float = 0.0
+    bucket_policies: dict[str, Any] = field(default_factory=dict, repr=False)  # row.bucket -> policy
+    _context: _Context | None = field(default=None, repr=False)
+    _solved: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_context"] = None  # graphs and fake models stay in the process that traced them
+        return state
+
+    def __str__(self) -> str:
+        from .report import render_plan
+
+        return render_plan(self)
+
+    def row(self, strategy: ShardingStrategy | str) -> PlanRow:
+        """The best row of ``strategy`` (fitting ones first, then the fastest)."""
+        name = ShardingStrategy.parse(strategy).name
+        rows = [r for r in self.rows if r.strategy == name]
+        if not rows:
+            raise PlanError(f"this plan has no row for {name}; strategies: {sorted({r.strategy for r in self.rows})}")
+        return min(rows, key=_rank)
+
+    def max_batch(self, strategy: ShardingStrategy | str, *, input_index: int = 0, dim: int = 0) -> int:
+        """The largest batch ``strategy`` fits, solved from memory as an expression of the batch
+        (dim ``dim`` of every input's batch dimension traced symbolically); 0 if none fits."""
+        return self._solve(strategy, "batch", input_index, dim)
+
+    def max_seq_len(self, strategy: ShardingStrategy | str, *, input_index: int = 0, dim: int = 1) -> int:
+        """The longest sequence ``strategy`` fits (dim ``dim`` traced symbolically); 0 if none fits."""
+        return self._solve(strategy, "seq", input_index, dim)
+
+    def memory_expr(self, strategy: ShardingStrategy | str, size: str = "batch", *, input_index: int = 0,
+                    dim: int | None = None):
+        """Peak bytes per device of ``strategy`` as a sympy expression of the batch (or ``"seq"``)."""
+        from .symbolic import symbolic_analysis
+
+        return symbolic_analysis(self, strategy, size, input_index, dim).memory
+
+    def step_time_expr(self, strategy: ShardingStrategy | str, size: str = "batch", *, input_index: int = 0,
+                       dim: int | None = None):
+        """Predicted step seconds of ``strategy`` as a sympy expression of the batch (or ``"seq"``)."""
+        from .symbolic import symbolic_analysis
+
+        return symbolic_analysis(self, strategy, size, input_index, dim).step_seconds
+
+    def _solve(self, strategy, size: str, input_index: int, dim: int) -> int:
+        from .symbolic import symbolic_analysis
+
+        name = ShardingStrategy.parse(strategy).name
+        key = (name, size, input_index, dim)
+        if key not in self._solved:
+            self._solved[key] = symbolic_analysis(self, strategy, size, input_index, dim).largest_fitting
+        return self._solved[key]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cluster": self.cluster.describe(), "world_size": self.world_size,
+                "budget_bytes": self.budget_bytes, "tokens_per_step": self.tokens_per_step,
+                "why": self.why, "seconds": self.seconds, "rows": [r.as_dict() for r in self.rows],
+                "best": self.best.as_dict() if self.best else None}
+
+
+def _rank(row: PlanRow) -> tuple:
+    return (not row.fits, row.step_seconds if row.step_seconds is not None else math.inf, row.peak_bytes)
+
+
+# ---------------------------------------------------------------------- model states
+def _shard_numel(shape: tuple[int, ...], shard_size: int) -> int:
+    if not shape or shard_size == 1:
+        return math.prod(shape)
+    return padded_rows(shape[0], shard_size) * math.prod(shape[1:])
+
+
+def model_state_bytes(model: nn.Module, strategy: ShardingStrategy, world: int, devices_per_node: int,
+                      optimizer: str) -> dict[str, float]:
+    """Resident bytes per device of parameters, gradients and optimizer state (exact, from the
+    parameters' shapes and the strategy's shard layout), and of buffers."""
+    shard = 1 if strategy is ShardingStrategy.NO_SHARD else (devices_per_node if strategy.is_hybrid else world)
+    params = grads = 0
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        numel = _shard_numel(tuple(p.shape), shard)
+        params += numel * p.element_size()
+        if p.requires_grad:
+            grads += numel * p.element_size()
+    states = OPTIMIZER_STATES[optimizer]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"params": params, "grads": grads, "optimizer": states * grads, "buffers": buffers}
+
+
+# ---------------------------------------------------------------------- one candidate
+def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, tokens: int,
+             compute_dtype: torch.dtype, states: dict[str, float]) -> PlanRow:
+    """Cost, simulate and walk the memory of one traced candidate."""
+    groups: dict[str, Group] = {}
+    timeline = Timeline()
+    peak, peak_roles, phase = -1.0, {}, ""
+    optimizer_bytes = states["optimizer"]
+    for record in traced.records:
+        for phase_name, gm in (("forward", record.forward), ("backward", record.backward)):
+            if gm is None:
+                continue
+            costs = graph_costs(gm, cluster, groups)
+            timeline = timeline + simulate_graph(costs, cluster.comm_overlap)
+            held = {"param": max(0, states["params"] - input_bytes(gm, "param")),
+                    "buffer": max(0, states["buffers"] - input_bytes(gm, "buffer"))}
+            for live in memory_timeline(gm, held):
+                total = sum(live.values()) + optimizer_bytes
+                if total > peak:
+                    peak, phase = total, phase_name
+                    peak_roles = {ROLE_NAMES[k]: v for k, v in live.items()}
+                    peak_roles["optimizer"] = optimizer_bytes
+    # The optimizer step: shards, their gradients, the moments and one shard-sized temporary.
+    temporary = states["grads"] if OPTIMIZER_STATES[optimizer] else 0
+    at_step = states["params"] + states["grads"] + optimizer_bytes + temporary + states["buffers"]
+    if at_step > peak:
+        peak, phase = at_step, "optimizer step"
+        peak_roles = {"params": states["params"], "grads": states["grads"], "optimizer": optimizer_bytes + temporary,
+                      "gathered": 0, "activations": 0, "buffers": states["buffers"]}
+    n_tensors = len({id(p) for p in traced.model.parameters()})
+    numel = states["grads"] / 4
+    opt_seconds = optimizer_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
+    step = timeline.seconds + opt_seconds
+    memory = {k: float(peak_roles.get(k, 0)) for k in MEMORY_KEYS}
+    c = traced.candidate
+    failed = [f"{f['pass']} ({f['phase']})" for record in traced.records for f in record.fallbacks]
+    note = (f"pass failed: {', '.join(failed)}; a real run warns and runs that graph's markers eagerly, "
+            "as predicted here" if failed else "")
+    return PlanRow(
+        strategy=c.strategy.name, bucket=c.bucket_label(), prefetch=c.prefetch, fits=peak <= budget,
+        peak_bytes=float(peak), memory=memory, step_seconds=float(step),
+        exposed_comm_seconds=float(timeline.exposed_comm_seconds),
+        bytes_per_step={k: float(v) for k, v in timeline.wire_bytes.items()},
+        compute_seconds=float(timeline.compute_seconds + opt_seconds), comm_seconds=float(timeline.comm_seconds),
+        tokens_per_second=tokens / step if step > 0 else None,
+        mfu=float(timeline.flops) / (step * cluster.flops_for(compute_dtype)) if step > 0 else None,
+        phase=phase, note=note)
+
+
+def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float) -> PlanRow:
+    at_step = sum(states.values())
+    return PlanRow(
+        strategy=candidate.strategy.name, bucket=candidate.bucket_label(), prefetch=candidate.prefetch,
+        fits=False, peak_bytes=float(at_step),
+        memory={"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+                "gathered": 0.0, "activations": 0.0, "buffers": states["buffers"]},
+        step_seconds=None, exposed_comm_seconds=None, bytes_per_step={"intra": 0.0, "inter": 0.0},
+        traced=False, phase="optimizer step",
+        note=f"not traced: parameters, gradients and optimizer state alone need {at_step / GiB:.1f} GiB "
+             f"> {budget / GiB:.1f} GiB (a lower bound: activations come on top)")
+
+
+# ---------------------------------------------------------------------- the API
+def _tokens(example_inputs: Sequence[Any]) -> int:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return int(value.numel()) if not value.is_floating_point() else int(math.prod(value.shape[:2]))
+    return 1
+
+
+def _compute_dtype(model: nn.Module, mixed_precision: MixedPrecision | None) -> torch.dtype:
+    if mixed_precision is not None and mixed_precision.param_dtype is not None:
+        return mixed_precision.param_dtype
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _candidates(strategies, buckets, prefetches, world: int, devices_per_node: int) -> tuple[list[Candidate], list[str]]:
+    chosen = [ShardingStrategy.parse(s) for s in strategies] if strategies else list(ShardingStrategy)
+    skipped = []
+    out = []
+    for strategy in chosen:
+        if strategy.is_hybrid and (world <= devices_per_node or world % devices_per_node):
+            skipped.append(f"{strategy.name}: needs several whole nodes (world {world}, {devices_per_node} per node); "
+                           "on one node it is FULL_SHARD/SHARD_GRAD_OP")
+            continue
+        if strategy is not ShardingStrategy.NO_SHARD and world == 1:
+            skipped.append(f"{strategy.name}: a world of 1 has nothing to shard over")
+            continue
+        for bucket in buckets:
+            for prefetch in prefetches:
+                if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+                    raise ValueError(f"prefetch values must be ints >= 0, got {prefetch!r}")
+                out.append(Candidate(strategy, bucket, prefetch))
+    return out, skipped
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | torch.Tensor,
+    *,
+    cluster: Cluster,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    optimizer: str = "adamw",
+    world_size: int | None = None,
+    strategies: Sequence[ShardingStrategy | str] | None = None,
+    buckets: Sequence[Any] = ("module",),
+    prefetch: Sequence[int] = (1, 2),
+    memory_budget: float | None = None,
+    trace_all: bool = False,
+    verbose: bool = False,
+) -> Plan:
+    """Predict every strategy's memory and step time for ``model`` on ``cluster``; see the
+    README's "Choosing a strategy".
+
+    ``model`` may live on any device (meta included); nothing is allocated or copied:
+    parameters become fake tensors and the world a fake process group of ``world_size``
+    (default: the whole cluster) in this process. ``example_inputs`` are one rank's inputs
+    (real, meta or fake tensors); ``loss_fn(output) -> scalar`` (default: the output's sum) is
+    traced with the model, as a training step that compiles ``loss_fn(model(*inputs))``.
+    ``mixed_precision`` and the bucket policies in ``buckets`` mean what they mean for
+    ``fsdp_compile.backend``; every strategy is tried with every bucket policy and every depth
+    in ``prefetch``. ``optimizer``: "adamw" (default), "adam", "sgd" or "none".
+    ``memory_budget``: bytes per device to fit in (default: the cluster's usable memory).
+    Strategies whose parameters, gradients and optimizer state alone exceed the budget are not
+    traced (``trace_all=True`` traces them anyway).
+    """
+    import time
+
+    from .world import RealProcessGroupError, fake_world
+
+    started = time.perf_counter()
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster= must be an fsdp_compile.Cluster (e.g. Cluster.preset('h100-sxm')), "
+                        f"got {type(cluster).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    optimizer = optimizer.lower() if isinstance(optimizer, str) else optimizer
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError("mixed_precision= must be an fsdp_compile.MixedPrecision")
+    world = cluster.world_size if world_size is None else world_size
+    cluster.check_world(world)
+    budget = cluster.usable_memory if memory_budget is None else float(memory_budget)
+    if budget <= 0:
+        raise ClusterError(f"memory_budget={memory_budget!r} must be > 0 bytes")
+    compute_dtype = _compute_dtype(model, mixed_precision)
+    cluster.flops_for(compute_dtype)
+    candidates, skipped = _candidates(strategies, tuple(buckets), tuple(prefetch), world, cluster.devices_per_node)
+    if not candidates:
+        raise PlanError("no strategy applies here: " + "; ".join(skipped))
+    progress = print if verbose else None
+
+    states = {c.strategy: model_state_bytes(model, c.strategy, world, cluster.devices_per_node, optimizer)
+              for c in candidates}
+    to_trace = [c for c in candidates if trace_all or sum(states[c.strategy].values()) <= budget]
+    context = _Context(model, example_inputs, loss_fn, mixed_precision, optimizer, world)
+    try:
+        with fake_world(world):
+            context.traced = trace_candidates(
+                model, example_inputs, loss_fn, to_trace, world=world, devices_per_node=cluster.devices_per_node,
+                mixed_precision=mixed_precision, device_type=cluster.device_type, progress=progress)
+            tokens = _tokens(example_inputs)
+            rows = []
+            for candidate in candidates:
+                if candidate in context.traced:
+                    rows.append(evaluate(context.traced[candidate], cluster, optimizer, budget, tokens,
+                                         compute_dtype, states[candidate.strategy]))
+                elif not any(r.strategy == candidate.strategy.name for r in rows):
+                    # one row per strategy ruled out: its bucket and prefetch variants cannot fit either
+                    rows.append(_untraced_row(candidate, states[candidate.strategy], budget))
+    except RealProcessGroupError:
+        from .isolated import plan_in_subprocess
+
+        return plan_in_subprocess(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
+                                  mixed_precision=mixed_precision, optimizer=optimizer, world_size=world,
+                                  strategies=strategies, buckets=buckets, prefetch=prefetch,
+                                  memory_budget=memory_budget, trace_all=trace_all, verbose=verbose)
+    best, why = choose(rows, budget, skipped)
+    policies = {c.bucket_label(): c.bucket for c in candidates}
+    return Plan(cluster, world, rows, best, why, budget, tokens, time.perf_counter() - started, policies, context)
+
+
+def choose(rows: list[PlanRow], budget: float, skipped: Sequence[str] = ()) -> tuple[PlanRow | None, str]:
+    """The fastest row that fits; ties (within 1%) go to the one needing less memory."""
+    fitting = [r for r in rows if r.fits and r.step_seconds is not None]
+    notes = ("; skipped " + "; ".join(skipped)) if skipped else ""
+    if not fitting:
+        return None, _nothing_fits(rows, budget) + notes
+    fastest = min(r.step_seconds for r in fitting)
+    close = [r for r in fitting if r.step_seconds <= fastest * 1.01]
+    best = min(close, key=lambda r: (r.peak_bytes, r.step_seconds))
+    best.chosen = True
+    others = sorted((r for r in fitting if r is not best), key=lambda r: r.step_seconds)
+    why = (f"fastest (a tie within 1% goes to less memory) of the {len(fitting)} configurations that fit in "
+           f"{size(budget)} per device "
+           f"({best.step_seconds * 1e3:.4g} ms per step, peak {size(best.peak_bytes)})")
+    if others:
+        runner = others[0]
+        change = (runner.step_seconds / best.step_seconds - 1) * 100
+        label = f"{runner.strategy} bucket={runner.bucket} prefetch={runner.prefetch}"
+        if change < 0:
+            why += (f"; {label} is {-change:.1f}% faster, within 1%, but needs "
+                    f"{size(runner.peak_bytes - best.peak_bytes)} more memory")
+        else:
+            why += f"; next: {label}, {change:.1f}% slower"
+    not_fitting = sorted({r.strategy for r in rows} - {r.strategy for r in fitting})
+    if not_fitting:
+        why += f"; does not fit: {', '.join(not_fitting)}"
+    return best, why + notes
+
+
+def size(value: float) -> str:
+    """Bytes for people: GiB, MiB or KiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _nothing_fits(rows: list[PlanRow], budget: float) -> str:
+    traced = [r for r in rows if r.traced] or rows  # untraced rows hold lower bounds only
+    least = min(traced, key=lambda r: r.peak_bytes)
+    need = least.peak_bytes
+    m = least.memory
+    states = m.get("params", 0) + m.get("grads", 0) + m.get("optimizer", 0)
+    act = m.get("activations", 0) + m.get("gathered", 0)
+    advice = []
+    if act > 0:
+        advice.append(f"activation checkpointing (torch.utils.checkpoint per block: most of the {size(act)} of "
+                      "activations and gathered parameters at the peak is recomputed instead of kept)")
+    advice.append(f"more devices (they shrink only the {size(states)} of parameters, gradients and optimizer "
+                  "state, which FSDP shards" + (f", not the {size(act)} of activations)" if act else ")"))
+    if states > 0:
+        advice.append(f"CPU offload (fsdp_compile.CPUOffload moves the {size(states)} of shards, gradients and "
+                      "optimizer state to host memory)")
+    advice.append("a smaller batch or sequence (activations shrink with them)")
+    return (f"no strategy fits in {size(budget)} per device: the least memory is {size(need)} "
+            f"({least.strategy}, at its {least.phase} peak); what would make it fit: " + "; ".join(advice))
+
+
+def require_fit(result: Plan) -> PlanRow:
+    """``result.best``, or a :class:`PlanError` saying how much memory is needed and what would help."""
+    if result.best is None:
+        raise PlanError(result.why)
+    return result.best

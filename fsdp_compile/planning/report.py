@@ -1,0 +1,64 @@
+"""The plan as a table a person reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cluster import GiB
+
+
+def _unit(plan: Any) -> tuple[str, float]:
+    """GiB for real models; MiB for small ones (tests, this machine's models)."""
+    largest = max(r.peak_bytes for r in plan.rows)
+    return ("GiB", GiB) if largest >= GiB else ("MiB", float(1 << 20))
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def render_plan(plan: Any) -> str:
+    """One line per candidate: fits?, peak and memory by role (GiB per device), bytes per
+    step per link, step time, exposed communication, tokens/s per device, MFU; the chosen row
+    marked, and why."""
+    unit, scale = _unit(plan)
+
+    def _gib(value: float) -> str:
+        return f"{value / scale:.2f}"
+
+    header = ["", "strategy", "bucket", "pf", "fits", f"peak {unit}", "params", "grads", "optim", "gathered", "activ",
+              "buffers", "intra/step", "inter/step", "step", "exposed", "tok/s/dev", "MFU"]
+    lines = []
+    for row in plan.rows:
+        m = row.memory
+        lines.append([
+            "*" if row.chosen else "", row.strategy, row.bucket, str(row.prefetch), "yes" if row.fits else "NO",
+            _gib(row.peak_bytes), _gib(m["params"]), _gib(m["grads"]), _gib(m["optimizer"]), _gib(m["gathered"]),
+            _gib(m["activations"]), _gib(m["buffers"]), _bytes(row.bytes_per_step.get("intra", 0)),
+            _bytes(row.bytes_per_step.get("inter", 0)), _time(row.step_seconds), _time(row.exposed_comm_seconds),
+            f"{row.tokens_per_second:,.0f}" if row.tokens_per_second else "-",
+            f"{row.mfu * 100:.1f}%" if row.mfu is not None else "-"])
+    widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
+    out = [f"Plan for {plan.world_size} devices of {plan.cluster.describe()}",
+           (f"memory budget {plan.budget_bytes / scale:.2f} {unit} per device (memory columns in {unit}); "
+            f"{plan.tokens_per_step} tokens per device per step; predicted (roofline compute, ring "
+            "collectives, one compute and one communication stream), not measured"),
+           "  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
+    notes = [f"{row.strategy} {row.bucket} pf={row.prefetch}: {row.note}" for row in plan.rows if row.note]
+    if notes:
+        out.append("notes: " + "\n       ".join(notes))
+    out.append(("chosen: " + f"{plan.best.strategy} bucket={plan.best.bucket} prefetch={plan.best.prefetch} -- "
+                if plan.best else "chosen: none -- ") + plan.why)
+    return "\n".join(out) + "\n"

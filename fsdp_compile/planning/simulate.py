@@ -1,0 +1,140 @@
+"""Play a lowered, scheduled graph on two streams, and walk its memory along the same order.
+
+Time: one compute stream runs the graph's compute nodes in graph order; one communication
+stream runs collectives in the order they are issued, each starting when it is issued (the
+compute stream reaches it) and the previous collective is done. A ``wait_tensor`` blocks the
+compute stream until its collective has finished: the time it blocks is *exposed*
+communication. Collective time spent while compute runs is *hidden*; on a machine where
+communication takes time from compute (``comm_overlap`` < 1, e.g. gloo on a CPU), that share
+of the hidden time is added back.
+
+Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.memory`),
+as ints or sympy expressions for graphs traced with symbolic sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from ..memory import ROLES, storage_lifetimes
+from .cost import NodeCost, maximum
+
+
+@dataclass
+class Timeline:
+    """What one graph (or a step) costs on the two streams."""
+
+    seconds: Any = 0.0
+    compute_seconds: Any = 0.0
+    comm_seconds: Any = 0.0
+    exposed_comm_seconds: Any = 0.0
+    flops: Any = 0
+    wire_bytes: dict[str, Any] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+    collectives: int = 0
+
+    def __add__(self, other: Timeline) -> Timeline:
+        return Timeline(
+            self.seconds + other.seconds, self.compute_seconds + other.compute_seconds,
+            self.comm_seconds + other.comm_seconds, self.exposed_comm_seconds + other.exposed_comm_seconds,
+            self.flops + other.flops,
+            {k: self.wire_bytes.get(k, 0) + other.wire_bytes.get(k, 0) for k in ("intra", "inter")},
+            self.collectives + other.collectives)
+
+
+# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key)
+Event = tuple
+
+
+def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0) -> Timeline:
+    """Run ``events`` on one compute and one communication stream (see the module docstring).
+
+    A collective never waited for is waited at the end (a graph's results are complete
+    when it returns).
+    """
+    now = 0.0  # the compute stream's clock
+    comm_free = 0.0  # when the communication stream is next idle
+    busy = 0.0
+    comm = 0.0
+    exposed = 0.0
+    finish: dict[Any, Any] = {}
+    wire = {"intra": 0, "inter": 0}
+    count = 0
+    for event in events:
+        kind = event[0]
+        if kind == "compute":
+            now = now + event[1]
+            busy = busy + event[1]
+        elif kind == "issue":
+            _, key, seconds, link, wire_bytes = event
+            start = maximum(now, comm_free)
+            comm_free = start + seconds
+            finish[key] = comm_free
+            comm = comm + seconds
+            wire[link] = wire[link] + wire_bytes
+            count += 1
+        elif kind == "wait":
+            end = finish.pop(event[1], None)
+            if end is not None:
+                later = maximum(now, end)
+                exposed = exposed + (later - now)
+                now = later
+        else:
+            raise ValueError(f"unknown event {event!r}")
+    for end in finish.values():
+        later = maximum(now, end)
+        exposed = exposed + (later - now)
+        now = later
+    hidden = comm - exposed
+    penalty = (1.0 - comm_overlap) * hidden
+    return Timeline(now + penalty, busy, comm, exposed + penalty, flops, wire, count)
+
+
+def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
+    events: list[Event] = []
+    for node, cost in costs:
+        if cost.kind == "compute":
+            events.append(("compute", cost.seconds))
+        elif cost.kind == "collective":
+            events.append(("issue", node, cost.seconds, cost.link, cost.wire_bytes))
+        elif cost.kind == "wait":
+            events.append(("wait", node.args[0]))
+    return events
+
+
+def simulate_graph(costs: list[tuple[fx.Node, NodeCost]], comm_overlap: float = 1.0) -> Timeline:
+    flops = 0
+    for _, cost in costs:
+        if cost.flops:
+            flops = flops + cost.flops
+    return simulate_events(graph_events(costs), comm_overlap, flops)
+
+
+def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
+                    symbolic: bool = False) -> list[dict[str, Any]]:
+    """Live bytes by role after each node's allocations, in graph order.
+
+    Same lifetimes as :func:`fsdp_compile.memory.estimate_memory` (inputs live throughout,
+    outputs from their node to their last use); ``held`` adds bytes per role the caller keeps
+    alive without passing them in.
+    """
+    life = storage_lifetimes(gm, symbolic)
+    allocs: dict[int, list] = {}
+    frees: dict[int, list] = {}
+    for key in life.size:
+        allocs.setdefault(life.born[key], []).append(key)
+        frees.setdefault(life.last_use[key], []).append(key)
+    by_role: dict[str, Any] = dict.fromkeys(ROLES, 0)
+    for role, extra in (held or {}).items():
+        by_role[role] = by_role[role] + extra
+    timeline = []
+    for i in range(len(life.nodes)):
+        for key in allocs.get(i, []):
+            by_role[life.role[key]] = by_role[life.role[key]] + life.size[key]
+        timeline.append(dict(by_role))
+        for key in frees.get(i, []):
+            by_role[life.role[key]] = by_role[life.role[key]] - life.size[key]
+    return timeline

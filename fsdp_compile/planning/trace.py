@@ -1,0 +1,218 @@
+"""Trace every candidate's graphs with the backend's own pipeline, sharing what is the same.
+
+A candidate is a strategy with a bucket policy and a prefetch depth. Candidates that shard
+over groups of the same size see the same shard shapes, so Dynamo and AOTAutograd produce the
+same joint graph for all of them except for the markers' arguments (their groups, the reshard
+flag, the bucket unit): one trace per such *layout* (FULL_SHARD and SHARD_GRAD_OP share one,
+the two hybrid strategies another, NO_SHARD its own), and each further candidate replays the
+joint graph with its own markers through the backend's partitioner and passes
+(``FSDPBackend._replay_for_planning``). Replaying gives exactly the graphs a trace of that
+candidate gives (tests/test_planning_trace.py checks it); it only skips repeating the
+capture. Candidates with the same reshard policy also share the partitioned graphs.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..backend import CompiledGraph, FSDPBackend, JointCapture
+from ..mixed_precision import MixedPrecision
+from ..passes.bucketing import BucketPolicy
+from ..passes.lowering import ROLE_META
+from ..strategy import ShardingStrategy
+from .attention import use_cuda_attention
+from .world import fake_inputs, fake_model
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner tries."""
+
+    strategy: ShardingStrategy
+    bucket: BucketPolicy = "module"
+    prefetch: int = 1
+
+    def layout(self, devices_per_node: int, world: int) -> int:
+        """Ranks a parameter is sharded over (the shard shapes every trace of it sees)."""
+        if self.strategy is ShardingStrategy.NO_SHARD:
+            return 1
+        return devices_per_node if self.strategy.is_hybrid else world
+
+    def bucket_label(self) -> str:
+        b = self.bucket
+        if isinstance(b, int) and not isinstance(b, bool):
+            return f"{b / (1 << 20):g}MiB"
+        if isinstance(b, str):
+            return b
+        return getattr(b, "__name__", type(b).__name__)
+
+    def label(self) -> str:
+        return f"{self.strategy.name} bucket={self.bucket_label()} prefetch={self.prefetch}"
+
+
+@dataclass
+class Traced:
+    """A candidate's compiled graphs and the backend (with its sharded fake model) that made them."""
+
+    candidate: Candidate
+    backend: FSDPBackend
+    model: nn.Module
+    records: list[CompiledGraph]
+    seconds: float
+    replayed: bool = False
+    symbolic: dict[str, Any] = field(default_factory=dict)  # symbol name -> "batch" / "seq"
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The sum of every floating-point tensor of the output (the planner's default loss)."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise ValueError("the model's output has no floating-point tensor to build a loss from; pass loss_fn=")
+    total = leaves[0].float().sum()
+    for t in leaves[1:]:
+        total = total + t.float().sum()
+    return total
+
+
+def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, devices_per_node: int,
+                  world: int) -> FSDPBackend:
+    hybrid = candidate.strategy.is_hybrid
+    return FSDPBackend(candidate.strategy, compiler="aot_eager", bucket=candidate.bucket,
+                       prefetch=candidate.prefetch, mixed_precision=mixed_precision,
+                       shard_size=devices_per_node if hybrid else None)
+
+
+def tag_buffer_inputs(record: CompiledGraph) -> None:
+    """Mark the forward graph's inputs that are module buffers (role ``buffer``).
+
+    AOTAutograd keeps the order of the Dynamo graph's inputs; the forward graph's tensor
+    inputs that are not parameter shards are, in order, the Dynamo graph's plain tensor
+    inputs (user inputs and buffers). Matched by position with a shape check; left alone
+    when they do not line up.
+    """
+    if record.forward is None:
+        return
+    dynamo = []
+    for node in record.dynamo.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        # Dynamo names a placeholder after its source: L['model']._buffers['x'] -> l_model_buffers_x_
+        dynamo.append((tuple(value.shape), "buffers_" in node.name))
+    forward = [n for n in record.forward.graph.find_nodes(op="placeholder")
+               if isinstance(n.meta.get("val"), torch.Tensor) and n.meta.get(ROLE_META) != "param"
+               and "rng" not in n.name]
+    forward = forward[:len(dynamo)]
+    if len(forward) != len(dynamo) or any(tuple(n.meta["val"].shape) != shape for n, (shape, _) in zip(forward, dynamo)):
+        return
+    for node, (_, is_buffer) in zip(forward, dynamo):
+        if is_buffer:
+            node.meta[ROLE_META] = "buffer"
+
+
+def trace_candidates(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    candidates: Sequence[Candidate],
+    *,
+    world: int,
+    devices_per_node: int,
+    mixed_precision: MixedPrecision | None,
+    device_type: str,
+    symbolic_dims: dict[int, dict[int, str]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[Candidate, Traced]:
+    """Trace ``candidates`` in the current (fake) world; see the module docstring.
+
+    ``symbolic_dims`` ({input index: {dim: "batch" | "seq"}}) traces those sizes as symbols.
+    """
+    loss_fn = loss_fn or default_loss
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    inputs = fake_inputs(mode, tuple(example_inputs))
+    symbols: dict[tuple[int, int], str] = {}
+    for index, dims in (symbolic_dims or {}).items():
+        for dim, label in dims.items():
+            torch._dynamo.mark_dynamic(inputs[index], dim)
+            symbols[(index, dim)] = label
+    dynamo_pass = use_cuda_attention if device_type == "cuda" else None
+    layouts: dict[int, list[Candidate]] = {}
+    for candidate in candidates:
+        layouts.setdefault(candidate.layout(devices_per_node, world), []).append(candidate)
+
+    traced: dict[Candidate, Traced] = {}
+    with warnings.catch_warnings():
+        # Pass failures are reported in the plan's rows; torch's own deprecation notices from
+        # deep-copying graphs say nothing about the user's model.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devices_per_node, world,
+                       dynamo_pass, symbols, progress, traced)
+    return traced
+
+
+def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devices_per_node, world,
+                   dynamo_pass, symbols, progress, traced) -> None:
+    for group in layouts.values():
+        captures: list[JointCapture] = []
+        partitions: dict[tuple[ShardingStrategy, int], tuple] = {}
+        for i, candidate in enumerate(group):
+            start = time.perf_counter()
+            backend = _make_backend(candidate, mixed_precision, devices_per_node, world)
+            sharded = backend._shard(fake_model(model, mode), materialize=False)
+            if i == 0:
+                def step(*args: Any, _model: nn.Module = sharded) -> torch.Tensor:
+                    return loss_fn(_model(*args))
+
+                records, captures = backend._trace_for_planning(step, inputs, keep_joint=len(group) > 1,
+                                                                dynamo_pass=dynamo_pass, fake_mode=mode)
+                for k, capture in enumerate(captures):
+                    if capture.partitioned is not None:
+                        partitions[(candidate.strategy, k)] = capture.partitioned
+                replayed = False
+            else:
+                records = []
+                for k, capture in enumerate(captures):
+                    record, partitioned = backend._replay_for_planning(
+                        capture, partitions.get((candidate.strategy, k)))
+                    partitions[(candidate.strategy, k)] = partitioned
+                    records.append(record)
+                replayed = True
+            for record in records:
+                tag_buffer_inputs(record)
+            entry = Traced(candidate, backend, sharded, records, time.perf_counter() - start, replayed)
+            if symbols:
+                entry.symbolic = _symbol_labels(records, inputs, symbols)
+            traced[candidate] = entry
+            if progress is not None:
+                progress(f"traced {candidate.label()} in {entry.seconds:.1f}s"
+                         + (" (replayed the shared joint graph)" if replayed else ""))
+
+
+def _symbol_labels(records: list[CompiledGraph], inputs: Sequence[Any],
+                   symbols: dict[tuple[int, int], str]) -> dict[str, str]:
+    """Which sympy symbol of the traced graphs stands for the batch and which for the sequence."""
+    labels: dict[str, str] = {}
+    for record in records:
+        user = []
+        for node in record.dynamo.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                user.append((node.name, value))  # L['args'][i] -> l_args_i_
+        for (index, dim), label in symbols.items():
+            for name, value in user:
+                if name == f"l_args_{index}_" and dim < value.dim():
+                    size = value.shape[dim]
+                    if isinstance(size, torch.SymInt):
+                        for symbol in size.node.expr.free_symbols:
+                            labels[str(symbol)] = label
+    return labels

@@ -1,0 +1,104 @@
+"""`python -m fsdp_compile plan` and `compare`: they run and say what they must."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], timeout: int = 900, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, check=False, **kwargs)
+
+
+def test_plan_command_prints_rows_and_writes_json(tmp_path: Path, capsys) -> None:
+    from fsdp_compile.__main__ import main
+
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", "gpt-tiny", "--seq", "32", "--batch", "2", "--cluster", "a10g", "--nodes", "2",
+                 "--prefetch", "1", "--strategies", "FULL_SHARD,HYBRID_SHARD", "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert "Plan for 16 devices of a10g" in stdout and "chosen:" in stdout
+    data = json.loads(out.read_text())
+    assert {r["strategy"] for r in data["rows"]} == {"FULL_SHARD", "HYBRID_SHARD"}
+    assert data["best"]["chosen"] and data["max_batch"] == {}
+
+
+def test_plan_command_rejects_unknown_model_and_cluster(capsys) -> None:
+    from fsdp_compile.__main__ import main
+
+    with pytest.raises(SystemExit, match="use one of"):
+        main(["plan", "--model", "gpt-9000"])
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "tpu"]) == 2
+    assert "error: unknown cluster preset 'tpu'" in capsys.readouterr().err
+
+
+def test_compare_needs_torchrun(monkeypatch) -> None:
+    from fsdp_compile.__main__ import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="start it with torchrun"):
+        main(["compare"])
+
+
+@pytest.mark.slow
+def test_plan_command_solves_the_largest_batch(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-tiny", "--seq", "32", "--batch", "2",
+                 "--cluster", "a10g", "--prefetch", "1", "--strategies", "FULL_SHARD", "--max-batch",
+                 "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "largest batch FULL_SHARD fits:" in proc.stdout
+    assert json.loads(out.read_text())["max_batch"]["FULL_SHARD"] > 2
+
+
+def test_plan_command_rejects_unknown_model_and_cluster() -> None:
+    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-9000"])
+    assert proc.returncode != 0 and "use one of" in proc.stderr
+    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-tiny", "--cluster", "tpu"])
+    assert proc.returncode == 2 and "error: unknown cluster preset 'tpu'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compare_needs_torchrun() -> None:
+    proc = _run(["-m", "fsdp_compile", "compare"])
+    assert proc.returncode != 0 and "start it with torchrun" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> None:
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_compile",
+                 "compare", "--model", "gpt-tiny", "--steps", "3", "--strategies", "FULL_SHARD,NO_SHARD",
+                 "--out", str(tmp_path)], timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert [r["strategy"] for r in data["rows"]] == ["FULL_SHARD", "NO_SHARD"]
+    for row in data["rows"]:
+        m, p = row["measured"], row["predicted"]
+        assert m["step_seconds"] > 0 and m["peak_bytes"] > m["resident_bytes"] > 0 and m["compile_seconds"] >= 0
+        assert m["bytes_per_step"]["intra"] > 0 and m["backend_bytes_per_step"] > 0 and p["step_seconds"] > 0
+        assert m["bytes_per_step"]["intra"] == pytest.approx(p["bytes_per_step"]["intra"], rel=0.01)
+    assert (tmp_path / "compare.png").stat().st_size > 1000
+    assert "step ms" in proc.stdout and "pred ms" in proc.stdout
+
+
+@pytest.mark.slow
+def test_accuracy_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
+    proc = _run([str(ROOT / "bench" / "plan_accuracy.py"), "--smoke", "--steps", "3", "--out", str(tmp_path)],
+                timeout=3000)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "plan_accuracy_smoke.json").read_text())
+    assert {r["strategy"] for r in data["accuracy"]["runs"]} == {"FULL_SHARD", "NO_SHARD"}
+    assert [r["strategy"] for r in data["zero"]["rows"]] == ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
+    depths = {name: r["depth"] for name, r in data["a10g"]["rows"].items()}
+    assert depths["NO_SHARD"] < depths["SHARD_GRAD_OP"] <= depths["FULL_SHARD"]
+    text = (tmp_path / "plan_accuracy_smoke.md").read_text()
+    assert "ZeRO paper" in text and "Measured on this machine" in text and "seed's chart" in text

@@ -1,0 +1,186 @@
+"""Unit tests of the planner's pieces: Cluster, the cost model, the two-stream simulator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fsdp_compile.planning import Cluster, ClusterError
+from fsdp_compile.planning.cost import Group, collective_cost, graph_costs, node_cost
+from fsdp_compile.planning.simulate import simulate_events
+
+H100 = Cluster.preset("h100-sxm", nodes=2)
+
+
+def small_cluster(**changes) -> Cluster:
+    fields = {"name": "toy", "nodes": 2, "devices_per_node": 4, "device_memory": 1e9,
+                  "peak_flops": {torch.float32: 1e12}, "memory_bandwidth": 1e11,
+                  "intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9,
+                  "intra_node_latency": 1e-6, "inter_node_latency": 1e-5, "collective_latency": 0.0}
+    fields.update(changes)
+    return Cluster(**fields)
+
+
+# ---------------------------------------------------------------- Cluster
+@pytest.mark.parametrize("name", ["h100-sxm", "a100-80gb", "a10g"])
+def test_presets_are_complete_and_sourced(name):
+    cluster = Cluster.preset(name, nodes=3)
+    assert cluster.world_size == 3 * 8
+    assert cluster.device_type == "cuda"
+    for key in ("device_memory", "peak_flops", "memory_bandwidth", "intra_node_bandwidth",
+                "inter_node_bandwidth", "latency"):
+        assert cluster.sources.get(key), f"{name}: no source for {key}"
+    assert torch.bfloat16 in cluster.peak_flops and torch.float32 in cluster.peak_flops
+
+
+def test_preset_numbers_are_the_data_sheets():
+    h100 = Cluster.preset("h100-sxm")
+    assert h100.peak_flops[torch.bfloat16] == 989e12 and h100.memory_bandwidth == 3.35e12
+    assert h100.inter_node_bandwidth == 50e9  # 400 Gb/s per GPU
+    a10g = Cluster.preset("a10g")
+    assert a10g.device_memory == 24e9 and a10g.inter_node_bandwidth == pytest.approx(100e9 / 8 / 8)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ClusterError, match="h100-sxm"):
+        Cluster.preset("tpu-v5")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"memory_bandwidth": None}, "memory_bandwidth is missing"),
+    ({"memory_bandwidth": -1.0}, "memory_bandwidth=-1.0 must be > 0"),
+    ({"peak_flops": {}}, "peak_flops is missing"),
+    ({"peak_flops": {torch.int8: 1e12}}, "floating-point"),
+    ({"nodes": 0}, "nodes=0 must be > 0"),
+    ({"devices_per_node": 2.5}, "whole number"),
+    ({"inter_node_bandwidth": None}, "inter_node_bandwidth is missing"),
+    ({"comm_overlap": 1.5}, "comm_overlap=1.5 must be <= 1.0"),
+    ({"intra_node_latency": float("nan")}, "finite"),
+    ({"reserved_memory": 2e9}, "leaves nothing"),
+    ({"device_type": "tpu"}, "device_type"),
+])
+def test_missing_or_impossible_numbers_are_named(change, message):
+    with pytest.raises(ClusterError, match=message):
+        small_cluster(**change)
+
+
+def test_one_node_needs_no_inter_node_link():
+    cluster = small_cluster(nodes=1, inter_node_bandwidth=None, inter_node_latency=None)
+    assert cluster.world_size == 4
+
+
+def test_world_larger_than_the_cluster_is_refused():
+    with pytest.raises(ClusterError, match="world_size=24 does not fit.*nodes=6"):
+        small_cluster().check_world(24)
+    small_cluster().check_world(8)
+
+
+def test_missing_dtype_says_how_to_add_it():
+    with pytest.raises(ClusterError, match="no peak FLOP/s for torch.bfloat16"):
+        small_cluster().flops_for(torch.bfloat16)
+
+
+# ---------------------------------------------------------------- collectives
+def test_ring_collective_within_a_node_uses_the_intra_node_link():
+    cluster = small_cluster()
+    cost = collective_cost("all_gather", 4_000_000, Group(4, 1), cluster)
+    wire = 4_000_000 * 3 / 4
+    assert cost.link == "intra" and cost.wire_bytes == wire
+    assert cost.seconds == pytest.approx(3 * 1e-6 + wire / 1e10)
+
+
+def test_flat_group_spanning_nodes_is_bound_by_the_inter_node_link():
+    cluster = small_cluster()
+    cost = collective_cost("reduce_scatter", 8_000_000, Group(8, 2), cluster)
+    wire = 8_000_000 * 7 / 8
+    # 7 ring steps, one of which crosses nodes
+    assert cost.link == "inter"
+    assert cost.seconds == pytest.approx(6 * 1e-6 + 1 * 1e-5 + wire / 1e9)
+
+
+def test_all_reduce_moves_twice_the_bytes():
+    cluster = small_cluster()
+    ar = collective_cost("all_reduce", 1_000_000, Group(4, 1), cluster)
+    ag = collective_cost("all_gather", 1_000_000, Group(4, 1), cluster)
+    assert ar.wire_bytes == 2 * ag.wire_bytes
+
+
+def test_group_of_one_costs_nothing():
+    assert collective_cost("all_gather", 10**6, Group(1, 1), small_cluster()).seconds == 0.0
+
+
+# ---------------------------------------------------------------- compute roofline
+def _graph(fn, *shapes, dtype=torch.float32):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode()
+    with mode:
+        args = [torch.empty(s, dtype=dtype) for s in shapes]
+        return make_fx(fn)(*args)
+
+
+def test_matmul_is_compute_bound_and_counts_torch_flops():
+    gm = _graph(lambda a, b: a @ b, (512, 512), (512, 512))
+    cluster = small_cluster(peak_flops={torch.float32: 1e9})
+    mm = next(n for n in gm.graph.nodes if n.op == "call_function")
+    cost = node_cost(mm, cluster, {})
+    assert cost.flops == 2 * 512 ** 3
+    assert cost.bytes == 3 * 512 * 512 * 4
+    assert cost.seconds == pytest.approx(2 * 512 ** 3 / 1e9)
+
+
+def test_elementwise_is_memory_bound_and_views_are_free():
+    gm = _graph(lambda a: (a * 2).view(-1), (1024, 1024))
+    cluster = small_cluster(op_overhead=1e-6)
+    costs = {n.target: c for n, c in graph_costs(gm, cluster)}
+    mul = costs[torch.ops.aten.mul.Tensor]
+    assert mul.kind == "compute" and mul.flops == 0
+    assert mul.seconds == pytest.approx(2 * 1024 * 1024 * 4 / 1e11 + 1e-6)
+    assert costs[torch.ops.aten.view.default].kind == "free"
+
+
+# ---------------------------------------------------------------- simulator
+def test_fully_hidden_collective_exposes_nothing():
+    events = [("issue", "ag", 1.0, "intra", 10), ("compute", 3.0), ("wait", "ag"), ("compute", 1.0)]
+    t = simulate_events(events)
+    assert t.seconds == 4.0 and t.exposed_comm_seconds == 0.0
+    assert t.compute_seconds == 4.0 and t.comm_seconds == 1.0 and t.wire_bytes["intra"] == 10
+
+
+def test_collective_waited_at_once_is_fully_exposed():
+    events = [("compute", 2.0), ("issue", "ag", 1.5, "inter", 7), ("wait", "ag"), ("compute", 1.0)]
+    t = simulate_events(events)
+    assert t.seconds == 4.5 and t.exposed_comm_seconds == 1.5 and t.wire_bytes["inter"] == 7
+
+
+def test_collectives_share_one_stream_in_issue_order():
+    # two collectives issued together: the second starts when the first ends
+    events = [("issue", "a", 2.0, "intra", 0), ("issue", "b", 2.0, "intra", 0), ("compute", 3.0),
+              ("wait", "a"), ("wait", "b")]
+    t = simulate_events(events)
+    assert t.seconds == 4.0 and t.exposed_comm_seconds == 1.0
+
+
+def test_partial_overlap_and_contention():
+    events = [("issue", "x", 3.0, "intra", 0), ("compute", 2.0), ("wait", "x")]
+    assert simulate_events(events).exposed_comm_seconds == 1.0
+    # communication that takes CPU time from compute: the hidden 2 s cost half of it
+    slowed = simulate_events(events, comm_overlap=0.5)
+    assert slowed.seconds == 4.0 and slowed.exposed_comm_seconds == 2.0
+
+
+def test_unwaited_collective_is_waited_at_the_end():
+    t = simulate_events([("issue", "x", 5.0, "intra", 0), ("compute", 1.0)])
+    assert t.seconds == 5.0 and t.exposed_comm_seconds == 4.0
+
+
+def test_symbolic_durations_give_expressions():
+    import sympy
+
+    b = sympy.Symbol("batch", positive=True)
+    t = simulate_events([("issue", "x", 3.0, "intra", 0), ("compute", 2 * b), ("wait", "x")])
+    assert float(t.seconds.subs(b, 1)) == 3.0 and float(t.seconds.subs(b, 4)) == 8.0
+    assert not math.isnan(float(t.exposed_comm_seconds.subs(b, 1)))
