@@ -32,6 +32,9 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from .ops import REDUCE_GRAD, UNSHARD_TARGETS, decode
+from .passes.graph import COMM_META, decode_collective
+
 _PREFIX = "fsdp_compile"
 _POLL_SECONDS = 0.02
 # Item values longer than this are cut in error messages (a whole layout can be long).
@@ -298,10 +301,6 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
     Groups are named by their role (``group_roles``: process-group name -> role): in a hybrid
     mesh each rank's shard group is another process group, yet the same role.
     """
-    from .graphinfo import COLLECTIVES
-    from .ops import UNSHARD_TARGETS, REDUCE_GRAD, decode
-    from .passes.lowering import COMM_META
-
     calls: list[CollectiveCall] = []
     graphs = [("forward", record.forward, record.forward_buckets),
               ("backward", record.backward, record.backward_buckets)]
@@ -314,16 +313,14 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            if node.target in COLLECTIVES:
-                kind = COLLECTIVES[node.target]
-                value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-                group = node.args[2] if kind == "all_reduce" else node.args[-1]
+            collective = decode_collective(node)
+            if collective is not None:
                 tag = node.meta.get(COMM_META)
                 bucket = tag.bucket if tag is not None else "?"
-                calls.append(CollectiveCall(phase, kind, group_roles.get(str(group), str(group)),
-                                            str(value.dtype).replace("torch.", ""),
-                                            int(value.numel() * value.element_size()), bucket,
-                                            members.get(bucket, ())))
+                group = str(collective.group)
+                calls.append(CollectiveCall(phase, collective.kind, group_roles.get(group, group),
+                                            str(collective.dtype).replace("torch.", ""),
+                                            int(collective.buffer_bytes), bucket, members.get(bucket, ())))
             elif node.target in UNSHARD_TARGETS or node.target is REDUCE_GRAD:
                 marker = decode(node)
                 value = node.meta["val"] if marker.kind == "unshard" else marker.input.meta["val"]

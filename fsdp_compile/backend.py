@@ -51,7 +51,8 @@ from .graphinfo import is_gathered
 from .report import graph_summary, render_report
 from .memory import MemoryEstimate, estimate_memory, input_bytes
 from .passes.bucketing import ROOT_UNIT, unit_modules, unit_of
-from .passes.lowering import ROLE_META, lower_markers
+from .passes.graph import ROLE_META
+from .passes.lowering import lower_markers
 from .passes.pipeline import PassFailure, copy_graph_module, run_passes
 from .passes.reshard import elide_trivial_unshard, tag_reshard_policy
 from .passes.rng_state_order import order_rng_states_before_opaque

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 import torch.fx as fx
 
 from .ops import REDUCE_GRAD, UNSHARD, UNSHARD_NO_SYNC, UNSHARD_TARGETS
-from .passes.reshard import VIEW_LIKE
+from .passes.graph import COLLECTIVES, VIEW_LIKE, WAIT, Collective, decode_collective, is_compute
 
-_c10d = torch.ops._c10d_functional
-COLLECTIVES = {
-    _c10d.all_gather_into_tensor.default: "all_gather",
-    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    _c10d.all_reduce.default: "all_reduce",
-}
 COPY_OUT = torch.ops.fsdp_compile.copy_out.default
 
 
@@ -33,41 +27,12 @@ def marker_counts(gm: fx.GraphModule | None) -> dict[str, int]:
     return {"unshard": counts[str(UNSHARD)] + counts[str(UNSHARD_NO_SYNC)], "reduce_grad": counts[str(REDUCE_GRAD)]}
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One collective call of a graph, in graph order."""
-
-    kind: str  # "all_gather", "reduce_scatter", "all_reduce"
-    group: str
-    group_size: int
-    dtype: torch.dtype
-    buffer_bytes: int  # all-gather output, reduce-scatter input, all-reduce buffer
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes each rank sends (= receives) with ring algorithms."""
-        n = self.group_size
-        share = (n - 1) / n
-        return self.buffer_bytes * (2 * share if self.kind == "all_reduce" else share)
-
-
 def collectives(gm: fx.GraphModule | None) -> list[Collective]:
+    """Every collective of ``gm`` in graph order, with its group's size resolved."""
     if gm is None:
         return []
-    found = []
-    for node in gm.graph.nodes:
-        kind = COLLECTIVES.get(node.target) if node.op == "call_function" else None
-        if kind is None:
-            continue
-        buffer = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-        if kind == "all_reduce":
-            group, size = node.args[2], None
-        else:
-            group, size = node.args[-1], node.args[-2]
-        if size is None:
-            size = torch.distributed.distributed_c10d._resolve_process_group(group).size()
-        found.append(Collective(kind, group, size, buffer.dtype, buffer.numel() * buffer.element_size()))
-    return found
+    found = (decode_collective(n) for n in gm.graph.nodes)
+    return [dataclasses.replace(c, group_size=c.resolved_group_size()) for c in found if c is not None]
 
 
 def collective_counts(gm: fx.GraphModule | None) -> dict[str, int]:
@@ -82,9 +47,6 @@ def missed_overlaps(gm: fx.GraphModule) -> list[str]:
     collective is a missed overlap when some compute node after it does not need its result
     and could have run first. Views are not compute: they take no time to overlap with.
     """
-    from .passes.lowering import COMM_META, WAIT
-    from .passes.reshard import PURE_VIEWS
-
     nodes = list(gm.graph.nodes)
     missed = []
     for i, node in enumerate(nodes):
@@ -92,8 +54,7 @@ def missed_overlaps(gm: fx.GraphModule) -> list[str]:
         if node.target not in COLLECTIVES or wait.target is not WAIT or wait.args[0] is not node:
             continue
         needs_wait = _closure(wait, lambda n: n.users)
-        later = (n for n in nodes[i + 2:]
-                 if n.op == "call_function" and COMM_META not in n.meta and n.target not in PURE_VIEWS)
+        later = (n for n in nodes[i + 2:] if is_compute(n))
         if any(n not in needs_wait for n in later):
             missed.append(node.name)
     return missed

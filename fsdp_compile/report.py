@@ -11,9 +11,7 @@ from typing import Any, Iterable
 
 import torch.fx as fx
 
-from .graphinfo import COLLECTIVES
-from .passes.lowering import COMM_META, WAIT
-from .passes.reshard import PURE_VIEWS
+from .passes.graph import COMM_META, WAIT, decode_collective, is_compute
 from .runtime.collectives import padded_rows
 
 
@@ -38,10 +36,6 @@ def _bucket_summary(bucket) -> dict[str, Any]:
             "params": params, "bytes": sum(p["bytes"] for p in params)}
 
 
-def _is_compute(node: fx.Node) -> bool:
-    return node.op == "call_function" and COMM_META not in node.meta and node.target not in PURE_VIEWS
-
-
 def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -49,29 +43,25 @@ def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     count = 0
     for node in nodes:
         compute_before.append(count)
-        count += _is_compute(node)
+        count += is_compute(node)
     found, gathers_waited = [], []
     waits = {n.args[0]: n for n in nodes if n.target is WAIT}
     gather_rank = {}
-    for node in nodes:
-        if node.target in COLLECTIVES and COLLECTIVES[node.target] == "all_gather":
+    decoded = {n: c for n in nodes for c in [decode_collective(n)] if c is not None}
+    for node, collective in decoded.items():
+        if collective.kind == "all_gather":
             gather_rank[node] = len(gather_rank)
     gather_order = sorted(gather_rank, key=lambda n: index[waits[n]] if n in waits else index[n])
     use_rank = {n: i for i, n in enumerate(gather_order)}
-    for node in nodes:
-        kind = COLLECTIVES.get(node.target) if node.op == "call_function" else None
-        if kind is None:
-            continue
+    for node, collective in decoded.items():
+        kind = collective.kind
         tag = node.meta.get(COMM_META)
-        value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-        group = node.args[2] if kind == "all_reduce" else node.args[-1]
         wait = waits.get(node)
         issue_at, wait_at = index[node], index[wait] if wait is not None else index[node]
         overlapped = compute_before[wait_at] - compute_before[issue_at]
-        # all_gather(input, size, group), reduce_scatter(input, op, size, group), all_reduce(input, op, group)
-        size = {"all_gather": node.args[1], "reduce_scatter": node.args[2]}.get(kind)
-        entry = {"kind": kind, "bucket": tag.bucket if tag else None, "group": group, "group_size": size,
-                 "dtype": str(value.dtype).replace("torch.", ""), "bytes": value.numel() * value.element_size(),
+        entry = {"kind": kind, "bucket": tag.bucket if tag else None, "group": collective.group,
+                 "group_size": collective.group_size,
+                 "dtype": str(collective.dtype).replace("torch.", ""), "bytes": collective.buffer_bytes,
                  "issued_at": issue_at, "waited_at": wait_at, "issued_before": node.next.name,
                  "overlapped_compute": overlapped}
         if kind == "all_gather":
@@ -100,7 +90,7 @@ def _phase_summary(gm, buckets, schedule, memory, seconds) -> dict[str, Any] | N
             "live": [live for _, live in memory.timeline],
             "inflight": memory.inflight_timeline,
             "roles": {role: [r[role] for r in memory.role_timeline] for role in memory.peak_by_role},
-            "compute": [_is_compute(n) for n in gm.graph.nodes],
+            "compute": [is_compute(n) for n in gm.graph.nodes],
         }
     return summary
 
@@ -276,8 +266,8 @@ def chrome_trace(summaries: Iterable[dict[str, Any]]) -> dict[str, Any]:
             if not p or "timeline" not in p:
                 continue
             t = p["timeline"]
-            for i, (name, is_compute) in enumerate(zip(t["nodes"], t["compute"])):
-                if is_compute:
+            for i, (name, computes) in enumerate(zip(t["nodes"], t["compute"])):
+                if computes:
                     events.append({"name": name, "ph": "X", "ts": offset + i, "dur": 1, "pid": pid,
                                    "tid": f"{phase} compute", "cat": "compute"})
                 events.append({"name": "memory", "ph": "C", "ts": offset + i, "pid": pid,

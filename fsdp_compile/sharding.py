@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .grad_sync import SYNC_ATTR, GradientSync
 from .groups import Topology, current_device
 from .mixed_precision import MixedPrecision, cast_inputs, cast_output
-from .materialize import InitFn, has_meta, materialize
+from .materialize import InitFn, has_meta, materialize as materialize_units
 from .offload import CPUOffload, offload_pins_memory
 from .passes.bucketing import Policy, parse_policy, unit_modules, unit_of
 from .runtime.collectives import CommSpec, padded_rows, shard_bounds
@@ -255,7 +255,7 @@ def shard_module(
     if has_meta(model) and materialize:
         # Without units of its own (bytes / param policies) a model still materializes block by block.
         init_units = units if policy.uses_units else unit_modules(model, parse_policy("module"))
-        result = materialize(model, init_units, init_device or current_device(topology.mesh.device_type),
+        result = materialize_units(model, init_units, init_device or current_device(topology.mesh.device_type),
                              lambda full: _shard_tensor(full, topology, offload), init_fn)
         presharded, peak = result.shards, result.peak_full_bytes
     elif init_fn is not None and materialize:

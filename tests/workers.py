@@ -1070,7 +1070,7 @@ def user_pass_worker(rank: int, world: int, dump_dir: str) -> dict:
 def overlapped_compute(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Per gathered bucket, the compute nodes between its all-gather and that gather's wait (in
     node order). Buckets are told apart by the tag lowering puts on their nodes."""
-    from fsdp_compile.passes.lowering import COMM_META
+    from fsdp_compile.passes.graph import COMM_META
 
     nodes = list(gm.graph.nodes)
     issued = {n: i for i, n in enumerate(nodes) if n.target is _c10d.all_gather_into_tensor.default}

@@ -14,7 +14,6 @@ run, never what they compute.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence
 
 import torch
@@ -24,51 +23,10 @@ from torch._guards import detect_fake_mode
 from ..ops import markers
 from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
+from .graph import COMM_META, WAIT, CommTag, stable_topological_sort, tag_parameter_input
 from .templates import TraceCache, stamp_fake_values
 
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-COLLECTIVE_OPS = (ALL_GATHER, torch.ops._c10d_functional.reduce_scatter_tensor.default,
-                  torch.ops._c10d_functional.all_reduce.default)
-
-
-def collective_bytes(node: fx.Node) -> int:
-    """Unsharded bytes a collective holds in flight: an all-gather's output, else its input."""
-    value = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
-    return value.numel() * value.element_size()
-COMM_META = "fsdp_comm"
-ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see memory.py)
-
-
-@dataclass(frozen=True)
-class CommTag:
-    """Set on every node a bucket was lowered into (``node.meta["fsdp_comm"]``).
-
-    ``stage`` counts the waits before the node: 0 for the nodes up to and including the first
-    collective (copy-in or chunk-cat, then the collective), 1 from its wait on (for a hybrid
-    reduction: up to and including the all-reduce across replicas), 2 from the all-reduce's
-    wait on. The scheduler moves stages apart so compute runs while collectives are in flight.
-    """
-
-    group: int  # one per lowered bucket, unique within the graph
-    kind: str  # "gather" or "reduce"
-    stage: int
-    bucket: str
-    bytes: int  # unsharded bytes the collective moves (gather output / reduce input)
-
-
 Decompositions = Optional[dict]
-
-
-def tag_parameter_input(node: fx.Node) -> None:
-    """Mark the graph input a marker reads (through views, e.g. DTensor's ``to_local``) as a
-    parameter, for the memory estimate."""
-    from .reshard import PURE_VIEWS
-
-    while node.op == "call_function" and node.target in PURE_VIEWS:
-        node = node.args[0]
-    if node.op == "placeholder":
-        node.meta[ROLE_META] = "param"
 
 
 def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
@@ -147,34 +105,6 @@ def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
     for marker, output in zip(bucket.markers, outputs):
         marker.node.replace_all_uses_with(output)
         graph.erase_node(marker.node)
-
-
-def stable_topological_sort(graph: fx.Graph) -> None:
-    """Reorder nodes so each follows its inputs, keeping the existing order where it is valid.
-
-    Splicing a bucket in before its first marker can place a collective ahead of an input that
-    is computed later (or a use of a reduced gradient ahead of the reduction); each such node is
-    moved just far enough: its missing inputs are placed first, in their original order.
-    """
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    placed: set[fx.Node] = set()
-    cursor: fx.Node | None = None
-    for root in list(graph.nodes):
-        stack = [root]
-        while stack:
-            node = stack[-1]
-            if node in placed:
-                stack.pop()
-                continue
-            missing = sorted((i for i in node.all_input_nodes if i not in placed), key=position.__getitem__)
-            if missing:
-                stack.extend(reversed(missing))
-                continue
-            stack.pop()
-            if cursor is not None and cursor.next is not node:
-                cursor.append(node)
-            placed.add(node)
-            cursor = node
 
 
 def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decompositions = None,

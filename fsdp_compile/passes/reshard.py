@@ -9,29 +9,11 @@ saves the (already resident) shard and re-runs the gather in the backward graph.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..ops import UNSHARD_TARGETS, decode
-from .lowering import tag_parameter_input
-
-aten = torch.ops.aten
-
-# Ops that only reinterpret their input's storage: free to move, allocate nothing.
-PURE_VIEWS = {
-    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
-    aten.transpose.int, aten.expand.default, aten.alias.default, aten.slice.Tensor,
-    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-    aten.squeeze.dims, aten.as_strided.default,
-}
-# Views plus reshapes and casts: recomputing them costs nothing and saving one of them would
-# keep the whole gathered parameter alive.
-VIEW_LIKE = PURE_VIEWS | {
-    aten.reshape.default, aten._to_copy.default, aten.clone.default,
-    torch.ops.prims.convert_element_type.default,
-}
-
+from .graph import VIEW_LIKE, tag_parameter_input
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target in UNSHARD_TARGETS]

@@ -24,8 +24,7 @@ from typing import Mapping, Sequence
 import torch.fx as fx
 
 from ..errors import ConfigError
-from .lowering import COLLECTIVE_OPS, COMM_META, CommTag, collective_bytes, stable_topological_sort
-from .reshard import PURE_VIEWS
+from .graph import COLLECTIVE_OPS, COMM_META, PURE_VIEWS, CommTag, collective_bytes, stable_topological_sort
 
 
 @dataclass(frozen=True)

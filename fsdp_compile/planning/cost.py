@@ -30,8 +30,7 @@ from torch.utils.flop_counter import (
 )
 
 from ..memory import size_hint
-from ..passes.lowering import ALL_GATHER, WAIT
-from ..passes.reshard import PURE_VIEWS
+from ..passes.graph import ALL_GATHER, PURE_VIEWS, WAIT
 from .cluster import Cluster
 from .measure import ring_steps
 

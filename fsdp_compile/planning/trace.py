@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..backend import CompiledGraph, FSDPBackend, JointCapture
 from ..mixed_precision import MixedPrecision
 from ..passes.bucketing import BucketPolicy
-from ..passes.lowering import ROLE_META
+from ..passes.graph import ROLE_META
 from ..strategy import ShardingStrategy
 from .attention import use_cuda_attention
 from .world import fake_inputs, fake_model

@@ -1,0 +1,153 @@
+"""The graph vocabulary every pass, report and estimate shares.
+
+Which operators are collectives and waits, which only reinterpret storage, the metadata keys
+our passes leave on nodes, how a lowered node is tagged, and one way to read a collective
+(kind, group, group size, dtype, bytes) off its node. Defined once here so a pass and the
+code that reports on its result cannot disagree about what a node is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+
+WAIT = _c10d.wait_tensor.default
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+ALL_REDUCE = _c10d.all_reduce.default
+# Functional collective -> its kind, as reports, the planner and the agreement check name it.
+COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+COLLECTIVE_OPS = tuple(COLLECTIVES)
+
+# Ops that only reinterpret their input's storage: free to move, allocate nothing.
+PURE_VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
+    aten.transpose.int, aten.expand.default, aten.alias.default, aten.slice.Tensor,
+    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.squeeze.dims, aten.as_strided.default,
+}
+# Views plus reshapes and casts: recomputing them costs nothing and saving one of them would
+# keep the whole gathered parameter alive.
+VIEW_LIKE = PURE_VIEWS | {
+    aten.reshape.default, aten._to_copy.default, aten.clone.default,
+    torch.ops.prims.convert_element_type.default,
+}
+
+# node.meta keys our passes set.
+COMM_META = "fsdp_comm"  # a CommTag on every node a bucket was lowered into
+ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see memory.py)
+
+
+@dataclass(frozen=True)
+class CommTag:
+    """Set on every node a bucket was lowered into (``node.meta["fsdp_comm"]``).
+
+    ``stage`` counts the waits before the node: 0 for the nodes up to and including the first
+    collective (copy-in or chunk-cat, then the collective), 1 from its wait on (for a hybrid
+    reduction: up to and including the all-reduce across replicas), 2 from the all-reduce's
+    wait on. The scheduler moves stages apart so compute runs while collectives are in flight.
+    """
+
+    group: int  # one per lowered bucket, unique within the graph
+    kind: str  # "gather" or "reduce"
+    stage: int
+    bucket: str
+    bytes: int  # unsharded bytes the collective moves (gather output / reduce input)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One functional collective of a graph, as its node states it."""
+
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce"
+    group: str  # the process group's registered name
+    group_size: int | None  # stated by all-gather and reduce-scatter; None for all-reduce
+    dtype: torch.dtype
+    buffer_bytes: int  # all-gather output, reduce-scatter input, all-reduce buffer
+
+    def resolved_group_size(self) -> int:
+        if self.group_size is not None:
+            return self.group_size
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(self.group).size()
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends (= receives) with ring algorithms."""
+        n = self.resolved_group_size()
+        share = (n - 1) / n
+        return self.buffer_bytes * (2 * share if self.kind == "all_reduce" else share)
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVES
+
+
+def decode_collective(node: fx.Node) -> Collective | None:
+    """The collective ``node`` calls, or None if it calls none.
+
+    Argument layouts: ``all_gather_into_tensor(input, group_size, group)``,
+    ``reduce_scatter_tensor(input, op, group_size, group)``, ``all_reduce(input, op, group)``.
+    """
+    if not is_collective(node):
+        return None
+    kind = COLLECTIVES[node.target]
+    value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+    if kind == "all_reduce":
+        group, size = node.args[2], None
+    else:
+        group, size = node.args[-1], node.args[-2]
+    return Collective(kind, group, size, value.dtype, value.numel() * value.element_size())
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Unsharded bytes a collective holds in flight: an all-gather's output, else its input."""
+    return decode_collective(node).buffer_bytes
+
+
+def is_compute(node: fx.Node) -> bool:
+    """A node that does work on the compute stream: not communication, not a pure view."""
+    return node.op == "call_function" and COMM_META not in node.meta and node.target not in PURE_VIEWS
+
+
+def tag_parameter_input(node: fx.Node) -> None:
+    """Mark the graph input a marker reads (through views, e.g. DTensor's ``to_local``) as a
+    parameter, for the memory estimate."""
+    while node.op == "call_function" and node.target in PURE_VIEWS:
+        node = node.args[0]
+    if node.op == "placeholder":
+        node.meta[ROLE_META] = "param"
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorder nodes so each follows its inputs, keeping the existing order where it is valid.
+
+    Splicing a bucket in before its first marker can place a collective ahead of an input that
+    is computed later (or a use of a reduced gradient ahead of the reduction); each such node is
+    moved just far enough: its missing inputs are placed first, in their original order.
+    """
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    placed: set[fx.Node] = set()
+    cursor: fx.Node | None = None
+    for root in list(graph.nodes):
+        stack = [root]
+        while stack:
+            node = stack[-1]
+            if node in placed:
+                stack.pop()
+                continue
+            missing = sorted((i for i in node.all_input_nodes if i not in placed), key=position.__getitem__)
+            if missing:
+                stack.extend(reversed(missing))
+                continue
+            stack.pop()
+            if cursor is not None and cursor.next is not node:
+                cursor.append(node)
+            placed.add(node)
+            cursor = node
