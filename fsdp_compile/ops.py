@@ -12,6 +12,7 @@ spells out a :class:`CommSpec`, so a graph says by itself what each marker commu
 whom, and the passes need nothing but the graph.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,30 +21,27 @@ import torch.fx as fx
 
 from .faults import reraise_named
 from .runtime.collectives import CommSpec, gather_params, reduce_grads
+from .runtime.kernels import NAMESPACE
 
-NAMESPACE = "fsdp_compile"
+# Every marker ends with the CommSpec's fields, in the dataclass's order: the schemas below are
+# generated from that one definition, and CommSpec(*args) / spec.op_args() convert.
+_SCHEMA_TYPES = {"str": "str", "int": "SymInt", "bool": "bool", "torch.dtype | None": "ScalarType?",
+                 "str | None": "str?"}
+SPEC_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[str(f.type)]} {f.name}" for f in dataclasses.fields(CommSpec))
+# The arguments each marker has before the spec's fields.
+UNSHARD_HEAD = "Tensor shard, str fqn, str unit, SymInt full_rows"
+UNSHARD_NO_SYNC_HEAD = "Tensor shard, Tensor accumulator, str fqn, str unit, SymInt full_rows"
+REDUCE_GRAD_HEAD = "Tensor grad, str fqn, str unit, SymInt local_rows, ScalarType grad_dtype"
 
 
-@torch.library.custom_op(f"{NAMESPACE}::unshard", mutates_args=())
-def unshard(
-    shard: torch.Tensor,
-    fqn: str,
-    unit: str,
-    full_rows: int,
-    shard_group: str,
-    shard_size: int,
-    dim0_sharded: bool,
-    replicate_group: str,
-    replicate_size: int,
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
-    reshard_after_forward: bool,
-    compute_device: Optional[str],
-) -> torch.Tensor:
+def _marker(name: str, head: str):
+    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=(), schema=f"({head}, {SPEC_SCHEMA}) -> Tensor")
+
+
+@_marker("unshard", UNSHARD_HEAD)
+def unshard(shard: torch.Tensor, fqn: str, unit: str, full_rows: int, *spec_args) -> torch.Tensor:
     """The full parameter (in the compute dtype) gathered from every rank's dim-0 shard."""
-    return _gather_one(shard, fqn, full_rows, CommSpec(
-        shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-        param_dtype, reduce_dtype, reshard_after_forward, compute_device))
+    return _gather_one(shard, fqn, full_rows, CommSpec(*spec_args))
 
 
 @unshard.register_fake
@@ -69,28 +67,12 @@ def _full_shape(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> tuple:
     return tuple(shard.shape)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::reduce_grad", mutates_args=())
-def reduce_grad(
-    grad: torch.Tensor,
-    fqn: str,
-    unit: str,
-    local_rows: int,
-    grad_dtype: torch.dtype,
-    shard_group: str,
-    shard_size: int,
-    dim0_sharded: bool,
-    replicate_group: str,
-    replicate_size: int,
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
-    reshard_after_forward: bool,
-    compute_device: Optional[str],
-) -> torch.Tensor:
+@_marker("reduce_grad", REDUCE_GRAD_HEAD)
+def reduce_grad(grad: torch.Tensor, fqn: str, unit: str, local_rows: int, grad_dtype: torch.dtype,
+                *spec_args) -> torch.Tensor:
     """This rank's shard of the average over data-parallel ranks of the full gradient ``grad``."""
-    spec = CommSpec(shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-                    param_dtype, reduce_dtype, reshard_after_forward, compute_device)
     try:
-        return reduce_grads([grad], [local_rows], [grad_dtype], spec)[0]
+        return reduce_grads([grad], [local_rows], [grad_dtype], CommSpec(*spec_args))[0]
     except Exception as exc:
         reraise_named(exc, f"the gradient reduction of parameter {fqn!r} (eager runtime)", None)
 
@@ -119,32 +101,16 @@ def _unshard_backward(ctx, grad: torch.Tensor):
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::unshard_no_sync", mutates_args=())
-def unshard_no_sync(
-    shard: torch.Tensor,
-    accumulator: torch.Tensor,
-    fqn: str,
-    unit: str,
-    full_rows: int,
-    shard_group: str,
-    shard_size: int,
-    dim0_sharded: bool,
-    replicate_group: str,
-    replicate_size: int,
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
-    reshard_after_forward: bool,
-    compute_device: Optional[str],
-) -> torch.Tensor:
+@_marker("unshard_no_sync", UNSHARD_NO_SYNC_HEAD)
+def unshard_no_sync(shard: torch.Tensor, accumulator: torch.Tensor, fqn: str, unit: str, full_rows: int,
+                    *spec_args) -> torch.Tensor:
     """``unshard`` whose gradient is not reduced: it goes, unsharded, to ``accumulator``.
 
     Used while gradient synchronization is off (``backend.no_sync()``): ``accumulator`` is a
     leaf of the full parameter's shape, so autograd sums the full gradients of every
     micro-batch into ``accumulator.grad`` and nothing is communicated in backward.
     """
-    return _gather_one(shard, fqn, full_rows, CommSpec(
-        shard_group, shard_size, dim0_sharded, replicate_group, replicate_size,
-        param_dtype, reduce_dtype, reshard_after_forward, compute_device))
+    return _gather_one(shard, fqn, full_rows, CommSpec(*spec_args))
 
 
 @unshard_no_sync.register_fake

@@ -18,7 +18,7 @@ back. The reduce-scatter buffer uses the same layout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -68,21 +68,8 @@ class CommSpec:
     compute_device: str | None = None
 
     def op_args(self) -> tuple:
-        return (
-            self.shard_group,
-            self.shard_size,
-            self.dim0_sharded,
-            self.replicate_group,
-            self.replicate_size,
-            self.param_dtype,
-            self.reduce_dtype,
-            self.reshard_after_forward,
-            self.compute_device,
-        )
-
-    @classmethod
-    def from_op_args(cls, args: Sequence) -> "CommSpec":
-        return cls(*args)
+        """The fields in declaration order: the markers' trailing arguments (see ops.py)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
     @property
     def gathers(self) -> bool:
