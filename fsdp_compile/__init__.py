@@ -7,7 +7,8 @@
 """
 
 from .agreement import AgreementError, GraphMismatchError
-from .backend import CompiledGraph, FSDPBackend, backend, compile
+from .backend import FSDPBackend, backend, compile
+from .compiler import CompiledGraph
 from .checkpoint import CheckpointError, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from .clip import clip_grad_norm_
 from .errors import ConfigError

@@ -56,6 +56,12 @@ class Topology:
     def replicate_group_name(self) -> str:
         return "" if self.replicate_group is None else self.replicate_group.group_name
 
+    def group_roles(self) -> dict[str, str]:
+        """Process-group name -> its role: in a hybrid mesh each rank's shard group is another
+        process group, yet plays the same role (what cross-rank checks compare)."""
+        return {self.shard_group_name: f"shard group ({self.shard_size} ranks)",
+                self.replicate_group_name: f"replicate group ({self.replicate_size} ranks)"}
+
     @property
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size

@@ -110,7 +110,7 @@ def cache_keys(rank: int, world: int, changes: list[str]) -> dict[str, str | Non
             warnings.simplefilter("ignore")
             backend = fsdp_compile.backend(strategy, compiler="inductor", **options)
             backend.shard(model)
-            key, _, _ = backend._compile_cache_key()
+            key, _, _ = backend.compiler.cache_key()
         keys[change or "baseline"] = key
         if change == "version":
             fsdp_compile.__version__ = saved

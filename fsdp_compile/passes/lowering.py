@@ -23,6 +23,7 @@ from torch._guards import detect_fake_mode
 from ..ops import markers
 from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from .bucketing import Bucket, Policy, assign_buckets
+from .context import PassContext
 from .graph import COMM_META, WAIT, CommTag, stable_topological_sort, tag_parameter_input
 from .templates import TraceCache, stamp_fake_values
 
@@ -135,3 +136,8 @@ def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decomposit
     stable_topological_sort(gm.graph)
     gm.graph.lint()
     return buckets
+
+
+def lower_markers_pass(gm: fx.GraphModule, ctx: PassContext) -> dict[str, list[Bucket]]:
+    """Pipeline entry of :func:`lower_markers` with the backend's bucket policy."""
+    return lower_markers(gm, ctx.bucket_policy, ctx.decompositions)

@@ -1,7 +1,11 @@
-"""Run a sequence of graph passes on a graph, recording (and optionally dumping) each.
+"""The pipeline declared as data, and the one runner every stage goes through.
 
-A pass is ``(name, fn)`` where ``fn(gm)`` rewrites ``gm`` in place and may return a value
-(buckets, a schedule) or a replacement GraphModule. A ``ConfigError`` (the user's options
+``PIPELINE`` lists our passes in order with the stage each belongs to (see
+:mod:`.context`): the joint graph before partitioning, the partitioned pair, then every forward
+and backward graph; a backend's ``disable_passes=`` drops passes by name. :func:`run_stage`
+runs a stage's passes (ours, then the user's ``passes=`` for that phase) on one graph, timing,
+dumping and recording each. A pass is ``fn(gm, ctx)``; it rewrites ``gm`` in place and may
+return a value (buckets, a schedule) or a replacement GraphModule. A ``ConfigError`` (the user's options
 cannot work) passes through unwrapped; any other error becomes a ``PassFailure``. A pass that
 fails half-way leaves the caller's graph as it was (it is restored from a copy): the caller
 can still run it.
@@ -17,8 +21,66 @@ from typing import Any, Callable, Collection, Sequence
 import torch.fx as fx
 
 from ..errors import ConfigError
+from .context import GraphPass, PassContext
+from .lowering import lower_markers_pass
+from .reshard import elide_trivial_unshard_pass, tag_reshard_policy_pass
+from .rng_state_order import order_rng_states_pass
+from .scheduling import schedule_collectives_pass
 
 Pass = tuple[str, Callable[[fx.GraphModule], Any]]
+
+PIPELINE: tuple[GraphPass, ...] = (
+    # Joint graph: the strategy's reshard policy as partitioner tags.
+    GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "joint"),
+    GraphPass("tag_reshard_policy", tag_reshard_policy_pass, "joint"),
+    # The partitioned pair: saved RNG states ordered where the backward graph expects them.
+    GraphPass("order_rng_states", order_rng_states_pass, "partitioned"),
+    # Each forward / backward graph: markers become bucketed collectives, then overlap.
+    GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "graph"),
+    GraphPass("lower_markers", lower_markers_pass, "graph"),
+    GraphPass("schedule_collectives", schedule_collectives_pass, "graph", when=lambda ctx: ctx.schedule is not None),
+)
+# Passes a user may switch off by name (backend(disable_passes=...)); the RNG-state fix-up is
+# a correctness repair, not an optimization.
+OPTIONAL_PASSES = ("elide_trivial_unshard", "tag_reshard_policy", "lower_markers", "schedule_collectives")
+
+
+def stage_passes(stage: str, ctx: PassContext, disabled: Collection[str] = ()) -> list[GraphPass]:
+    """The passes of ``stage`` that apply to ``ctx``, in pipeline order."""
+    return [p for p in PIPELINE if p.stage == stage and p.name not in disabled and p.when(ctx)]
+
+
+def run_stage(
+    gm: fx.GraphModule,
+    stage: str,
+    ctx: PassContext,
+    *,
+    disabled: Collection[str] = (),
+    user_passes: Sequence[Callable[[fx.GraphModule], Any]] = (),
+    on_graph: Callable[[str, fx.GraphModule], None] | None = None,
+    rollback: bool = True,
+    regenerate: bool = True,
+) -> tuple[fx.GraphModule, list[PassResult]]:
+    """Run ``stage``'s passes on ``gm`` (then ``user_passes``, which take ``gm`` only).
+
+    ``rollback=False`` is for graphs another component holds (the joint graph Inductor's
+    partitioner keeps): each of those passes leaves a valid graph, so a failure stops there
+    and the graph stays as far as it got, instead of being replaced by a copy.
+    ``regenerate=False``: the graph's code is not regenerated at the end (the partitioner reads
+    the joint graph, never its code; the partition fix-ups regenerate what they change).
+    """
+    ours = stage_passes(stage, ctx, disabled)
+    passes: list[Pass] = [(p.name, _bound(p, ctx)) for p in ours]
+    graph_only = {fn for (_, fn), p in zip(passes, ours) if p.graph_only}
+    passes += [(getattr(fn, "__name__", "user_pass"), fn) for fn in user_passes]
+    return run_passes(gm, passes, on_graph, graph_only=graph_only, rollback=rollback, results=ctx.results,
+                      regenerate=regenerate)
+
+
+def _bound(graph_pass: GraphPass, ctx: PassContext) -> Callable[[fx.GraphModule], Any]:
+    def run(gm: fx.GraphModule) -> Any:
+        return graph_pass.fn(gm, ctx)
+    return run
 
 
 @dataclass
@@ -53,6 +115,9 @@ def run_passes(
     passes: Sequence[Pass],
     on_graph: Callable[[str, fx.GraphModule], None] | None = None,
     graph_only: Collection[Callable[[fx.GraphModule], Any]] = (),
+    rollback: bool = True,
+    results: dict[str, Any] | None = None,
+    regenerate: bool = True,
 ) -> tuple[fx.GraphModule, list[PassResult]]:
     """Apply ``passes`` to ``gm``; ``on_graph(step, graph)`` sees it before and after each.
 
@@ -62,11 +127,12 @@ def run_passes(
     the code is regenerated once, before the first pass that may (a user's) and at the end,
     instead of after every pass: each regeneration costs time proportional to the graph.
     """
-    backup = copy.deepcopy(gm.graph)
+    backup = copy.deepcopy(gm.graph) if rollback else None
     work = gm
     stale = False
     if on_graph is not None:
         on_graph("partitioned", work)
+    shared = results
     results = []
     try:
         for name, fn in passes:
@@ -84,11 +150,16 @@ def run_passes(
             except Exception as exc:
                 raise PassFailure(name, exc) from exc
             results.append(PassResult(name, time.perf_counter() - start, value))
+            if shared is not None:
+                shared[name] = value
             if on_graph is not None:
                 on_graph(name, work)
-        if stale:
+        if stale and regenerate:
             work.recompile()
-    except BaseException:
-        gm.graph = backup  # recompiles gm with the graph it came with
+    except BaseException as exc:
+        if backup is not None:
+            gm.graph = backup  # recompiles gm with the graph it came with
+        if isinstance(exc, PassFailure):
+            exc.results = results  # what ran before the failure (kept when there is no rollback)
         raise
     return work, results

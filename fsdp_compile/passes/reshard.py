@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..ops import UNSHARD_TARGETS, decode
+from .context import PassContext
 from .graph import VIEW_LIKE, tag_parameter_input
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -63,3 +64,13 @@ def tag_reshard_policy(graph: fx.Graph) -> int:
             current.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             pending.extend(u for u in current.users if u.op == "call_function" and u.target in VIEW_LIKE)
     return count
+
+
+def elide_trivial_unshard_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Pipeline entry of :func:`elide_trivial_unshard` (joint graph, and every graph after)."""
+    return elide_trivial_unshard(gm.graph)
+
+
+def tag_reshard_policy_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Pipeline entry of :func:`tag_reshard_policy` (joint graph)."""
+    return tag_reshard_policy(gm.graph)

@@ -20,6 +20,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from .context import PassContext
+
 
 def _is_tensor(node: object) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
@@ -68,3 +70,9 @@ def order_rng_states_before_opaque(forward: fx.GraphModule, backward: fx.GraphMo
     forward.recompile()
     backward.recompile()
     return True
+
+
+def order_rng_states_pass(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Pipeline entry (stage "partitioned"): ``gm`` is the backward graph, ``ctx.forward`` the
+    forward graph it pairs with."""
+    return order_rng_states_before_opaque(ctx.forward, gm)

@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 import torch.fx as fx
 
 from ..errors import ConfigError
+from .context import PassContext
 from .graph import COLLECTIVE_OPS, COMM_META, PURE_VIEWS, CommTag, collective_bytes, stable_topological_sort
 
 
@@ -285,3 +286,8 @@ def _emit(graph: fx.Graph, compute: list[fx.Node], groups) -> None:
         if cursor.next is not node:
             cursor.append(node)
         cursor = node
+
+
+def schedule_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> Schedule:
+    """Pipeline entry of :func:`schedule_collectives` (only when scheduling is on)."""
+    return schedule_collectives(gm, ctx.schedule)

@@ -6,7 +6,7 @@ same joint graph for all of them except for the markers' arguments (their groups
 flag, the bucket unit): one trace per such *layout* (FULL_SHARD and SHARD_GRAD_OP share one,
 the two hybrid strategies another, NO_SHARD its own), and each further candidate replays the
 joint graph with its own markers through the backend's partitioner and passes
-(``FSDPBackend._replay_for_planning``). Replaying gives exactly the graphs a trace of that
+(``Compiler.replay_for_planning``). Replaying gives exactly the graphs a trace of that
 candidate gives (tests/test_planning_trace.py checks it); it only skips repeating the
 capture. Candidates with the same reshard policy also share the partitioned graphs.
 """
@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..backend import CompiledGraph, FSDPBackend, JointCapture
+from ..backend import FSDPBackend
+from ..compiler import CompiledGraph, JointCapture
 from ..mixed_precision import MixedPrecision
 from ..passes.bucketing import BucketPolicy
 from ..passes.graph import ROLE_META
@@ -173,7 +174,7 @@ def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devic
                 def step(*args: Any, _model: nn.Module = sharded) -> torch.Tensor:
                     return loss_fn(_model(*args))
 
-                records, captures = backend._trace_for_planning(step, inputs, keep_joint=len(group) > 1,
+                records, captures = backend.compiler.trace_for_planning(step, inputs, keep_joint=len(group) > 1,
                                                                 dynamo_pass=dynamo_pass, fake_mode=mode)
                 for k, capture in enumerate(captures):
                     if capture.partitioned is not None:
@@ -182,7 +183,7 @@ def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devic
             else:
                 records = []
                 for k, capture in enumerate(captures):
-                    record, partitioned = backend._replay_for_planning(
+                    record, partitioned = backend.compiler.replay_for_planning(
                         capture, partitions.get((candidate.strategy, k)))
                     partitions[(candidate.strategy, k)] = partitioned
                     records.append(record)
