@@ -200,7 +200,7 @@ class Compiler:
     def _write_summary(self, record: CompiledGraph) -> None:
         dumper = self._dumper()
         if dumper is not None:
-            dumper.write_summary(record.index, graph_summary(record, self))
+            dumper.write_summary(record.index, graph_summary(record, self.backend))
 
     def _fail(self, record: CompiledGraph, phase: str, failure: PassFailure) -> None:
         """A pass failed on a graph: raise under strict=True, else warn; the caller falls back."""

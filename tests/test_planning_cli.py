@@ -61,14 +61,14 @@ def test_plan_command_solves_the_largest_batch(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["max_batch"]["FULL_SHARD"] > 2
 
 
-def test_plan_command_rejects_unknown_model_and_cluster() -> None:
+def test_plan_command_line_rejects_unknown_model_and_cluster_without_a_traceback() -> None:
     proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-9000"])
     assert proc.returncode != 0 and "use one of" in proc.stderr
     proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-tiny", "--cluster", "tpu"])
     assert proc.returncode == 2 and "error: unknown cluster preset 'tpu'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_compare_needs_torchrun() -> None:
+def test_compare_command_line_needs_torchrun() -> None:
     proc = _run(["-m", "fsdp_compile", "compare"])
     assert proc.returncode != 0 and "start it with torchrun" in proc.stderr
 
