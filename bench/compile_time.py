@@ -74,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import fsdp_compile
-    from fsdp_compile.gpt import GPT, GPTConfig
+    from fsdp_compile.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

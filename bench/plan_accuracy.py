@@ -39,7 +39,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, plan
 from fsdp_compile.planning.cli import _cross_entropy
 
@@ -132,8 +132,8 @@ def part_zero(smoke: bool = False) -> dict:
     for name, (paper_gb, formula) in paper.items():
         row = result.row(name)
         states = row.memory["params"] + row.memory["grads"] + row.memory["optimizer"]
+        from fsdp_compile.api import ShardingStrategy
         from fsdp_compile.planning.plan import model_state_bytes
-        from fsdp_compile.strategy import ShardingStrategy
 
         resident = model_state_bytes(model, ShardingStrategy.parse(name), 64, 8, "adamw")
         resident_states = resident["params"] + resident["grads"] + resident["optimizer"]
@@ -165,7 +165,7 @@ def part_anchors() -> dict:
         "predicted_peak_gib": row.peak_bytes / GiB, "fits_80gb": row.fits, "memory_gib": {
             k: v / GiB for k, v in row.memory.items()}, "plan_seconds": r.seconds}
     # torchtitan PR 1881: Llama-3-8B, 8 H100, batch 1 x 8192, FSDP=8 (FULL_SHARD), bf16 / fp32 reduce.
-    from fsdp_compile.llama import Llama, LlamaConfig
+    from fsdp_compile.models.llama import Llama, LlamaConfig
 
     rows = {}
     for checkpoint in (False, True):

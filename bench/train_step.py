@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::native_layer_norm",
                "aten::native_layer_norm_backward", "aten::gelu", "aten::gelu_backward",

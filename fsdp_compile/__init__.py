@@ -6,21 +6,50 @@
     print(fsdp_compile.plan(model, inputs, cluster=fsdp_compile.Cluster.preset("h100-sxm", nodes=4)))
 """
 
+from typing import Any
+
+import torch
+import torch.nn as nn
+
 from .agreement import AgreementError, GraphMismatchError
-from .backend import FSDPBackend, backend, compile
+from .api import ConfigError, CPUOffload, MixedPrecision, ShardingStrategy
+from .backend import FSDPBackend
 from .compiler import CompiledGraph
-from .checkpoint import CheckpointError, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
-from .clip import clip_grad_norm_
-from .errors import ConfigError
-from .faults import RankFailure
-from .memory import MemoryEstimate, estimate_memory
-from .mixed_precision import MixedPrecision
-from .offload import CPUOffload
+from .inspection.memory import MemoryEstimate, estimate_memory
 from .planning import Cluster, Plan, PlanError, plan
-from .strategy import ShardingStrategy
+from .planning.auto import AUTO_OPTIONS, AutoBackend
+from .runtime.faults import RankFailure
+from .training.checkpoint import (
+    CheckpointError,
+    full_state_dict,
+    load_checkpoint,
+    load_full_state_dict,
+    save_checkpoint,
+)
+from .training.clip import clip_grad_norm_
 
 __all__ = ["AgreementError", "CPUOffload", "CheckpointError", "Cluster", "CompiledGraph", "ConfigError",
            "FSDPBackend", "GraphMismatchError", "MemoryEstimate", "MixedPrecision", "Plan", "PlanError",
            "RankFailure", "ShardingStrategy", "backend", "clip_grad_norm_", "compile", "estimate_memory",
            "full_state_dict", "load_checkpoint", "load_full_state_dict", "plan", "save_checkpoint"]
-__version__ = "0.1.0"
+from .api import __version__ as __version__
+
+
+def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> FSDPBackend:
+    """Create a backend; see :class:`FSDPBackend` for the options (``strategy="auto"``: see
+    :class:`fsdp_compile.planning.auto.AutoBackend`)."""
+    if isinstance(strategy, str) and strategy.strip().lower() == "auto":
+        return AutoBackend(**options)
+    given = [name for name in AUTO_OPTIONS if options.get(name) is not None]
+    if given:
+        raise ValueError(f"{'=, '.join(given)}= {'are' if len(given) > 1 else 'is'} for strategy='auto'; "
+                         "to plan by hand call fsdp_compile.plan()")
+    return FSDPBackend(strategy, **{k: v for k, v in options.items() if k not in AUTO_OPTIONS})
+
+
+def compile(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> nn.Module:
+    """Shard ``model`` and return ``torch.compile(model, backend=...)``; the backend is ``.fsdp_backend``."""
+    fsdp = backend(strategy, **options)
+    compiled = torch.compile(fsdp.shard(model), backend=fsdp)
+    compiled.fsdp_backend = fsdp
+    return compiled

@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from .dump import DumpError, read_manifest, write_json
-from .errors import ConfigError
-from .report import chrome_trace, plot_memory, render_report
+from .api import ConfigError
+from .inspection.dump import DumpError, read_manifest, write_json
+from .inspection.report import chrome_trace, plot_memory, render_report
 
 
 def _summaries(root: Path, rank: int | None, graph: int | None) -> list[dict]:

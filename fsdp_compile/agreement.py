@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from .ops import REDUCE_GRAD, UNSHARD_TARGETS, decode
 from .passes.graph import COMM_META, decode_collective
+from .runtime.markers import REDUCE_GRAD, UNSHARD_TARGETS, decode
 
 _PREFIX = "fsdp_compile"
 _POLL_SECONDS = 0.02

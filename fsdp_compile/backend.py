@@ -14,13 +14,11 @@ Pipeline for one Dynamo graph (compiled mode):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import hashlib
 import logging
 import os
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,22 +28,24 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import ops  # noqa: F401  (registers the marker ops)
-from .bucket_advice import oversized_bucket
-from .compiler import CompiledGraph, Compiler
 from .agreement import GraphVerifier, agree_on_sharding
+from .api import (
+    BackendOptions,
+    ConfigError,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    __version__,
+)
 from .compile_cache import CacheState
-from .errors import ConfigError
-from .grad_sync import GradientSync
-from .groups import Topology, current_device, resolve_topology, world_timeout
-from .offload import CPUOffload
-from .mixed_precision import MixedPrecision
-from .passes.bucketing import BucketPolicy, parse_policy
-from .report import graph_summary, render_report
-from .passes.bucketing import ROOT_UNIT, unit_modules, unit_of
-from .passes.pipeline import OPTIONAL_PASSES
-from .sharding import ShardedParamInfo, is_sharded, shard_module
-from .strategy import ShardingStrategy
+from .compiler import CompiledGraph, Compiler
+from .inspection.bucket_advice import oversized_bucket
+from .inspection.report import graph_summary, render_report
+from .runtime import markers  # noqa: F401  (registers the marker ops)
+from .sharding.grad_sync import GradientSync
+from .sharding.groups import Topology, current_device, resolve_topology, world_timeout
+from .sharding.params import ShardedParamInfo, is_sharded, shard_module
+from .sharding.units import ROOT_UNIT, BucketPolicy, unit_modules, unit_of
 
 COMPILERS = ("inductor", "aot_eager", "eager")
 log = logging.getLogger("fsdp_compile")
@@ -63,30 +63,6 @@ def _unique_parameters(model: nn.Module):
                 yield module_name, name, param
 
 
-@dataclass
-class _Options:
-    strategy: ShardingStrategy
-    compiler: str
-    mesh: DeviceMesh | None
-    process_groups: Any
-    shard_size: int | None
-    timeout: datetime.timedelta | None
-    bucket: Any
-    mixed_precision: MixedPrecision | None
-    schedule: bool
-    prefetch: int
-    max_inflight_bytes: int | None
-    forward_prefetch: Any
-    backward_prefetch: Any
-    dump_dir: str | None
-    strict: bool
-    passes: dict[str, list[Callable]]
-    offload: CPUOffload | None
-    verify: bool
-    cache_dir: str | None = None
-    disable_passes: tuple[str, ...] = ()
-
-
 class FSDPBackend:
     """A ``torch.compile`` backend that trains a sharded model with FSDP semantics.
 
@@ -95,13 +71,13 @@ class FSDPBackend:
     runs without ``torch.compile`` (the eager runtime), with the same results.
 
     Options: ``compiler`` ("inductor", "aot_eager" or "eager"); ``mesh`` / ``process_groups`` /
-    ``shard_size`` / ``timeout`` (see :func:`fsdp_compile.groups.resolve_topology`);
+    ``shard_size`` / ``timeout`` (see :func:`fsdp_compile.sharding.groups.resolve_topology`);
     ``bucket`` (see :mod:`fsdp_compile.passes.bucketing`); ``mixed_precision``
     (:class:`fsdp_compile.MixedPrecision`); ``schedule`` (overlap collectives with compute),
     ``prefetch``, ``max_inflight_bytes``, ``forward_prefetch`` / ``backward_prefetch``
     (``{unit: [units to gather when it starts]}``, units by name or module) (see
     :mod:`fsdp_compile.passes.scheduling`); ``dump_dir`` (or ``FSDP_COMPILE_DUMP``): write
-    every graph before and after each pass plus a JSON summary (see :mod:`fsdp_compile.dump`);
+    every graph before and after each pass plus a JSON summary (see :mod:`fsdp_compile.inspection.dump`);
     ``strict``: raise when a pass fails instead of running that graph through the eager
     runtime; ``passes``: extra passes ``{"forward" | "backward": [fn(GraphModule)]}`` run after
     ours; ``offload``: :class:`fsdp_compile.CPUOffload` keeps shards, gradients and the
@@ -115,15 +91,11 @@ class FSDPBackend:
     restarts; see :mod:`fsdp_compile.compile_cache`). ``FSDP_COMPILE_EAGER=1`` runs every
     captured graph through the eager runtime.
 
-    ``strategy="auto"`` plans at :meth:`shard` time for this job's world, topology and device
-    memory and applies the fastest configuration that fits (strategy, bucket policy, prefetch
-    depth); it takes ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default:
-    the GPU's preset, or ``Cluster.measure()`` on a CPU), ``memory_budget`` (bytes per device;
-    needed on a CPU) and ``plan_options`` (passed to :func:`fsdp_compile.plan`); the plan is
-    ``backend.plan``. See the README's "Choosing a strategy".
+    ``fsdp_compile.backend("auto", ...)`` returns the subclass that plans the strategy at
+    :meth:`shard` time (:class:`fsdp_compile.planning.auto.AutoBackend`).
 
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
-    accumulation without communication); see also :mod:`fsdp_compile.checkpoint` and
+    accumulation without communication); see also :mod:`fsdp_compile.training.checkpoint` and
     :func:`fsdp_compile.clip_grad_norm_`.
     """
 
@@ -150,81 +122,14 @@ class FSDPBackend:
         verify: bool = True,
         cache_dir: str | os.PathLike | None = None,
         disable_passes: Sequence[str] = (),
-        example_inputs: Any = None,
-        loss_fn: Callable[[Any], Any] | None = None,
-        cluster: Any = None,
-        memory_budget: float | None = None,
-        plan_options: dict[str, Any] | None = None,
     ) -> None:
-        auto = isinstance(strategy, str) and strategy.strip().lower() == "auto"
-        self._auto = None
-        if auto:
-            from .planning.auto import AutoRequest
-
-            if mesh is not None or process_groups is not None or shard_size is not None:
-                raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
-            if forward_prefetch is not None or backward_prefetch is not None or offload is not None:
-                raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
-            self._auto = AutoRequest(example_inputs, loss_fn, cluster, memory_budget, plan_options=dict(plan_options or {}))
-            strategy = ShardingStrategy.FULL_SHARD  # replaced by the plan's choice in shard()
-        elif any(v is not None for v in (example_inputs, loss_fn, cluster, memory_budget, plan_options)):
-            raise ValueError("example_inputs=, loss_fn=, cluster=, memory_budget= and plan_options= are for "
-                             "strategy='auto'; to plan by hand call fsdp_compile.plan()")
-        strategy = ShardingStrategy.parse(strategy)
-        policy = parse_policy(bucket)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"mixed_precision= must be an fsdp_compile.MixedPrecision, got {type(mixed_precision).__name__}"
-            )
-        if compiler not in COMPILERS:
-            raise ValueError(f"compiler={compiler!r} is not supported; use one of: {', '.join(COMPILERS)}")
-        if mesh is not None and not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            raise TypeError(f"timeout= must be a datetime.timedelta, got {type(timeout).__name__}")
-        if mesh is not None and process_groups is not None:
-            raise ValueError("pass either mesh= or process_groups=, not both")
-        if shard_size is not None and not strategy.is_hybrid:
-            raise ValueError(
-                f"shard_size= only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}"
-            )
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 disables prefetching)")
-        if max_inflight_bytes is not None and (
-                isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)
-                or max_inflight_bytes <= 0):
-            raise ValueError(f"max_inflight_bytes={max_inflight_bytes!r} must be a positive int (bytes) or None")
-        for name, order in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
-            if order is not None and not isinstance(order, dict):
-                raise TypeError(f"{name}= takes a dict {{unit: [units to prefetch]}}, got {type(order).__name__}")
-            if order is not None and not policy.uses_units:
-                raise ValueError(f"{name}= names bucket units, which bucket={policy.describe()} does not have")
-        if offload is not None and not isinstance(offload, CPUOffload):
-            raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify= takes a bool, got {type(verify).__name__}")
-        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-            raise TypeError(f"cache_dir= takes a directory path, got {type(cache_dir).__name__}")
-        passes = dict(passes or {})
-        for phase, fns in passes.items():
-            if phase not in ("forward", "backward"):
-                raise ValueError(f"passes= takes the phases 'forward' and 'backward', not {phase!r}")
-            if not all(callable(fn) for fn in fns):
-                raise TypeError(f"passes[{phase!r}] must hold callables GraphModule -> GraphModule | None")
-            passes[phase] = list(fns)
-        if isinstance(disable_passes, str):
-            disable_passes = (disable_passes,)
-        unknown = [name for name in disable_passes if name not in OPTIONAL_PASSES]
-        if unknown:
-            raise ValueError(f"disable_passes= names {', '.join(map(repr, unknown))}, which is not a pass that can be "
-                             f"switched off; use some of {', '.join(OPTIONAL_PASSES)}")
-        self.options = _Options(strategy, compiler, mesh, process_groups, shard_size, timeout,
-                                bucket, mixed_precision, schedule, prefetch, max_inflight_bytes,
-                                forward_prefetch, backward_prefetch,
-                                os.fspath(dump_dir) if dump_dir is not None else None, strict, passes,
-                                offload, verify, os.fspath(cache_dir) if cache_dir is not None else None,
-                                tuple(dict.fromkeys(disable_passes)))
-        self.bucket_policy = policy
+        self.options = BackendOptions.validate(
+            strategy, compiler=compiler, mesh=mesh, process_groups=process_groups, shard_size=shard_size,
+            timeout=timeout, bucket=bucket, mixed_precision=mixed_precision, schedule=schedule, prefetch=prefetch,
+            max_inflight_bytes=max_inflight_bytes, forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch, dump_dir=dump_dir, strict=strict, passes=passes, offload=offload,
+            verify=verify, cache_dir=cache_dir, disable_passes=disable_passes)
+        self.bucket_policy = self.options.bucket_policy
         self.units: set[str] = {ROOT_UNIT}
         self.explicit_prefetch: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
         self.topology: Topology | None = None
@@ -246,7 +151,7 @@ class FSDPBackend:
         return self.options.strategy
 
     def __repr__(self) -> str:
-        strategy = "auto" if self._auto is not None and self.plan is None else self.strategy.name
+        strategy = self.strategy.name
         return f"fsdp_compile.backend(strategy={strategy!r}, compiler={self.options.compiler!r})"
 
     # ---------------------------------------------------------------- sharding
@@ -295,8 +200,7 @@ class FSDPBackend:
                 "this model is already sharded (by fsdp_compile); shard a model once and reuse "
                 "the backend that sharded it"
             )
-        if self._auto is not None and self.plan is None:
-            self._choose_strategy(model)
+        self._before_sharding(model)
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn= must be a callable taking a module, got {type(init_fn).__name__}")
         init_device = torch.device(device) if device is not None else None
@@ -368,8 +272,6 @@ class FSDPBackend:
 
     def _sharding_items(self, model: nn.Module) -> list[tuple[str, Any]]:
         """What must be equal on every rank for the ranks to communicate alike, in a fixed order."""
-        from . import __version__
-
         o, topo = self.options, self.topology
         items: list[tuple[str, Any]] = [
             ("the fsdp_compile version", __version__),
@@ -395,18 +297,9 @@ class FSDPBackend:
         # After the parameters: a missing or extra parameter is named before the count differs.
         items.append(("the number of parameters", sum(1 for _ in _unique_parameters(model))))
         return items
-    def _choose_strategy(self, model: nn.Module) -> None:
-        """strategy='auto': plan for this world (rank 0 plans, every rank gets the choice)."""
-        from .planning.auto import candidate_options, choose
-
-        device_type = self._device_type(model)
-        self.plan, row = choose(model, self._auto, self.options.mixed_precision, device_type)
-        chosen = candidate_options(self.plan, row)
-        strategy = ShardingStrategy.parse(chosen["strategy"])
-        shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
-        self.options = dataclasses.replace(self.options, strategy=strategy, bucket=chosen["bucket"],
-                                           prefetch=chosen["prefetch"], shard_size=shard_size)
-        self.bucket_policy = parse_policy(chosen["bucket"])
+    def _before_sharding(self, model: nn.Module) -> None:
+        """A hook for subclasses that decide options from the model (``strategy="auto"``:
+        :class:`fsdp_compile.planning.auto.AutoBackend`)."""
 
     def summaries(self) -> list[dict[str, Any]]:
         """One JSON-able summary per graph compiled so far on this rank (see report.py)."""
@@ -494,16 +387,3 @@ class FSDPBackend:
         (that backward reduces them itself)."""
         if self.gradient_sync.accumulating:
             self.gradient_sync.reduce_accumulated()
-
-
-def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> FSDPBackend:
-    """Create a backend; see :class:`FSDPBackend` for the options."""
-    return FSDPBackend(strategy, **options)
-
-
-def compile(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> nn.Module:
-    """Shard ``model`` and return ``torch.compile(model, backend=...)``; the backend is ``.fsdp_backend``."""
-    fsdp = FSDPBackend(strategy, **options)
-    compiled = torch.compile(fsdp.shard(model), backend=fsdp)
-    compiled.fsdp_backend = fsdp
-    return compiled

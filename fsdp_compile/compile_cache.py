@@ -44,6 +44,9 @@ from typing import Any
 
 import torch
 
+from .api import __version__
+from .passes import pass_fingerprint
+
 MANIFEST = "fsdp_compile_cache.json"
 
 
@@ -57,9 +60,6 @@ class CacheState:
 
 
 def _versions() -> dict[str, str]:
-    from . import __version__
-    from .passes import pass_fingerprint
-
     return {"fsdp_compile": __version__, "sources": pass_fingerprint(), "torch": torch.__version__}
 
 

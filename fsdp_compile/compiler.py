@@ -36,20 +36,27 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .agreement import CollectiveCall, collective_calls
-from .compile_cache import (CacheState, cache_key, load_collectives, prepare_directory, save_collectives,
-                            user_pass_uuids)
-from .dump import Dumper, graph_code, manifest_for
-from .faults import reraise_named
-from .graphinfo import is_gathered
-from .groups import world_timeout
-from .memory import MemoryEstimate, estimate_memory, input_bytes
+from .compile_cache import (
+    CacheState,
+    cache_key,
+    load_collectives,
+    prepare_directory,
+    save_collectives,
+    user_pass_uuids,
+)
+from .inspection.dump import Dumper, graph_code, manifest_for
+from .inspection.graphinfo import is_gathered
+from .inspection.memory import MemoryEstimate, estimate_memory, input_bytes
+from .inspection.report import graph_summary
 from .passes.bucketing import Bucket
 from .passes.context import PassContext
 from .passes.graph import ROLE_META
 from .passes.pipeline import PassFailure, copy_graph_module, run_stage
 from .passes.scheduling import Schedule, ScheduleOptions
-from .report import graph_summary
-from .sharding import sharded_name
+from .runtime.faults import reraise_named
+from .runtime.markers import REDUCE_GRAD, UNSHARD, decode
+from .sharding.groups import world_timeout
+from .sharding.params import sharded_name
 
 if TYPE_CHECKING:
     from .backend import FSDPBackend
@@ -555,8 +562,6 @@ class Compiler:
     def _rewrite_markers(self, graph: fx.Graph) -> dict[fx.Node, tuple]:
         """Give every marker of ``graph`` this backend's arguments for its parameter; returns
         the previous arguments by node."""
-        from .ops import REDUCE_GRAD, UNSHARD, decode
-
         previous = {}
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in (UNSHARD, REDUCE_GRAD):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 _NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
 

@@ -278,8 +278,8 @@ def layout_worker(rank: int, world: int, strategy: str, names: list[str], steps:
     from workers import batches, train
 
     import fsdp_compile
-    from fsdp_compile.gpt import GPTConfig
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.inspection.graphinfo import collectives
+    from fsdp_compile.models.gpt import GPTConfig
 
     data = batches(GPTConfig(vocab_size=VOCAB), world, steps)
     out: dict[str, Any] = {}

@@ -14,11 +14,20 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from workers import (
+    LR,
+    TEST_CONFIG,
+    batches,
+    expect_error,
+    full,
+    hybrid_options,
+    lm_loss,
+    local_slice,
+)
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
-from fsdp_compile.gpt import GPT, GPTConfig
-from workers import LR, TEST_CONFIG, batches, expect_error, full, hybrid_options, lm_loss, local_slice
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 MODES = ("eager", "aot_eager")
 MAX_NORM = 0.5  # below the test GPT's gradient norms (about 1 to 1.5): clipping really scales
@@ -54,7 +63,7 @@ def gloo_events(fn: Callable[[], Any]) -> list[str]:
 
 
 def graph_collectives(backend: fsdp_compile.FSDPBackend) -> list[dict]:
-    from fsdp_compile.graphinfo import collective_counts
+    from fsdp_compile.inspection.graphinfo import collective_counts
 
     return [{"forward": collective_counts(g.forward), "backward": collective_counts(g.backward)}
             for g in backend.graphs]
@@ -196,7 +205,9 @@ def frozen_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, ba
 
 # ---------------------------------------------------------------- activation checkpointing
 def with_activation_checkpointing(base: nn.Module) -> nn.Module:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     model = copy.deepcopy(base)
     model.blocks = nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)

@@ -9,7 +9,7 @@ import torch
 from workers import PER_RANK_BATCH, SEQ, TEST_CONFIG, batches, train
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT
+from fsdp_compile.models.gpt import GPT
 from fsdp_compile.planning import Cluster, PlanError
 
 

@@ -6,12 +6,12 @@ import functools
 
 import pytest
 import torch.nn as nn
-
 from distributed import run_workers
-from fsdp_compile.passes.bucketing import parse_policy, unit_modules, unit_of
 from runs import STRATEGIES, WORLD
 from test_parity import assert_bitwise
 from workers import policy_worker
+
+from fsdp_compile.sharding.units import parse_policy, unit_modules, unit_of
 
 # The default policy ("module") is checked by the parity runs (tests/test_parity.py).
 POLICIES = ["param", "bytes", "classes", "callable"]

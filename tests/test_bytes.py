@@ -10,7 +10,6 @@ counts and dtypes of the collectives from torch's profiler (implementation-indep
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_workers
 from runs import WORLD
 from workers import bytes_worker

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 import fsdp_compile  # noqa: F401  (registers the ops)
-from fsdp_compile.runtime.collectives import chunk_numels, divide_factors, padded_rows, shard_bounds
+from fsdp_compile.runtime.collectives import (
+    chunk_numels,
+    divide_factors,
+    padded_rows,
+    shard_bounds,
+)
 
 ops = torch.ops.fsdp_compile
 
@@ -56,7 +61,9 @@ def test_reduce_scatter_input_has_the_all_gather_layout(world: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_divide_factors_follow_fsdp2(size: int, dtype: torch.dtype) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
 
     class Group:  # the FSDP2 helper only asks a group for its size
         def size(self) -> int:

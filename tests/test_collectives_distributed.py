@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from distributed import run_workers
 from workers import collectives_worker
 

@@ -23,8 +23,8 @@ from layouts import (
 from test_parity import assert_bitwise
 from torch import nn
 
-from fsdp_compile.bucket_advice import oversized_bucket
-from fsdp_compile.passes.bucketing import (
+from fsdp_compile.inspection.bucket_advice import oversized_bucket
+from fsdp_compile.sharding.units import (
     parse_policy,
     repeated_classes,
     unit_modules,
@@ -49,7 +49,7 @@ def test_default_units(layout: str) -> None:
 def test_the_test_gpt_keeps_its_buckets() -> None:
     from workers import TEST_CONFIG
 
-    from fsdp_compile.gpt import GPT
+    from fsdp_compile.models.gpt import GPT
 
     assert unit_modules(GPT(TEST_CONFIG), parse_policy("module")) == {"blocks.0", "blocks.1"}
 

@@ -9,7 +9,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\d+\.\d+) \|\s+(\d+) tokens/s", re.M)
 

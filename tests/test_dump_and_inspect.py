@@ -10,10 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from distributed import run_workers
 from test_parity import assert_bitwise
-from workers import dump_error_worker, dump_worker, eager_fallback_worker, failing_pass_worker
+from workers import (
+    dump_error_worker,
+    dump_worker,
+    eager_fallback_worker,
+    failing_pass_worker,
+)
 
 STEPS = 3
 
@@ -160,7 +164,7 @@ def test_dump_dir_errors(tmp_path: Path, dump: Path) -> None:
 
 
 def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monkeypatch) -> None:
-    from fsdp_compile import dump as dump_module
+    from fsdp_compile.inspection import dump as dump_module
 
     target = tmp_path / "summary.json"
     dump_module.write_json(target, {"old": True})

@@ -6,7 +6,6 @@ The test GPT has B = 3 buckets under the default policy: blocks.0, blocks.1 and 
 from __future__ import annotations
 
 import pytest
-
 from runs import parity_run
 
 COMPILERS = ["aot_eager", "inductor"]
@@ -102,7 +101,7 @@ def test_backward_gathers_only_the_parameters_backward_needs(strategy, compiler)
     from torch import nn
     from workers import TEST_CONFIG
 
-    from fsdp_compile.gpt import GPT
+    from fsdp_compile.models.gpt import GPT
 
     def gathered_bytes(params) -> int:
         return sum(4 * 2 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in params)

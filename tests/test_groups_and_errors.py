@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch.nn as nn
-
-import fsdp_compile
 from distributed import PG_TIMEOUT, run_workers
 from test_parity import PARAM_ATOL, assert_bitwise, max_diff
 from workers import api_errors_worker, groups_worker, hybrid_errors_worker
+
+import fsdp_compile
 
 
 def test_hybrid_layouts_and_training_through_user_groups() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from distributed import PG_TIMEOUT, WorkerError, run_workers
 from workers import one_rank_fails_worker
 

@@ -6,9 +6,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # noqa: F401  (registers the markers)
-from fsdp_compile.passes.bucketing import parse_policy
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.runtime.collectives import CommSpec
+from fsdp_compile.sharding.units import parse_policy
 
 _c10d = torch.ops._c10d_functional
 GROUP_G = CommSpec("g", 2, True, "", 1, None, None, True)

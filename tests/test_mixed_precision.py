@@ -6,12 +6,12 @@ import functools
 
 import pytest
 import torch
-
-import fsdp_compile
 from distributed import run_workers
 from runs import WORLD
 from test_parity import assert_bitwise
 from workers import mixed_precision_worker
+
+import fsdp_compile
 
 STEPS = 5
 # FULL_SHARD runs by default; every other strategy (each with Inductor) with -m slow.

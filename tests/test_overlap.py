@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-
 from distributed import run_workers
 from runs import STEPS, WORLD, parity_run
 from test_parity import assert_bitwise

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from runs import STEPS, STRATEGIES, parity_run
 
 OURS = ("eager", "aot_eager", "inductor")

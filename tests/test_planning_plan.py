@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.api import ShardingStrategy
+from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, ClusterError, plan
 from fsdp_compile.planning.plan import model_state_bytes, require_fit
-from fsdp_compile.strategy import ShardingStrategy
 
 CFG = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, d_model=64)
 
@@ -143,7 +143,7 @@ def test_bad_arguments_are_named():
 
 
 def test_attention_uses_the_cuda_kernel_on_gpu_clusters():
-    from fsdp_compile.llama import Llama, LlamaConfig
+    from fsdp_compile.models.llama import Llama, LlamaConfig
 
     with torch.device("meta"):
         model = Llama(LlamaConfig(n_layers=1, max_seq_len=64))
@@ -184,7 +184,7 @@ def test_max_batch_and_seq_len_are_solved_and_match_brute_force():
 
 @pytest.mark.slow
 def test_max_seq_len_respects_the_models_own_bound():
-    from fsdp_compile.llama import Llama, LlamaConfig
+    from fsdp_compile.models.llama import Llama, LlamaConfig
 
     with torch.device("meta"):
         model = Llama(LlamaConfig(n_layers=1, max_seq_len=48))
@@ -209,7 +209,7 @@ def test_no_shard_with_mixed_precision_schedules_without_falling_back():
 
 def test_activation_checkpointing_is_planned_and_replayed():
     """Checkpointed blocks: the replayed partition runs under the traced fake mode (RNG states)."""
-    from fsdp_compile.llama import Llama, LlamaConfig
+    from fsdp_compile.models.llama import Llama, LlamaConfig
 
     rows = {}
     for checkpoint in (False, True):

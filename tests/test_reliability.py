@@ -34,7 +34,7 @@ from workers import (
 )
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 WORLD = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 2, "NO_SHARD": 2, "HYBRID_SHARD": 4, "HYBRID_SHARD_ZERO2": 4}
 FLAT = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -364,7 +364,7 @@ def dying_rank_worker(rank: int, world: int, where: str, mode: str, root: str,
     before = sorted((p.name, p.stat().st_size) for p in Path(ckpt).iterdir())
     dying = rank == world - 1
     if where == "save" and dying:
-        from fsdp_compile import checkpoint
+        from fsdp_compile.training import checkpoint
 
         real_save = checkpoint.dcp.save
 

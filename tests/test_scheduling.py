@@ -8,11 +8,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from workers import inflight_from_order
 
 import fsdp_compile  # noqa: F401  (registers the markers)
-from fsdp_compile.memory import estimate_memory
-from fsdp_compile.passes.bucketing import parse_policy
+from fsdp_compile.inspection.memory import estimate_memory
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.passes.scheduling import ScheduleOptions, schedule_collectives
 from fsdp_compile.runtime.collectives import CommSpec
+from fsdp_compile.sharding.units import parse_policy
 
 SPEC = CommSpec("g", 2, True, "", 1, None, None, True)
 BUCKET_BYTES = 8 * 8 * 4  # each layer's 8 x 8 fp32 weight, gathered from a 4 x 8 shard
@@ -90,7 +90,7 @@ def test_explicit_prefetch_order() -> None:
 def test_budget_smaller_than_a_bucket_and_negative_prefetch_are_errors() -> None:
     with pytest.raises(ValueError, match=rf"max_inflight_bytes=100 is smaller than bucket 'b0' \({BUCKET_BYTES} bytes"):
         schedule_collectives(chain(), ScheduleOptions(max_inflight_bytes=100))
-    with pytest.raises(ValueError, match="prefetch=-1 must be >= 0"):
+    with pytest.raises(ValueError, match="prefetch=-1 must be an int >= 0"):
         schedule_collectives(chain(), ScheduleOptions(prefetch=-1))
 
 

@@ -6,9 +6,14 @@ import math
 
 import pytest
 import torch
-
 from distributed import run_workers
-from test_parity import GRAD_RTOL, PARAM_ATOL, assert_bitwise, assert_grads_close, max_diff
+from test_parity import (
+    GRAD_RTOL,
+    PARAM_ATOL,
+    assert_bitwise,
+    assert_grads_close,
+    max_diff,
+)
 from workers import graph_break_worker, storage_worker, tied_fsdp2_worker, tied_worker
 
 

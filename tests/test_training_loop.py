@@ -25,12 +25,12 @@ import tempfile
 
 import pytest
 import torch
-
 from distributed import run_workers
-from fsdp_compile import ShardingStrategy
 from loop_workers import ACCUMULATION_PLAN, MAX_NORM, MODES, loop_worker
 from runs import WORLD
 from test_parity import GRAD_RTOL, assert_bitwise, assert_grads_close, max_diff
+
+from fsdp_compile import ShardingStrategy
 
 PARAM_ATOL = 5e-5
 # Gradients of later steps are taken at parameters that already differ from the reference's by

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 # vocab 67 and block size 19 are prime: the embedding, head and position tables do not split
 # evenly over 2 or 4 ranks, so padded shards are exercised on every rank count.
@@ -130,7 +130,12 @@ def inflight_from_order(gm: torch.fx.GraphModule) -> tuple[int, int]:
 
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     """What the backend's (single) compiled graph pair communicates and keeps for backward."""
-    from fsdp_compile.graphinfo import collective_counts, marker_counts, missed_overlaps, saved_gathered_parameters
+    from fsdp_compile.inspection.graphinfo import (
+        collective_counts,
+        marker_counts,
+        missed_overlaps,
+        saved_gathered_parameters,
+    )
 
     (record,) = backend.graphs
     fw_buckets, bw_buckets = record.forward_buckets, record.backward_buckets
@@ -333,7 +338,7 @@ class TiedGPT(GPT):
 
 def tied_fsdp2_worker(rank: int, world: int, strategy: str, steps: int, lr: float) -> dict:
     """TiedGPT with blocks.0 frozen: the eager runtime, aot_eager and FSDP2, every step's gradients."""
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.inspection.graphinfo import collectives
 
     strategy = ShardingStrategy.parse(strategy)
     torch.manual_seed(0)
@@ -586,8 +591,13 @@ def collectives_worker(rank: int, world: int) -> dict:
     """Run the collective semantics eagerly on a hybrid layout, logging the collectives issued."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fsdp_compile.groups import resolve_topology
-    from fsdp_compile.runtime.collectives import CommSpec, gather_params, reduce_grads, shard_bounds
+    from fsdp_compile.runtime.collectives import (
+        CommSpec,
+        gather_params,
+        reduce_grads,
+        shard_bounds,
+    )
+    from fsdp_compile.sharding.groups import resolve_topology
 
     topo = resolve_topology(ShardingStrategy.HYBRID_SHARD, "cpu", shard_size=2)
 
@@ -652,13 +662,13 @@ def convenience_worker(rank: int, world: int) -> dict:
 
 def attention_or_mlp(module: nn.Module) -> bool:
     """A callable bucket policy (as FSDP1's auto_wrap_policy): attention and MLP separately."""
-    from fsdp_compile.gpt import MLP, CausalSelfAttention
+    from fsdp_compile.models.gpt import MLP, CausalSelfAttention
 
     return isinstance(module, (CausalSelfAttention, MLP))
 
 
 def bucket_policies() -> dict[str, Any]:
-    from fsdp_compile.gpt import Block
+    from fsdp_compile.models.gpt import Block
 
     return {"module": "module", "param": "param", "bytes": 4096, "classes": {Block},
             "callable": attention_or_mlp}
@@ -666,7 +676,7 @@ def bucket_policies() -> dict[str, Any]:
 
 def policy_worker(rank: int, world: int, strategy: str, policies: list[str], steps: int) -> dict:
     """The eager runtime (no buckets) and aot_eager under each bucket policy, on the same data."""
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.inspection.graphinfo import collectives
 
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)
@@ -731,7 +741,7 @@ def bytes_worker(rank: int, world: int, strategy: str) -> dict:
     """Theory, compiled graphs and a profiled step, for fp32 and for bf16 compute / fp32 reduce."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.inspection.graphinfo import collectives
 
     strategy = ShardingStrategy.parse(strategy)
     out = {}
@@ -824,7 +834,7 @@ def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str
             "optimizer_state": {v.dtype for s in opt.state.values() for v in s.values() if v.dim()},
         }
         if kind not in ("eager", "fsdp2"):
-            from fsdp_compile.graphinfo import collectives
+            from fsdp_compile.inspection.graphinfo import collectives
 
             (record,) = backend.graphs
             result["fallbacks"] = record.fallbacks
@@ -1026,7 +1036,7 @@ def failing_pass_worker(rank: int, world: int, phase: str, strict: bool, steps: 
     backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
     backend.shard(model)
     healthy = train(model, torch.compile(model, backend=backend), data, rank)
-    from fsdp_compile.graphinfo import collective_counts, marker_counts
+    from fsdp_compile.inspection.graphinfo import collective_counts, marker_counts
 
     graph = record.forward if phase == "forward" else record.backward
     return {"warnings": [str(w.message) for w in caught], "fallbacks": record.fallbacks,

@@ -16,6 +16,9 @@ import torch.fx as fx
 # The stages of the pipeline, in order: the joint graph before partitioning, the pair of
 # partitioned graphs (fix-ups that must see both), then each forward / backward graph.
 STAGES = ("joint", "partitioned", "graph")
+# Passes a user may switch off by name (backend(disable_passes=...)); the partition fix-up that
+# orders saved RNG states is a correctness repair, not an optimization, and always runs.
+OPTIONAL_PASSES = ("elide_trivial_unshard", "tag_reshard_policy", "lower_markers", "schedule_collectives")
 
 
 @dataclass

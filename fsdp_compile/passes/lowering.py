@@ -20,11 +20,18 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from ..ops import markers
 from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
-from .bucketing import Bucket, Policy, assign_buckets
+from ..runtime.markers import markers
+from ..sharding.units import Policy
+from .bucketing import Bucket, assign_buckets
 from .context import PassContext
-from .graph import COMM_META, WAIT, CommTag, stable_topological_sort, tag_parameter_input
+from .graph import (
+    COMM_META,
+    WAIT,
+    CommTag,
+    stable_topological_sort,
+    tag_parameter_input,
+)
 from .templates import TraceCache, stamp_fake_values
 
 Decompositions = Optional[dict]

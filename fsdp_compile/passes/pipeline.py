@@ -20,7 +20,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch.fx as fx
 
-from ..errors import ConfigError
+from ..api import ConfigError
 from .context import GraphPass, PassContext
 from .lowering import lower_markers_pass
 from .reshard import elide_trivial_unshard_pass, tag_reshard_policy_pass
@@ -40,9 +40,6 @@ PIPELINE: tuple[GraphPass, ...] = (
     GraphPass("lower_markers", lower_markers_pass, "graph"),
     GraphPass("schedule_collectives", schedule_collectives_pass, "graph", when=lambda ctx: ctx.schedule is not None),
 )
-# Passes a user may switch off by name (backend(disable_passes=...)); the RNG-state fix-up is
-# a correctness repair, not an optimization.
-OPTIONAL_PASSES = ("elide_trivial_unshard", "tag_reshard_policy", "lower_markers", "schedule_collectives")
 
 
 def stage_passes(stage: str, ctx: PassContext, disabled: Collection[str] = ()) -> list[GraphPass]:

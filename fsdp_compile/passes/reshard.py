@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..ops import UNSHARD_TARGETS, decode
+from ..runtime.markers import UNSHARD_TARGETS, decode
 from .context import PassContext
 from .graph import VIEW_LIKE, tag_parameter_input
+
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target in UNSHARD_TARGETS]

@@ -23,9 +23,16 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from ..errors import ConfigError
+from ..api import ConfigError, check_inflight_budget, check_prefetch
 from .context import PassContext
-from .graph import COLLECTIVE_OPS, COMM_META, PURE_VIEWS, CommTag, collective_bytes, stable_topological_sort
+from .graph import (
+    COLLECTIVE_OPS,
+    COMM_META,
+    PURE_VIEWS,
+    CommTag,
+    collective_bytes,
+    stable_topological_sort,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,10 @@ class ScheduleOptions:
     prefetch: int = 1
     max_inflight_bytes: int | None = None
     explicit_prefetch: Mapping[str, Sequence[str]] | None = None  # for this graph's phase
+
+    def __post_init__(self) -> None:
+        check_prefetch(self.prefetch)  # the backend's prefetch= check, for direct callers
+        check_inflight_budget(self.max_inflight_bytes)
 
 
 @dataclass
@@ -107,8 +118,6 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     """Reorder ``gm.graph`` in place as described in the module docstring; returns the schedule.
 
     Call ``gm.recompile()`` before running ``gm``."""
-    if options.prefetch < 0:
-        raise ValueError(f"prefetch={options.prefetch} must be >= 0 (0 disables prefetching)")
     graph = gm.graph
     _hoist_and_sink_views(graph)
     groups = _groups(graph)

@@ -1,5 +1,10 @@
 """``strategy="auto"``: plan for the actual world, topology and device memory, then shard.
 
+:class:`AutoBackend` is what ``fsdp_compile.backend("auto", ...)`` returns: an
+:class:`~fsdp_compile.FSDPBackend` whose strategy, bucket policy and prefetch depth come from a
+plan made when the model is sharded (the planner runs the backend's own pipeline, so the
+planner depends on the backend and this subclass on both).
+
 Rank 0 plans (in a subprocess: the job's process group is the default one here, see
 :mod:`.isolated`) and broadcasts the plan, so every rank applies the same choice; a planning
 error is raised on every rank. The choice is the plan's best row: strategy, bucket policy and
@@ -8,6 +13,7 @@ prefetch depth (and, for hybrid strategies, shard groups of one node).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -18,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mixed_precision import MixedPrecision
+from ..api import MixedPrecision, ShardingStrategy
+from ..backend import FSDPBackend
+from ..sharding.units import parse_policy
 from .cluster import Cluster, ClusterError
 from .plan import Plan, PlanError, PlanRow, plan, require_fit
 
@@ -90,3 +98,50 @@ def candidate_options(result: Plan, row: PlanRow) -> dict[str, Any]:
     if row.bucket not in result.bucket_policies:
         raise PlanError(f"the plan does not know bucket policy {row.bucket!r}")
     return {"strategy": row.strategy, "bucket": result.bucket_policies[row.bucket], "prefetch": row.prefetch}
+
+
+# Options only strategy="auto" takes (fsdp_compile.backend rejects them for other strategies).
+AUTO_OPTIONS = ("example_inputs", "loss_fn", "cluster", "memory_budget", "plan_options")
+
+
+class AutoBackend(FSDPBackend):
+    """An :class:`~fsdp_compile.FSDPBackend` that plans its strategy at :meth:`shard` time.
+
+    It plans for this job's world, topology and device memory and applies the fastest
+    configuration that fits (strategy, bucket policy, prefetch depth); it takes
+    ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default: the GPU's
+    preset, or ``Cluster.measure()`` on a CPU), ``memory_budget`` (bytes per device; needed on a
+    CPU) and ``plan_options`` (passed to :func:`fsdp_compile.plan`); the plan is
+    ``backend.plan``. Every other option is the backend's. See the README's "Choosing a
+    strategy".
+    """
+
+    def __init__(self, *, example_inputs: Any = None, loss_fn: Callable[[Any], Any] | None = None,
+                 cluster: Cluster | None = None, memory_budget: float | None = None,
+                 plan_options: dict[str, Any] | None = None, **options: Any) -> None:
+        if any(options.get(name) is not None for name in ("mesh", "process_groups", "shard_size")):
+            raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
+        if any(options.get(name) is not None for name in ("forward_prefetch", "backward_prefetch", "offload")):
+            raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
+        super().__init__(ShardingStrategy.FULL_SHARD, **options)  # replaced by the plan's choice in shard()
+        self.request = AutoRequest(example_inputs, loss_fn, cluster, memory_budget,
+                                   plan_options=dict(plan_options or {}))
+
+    def __repr__(self) -> str:
+        if self.plan is None:
+            return f"fsdp_compile.backend(strategy='auto', compiler={self.options.compiler!r})"
+        return super().__repr__()
+
+    def _before_sharding(self, model: nn.Module) -> None:
+        """Plan for this world (rank 0 plans, every rank gets the choice) and apply the choice."""
+        if self.plan is not None:
+            return
+        device_type = self._device_type(model)
+        self.plan, row = choose(model, self.request, self.options.mixed_precision, device_type)
+        chosen = candidate_options(self.plan, row)
+        strategy = ShardingStrategy.parse(chosen["strategy"])
+        shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
+        self.options = dataclasses.replace(self.options, strategy=strategy, bucket=chosen["bucket"],
+                                           prefetch=chosen["prefetch"], shard_size=shard_size,
+                                           bucket_policy=parse_policy(chosen["bucket"]))
+        self.bucket_policy = self.options.bucket_policy

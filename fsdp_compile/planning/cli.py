@@ -44,7 +44,7 @@ def build_model(name: str, *, layers: int | None = None, seq: int = 2048, vocab:
             raise SystemExit(f"--model {name}: the factory returned {type(model).__name__}, not an nn.Module")
         return model
     if name in GPT_SIZES:
-        from ..gpt import GPT, GPTConfig
+        from ..models.gpt import GPT, GPTConfig
 
         n_layer, d_model, n_head = GPT_SIZES[name]
         cfg = GPTConfig(vocab_size=vocab or (128 if name in ("gpt-tiny", "gpt-demo") else 50257), block_size=seq,
@@ -52,7 +52,7 @@ def build_model(name: str, *, layers: int | None = None, seq: int = 2048, vocab:
         with torch.device(device):
             return GPT(cfg)
     if name in LLAMA_SIZES:
-        from ..llama import Llama, LlamaConfig
+        from ..models.llama import Llama, LlamaConfig
 
         overrides: dict[str, Any] = {"max_seq_len": max(seq, 2), "checkpoint_blocks": checkpoint}
         if layers:
@@ -112,7 +112,7 @@ def _presets() -> list[str]:
 
 
 def _mixed_precision(args: argparse.Namespace):
-    from ..mixed_precision import MixedPrecision
+    from ..api import MixedPrecision
 
     param = DTYPES[args.mixed_precision]
     if param is None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..api import ConfigError
 
 GB = 1e9
 GiB = 1 << 30

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..strategy import ShardingStrategy
+from ..api import ShardingStrategy
 
 
 @dataclass

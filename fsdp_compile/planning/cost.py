@@ -29,7 +29,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from ..memory import size_hint
+from ..inspection.memory import size_hint
 from ..passes.graph import ALL_GATHER, PURE_VIEWS, WAIT
 from .cluster import Cluster
 from .measure import ring_steps

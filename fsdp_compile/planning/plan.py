@@ -24,11 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from ..memory import input_bytes
-from ..mixed_precision import MixedPrecision
+from ..api import ConfigError, MixedPrecision, ShardingStrategy
+from ..inspection.memory import input_bytes
 from ..runtime.collectives import padded_rows
-from ..strategy import ShardingStrategy
 from .cluster import Cluster, ClusterError, GiB
 from .cost import Group, graph_costs, optimizer_seconds
 from .simulate import Timeline, memory_timeline, simulate_graph

@@ -8,7 +8,7 @@ communication. Collective time spent while compute runs is *hidden*; on a machin
 communication takes time from compute (``comm_overlap`` < 1, e.g. gloo on a CPU), that share
 of the hidden time is added back.
 
-Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.memory`),
+Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory`),
 as ints or sympy expressions for graphs traced with symbolic sizes.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import fx
 
-from ..memory import ROLES, storage_lifetimes
+from ..inspection.memory import ROLES, storage_lifetimes
 from .cost import NodeCost, maximum
 
 
@@ -117,7 +117,7 @@ def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
                     symbolic: bool = False) -> list[dict[str, Any]]:
     """Live bytes by role after each node's allocations, in graph order.
 
-    Same lifetimes as :func:`fsdp_compile.memory.estimate_memory` (inputs live throughout,
+    Same lifetimes as :func:`fsdp_compile.inspection.memory.estimate_memory` (inputs live throughout,
     outputs from their node to their last use); ``held`` adds bytes per role the caller keeps
     alive without passing them in.
     """

@@ -22,8 +22,8 @@ from typing import Any
 import sympy
 import torch
 
-from ..memory import input_bytes
-from ..strategy import ShardingStrategy
+from ..api import ShardingStrategy
+from ..inspection.memory import input_bytes
 from .cost import graph_costs, optimizer_seconds
 from .plan import OPTIMIZER_STATES, PlanError, model_state_bytes
 from .simulate import memory_timeline, simulate_graph

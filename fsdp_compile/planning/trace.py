@@ -23,12 +23,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..api import MixedPrecision, ShardingStrategy
 from ..backend import FSDPBackend
 from ..compiler import CompiledGraph, JointCapture
-from ..mixed_precision import MixedPrecision
-from ..passes.bucketing import BucketPolicy
 from ..passes.graph import ROLE_META
-from ..strategy import ShardingStrategy
+from ..sharding.units import BucketPolicy
 from .attention import use_cuda_attention
 from .world import fake_inputs, fake_model
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .passes.bucketing import unit_of
+from .units import unit_of
 
 InitFn = Callable[[nn.Module], None]
 ShardFn = Callable[[torch.Tensor], tuple[torch.Tensor, bool]]

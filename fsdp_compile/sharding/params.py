@@ -18,20 +18,21 @@ nothing about one instance may live in the class (a pitfall seen in SimpleFSDP).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..api import CPUOffload, MixedPrecision
+from ..runtime.collectives import CommSpec, padded_rows, shard_bounds
 from .grad_sync import SYNC_ATTR, GradientSync
 from .groups import Topology, current_device
-from .mixed_precision import MixedPrecision, cast_inputs, cast_output
-from .materialize import InitFn, has_meta, materialize as materialize_units
-from .offload import CPUOffload, offload_pins_memory
-from .passes.bucketing import Policy, parse_policy, unit_modules, unit_of
-from .runtime.collectives import CommSpec, padded_rows, shard_bounds
+from .materialize import InitFn, has_meta
+from .materialize import materialize as materialize_units
+from .units import Policy, parse_policy, unit_modules, unit_of
 
 SPECS_ATTR = "_fsdp_specs"
 MIXED_PRECISION_ATTR = "_fsdp_mixed_precision"
@@ -319,3 +320,25 @@ def shard_module(
             module.__dict__[SYNC_ATTR] = sync
         module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), module is model)
     return ShardResult(infos, peak)
+
+
+# ---------------------------------------------------------------- mixed precision and offload
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def cast_inputs(policy: MixedPrecision, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The root module's forward inputs as ``policy`` wants them."""
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        return _cast(args, policy.param_dtype), _cast(kwargs, policy.param_dtype)
+    return args, kwargs
+
+
+def cast_output(policy: MixedPrecision, output: Any) -> Any:
+    """The root module's forward output as ``policy`` wants it."""
+    return output if policy.output_dtype is None else _cast(output, policy.output_dtype)
+
+
+def offload_pins_memory() -> bool:
+    """Whether pinning is possible here: it needs an accelerator runtime."""
+    return torch.cuda.is_available()

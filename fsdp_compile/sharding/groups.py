@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from .strategy import ShardingStrategy
+from ..api import ShardingStrategy
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -108,16 +108,9 @@ def resolve_topology(
     shard_size: int | None = None,
     timeout: datetime.timedelta | None = None,
 ) -> Topology:
-    """Build the layout for ``strategy`` from at most one of ``mesh`` / ``process_groups``."""
-    _require_initialized()
-    if mesh is not None and process_groups is not None:
-        raise ValueError("pass either mesh= or process_groups=, not both")
-    if shard_size is not None and (mesh is not None or process_groups is not None):
-        raise ValueError("shard_size= only applies when neither mesh= nor process_groups= is given")
-    if shard_size is not None and not strategy.is_hybrid:
-        raise ValueError(
-            f"shard_size= only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}"
-        )
+    """Build the layout for ``strategy`` from at most one of ``mesh`` / ``process_groups``
+    (options as :meth:`fsdp_compile.api.BackendOptions.validate` accepts them)."""
+    _require_initialized()  # the options themselves were checked by BackendOptions.validate
     timeout = timeout or world_timeout()
     if strategy.is_hybrid:
         mesh = _hybrid_mesh(device_type, mesh, process_groups, shard_size, timeout)

@@ -19,11 +19,12 @@ accumulated gradients are full-size (in the reduce dtype) until they are reduced
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .runtime.collectives import CommSpec, reduce_grads
+from ..runtime.collectives import CommSpec, reduce_grads
 
 SYNC_ATTR = "_fsdp_gradient_sync"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .passes.graph import COLLECTIVE_OPS, COMM_META, ROLE_META, WAIT, collective_bytes
+from ..passes.graph import COLLECTIVE_OPS, COMM_META, ROLE_META, WAIT, collective_bytes
 
 ROLES = ("param", "gathered", "grad", "activation", "buffer")
 

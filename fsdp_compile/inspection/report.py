@@ -11,8 +11,8 @@ from typing import Any, Iterable
 
 import torch.fx as fx
 
-from .passes.graph import COMM_META, WAIT, decode_collective, is_compute
-from .runtime.collectives import padded_rows
+from ..passes.graph import COMM_META, WAIT, decode_collective, is_compute
+from ..runtime.collectives import padded_rows
 
 
 # ----------------------------------------------------------------------------- building

@@ -31,8 +31,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .faults import reraise_named
-from .groups import current_device
+from ..runtime.faults import reraise_named
+from ..sharding.groups import current_device
 
 EXTRA_FILE = "extra.pt"
 _SHOWN = 5  # mismatches named in an error

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..api import __version__
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
@@ -49,8 +51,6 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def manifest_for(strategy: str, world: int, options: dict[str, Any]) -> dict[str, Any]:
-    from . import __version__
-
     return {"format": FORMAT_VERSION, "fsdp_compile": __version__, "torch": torch.__version__,
             "strategy": strategy, "world_size": world, "options": options}
 

@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from .collectives import CommSpec, gather_params, reduce_grads
 from .faults import reraise_named
-from .runtime.collectives import CommSpec, gather_params, reduce_grads
-from .runtime.kernels import NAMESPACE
+from .kernels import NAMESPACE
 
 # Every marker ends with the CommSpec's fields, in the dataclass's order: the schemas below are
 # generated from that one definition, and CommSpec(*args) / spec.op_args() convert.

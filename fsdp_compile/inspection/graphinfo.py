@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import Counter
-import dataclasses
 
 import torch
 import torch.fx as fx
 
-from .ops import REDUCE_GRAD, UNSHARD, UNSHARD_NO_SYNC, UNSHARD_TARGETS
-from .passes.graph import COLLECTIVES, VIEW_LIKE, WAIT, Collective, decode_collective, is_compute
+from ..passes.graph import (
+    COLLECTIVES,
+    VIEW_LIKE,
+    WAIT,
+    Collective,
+    decode_collective,
+    is_compute,
+)
+from ..runtime.markers import REDUCE_GRAD, UNSHARD, UNSHARD_NO_SYNC, UNSHARD_TARGETS
 
 COPY_OUT = torch.ops.fsdp_compile.copy_out.default
 

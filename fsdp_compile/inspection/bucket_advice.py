@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .passes.bucketing import ROOT_UNIT, Policy, repeated_classes, unit_of
+from ..sharding.units import ROOT_UNIT, Policy, repeated_classes, unit_of
 
 # Over this share of the parameters, one bucket leaves too little to shard.
 MAX_SHARE = 0.5

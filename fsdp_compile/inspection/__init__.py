@@ -1,0 +1,1 @@
+"""Reading what the compiler did: graph facts, memory estimates, reports, dumps, bucket advice."""

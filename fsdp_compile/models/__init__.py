@@ -1,0 +1,1 @@
+"""Small reference models the demo, tests, benchmarks and planner use (no extra dependency)."""

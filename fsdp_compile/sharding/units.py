@@ -1,0 +1,216 @@
+"""Bucket units: which module each parameter communicates with, decided when a model is sharded.
+
+A unit is a module whose parameters form one bucket (one all-gather, one reduce-scatter).
+Policies (``fsdp_compile.backend(bucket=...)``):
+
+* ``"module"`` (default): one bucket per repeated block, plus one for the parameters outside
+  every block (FSDP's transformer auto-wrap without naming the class). Blocks are two or more
+  siblings of one class: members of an ``nn.ModuleList``, ``nn.Sequential`` or
+  ``nn.ModuleDict`` (torchtitan's ``layers``), or composite attributes (``self.block0``,
+  ``self.block1``; leaf layers such as two ``nn.Embedding`` are not blocks). The outermost
+  repeat wins (a block's experts stay in the block), except that a stage holding blocks (a
+  container of them, or a module with nothing but leaf layers beside them) gives way to its
+  blocks; an encoder and a decoder each contribute their own blocks;
+* a set of module classes, or a callable ``module -> bool`` (as FSDP1's ``auto_wrap_policy``):
+  each selected module is a unit; a parameter belongs to its nearest selected ancestor, else to
+  the root;
+* an int: no units; consecutive markers in graph order share a bucket until it holds that many
+  bytes (see :mod:`fsdp_compile.passes.bucketing`);
+* ``"param"``: one bucket per parameter.
+
+Units travel in each marker's ``unit`` argument, so the bucketing pass needs nothing but the
+graph. This module holds the model side (policies, units); the graph side is
+:mod:`fsdp_compile.passes.bucketing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Union
+
+import torch.nn as nn
+
+BucketPolicy = Union[str, int, Iterable[type], Callable[[nn.Module], bool]]
+ROOT_UNIT = ""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A validated bucket policy."""
+
+    kind: str  # "module", "classes", "callable", "bytes", "param"
+    classes: tuple[type, ...] = ()
+    predicate: Callable[[nn.Module], bool] | None = None
+    max_bytes: int = 0
+
+    @property
+    def uses_units(self) -> bool:
+        return self.kind in ("module", "classes", "callable")
+
+    def describe(self) -> str:
+        if self.kind == "classes":
+            return "{" + ", ".join(c.__name__ for c in self.classes) + "}"
+        if self.kind == "callable":
+            return getattr(self.predicate, "__name__", repr(self.predicate))
+        if self.kind == "bytes":
+            return str(self.max_bytes)
+        return repr(self.kind)
+
+
+def parse_policy(bucket: BucketPolicy) -> Policy:
+    """Validate ``bucket=``; errors name the argument and what it accepts."""
+    if isinstance(bucket, str):
+        if bucket in ("module", "param"):
+            return Policy(bucket)
+        raise ValueError(
+            f"bucket={bucket!r} is not a policy; use 'module', 'param', a size in bytes, a set of "
+            "module classes, or a callable module -> bool"
+        )
+    if isinstance(bucket, bool):
+        raise TypeError("bucket= takes 'module', 'param', a size in bytes, module classes or a callable, not a bool")
+    if isinstance(bucket, int):
+        if bucket <= 0:
+            raise ValueError(f"bucket={bucket} must be a positive number of bytes")
+        return Policy("bytes", max_bytes=bucket)
+    if isinstance(bucket, type):
+        bucket = (bucket,)
+    if isinstance(bucket, (set, frozenset, list, tuple)):
+        classes = tuple(bucket)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if not classes or bad:
+            raise TypeError(
+                f"bucket= as a collection must hold nn.Module subclasses; got {bad or 'an empty collection'}"
+            )
+        return Policy("classes", classes=classes)
+    if callable(bucket):
+        return Policy("callable", predicate=bucket)
+    raise TypeError(f"bucket= got {type(bucket).__name__}; see fsdp_compile.backend's documentation")
+
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _is_composite(module: nn.Module) -> bool:
+    """A layer made of layers (a block, an attention): some child module holds parameters.
+
+    Leaf layers (``nn.Linear``, ``nn.Embedding``, norms) hold theirs directly; two of them side
+    by side (q/k/v projections, token and position embeddings) are not blocks.
+    """
+    return any(_holds_parameters(child) for child in module.children())
+
+
+class _BlockFinder:
+    """The ``"module"`` policy: the outermost repeated blocks, wherever the model holds them.
+
+    Siblings repeat when two or more have one class: members of a container (``nn.ModuleList``,
+    ``nn.Sequential``, ``nn.ModuleDict``, whatever else it holds), or composite attributes of a
+    module (``self.block0``, ``self.block1``). A repeated sibling is a block and the search stops
+    there (experts inside a block are part of the block), unless it is a *stage*, a grouping of
+    composite blocks: a container of them, or a stack (a module holding them in containers, and
+    beside them only leaf layers: T5's encoder and decoder are one class, each an embedding, a
+    list of blocks and a norm). A stage's blocks are the units then.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        # Shared submodules count where named_modules() first meets them, as their parameters do.
+        self.name_of: dict[int, str] = {}
+        for name, module in model.named_modules():
+            self.name_of.setdefault(id(module), name)
+        self.modules = dict(model.named_modules())
+
+    def blocks(self, module: nn.Module, prefix: str) -> list[str]:
+        children = []
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if self.name_of.get(id(child)) == path and _holds_parameters(child):
+                children.append((path, child))
+        in_container = isinstance(module, _CONTAINERS)
+        by_class: dict[type, list[str]] = {}
+        for path, child in children:
+            if in_container or (_is_composite(child) and not isinstance(child, _CONTAINERS)):
+                by_class.setdefault(type(child), []).append(path)
+        repeated = {path for paths in by_class.values() if len(paths) >= 2 for path in paths}
+        found = []
+        for path, child in children:
+            inner = self.blocks(child, path)
+            if path in repeated and not self._is_stage(child, path, inner):
+                found.append(path)
+            else:
+                found += inner
+        return found
+
+    def _is_stage(self, module: nn.Module, path: str, inner: list[str]) -> bool:
+        if not inner or not all(_is_composite(self.modules[name]) for name in inner):
+            return False
+        if isinstance(module, _CONTAINERS):
+            return True
+        # Two attentions side by side (a decoder layer's self- and cross-attention) are not a
+        # stack, and neither is a block whose experts sit beside its attention.
+        if not all(isinstance(self.modules[name.rpartition(".")[0]], _CONTAINERS) for name in inner):
+            return False
+        for name, sub in module.named_modules(prefix=path):
+            if name == path or self.name_of.get(id(sub)) != name:
+                continue
+            inside_block = any(name == b or name.startswith(b + ".") for b in inner)
+            on_path_to_block = any(b.startswith(name + ".") for b in inner)
+            if not inside_block and not on_path_to_block and _is_composite(sub):
+                return False
+        return True
+
+
+def _repeated_blocks(model: nn.Module) -> set[str]:
+    return set(_BlockFinder(model).blocks(model, ""))
+
+
+def repeated_classes(model: nn.Module, within: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """Names of the classes with parameters that occur twice or more among the modules ``within``
+    selects by name (containers aside): composite ones first (blocks, attention), then leaf layers,
+    each group in model order. What a class-set policy could name."""
+    def user_class(module: nn.Module) -> type:
+        # Once sharded, a module's class is a generated subclass; the user knows the original.
+        return getattr(type(module), "_fsdp_original_class", type(module))
+
+    counts: dict[type, int] = {}
+    for name, module in model.named_modules():
+        if name and within(name) and not isinstance(module, _CONTAINERS) and _holds_parameters(module):
+            counts[user_class(module)] = counts.get(user_class(module), 0) + 1
+    repeated = [cls for cls, n in counts.items() if n >= 2]
+    composite = {user_class(m) for m in model.modules() if user_class(m) in repeated and _is_composite(m)}
+    return [cls.__name__ for cls in repeated if cls in composite] + [cls.__name__ for cls in repeated if cls not in composite]
+
+
+def unit_modules(model: nn.Module, policy: Policy) -> set[str]:
+    """Names of the modules that head a bucket under ``policy`` (the root is implicit)."""
+    if policy.kind == "module":
+        return _repeated_blocks(model)
+    if not policy.uses_units:
+        return set()
+    if policy.kind == "classes":
+        chosen = {n for n, m in model.named_modules() if isinstance(m, policy.classes)}
+    else:
+        chosen = {n for n, m in model.named_modules() if policy.predicate(m)}
+    chosen.discard(ROOT_UNIT)
+    if not chosen:
+        classes = repeated_classes(model)
+        known = (f"its repeated module classes are {', '.join(classes)}" if classes
+                 else "it repeats no module class, so a size in bytes (bucket=<int>) fits it better")
+        raise ValueError(
+            f"bucket={policy.describe()} matches no module of {type(model).__name__} (other than the "
+            f"root); {known}. Name classes that occur in the model, a callable that selects some of "
+            "its submodules, or keep the default bucket='module'"
+        )
+    return chosen
+
+
+def unit_of(module_name: str, units: set[str]) -> str:
+    """The nearest unit at or above ``module_name`` (the root unit if none)."""
+    parts = module_name.split(".") if module_name else []
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in units:
+            return candidate
+    return ROOT_UNIT
