@@ -302,8 +302,7 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
     mesh each rank's shard group is another process group, yet the same role.
     """
     calls: list[CollectiveCall] = []
-    graphs = [("forward", record.forward, record.forward_buckets),
-              ("backward", record.backward, record.backward_buckets)]
+    graphs = [(name, p.graph, p.buckets) for name, p in record.phases.items()]
     if record.forward is None:  # not lowered at all: the Dynamo graph's markers
         graphs = [("forward", record.dynamo, {})]
     for phase, gm, buckets in graphs:

@@ -139,7 +139,7 @@ class FSDPBackend:
         self.gradient_sync = GradientSync()
         self.init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
         # Buckets over half of a model's parameters under a resharding strategy, by label: what
-        # the report marks (see bucket_advice.py).
+        # the report marks (see inspection/bucket_advice.py).
         self.oversized_buckets: dict[str, dict[str, Any]] = {}
         self._warned_oversized = False
         self.verifier: GraphVerifier | None = None
@@ -302,7 +302,7 @@ class FSDPBackend:
         :class:`fsdp_compile.planning.auto.AutoBackend`)."""
 
     def summaries(self) -> list[dict[str, Any]]:
-        """One JSON-able summary per graph compiled so far on this rank (see report.py)."""
+        """One JSON-able summary per graph compiled so far on this rank (see inspection/report.py)."""
         return [graph_summary(record, self) for record in self.graphs]
 
     def report(self) -> str:

@@ -69,20 +69,32 @@ def _env_flag(name: str) -> bool:
 
 
 @dataclass
+class PhaseResult:
+    """What our passes made of one phase's graph (forward, or backward)."""
+
+    graph: fx.GraphModule | None = None  # after our passes (None: not compiled, or loaded from the cache)
+    buckets: dict[str, list[Bucket]] = field(default_factory=dict)  # "unshard" / "reduce_grad" -> buckets
+    schedule: Schedule | None = None
+    memory: MemoryEstimate | None = None
+
+
+def _phase_results() -> dict[str, PhaseResult]:
+    return {"forward": PhaseResult(), "backward": PhaseResult()}
+
+
+@dataclass
 class CompiledGraph:
-    """The graphs the backend produced for one Dynamo graph, after its passes."""
+    """The graphs the backend produced for one Dynamo graph, after its passes.
+
+    ``phases["forward"]`` / ``phases["backward"]`` hold each phase's graph, buckets, schedule
+    and memory estimate (an inference graph is the forward phase); ``forward``,
+    ``backward_memory`` and the like read them.
+    """
 
     index: int
     dynamo: fx.GraphModule
-    forward: fx.GraphModule | None = None
-    backward: fx.GraphModule | None = None
+    phases: dict[str, PhaseResult] = field(default_factory=_phase_results)
     inference: bool = False
-    forward_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
-    backward_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
-    forward_schedule: Schedule | None = None
-    backward_schedule: Schedule | None = None
-    forward_memory: MemoryEstimate | None = None
-    backward_memory: MemoryEstimate | None = None
     forward_output_roles: list[str] = field(default_factory=list)
     forward_param_bytes: int = 0
     compiler: str = ""
@@ -96,6 +108,15 @@ class CompiledGraph:
     # forward/backward graphs here), "miss" (compiled and stored), or "off: <why>".
     cache: str = ""
     cache_key: str | None = None
+
+    forward = property(lambda self: self.phases["forward"].graph)
+    backward = property(lambda self: self.phases["backward"].graph)
+    forward_buckets = property(lambda self: self.phases["forward"].buckets)
+    backward_buckets = property(lambda self: self.phases["backward"].buckets)
+    forward_schedule = property(lambda self: self.phases["forward"].schedule)
+    backward_schedule = property(lambda self: self.phases["backward"].schedule)
+    forward_memory = property(lambda self: self.phases["forward"].memory)
+    backward_memory = property(lambda self: self.phases["backward"].memory)
 
 
 class Compiler:
@@ -311,17 +332,12 @@ class Compiler:
         buckets = values.get("lower_markers") or {}
         schedule = values.get("schedule_collectives")
         timings = {r.name: r.seconds for r in results}
-        if phase == "backward":
-            record.backward, record.backward_buckets = snapshot, buckets
-            record.backward_schedule, record.backward_memory = schedule, memory
-            record.pass_seconds["backward"] = timings
-        else:
-            record.forward, record.forward_buckets = snapshot, buckets
-            record.forward_schedule, record.forward_memory = schedule, memory
+        record.phases[kind] = PhaseResult(snapshot, buckets, schedule, memory)
+        record.pass_seconds[kind] = timings
+        if phase != "backward":
             record.inference = phase == "inference"
             record.forward_output_roles = _output_roles(gm)
             record.forward_param_bytes = input_bytes(gm, "param")
-            record.pass_seconds["forward"] = timings
         self._write_summary(record)
         record.stage_seconds[phase] = time.perf_counter() - started
         return gm

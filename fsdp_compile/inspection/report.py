@@ -113,10 +113,8 @@ def graph_summary(record, backend) -> dict[str, Any]:
         "oversized_buckets": dict(getattr(backend, "oversized_buckets", {})),
         "dynamo_nodes": len(record.dynamo.graph.nodes),
         "cache": getattr(record, "cache", ""),
-        "forward": _phase_summary(record.forward, record.forward_buckets, record.forward_schedule,
-                                  record.forward_memory, record.pass_seconds.get("forward")),
-        "backward": _phase_summary(record.backward, record.backward_buckets, record.backward_schedule,
-                                   record.backward_memory, record.pass_seconds.get("backward")),
+        **{name: _phase_summary(p.graph, p.buckets, p.schedule, p.memory, record.pass_seconds.get(name))
+           for name, p in record.phases.items()},
     }
 
 

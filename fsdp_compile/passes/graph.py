@@ -40,7 +40,7 @@ VIEW_LIKE = PURE_VIEWS | {
 
 # node.meta keys our passes set.
 COMM_META = "fsdp_comm"  # a CommTag on every node a bucket was lowered into
-ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see memory.py)
+ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see inspection/memory.py)
 
 
 @dataclass(frozen=True)

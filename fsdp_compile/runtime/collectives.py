@@ -68,7 +68,7 @@ class CommSpec:
     compute_device: str | None = None
 
     def op_args(self) -> tuple:
-        """The fields in declaration order: the markers' trailing arguments (see ops.py)."""
+        """The fields in declaration order: the markers' trailing arguments (see markers.py)."""
         return tuple(getattr(self, f.name) for f in fields(self))
 
     @property
