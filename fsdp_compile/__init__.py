@@ -47,7 +47,8 @@ def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **op
     return FSDPBackend(strategy, **{k: v for k, v in options.items() if k not in AUTO_OPTIONS})
 
 
-def compile(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> nn.Module:
+def compile(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+            **options: Any) -> nn.Module:
     """Shard ``model`` and return ``torch.compile(model, backend=...)``; the backend is ``.fsdp_backend``."""
     fsdp = backend(strategy, **options)
     compiled = torch.compile(fsdp.shard(model), backend=fsdp)

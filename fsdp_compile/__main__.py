@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -16,7 +17,10 @@ from .inspection.report import chrome_trace, plot_memory, render_report
 
 def _summaries(root: Path, rank: int | None, graph: int | None) -> list[dict]:
     found = []
-    for path in sorted(root.glob("rank*/graph*/summary.json"), key=lambda p: (int(p.parent.parent.name[4:]), int(p.parent.name[5:]))):
+    def rank_and_graph(path: Path) -> tuple[int, int]:
+        return int(path.parent.parent.name[4:]), int(path.parent.name[5:])
+
+    for path in sorted(root.glob("rank*/graph*/summary.json"), key=rank_and_graph):
         summary = json.loads(path.read_text())
         if (rank is None or summary["rank"] == rank) and (graph is None or summary["graph"] == graph):
             found.append(summary)
@@ -37,7 +41,7 @@ def _diff(root: Path, pass_name: str, rank: int | None, graph: int | None) -> st
         pairs = [(graph_dir / "joint_before.py", graph_dir / "joint_after.py", "tag_reshard_policy")]
         for phase_dir in sorted(p for p in graph_dir.iterdir() if p.is_dir()):
             steps = sorted(phase_dir.glob("*.py"))
-            pairs += [(a, b, b.stem.split("_", 1)[1]) for a, b in zip(steps, steps[1:])]
+            pairs += [(a, b, b.stem.split("_", 1)[1]) for a, b in itertools.pairwise(steps)]
         for before, after, name in pairs:
             known.add(name)
             if name != pass_name or not (before.exists() and after.exists()):
@@ -47,7 +51,8 @@ def _diff(root: Path, pass_name: str, rank: int | None, graph: int | None) -> st
                 fromfile=str(before.relative_to(root)), tofile=str(after.relative_to(root))))
     if not out:
         if pass_name not in known:
-            raise DumpError(f"--diff {pass_name}: no such pass in this dump; passes: {', '.join(sorted(known)) or 'none'}")
+            known_list = ", ".join(sorted(known)) or "none"
+            raise DumpError(f"--diff {pass_name}: no such pass in this dump; passes: {known_list}")
         return f"pass {pass_name} changed nothing in the selected graphs\n"
     return "".join(out)
 
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--rank", type=int, help="only this rank (default: all)")
     inspect.add_argument("--graph", type=int, help="only this graph (default: all)")
     inspect.add_argument("--diff", metavar="PASS", help="show what one pass changed, as a unified diff")
-    inspect.add_argument("--timeline", metavar="FILE.json", type=Path, help="write the schedule as a Chrome/Perfetto trace")
+    inspect.add_argument("--timeline", metavar="FILE.json", type=Path,
+                         help="write the schedule as a Chrome/Perfetto trace")
     inspect.add_argument("--plot", metavar="FILE.png", type=Path, help="draw the memory timeline (needs matplotlib)")
     from .planning.cli import add_compare_parser, add_plan_parser, run_compare, run_plan
 

@@ -27,8 +27,9 @@ import hashlib
 import json
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch.distributed as dist
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import datetime
 import enum
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,7 +52,7 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
 
     @classmethod
-    def parse(cls, value: "ShardingStrategy | str") -> "ShardingStrategy":
+    def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
         """Accept an enum member or its name in any case; reject anything else by name."""
         if isinstance(value, cls):
             return value

@@ -21,13 +21,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import re
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -247,7 +249,8 @@ class Compiler:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         if self._joint_captures is not None:
-            self._joint_captures.append(JointCapture(record, copy_graph_module(joint), list(joint_inputs), dict(kwargs)))
+            self._joint_captures.append(
+                JointCapture(record, copy_graph_module(joint), list(joint_inputs), dict(kwargs)))
         self.joint_passes(joint, record)
         start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -263,7 +266,8 @@ class Compiler:
             kind = "backward" if phase == "backward" else "forward"
             schedule = ScheduleOptions(self.backend.options.prefetch, self.backend.options.max_inflight_bytes,
                                        self.backend.explicit_prefetch[kind])
-        return PassContext(phase, bucket_policy=self.backend.bucket_policy, decompositions=decompositions, schedule=schedule)
+        return PassContext(phase, bucket_policy=self.backend.bucket_policy, decompositions=decompositions,
+                           schedule=schedule)
 
     def joint_passes(self, joint: fx.GraphModule, record: CompiledGraph) -> None:
         """The reshard policy as partitioner tags, in place (the partitioner holds the graph).
@@ -279,8 +283,8 @@ class Compiler:
         if dumper is not None:
             dumper.write_graph(record.index, "joint_before.py", graph_code(graph))
         try:
-            _, results = run_stage(joint, "joint", self._pass_context("joint"), disabled=self.backend.options.disable_passes,
-                                   rollback=False, regenerate=False)
+            _, results = run_stage(joint, "joint", self._pass_context("joint"),
+                                   disabled=self.backend.options.disable_passes, rollback=False, regenerate=False)
         except PassFailure as failure:
             self._fail(record, "joint", failure)
             results = getattr(failure, "results", [])
@@ -313,7 +317,9 @@ class Compiler:
         dumper = self._dumper()
         on_graph = None
         if dumper is not None:
-            def on_graph(step: str, g: fx.GraphModule, counter=iter(range(100))) -> None:
+            counter = itertools.count()
+
+            def on_graph(step: str, g: fx.GraphModule) -> None:
                 dumper.write_graph(record.index, f"{phase}/{next(counter):02d}_{step}.py", graph_code(g))
         try:
             gm, results = run_stage(gm, "graph", self._pass_context(phase, decompositions),
@@ -400,7 +406,8 @@ class Compiler:
         joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass, key)
         patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pass}
         if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
-            patches["custom_partitioner_fn"] = _Partitioner(self, record, torch._inductor.config.custom_partitioner_fn, key)
+            patches["custom_partitioner_fn"] = _Partitioner(self, record, torch._inductor.config.custom_partitioner_fn,
+                                                            key)
         if not self.cache_state.enabled and self.cache_state.directory is not None:
             patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
         # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
@@ -423,7 +430,8 @@ class Compiler:
             record.cache = "miss"
             self.cache_stats["misses"] += 1
             save_collectives(self.cache_state.directory, key, gm.code,
-                             [dataclasses.asdict(c) for c in collective_calls(record, self.backend.topology.group_roles())])
+                             [dataclasses.asdict(c)
+                              for c in collective_calls(record, self.backend.topology.group_roles())])
         record.cache_key = key
         return compiled
 
@@ -439,7 +447,7 @@ class Compiler:
         # ranks whose local shards differ would share an entry (a wrong graph, caught by a
         # size assertion at best): the rank and every local shard's metadata are part of ours.
         local = sorted((name, tuple(p.to_local().shape), tuple(p.to_local().stride()), str(p.dtype), str(p.device))
-                       for p in self.backend._owned.keys() for name in [sharded_name(p) or ""])
+                       for p in self.backend._owned for name in [sharded_name(p) or ""])
         return {
             "strategy": self.backend.strategy.name,
             "compiler": o.compiler,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 
-_NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
+_NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
 
 
 def generate_text(sentences: int = 4000, seed: int = 0) -> str:

@@ -85,8 +85,8 @@ class Dumper:
         self.rank = rank
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe.", delete=True)
-            probe.close()
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe.", delete=True):
+                pass
         except OSError as exc:
             raise DumpError(f"dump_dir={str(root)!r} is not writable ({exc.strerror or exc}); "
                             "pass a directory this process can create files in") from exc

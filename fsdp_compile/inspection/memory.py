@@ -6,11 +6,12 @@ last node that uses any tensor on it. Graph inputs are held by the caller for th
 (parameters, saved activations), so they count from start to end.
 
 A caller can add bytes it holds without passing them in (``held``): the parameters a backward
-graph does not read stay resident all the same. Each storage gets a role, from what the passes recorded on the nodes: ``param`` (shards, or
-whole parameters for NO_SHARD), ``gathered`` (unsharded parameters and gather buffers),
-``grad`` (reduction buffers and gradients), ``buffer`` (module buffers, where a caller tagged
-them), ``activation`` (everything else). Separately it
-tracks the bytes of collectives in flight (issued, not yet waited), which the scheduler bounds.
+graph does not read stay resident all the same. Each storage gets a role, from what the passes
+recorded on the nodes: ``param`` (shards, or whole parameters for NO_SHARD), ``gathered``
+(unsharded parameters and gather buffers), ``grad`` (reduction buffers and gradients),
+``buffer`` (module buffers, where a caller tagged them), ``activation`` (everything else).
+Separately it tracks the bytes of collectives in flight (issued, not yet waited), which the
+scheduler bounds.
 """
 
 from __future__ import annotations

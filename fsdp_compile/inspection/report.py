@@ -7,7 +7,8 @@ same from files (``render_report``) and from Python (``FSDPBackend.report()``).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch.fx as fx
 
@@ -22,14 +23,8 @@ def _bucket_summary(bucket) -> dict[str, Any]:
         if marker.fqn in seen:
             continue
         seen.add(marker.fqn)
-        if marker.kind == "unshard":
-            val = marker.node.meta["val"]  # the full parameter, in the compute dtype
-            dtype = val.dtype
-        else:
-            val = marker.input.meta["val"]  # the full gradient
-            dtype = bucket.spec.grad_reduce_dtype(val.dtype)
-        params.append({"fqn": marker.fqn, "shape": list(val.shape), "dtype": str(dtype).replace("torch.", ""),
-                       "bytes": val.numel() * dtype.itemsize})
+        params.append({"fqn": marker.fqn, "shape": list(marker.full_value.shape),
+                       "dtype": str(marker.comm_dtype).replace("torch.", ""), "bytes": marker.full_bytes})
     spec = bucket.spec
     return {"bucket": bucket.key, "kind": "gather" if bucket.kind == "unshard" else "reduce",
             "gathers": spec.gathers, "shard_size": spec.shard_size, "replicate_size": spec.replicate_size,
@@ -140,7 +135,8 @@ def theoretical_bytes(summary: dict[str, Any]) -> dict[str, int]:
             if bucket["replicate_size"] > 1:
                 theory["all_reduce"] += _padded(bucket) // bucket["shard_size"]
         else:
-            theory["all_reduce"] += bucket["bytes"] * (2 if bucket["shard_size"] > 1 and bucket["replicate_size"] > 1 else 1)
+            hybrid = bucket["shard_size"] > 1 and bucket["replicate_size"] > 1
+            theory["all_reduce"] += bucket["bytes"] * (2 if hybrid else 1)
     return theory
 
 
@@ -224,10 +220,12 @@ def _render_graph(s: dict[str, Any]) -> list[str]:
             counts[c["kind"]] = counts.get(c["kind"], 0) + 1
         lines.append("    collectives: " + (", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"))
         if p.get("schedule"):
-            lines.append(f"    schedule: budget {_size(p['schedule']['budget'])} in flight, peak {_size(p['schedule']['peak_inflight'])}")
+            schedule = p["schedule"]
+            lines.append(f"    schedule: budget {_size(schedule['budget'])} in flight, "
+                         f"peak {_size(schedule['peak_inflight'])}")
             for c in p["collectives"]:
                 extra = f", prefetch {c['prefetch']}" if "prefetch" in c else ""
-                lines.append(f"      {c['kind']:<14} {str(c['bucket']):<16} {_size(c['bytes']):>10} issued before "
+                lines.append(f"      {c['kind']:<14} {c['bucket']!s:<16} {_size(c['bytes']):>10} issued before "
                              f"{c['issued_before']}, overlaps {c['overlapped_compute']} compute nodes{extra}")
         if "memory" in p:
             m = p["memory"]

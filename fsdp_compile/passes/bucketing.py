@@ -38,12 +38,6 @@ def _dtype(marker: Marker) -> torch.dtype:
     return marker.input.meta["val"].dtype
 
 
-def _full_bytes(marker: Marker) -> int:
-    val = marker.node.meta["val"] if marker.kind == "unshard" else marker.input.meta["val"]
-    dtype = val.dtype if marker.kind == "unshard" else marker.spec.grad_reduce_dtype(val.dtype)
-    return val.numel() * dtype.itemsize
-
-
 def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
     """Group markers (of one kind, in graph order) into buckets, ordered by first marker."""
     buckets: dict[tuple, Bucket] = {}
@@ -58,7 +52,7 @@ def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
             key = (marker.fqn, *compat)
             label = marker.fqn
         else:
-            size = _full_bytes(marker)
+            size = marker.full_bytes
             key = open_bucket.get(compat)
             if key is None or (filled[key] + size > policy.max_bytes and filled[key] > 0):
                 key = (len(buckets), *compat)

@@ -8,8 +8,9 @@ schedule, a count) is kept by the runner under the pass's name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.fx as fx
 

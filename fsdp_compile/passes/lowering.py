@@ -14,7 +14,7 @@ run, never what they compute.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Optional, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,7 +34,7 @@ from .graph import (
 )
 from .templates import TraceCache, stamp_fake_values
 
-Decompositions = Optional[dict]
+Decompositions = dict | None
 
 
 def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],

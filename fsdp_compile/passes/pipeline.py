@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Any
 
 import torch.fx as fx
 

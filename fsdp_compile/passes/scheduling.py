@@ -18,8 +18,8 @@ only the stages move:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch.fx as fx
 

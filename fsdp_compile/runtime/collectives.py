@@ -18,8 +18,8 @@ back. The reduce-scatter buffer uses the same layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 import torch
 

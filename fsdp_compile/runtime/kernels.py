@@ -12,7 +12,7 @@ Layout: a tensor of ``numel`` elements split over ``world`` ranks is cut into ch
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -56,7 +56,8 @@ def _(shards, padded_numels, dtype):
 
 
 # ----------------------------------------------------------------------------- chunk-cat
-def chunk_cat_reference(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def chunk_cat_reference(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence[int],
+                        dtype: torch.dtype) -> torch.Tensor:
     # As FSDP2: cast to the reduce dtype, then one _chunk_cat (pads each rank's chunk). Its
     # chunks are whole dim-0 rows, so they match padded_numels.
     grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
@@ -77,7 +78,8 @@ def _(grads, world, padded_numels, dtype):
 
 
 # ----------------------------------------------------------------------------- copy-out
-def copy_out_reference(gathered: torch.Tensor, world: int, padded_numels: Sequence[int], numels: Sequence[int]) -> list[torch.Tensor]:
+def copy_out_reference(gathered: torch.Tensor, world: int, padded_numels: Sequence[int],
+                       numels: Sequence[int]) -> list[torch.Tensor]:
     # One split_with_sizes_copy into per-parameter (world, chunk) buffers, as FSDP2's copy-out.
     outs = [torch.empty(world, padded, dtype=gathered.dtype, device=gathered.device) for padded in padded_numels]
     torch.split_with_sizes_copy(gathered.view(world, -1), list(padded_numels), dim=1, out=outs)

@@ -14,7 +14,6 @@ whom, and the passes need nothing but the graph.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -146,11 +145,27 @@ class Marker:
     unit: str
     rows: int  # unshard: full rows; reduce_grad: local rows
     spec: CommSpec
-    grad_dtype: Optional[torch.dtype] = None  # reduce_grad only
+    grad_dtype: torch.dtype | None = None  # reduce_grad only
 
     @property
     def kind(self) -> str:
         return "reduce_grad" if self.node.target is REDUCE_GRAD else "unshard"
+
+    @property
+    def full_value(self) -> torch.Tensor:
+        """The full tensor the collective moves: the gathered parameter (in the compute dtype),
+        or the full gradient before its reduction."""
+        return self.node.meta["val"] if self.kind == "unshard" else self.input.meta["val"]
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        """The dtype the collective moves it in (gradients: the reduce dtype)."""
+        value = self.full_value
+        return value.dtype if self.kind == "unshard" else self.spec.grad_reduce_dtype(value.dtype)
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full_value.numel() * self.comm_dtype.itemsize
 
 
 def decode(node: fx.Node) -> Marker:
@@ -166,7 +181,7 @@ def decode(node: fx.Node) -> Marker:
     raise ValueError(f"{node.format_node()} is not an fsdp_compile marker")
 
 
-def markers(graph: fx.Graph, kind: Optional[str] = None) -> list[Marker]:
+def markers(graph: fx.Graph, kind: str | None = None) -> list[Marker]:
     """Decoded markers of ``graph`` in graph order (only ``"unshard"`` or ``"reduce_grad"`` ones
     when ``kind`` is given)."""
     targets = {"unshard": UNSHARD_TARGETS, "reduce_grad": (REDUCE_GRAD,), None: (*UNSHARD_TARGETS, REDUCE_GRAD)}

@@ -17,8 +17,8 @@ Triton's CPU interpreter, whose float casts truncate and flush bfloat16 subnorma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -144,7 +144,8 @@ def copy_in(shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype:
     return out
 
 
-def chunk_cat(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def chunk_cat(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence[int],
+              dtype: torch.dtype) -> torch.Tensor:
     total = sum(padded_numels)
     out = torch.empty(world * total, dtype=dtype, device=grads[0].device)
     segments, offset = [], 0
@@ -158,7 +159,8 @@ def chunk_cat(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence
     return out
 
 
-def copy_out(gathered: torch.Tensor, world: int, padded_numels: Sequence[int], numels: Sequence[int]) -> list[torch.Tensor]:
+def copy_out(gathered: torch.Tensor, world: int, padded_numels: Sequence[int],
+             numels: Sequence[int]) -> list[torch.Tensor]:
     total = sum(padded_numels)
     outs = [torch.empty(n, dtype=gathered.dtype, device=gathered.device) for n in numels]
     segments, offset = [], 0

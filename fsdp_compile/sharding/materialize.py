@@ -19,8 +19,8 @@ hold garbage), or an initializer that writes a parameter already sharded with an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -94,7 +94,7 @@ def materialize(
 
     for name, module in order:
         own_meta = [(pname, p) for pname, p in module._parameters.items() if p is not None and p.device.type == "meta"]
-        for pname, p in own_meta:
+        for _pname, p in own_meta:
             if id(p) not in full:
                 value = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 full[id(p)], meta[id(p)], written_at[id(p)] = value, p, value._version

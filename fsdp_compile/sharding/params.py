@@ -17,8 +17,9 @@ nothing about one instance may live in the class (a pitfall seen in SimpleFSDP).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn

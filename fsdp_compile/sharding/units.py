@@ -25,12 +25,12 @@ graph. This module holds the model side (policies, units); the graph side is
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Union
 
 import torch.nn as nn
 
-BucketPolicy = Union[str, int, Iterable[type], Callable[[nn.Module], bool]]
+BucketPolicy = str | int | Iterable[type] | Callable[[nn.Module], bool]
 ROOT_UNIT = ""
 
 
@@ -180,7 +180,8 @@ def repeated_classes(model: nn.Module, within: Callable[[str], bool] = lambda na
             counts[user_class(module)] = counts.get(user_class(module), 0) + 1
     repeated = [cls for cls, n in counts.items() if n >= 2]
     composite = {user_class(m) for m in model.modules() if user_class(m) in repeated and _is_composite(m)}
-    return [cls.__name__ for cls in repeated if cls in composite] + [cls.__name__ for cls in repeated if cls not in composite]
+    first = [cls.__name__ for cls in repeated if cls in composite]
+    return first + [cls.__name__ for cls in repeated if cls not in composite]
 
 
 def unit_modules(model: nn.Module, policy: Policy) -> set[str]:
