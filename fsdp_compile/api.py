@@ -131,7 +131,7 @@ class CPUOffload:
             raise TypeError(f"CPUOffload(pin_memory=) takes a bool, got {type(self.pin_memory).__name__}")
 
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one definition; readers look it up when they need it
 COMPILERS = ("inductor", "aot_eager", "eager")
 
 

@@ -29,15 +29,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import api
 from .agreement import GraphVerifier, agree_on_sharding
-from .api import (
-    BackendOptions,
-    ConfigError,
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
-    __version__,
-)
+from .api import BackendOptions, ConfigError, CPUOffload, MixedPrecision, ShardingStrategy
 from .compile_cache import CacheState
 from .compiler import CompiledGraph, Compiler
 from .inspection.bucket_advice import oversized_bucket
@@ -275,7 +269,7 @@ class FSDPBackend:
         """What must be equal on every rank for the ranks to communicate alike, in a fixed order."""
         o, topo = self.options, self.topology
         items: list[tuple[str, Any]] = [
-            ("the fsdp_compile version", __version__),
+            ("the fsdp_compile version", api.__version__),
             ("the torch version", torch.__version__),
             ("strategy=", self.strategy.name),
             ("compiler=", o.compiler),

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .api import __version__
+from . import api
 from .passes import pass_fingerprint
 
 MANIFEST = "fsdp_compile_cache.json"
@@ -60,7 +60,7 @@ class CacheState:
 
 
 def _versions() -> dict[str, str]:
-    return {"fsdp_compile": __version__, "sources": pass_fingerprint(), "torch": torch.__version__}
+    return {"fsdp_compile": api.__version__, "sources": pass_fingerprint(), "torch": torch.__version__}
 
 
 def _callable_name(fn: Any) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..api import __version__
+from .. import api
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -51,7 +51,7 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def manifest_for(strategy: str, world: int, options: dict[str, Any]) -> dict[str, Any]:
-    return {"format": FORMAT_VERSION, "fsdp_compile": __version__, "torch": torch.__version__,
+    return {"format": FORMAT_VERSION, "fsdp_compile": api.__version__, "torch": torch.__version__,
             "strategy": strategy, "world_size": world, "options": options}
 
 
