@@ -637,6 +637,9 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     def uuid(self) -> Any:
         return _uuid(self.key, self.user_pass)
 
+    def __deepcopy__(self, memo: dict) -> _JointPass:
+        return self  # see _Partitioner.__deepcopy__
+
 
 def _uuid(key: str | None, user_pass: Any) -> Any:
     """Our key, plus the uuid of the user's pass we wrap; None (Inductor then bypasses its
@@ -670,6 +673,12 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
 
     def uuid(self) -> Any:
         return _uuid(self.key, self.user_partitioner)
+
+    def __deepcopy__(self, memo: dict) -> _Partitioner:
+        # Inductor copies its configuration (this object included) to key its caches; the copy
+        # must call back into this compilation, whose process groups cannot be copied. The
+        # uuid, not the object, is what the cache key holds.
+        return self
 
 
 def _output_roles(gm: fx.GraphModule) -> list[str]:
