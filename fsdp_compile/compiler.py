@@ -255,7 +255,7 @@ class Compiler:
         start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         record.stage_seconds["partition"] = time.perf_counter() - start
-        self.partition_fixups(forward, backward, record)
+        partition_fixups(forward, backward, self.backend.options.disable_passes)
         if self._joint_captures is not None:
             self._joint_captures[-1].partitioned = (copy_graph_module(forward), copy_graph_module(backward))
         return forward, backward
@@ -294,17 +294,6 @@ class Compiler:
         if dumper is not None:
             dumper.write_graph(record.index, "joint_after.py", graph_code(graph, tags=True))
         record.stage_seconds["joint"] = time.perf_counter() - started
-
-    def partition_fixups(self, forward: fx.GraphModule, backward: fx.GraphModule, record: CompiledGraph) -> None:
-        """Repairs the partitioned pair needs (stage "partitioned"); a failure is a real error:
-        the pair would not run as partitioned."""
-        ctx = self._pass_context("partitioned")
-        ctx.forward = forward
-        try:
-            run_stage(backward, "partitioned", ctx, disabled=self.backend.options.disable_passes, rollback=False,
-                      regenerate=False)
-        except PassFailure as failure:
-            raise failure.__cause__ from None
 
     def graph_passes(self, gm: fx.GraphModule, phase: str, record: CompiledGraph,
                       decompositions: dict | None = None) -> fx.GraphModule:
@@ -406,8 +395,8 @@ class Compiler:
         joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass, key)
         patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pass}
         if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
-            patches["custom_partitioner_fn"] = _Partitioner(self, record, torch._inductor.config.custom_partitioner_fn,
-                                                            key)
+            patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn,
+                                                            self.backend.options.disable_passes, key)
         if not self.cache_state.enabled and self.cache_state.directory is not None:
             patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
         # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
@@ -605,6 +594,17 @@ class Compiler:
         return previous
 
 
+def partition_fixups(forward: fx.GraphModule, backward: fx.GraphModule, disabled: Sequence[str] = ()) -> None:
+    """The repairs a partitioned pair needs (stage "partitioned"). A failure is a real error:
+    the pair would not run as partitioned. Needs nothing of a compilation but the disabled
+    pass names, so Inductor's copy of its partitioner hook stays a plain object."""
+    ctx = PassContext("partitioned", forward=forward)
+    try:
+        run_stage(backward, "partitioned", ctx, disabled=disabled, rollback=False, regenerate=False)
+    except PassFailure as failure:
+        raise failure.__cause__ from None
+
+
 @dataclass
 class JointCapture:
     """A joint graph as AOTAutograd handed it to the partitioner, before our joint passes."""
@@ -637,9 +637,6 @@ class _JointPass(torch._inductor.custom_graph_pass.CustomGraphPass):
     def uuid(self) -> Any:
         return _uuid(self.key, self.user_pass)
 
-    def __deepcopy__(self, memo: dict) -> _JointPass:
-        return self  # see _Partitioner.__deepcopy__
-
 
 def _uuid(key: str | None, user_pass: Any) -> Any:
     """Our key, plus the uuid of the user's pass we wrap; None (Inductor then bypasses its
@@ -656,11 +653,10 @@ def _uuid(key: str | None, user_pass: Any) -> Any:
 class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitionerFn", object)):
     """Inductor's partitioner (or the user's) followed by the RNG-state reordering fix."""
 
-    def __init__(self, compiler: Compiler, record: CompiledGraph, user_partitioner: Callable[..., Any] | None,
+    def __init__(self, user_partitioner: Callable[..., Any] | None, disabled: Sequence[str] = (),
                  key: str | None = None) -> None:
-        self.compiler = compiler
-        self.record = record
         self.user_partitioner = user_partitioner
+        self.disabled = tuple(disabled)
         self.key = key
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
@@ -668,17 +664,11 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
 
         partition = self.user_partitioner or min_cut_rematerialization_partition
         forward, backward = partition(gm, joint_inputs, **kwargs)
-        self.compiler.partition_fixups(forward, backward, self.record)
+        partition_fixups(forward, backward, self.disabled)
         return forward, backward
 
     def uuid(self) -> Any:
         return _uuid(self.key, self.user_partitioner)
-
-    def __deepcopy__(self, memo: dict) -> _Partitioner:
-        # Inductor copies its configuration (this object included) to key its caches; the copy
-        # must call back into this compilation, whose process groups cannot be copied. The
-        # uuid, not the object, is what the cache key holds.
-        return self
 
 
 def _output_roles(gm: fx.GraphModule) -> list[str]:
