@@ -83,6 +83,8 @@ FOREIGN = {"HYBRID_SHARD": "FULL_SHARD", "NO_SHARD": "FULL_SHARD", "FULL_SHARD":
            "SHARD_GRAD_OP": "HYBRID_SHARD", "HYBRID_SHARD_ZERO2": "FULL_SHARD"}
 
 
+# ---------------------------------------------------------------- the run per strategy
+# loop_worker runs every case below on one set of processes; these are what the cases share.
 def make(base: nn.Module, strategy: ShardingStrategy, mode: str, **options: Any):
     """A sharded copy of ``base`` and how to call it in ``mode`` ("eager": the eager runtime,
     else compiled with that inner compiler): (model, forward, backend)."""
