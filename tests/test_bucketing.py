@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+from typing import Any
 
 import pytest
-import torch.nn as nn
+import torch
 from distributed import run_workers
-from runs import STRATEGIES, WORLD
-from test_parity import assert_bitwise
-from workers import policy_worker
+from helpers import (
+    STRATEGIES,
+    TEST_CONFIG,
+    WORLD,
+    assert_bitwise,
+    batches,
+    graph_facts,
+    hybrid_options,
+    train,
+)
+from torch import nn
 
-from fsdp_compile.sharding.units import parse_policy, unit_modules, unit_of
+import fsdp_compile
+from fsdp_compile.gpt import GPT
+from fsdp_compile.passes.bucketing import parse_policy, unit_modules, unit_of
 
 # The default policy ("module") is checked by the parity runs (tests/test_parity.py).
 POLICIES = ["param", "bytes", "classes", "callable"]
@@ -21,6 +33,48 @@ N_PARAMS = 29  # the test GPT's parameters
 # replicas) cover every lowering path; the others run with -m slow to keep the default run short.
 POLICY_STRATEGIES = [s if s in ("FULL_SHARD", "HYBRID_SHARD") else pytest.param(s, marks=pytest.mark.slow)
                      for s in STRATEGIES]
+
+
+def attention_or_mlp(module: nn.Module) -> bool:
+    """A callable bucket policy (as FSDP1's auto_wrap_policy): attention and MLP separately."""
+    from fsdp_compile.gpt import MLP, CausalSelfAttention
+
+    return isinstance(module, (CausalSelfAttention, MLP))
+
+
+def bucket_policies() -> dict[str, Any]:
+    from fsdp_compile.gpt import Block
+
+    return {"module": "module", "param": "param", "bytes": 4096, "classes": {Block},
+            "callable": attention_or_mlp}
+
+
+def policy_worker(rank: int, world: int, strategy: str, policies: list[str], steps: int) -> dict:
+    """The eager runtime (no buckets) and aot_eager under each bucket policy, on the same data."""
+    from fsdp_compile.graphinfo import collectives
+
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    model = copy.deepcopy(base)
+    fsdp_compile.backend(strategy, **hybrid_options(strategy)).shard(model)
+    out["eager"] = train(model, model, data, rank)
+    for name in policies:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", bucket=bucket_policies()[name],
+                                       **hybrid_options(strategy))
+        backend.shard(model)
+        result = train(model, torch.compile(model, backend=backend), data, rank)
+        (record,) = backend.graphs
+        result["facts"] = graph_facts(backend, model)
+        result["gather_bucket_bytes"] = [c.buffer_bytes for c in collectives(record.forward)
+                                         if c.kind == "all_gather"]
+        result["gather_bucket_sizes"] = [len({m.fqn for m in b.markers})
+                                         for b in record.forward_buckets["unshard"]]
+        out[name] = result
+    return out if rank == 0 else {}
 
 
 @functools.cache

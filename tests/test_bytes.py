@@ -9,10 +9,101 @@ counts and dtypes of the collectives from torch's profiler (implementation-indep
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from distributed import run_workers
-from runs import WORLD
-from workers import bytes_worker
+from helpers import WORLD, hybrid_options
+from torch import nn
+
+import fsdp_compile
+from fsdp_compile import ShardingStrategy
+
+
+class AllNeeded(nn.Module):
+    """Every parameter is needed by backward: no biases, and the input itself requires grad.
+
+    Row counts (7, 3) do not divide 2 or 4, so every buffer carries padding.
+    """
+
+    def __init__(self, dim: int = 7, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim, bias=False), nn.LayerNorm(dim, bias=False)) for _ in range(depth))
+        self.head = nn.Linear(dim, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def theoretical_bytes(model: nn.Module, strategy: ShardingStrategy, shard: int, replicas: int,
+                      compute: torch.dtype, reduce: torch.dtype) -> dict[str, int]:
+    """Collective buffer bytes per rank per step that the strategy implies, from shapes alone
+    (dim 0 padded up to a multiple of the shard group, as torch.chunk cuts it)."""
+    padded = sum(-(-p.shape[0] // shard) * (p.numel() // p.shape[0]) for p in model.parameters())
+    whole = sum(p.numel() for p in model.parameters())
+    c, r = compute.itemsize, reduce.itemsize
+    if strategy is ShardingStrategy.NO_SHARD:
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": whole * r}
+    gathers = 2 if strategy.reshard_after_forward else 1  # forward, and again in backward
+    return {
+        "all_gather": gathers * shard * padded * c,
+        "reduce_scatter": shard * padded * r,
+        "all_reduce": padded * r if replicas > 1 else 0,
+    }
+
+
+def bytes_worker(rank: int, world: int, strategy: str) -> dict:
+    """Theory, compiled graphs and a profiled step, for fp32 and for bf16 compute / fp32 reduce."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_compile.graphinfo import collectives
+
+    strategy = ShardingStrategy.parse(strategy)
+    out = {}
+    for label, mp in (("fp32", None), ("bf16", fsdp_compile.MixedPrecision(torch.bfloat16, torch.float32))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = AllNeeded()
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", mixed_precision=mp,
+                                       **hybrid_options(strategy))
+        full_model = copy.deepcopy(model)
+        backend.shard(model)
+        topo = backend.topology
+        compute = mp.param_dtype if mp else torch.float32
+        theory = theoretical_bytes(full_model, strategy, topo.shard_size, topo.replicate_size,
+                                   compute, torch.float32)
+        compiled = torch.compile(model, backend=backend)
+
+        def step():
+            x = torch.randn(4, 7, requires_grad=True)
+            compiled(x).square().mean().backward()
+
+        step()
+        (record,) = backend.graphs
+        graph = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        for c in collectives(record.forward) + collectives(record.backward):
+            graph[c.kind] += c.buffer_bytes
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+        # Element counts and dtypes as the profiler recorded the collectives' inputs; an
+        # all-gather's buffer is its output, the input times the group size.
+        profiled = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        itemsize = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+        for event in prof.events():
+            if event.name.startswith("_c10d_functional::") and "wait" not in event.name:
+                kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                        "all_reduce": "all_reduce"}[event.name.split("::")[1]]
+                numel = 1
+                for d in event.input_shapes[0]:
+                    numel *= d
+                profiled[kind] += numel * itemsize[event.input_dtypes[0]] * (
+                    topo.shard_size if kind == "all_gather" else 1)
+        out[label] = {"theory": theory, "graph": graph, "profiled": profiled}
+    return out
 
 
 # The ZeRO-2 variants run with -m slow (they only drop the backward gathers).

@@ -8,23 +8,26 @@ that each forward all-gather carries exactly one unit, and bitwise equal trainin
 
 from __future__ import annotations
 
+import copy
 import functools
+from typing import Any
 
 import pytest
+import torch
 from distributed import run_workers
+from helpers import TEST_CONFIG, assert_bitwise, batches, train
 from layouts import (
     EXPECTED_UNITS,
     LAYOUTS,
+    VOCAB,
     Block,
+    ListLM,
     NoRepeatLM,
-    layout_worker,
-    warning_worker,
 )
-from test_parity import assert_bitwise
 from torch import nn
 
-from fsdp_compile.inspection.bucket_advice import oversized_bucket
-from fsdp_compile.sharding.units import (
+from fsdp_compile.bucket_advice import oversized_bucket
+from fsdp_compile.passes.bucketing import (
     parse_policy,
     repeated_classes,
     unit_modules,
@@ -47,9 +50,7 @@ def test_default_units(layout: str) -> None:
 
 
 def test_the_test_gpt_keeps_its_buckets() -> None:
-    from workers import TEST_CONFIG
-
-    from fsdp_compile.models.gpt import GPT
+    from fsdp_compile.gpt import GPT
 
     assert unit_modules(GPT(TEST_CONFIG), parse_policy("module")) == {"blocks.0", "blocks.1"}
 
@@ -140,6 +141,68 @@ def test_a_parameter_over_half_the_model_is_not_flagged() -> None:
 
 
 # ----------------------------------------------------------------------------- 2 ranks
+def padded_unit_bytes(model: nn.Module, unit_of_param: dict[str, str], world: int) -> dict[str, int]:
+    """Bytes of each unit's all-gather buffer at ``world`` ranks: its parameters, rows padded."""
+    from fsdp_compile.runtime.collectives import padded_rows
+
+    sizes: dict[str, int] = {}
+    for fqn, p in model.named_parameters():
+        row = p.numel() // p.shape[0] * p.element_size()
+        unit = unit_of_param[fqn]
+        sizes[unit] = sizes.get(unit, 0) + padded_rows(p.shape[0], world) * world * row
+    return sizes
+
+
+def layout_worker(rank: int, world: int, strategy: str, names: list[str], steps: int) -> dict:
+    """Per layout: the eager runtime (no buckets) and aot_eager with the default buckets, trained
+    on the same data; what was bucketed and gathered, the warnings and the report."""
+    import logging
+    import warnings
+
+    import fsdp_compile
+    from fsdp_compile.gpt import GPTConfig
+    from fsdp_compile.graphinfo import collectives
+
+    data = batches(GPTConfig(vocab_size=VOCAB), world, steps)
+    out: dict[str, Any] = {}
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("fsdp_compile").addHandler(handler)
+    try:
+        for name in names:
+            torch.manual_seed(0)
+            base = LAYOUTS[name]()
+            model = copy.deepcopy(base)
+            fsdp_compile.backend(strategy).shard(model)
+            eager = train(model, model, data, rank)
+            torch._dynamo.reset()
+            model = copy.deepcopy(base)
+            backend = fsdp_compile.backend(strategy, compiler="aot_eager")
+            logged.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                backend.shard(model)
+                compiled = train(model, torch.compile(model, backend=backend), data, rank)
+            (record,) = backend.graphs
+            units = {fqn: info.unit for fqn, info in backend.params.items()}
+            out[name] = {
+                "eager": eager, "compiled": compiled,
+                "units": sorted(backend.units - {""}),
+                "gather_buckets": [b.key for b in record.forward_buckets["unshard"]],
+                "gather_bytes": [c.buffer_bytes for c in collectives(record.forward) if c.kind == "all_gather"],
+                "unit_bytes": padded_unit_bytes(base, units, world),
+                "warnings": [str(w.message) for w in caught if "fsdp_compile" in str(w.message)],
+                "logged": list(logged),
+                "report": backend.report(),
+            }
+    finally:
+        logging.getLogger("fsdp_compile").removeHandler(handler)
+    if rank != 0:  # the warnings are all another rank needs to report
+        return {name: {"warnings": r["warnings"], "logged": r["logged"]} for name, r in out.items()}
+    return out
+
+
 @functools.cache
 def layout_run(names: tuple[str, ...] = tuple(DEFAULT_RUN)) -> list[dict]:
     return run_workers(layout_worker, WORLD, "FULL_SHARD", list(names), STEPS)
@@ -190,6 +253,30 @@ def test_report_marks_the_oversized_bucket() -> None:
     assert len(explanations) == 1
     assert explanations[0].startswith("! FULL_SHARD gathers this bucket whole, so sharding saves little of its "
                                       "memory. bucket='module' found no repeated blocks in it. Pass a set of its classes")
+
+
+def warning_worker(rank: int, world: int) -> dict:
+    """Shard the model without repeats (one bucket) under each strategy, twice per backend:
+    which strategies warn, how often, and whether a model that fits its buckets stays quiet."""
+    import warnings
+
+    import fsdp_compile
+
+    out: dict[str, list[str]] = {}
+    cases = {strategy: NoRepeatLM for strategy in
+             ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD_ZERO2")}
+    cases["FULL_SHARD, blocks"] = ListLM
+    cases["HYBRID_SHARD, shard groups of 1"] = NoRepeatLM  # nothing is sharded, nothing to defeat
+    for case, layout in cases.items():
+        strategy = case.split(",")[0]
+        options = {"shard_size": 1 if "of 1" in case else world} if "HYBRID" in strategy else {}
+        backend = fsdp_compile.backend(strategy, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                backend.shard(layout())
+        out[case] = [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]
+    return out
 
 
 def test_warning_only_under_resharding_strategies_once_per_backend() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -10,16 +11,41 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from distributed import run_workers
-from test_parity import assert_bitwise
-from workers import (
-    dump_error_worker,
-    dump_worker,
-    eager_fallback_worker,
-    failing_pass_worker,
+from helpers import (
+    SEQ,
+    TEST_CONFIG,
+    WORLD,
+    assert_bitwise,
+    batches,
+    expect_error,
+    hybrid_options,
+    lm_loss,
+    local_slice,
+    train,
 )
 
+import fsdp_compile
+from fsdp_compile.gpt import GPT
+
 STEPS = 3
+
+
+def dump_worker(rank: int, world: int, dump_dir: str, via_env: bool) -> dict:
+    """One compiled training step of the test GPT with dumping on; returns backend.report()."""
+    import os
+
+    if via_env:
+        os.environ["FSDP_COMPILE_DUMP"] = dump_dir
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    options = {} if via_env else {"dump_dir": dump_dir}
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", **options)
+    backend.shard(model)
+    x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+    lm_loss(torch.compile(model, backend=backend)(x), y).backward()
+    return {"report": backend.report()}
 
 
 @functools.cache
@@ -140,6 +166,15 @@ def test_inspect_errors(tmp_path: Path, dump: Path) -> None:
     assert "no graph summaries for rank 5" in inspect(str(dump), "--rank", "5").stderr
 
 
+def dump_error_worker(rank: int, world: int, dump_dir: str, strategy: str) -> str:
+    torch._dynamo.reset()
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend(strategy, compiler="aot_eager", dump_dir=dump_dir)
+    backend.shard(model)
+    x = torch.randint(0, TEST_CONFIG.vocab_size, (2, SEQ))
+    return expect_error(lambda: torch.compile(model, backend=backend)(x))
+
+
 def test_dump_dir_errors(tmp_path: Path, dump: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -164,7 +199,7 @@ def test_dump_dir_errors(tmp_path: Path, dump: Path) -> None:
 
 
 def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monkeypatch) -> None:
-    from fsdp_compile.inspection import dump as dump_module
+    from fsdp_compile import dump as dump_module
 
     target = tmp_path / "summary.json"
     dump_module.write_json(target, {"old": True})
@@ -179,10 +214,31 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
+def eager_fallback_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    """compiler="eager", FSDP_COMPILE_EAGER=1 and aot_eager on the same data."""
+    import os
+
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    options = hybrid_options(strategy)  # hybrid: 2 x 2, so the shard group really reduce-scatters
+    out = {}
+    for mode in ("eager", "env", "aot_eager"):
+        torch._dynamo.reset()
+        if mode == "env":
+            os.environ["FSDP_COMPILE_EAGER"] = "1"
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="eager" if mode == "eager" else "aot_eager", **options)
+        backend.shard(model)
+        out[mode] = train(model, torch.compile(model, backend=backend), data, rank)
+        out[mode]["compilers"] = [g.compiler for g in backend.graphs]
+        out[mode]["shard_size"] = backend.topology.shard_size
+        os.environ.pop("FSDP_COMPILE_EAGER", None)
+    return out if rank == 0 else {}
+
+
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
 def test_eager_fallback_is_bitwise_equal_to_aot_eager(strategy: str) -> None:
-    from runs import WORLD
-
     out = run_workers(eager_fallback_worker, WORLD[strategy], strategy, STEPS)[0]
     if strategy.startswith("HYBRID"):
         assert out["eager"]["shard_size"] == 2  # 2 x 2: reduce-scatter in the shard group, then across
@@ -193,11 +249,43 @@ def test_eager_fallback_is_bitwise_equal_to_aot_eager(strategy: str) -> None:
         assert_bitwise(out[mode]["params"], out["aot_eager"]["params"], f"{mode} parameters")
 
 
+def double_output(gm: torch.fx.GraphModule) -> None:
+    """A user pass that changes results visibly: the forward graph's first output (the
+    model's output) doubled. Rewrites in place."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first, *rest = output.args[0]
+    with gm.graph.inserting_before(output):
+        doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (first, 2))
+    doubled.meta["val"] = first.meta["val"]
+    output.args = ((doubled, *rest),)
+
+
+def rebuilt(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A user pass that returns a new GraphModule instead of rewriting in place."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def user_pass_worker(rank: int, world: int, dump_dir: str) -> dict:
+    """User passes on both phases, dumped; compiled output against the eager runtime's."""
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", dump_dir=dump_dir,
+                                   passes={"forward": [double_output], "backward": [rebuilt]})
+    backend.shard(model)
+    x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+    compiled = torch.compile(model, backend=backend)(x)
+    lm_loss(compiled, y).backward()
+    eager = model(x)
+    (record,) = backend.graphs
+    output = next(n for n in record.forward.graph.nodes if n.op == "output")
+    return {"doubled": torch.equal(compiled, 2 * eager), "fallbacks": record.fallbacks,
+            "first_output": str(output.args[0][0].target)}
+
+
 def test_user_passes_are_applied_and_dumped(tmp_path: Path) -> None:
     """passes= adds the user's passes after ours: the forward one doubles the model's output,
     so the compiled call returns twice what the eager runtime does; the backward one returns a
     new GraphModule. Both are dumped after our passes under their own names."""
-    from workers import user_pass_worker
 
     root = tmp_path / "user_passes"
     for rank, out in enumerate(run_workers(user_pass_worker, 2, str(root))):
@@ -207,6 +295,42 @@ def test_user_passes_are_applied_and_dumped(tmp_path: Path) -> None:
         assert "torch.ops.aten.mul.Tensor" in (graph / "forward/04_double_output.py").read_text()
         assert not (graph / "forward/03_double_output.py").exists()  # after ours: schedule is 03
         assert (graph / "backward/04_rebuilt.py").is_file()
+
+
+def failing_pass(gm):
+    raise ValueError("deliberately broken pass")
+
+
+def failing_pass_worker(rank: int, world: int, phase: str, strict: bool, steps: int) -> dict:
+    """A user pass that raises: the graph falls back to the eager runtime, or strict raises."""
+    import warnings
+
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", strict=strict,
+                                   passes={phase: [failing_pass]})
+    backend.shard(model)
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if strict:
+            return {"error": expect_error(lambda: train(model, compiled, data, rank))}
+        broken = train(model, compiled, data, rank)
+    (record,) = backend.graphs
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    backend.shard(model)
+    healthy = train(model, torch.compile(model, backend=backend), data, rank)
+    from fsdp_compile.graphinfo import collective_counts, marker_counts
+
+    graph = record.forward if phase == "forward" else record.backward
+    return {"warnings": [str(w.message) for w in caught], "fallbacks": record.fallbacks,
+            "broken": broken["params"], "healthy": healthy["params"],
+            "markers": marker_counts(graph), "collectives": collective_counts(graph)}
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])

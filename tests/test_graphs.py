@@ -6,7 +6,7 @@ The test GPT has B = 3 buckets under the default policy: blocks.0, blocks.1 and 
 from __future__ import annotations
 
 import pytest
-from runs import parity_run
+from helpers import TEST_CONFIG, parity_run
 
 COMPILERS = ["aot_eager", "inductor"]
 B = 3
@@ -99,9 +99,8 @@ def test_backward_gathers_only_the_parameters_backward_needs(strategy, compiler)
     recompute rather than save (aot_eager does for one block's q/k/v), but never the embedding
     tables, which no backward computation reads (bytes from shapes: padded rows x row x 4 x 2)."""
     from torch import nn
-    from workers import TEST_CONFIG
 
-    from fsdp_compile.models.gpt import GPT
+    from fsdp_compile.gpt import GPT
 
     def gathered_bytes(params) -> int:
         return sum(4 * 2 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in params)

@@ -2,13 +2,97 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
-import torch.nn as nn
+import torch
+import torch.distributed as dist
 from distributed import PG_TIMEOUT, run_workers
-from test_parity import PARAM_ATOL, assert_bitwise, max_diff
-from workers import api_errors_worker, groups_worker, hybrid_errors_worker
+from helpers import (
+    PARAM_ATOL,
+    TEST_CONFIG,
+    assert_bitwise,
+    batches,
+    expect_error,
+    max_diff,
+    train,
+)
+from torch import nn
 
 import fsdp_compile
+from fsdp_compile.gpt import GPT
+
+
+def _group_ranks(group) -> list[int] | None:
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def groups_worker(rank: int, world: int) -> dict:
+    """Hybrid layouts from each way of describing them, plus training through one of them."""
+    import datetime
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def layout(backend) -> tuple:
+        topo = backend.topology
+        return _group_ranks(topo.shard_group), _group_ranks(topo.replicate_group)
+
+    def shard_tiny(**options):
+        backend = fsdp_compile.backend("HYBRID_SHARD", **options)
+        backend.shard(nn.Linear(4, 4))
+        return backend
+
+    def timeouts(backend) -> list[float]:
+        topo = backend.topology
+        return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in (topo.shard_group, topo.replicate_group)]
+
+    out = {}
+    by_size = shard_tiny(shard_size=2)
+    out["shard_size"] = layout(by_size)
+    # Groups the backend creates get timeout=, else the default group's (tests: 300 s).
+    out["timeouts"] = {"default": timeouts(by_size),
+                       "given": timeouts(shard_tiny(shard_size=2, timeout=datetime.timedelta(seconds=123)))}
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    out["local_world_size"] = layout(shard_tiny())
+    del os.environ["LOCAL_WORLD_SIZE"]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out["mesh"] = layout(shard_tiny(mesh=mesh))
+    # Groups given by the user, built in a non-contiguous layout: shard groups {0,2} and {1,3}.
+    shard_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replicate_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pgs = (shard_groups[rank % 2], replicate_groups[rank // 2])
+    out["process_groups"] = layout(shard_tiny(process_groups=pgs))
+    out["flat"] = layout(_shard_flat())
+
+    # The same training through user groups and through the equivalent mesh is bitwise equal.
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, 2)
+    trained = {}
+    for name, options in (("process_groups", {"process_groups": pgs}),
+                          ("mesh", {"mesh": DeviceMeshFromLayout([[0, 2], [1, 3]])})):
+        model = copy.deepcopy(base)
+        fsdp_compile.backend("HYBRID_SHARD", compiler="aot_eager", **options).shard(model)
+        trained[name] = train(model, model, data, rank)["params"]
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        trained["reference"] = train(reference, reference, data, None)["params"]
+    out["trained"] = trained
+    return out
+
+
+def DeviceMeshFromLayout(layout: list[list[int]]):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.tensor(layout), mesh_dim_names=("replicate", "shard"))
+
+
+def _shard_flat():
+    backend = fsdp_compile.backend("FULL_SHARD")
+    backend.shard(nn.Linear(4, 4))
+    return backend
 
 
 def test_hybrid_layouts_and_training_through_user_groups() -> None:
@@ -28,6 +112,35 @@ def test_hybrid_layouts_and_training_through_user_groups() -> None:
     assert max_diff(trained["process_groups"], trained["reference"])[0] <= PARAM_ATOL
 
 
+def hybrid_errors_worker(rank: int, world: int) -> dict:
+    """Bad hybrid layouts fail on every rank (no rank left waiting in a collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def shard_with(**options):
+        return lambda: fsdp_compile.backend("HYBRID_SHARD", **options).shard(nn.Linear(4, 4))
+
+    errors = {}
+    errors["shard_size_not_dividing"] = expect_error(shard_with(shard_size=3))
+    errors["no_node_size"] = expect_error(shard_with())
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pair[rank // 2]
+    errors["replicas_inside_shard_group"] = expect_error(shard_with(process_groups=(mine, mine)))
+    uneven = [dist.new_group([0]), dist.new_group([1, 2, 3])]
+    errors["uneven_shard_groups"] = expect_error(
+        shard_with(process_groups=(uneven[0] if rank == 0 else uneven[1], mine)))
+    errors["one_group"] = expect_error(shard_with(process_groups=mine))
+    flat_mesh = init_device_mesh("cpu", (world,))
+    errors["flat_mesh_for_hybrid"] = expect_error(shard_with(mesh=flat_mesh))
+    square = init_device_mesh("cpu", (2, 2))
+    errors["square_mesh_for_flat"] = expect_error(
+        lambda: fsdp_compile.backend("FULL_SHARD", mesh=square).shard(nn.Linear(4, 4)))
+    # Still in step afterwards: a collective completes on every rank.
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    errors["still_in_step"] = flag.item() == world
+    return errors
+
+
 def test_bad_hybrid_layouts_fail_on_every_rank() -> None:
     reports = run_workers(hybrid_errors_worker, 4)
     assert all(r == reports[0] for r in reports), "ranks disagree about a bad layout"
@@ -42,6 +155,56 @@ def test_bad_hybrid_layouts_fail_on_every_rank() -> None:
     assert "FULL_SHARD takes a 1-D mesh" in errors["square_mesh_for_flat"]
     for message in errors.values():
         assert message.startswith(("ValueError", "TypeError"))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(x)))
+
+
+class RawWeight(nn.Module):
+    """A parameter with no reset_parameters(): nothing can initialize it from the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def api_errors_worker(rank: int, world: int) -> dict:
+    """Bad input to shard() and to compiled calls, at world 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    errors = {}
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    unsharded = Net()
+    errors["not_sharded"] = expect_error(lambda: torch.compile(unsharded, backend=backend)(torch.randn(2, 4)))
+    sharded = backend.shard(Net())
+    errors["twice"] = expect_error(lambda: backend.shard(sharded))
+    errors["not_a_module"] = expect_error(lambda: backend.shard(lambda x: x))
+    errors["compiled_module"] = expect_error(lambda: backend.shard(torch.compile(Net())))
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4), RawWeight())
+    errors["meta"] = expect_error(lambda: fsdp_compile.backend().shard(meta))
+    tp = Net()
+    mesh = init_device_mesh("cpu", (world,))
+    tp.fc.weight = nn.Parameter(distribute_tensor(tp.fc.weight.detach(), mesh, [Shard(0)]))
+    errors["foreign_dtensor"] = expect_error(lambda: fsdp_compile.backend().shard(tp))
+    other = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    errors["other_backend"] = expect_error(lambda: torch.compile(sharded, backend=other)(torch.randn(2, 4)))
+
+    replaced = backend.shard(Net())
+    replaced.fc.weight = nn.Parameter(torch.randn(4, 4))  # nn.Module registers it as is
+    errors["replaced_parameter"] = expect_error(lambda: replaced(torch.randn(2, 4)))
+    return errors
 
 
 def test_api_errors_name_what_is_wrong() -> None:

@@ -5,8 +5,16 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 from distributed import PG_TIMEOUT, WorkerError, run_workers
-from workers import one_rank_fails_worker
+
+
+def one_rank_fails_worker(rank: int, world: int) -> None:
+    """Rank 1 raises while rank 0 waits for it in a collective."""
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.all_reduce(torch.ones(1))
 
 
 def test_a_failing_rank_ends_the_run_without_waiting_for_timeouts() -> None:

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+from typing import Any
 
 import pytest
 import torch
 from distributed import run_workers
-from runs import WORLD
-from test_parity import assert_bitwise
-from workers import mixed_precision_worker
+from helpers import (
+    LR,
+    TEST_CONFIG,
+    WORLD,
+    assert_bitwise,
+    batches,
+    fsdp2_model,
+    hybrid_options,
+    lm_loss,
+    local_slice,
+    train,
+)
+from torch import nn
 
 import fsdp_compile
+from fsdp_compile import ShardingStrategy
+from fsdp_compile.gpt import GPT
 
 STEPS = 5
 # FULL_SHARD runs by default; every other strategy (each with Inductor) with -m slow.
@@ -35,6 +49,72 @@ def expected_collectives(strategy: str, reduce: str) -> list[tuple[str, str]]:
     if strategy.startswith("HYBRID"):
         pairs.append(("all_reduce", reduce))  # across replicas, in the reduce dtype too
     return sorted(pairs)
+
+
+# Matmul-like ops and how many leading arguments are the operands they multiply (the CPU
+# attention backward also takes its fp32 logsumexp, which is not an operand).
+MATMULS = {torch.ops.aten.mm.default: 2, torch.ops.aten.addmm.default: 3, torch.ops.aten.bmm.default: 2,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 5}
+
+
+def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str], steps: int) -> dict:
+    """bf16 compute with fp32 reduction: every mode, FSDP2 with the same policy, fp32 reference.
+
+    Modes ending in ``_default`` leave reduce_dtype unset (it defaults to param_dtype, bf16), for
+    us and for FSDP2 alike."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    strategy = ShardingStrategy.parse(strategy)
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        kind = mode.removesuffix("_default")
+        reduce_dtype = None if mode.endswith("_default") else torch.float32
+        if kind == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            forward = fsdp2_model(model, strategy, world, mp)
+        else:
+            policy = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            compiler = "aot_eager" if kind == "eager" else kind
+            backend = fsdp_compile.backend(strategy, compiler=compiler, mixed_precision=policy,
+                                           **hybrid_options(strategy))
+            backend.shard(model)
+            forward = model if kind == "eager" else torch.compile(model, backend=backend)
+        result = train(model, forward, data, rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        x, y = (local_slice(t, rank) for t in data[0])
+        logits = forward(x)
+        lm_loss(logits, y).backward()
+        opt.step()
+        result["dtypes"] = {
+            "logits": logits.dtype,
+            "shards": {p.dtype for p in model.parameters()},
+            "grads": {p.grad.dtype for p in model.parameters()},
+            "optimizer_state": {v.dtype for s in opt.state.values() for v in s.values() if v.dim()},
+        }
+        if kind not in ("eager", "fsdp2"):
+            from fsdp_compile.graphinfo import collectives
+
+            (record,) = backend.graphs
+            result["fallbacks"] = record.fallbacks
+            # Every (kind, dtype) pair: one kind may run in several dtypes.
+            result["collective_dtypes"] = sorted(
+                {(c.kind, str(c.dtype)) for c in collectives(record.forward) + collectives(record.backward)})
+            # The dtypes the matmuls of the graphs handed to the inner compiler multiply.
+            result["matmul_dtypes"] = sorted({
+                str(a.meta["val"].dtype) for g in (record.forward, record.backward) for n in g.graph.nodes
+                if n.op == "call_function" and n.target in MATMULS
+                for a in n.args[:MATMULS[n.target]] if isinstance(a, torch.fx.Node)})
+        out[mode] = result
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        out["reference"] = train(reference, reference, data, None)
+    return out if rank == 0 else {}
 
 
 @functools.cache
@@ -124,9 +204,42 @@ def test_policy_validation_names_the_field() -> None:
         fsdp_compile.backend(mixed_precision=torch.bfloat16)
 
 
-def test_forward_input_and_output_casts() -> None:
-    from workers import casts_worker
+class EchoNet(nn.Module):
+    """Returns its output and the input it received (to see what the casts did)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.fc(x) * scale, x, scale
+
+
+def casts_worker(rank: int, world: int) -> dict:
+    out = {}
+    cases = {
+        "default": fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16),
+        "output_fp32": fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32),
+        "no_input_cast": fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=False),
+    }
+    for name, policy in cases.items():
+        for mode in ("eager", "aot_eager"):
+            torch._dynamo.reset()
+            model = EchoNet()
+            backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", mixed_precision=policy)
+            backend.shard(model)
+            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+            x = torch.randn(2, 4)
+            try:
+                y, seen, scale = forward(x, scale=torch.tensor(2.0))
+                out[(name, mode)] = {"output": y.dtype, "input_seen": seen.dtype, "kwarg_seen": scale.dtype,
+                                     "graphs": len(backend.graphs)}
+            except Exception as exc:
+                out[(name, mode)] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def test_forward_input_and_output_casts() -> None:
     out = run_workers(casts_worker, 1)[0]
     for mode in ("eager", "aot_eager"):
         # Floating inputs, positional and keyword, are cast to param_dtype; outputs stay bf16

@@ -5,10 +5,40 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from distributed import run_workers
-from runs import STEPS, WORLD, parity_run
-from test_parity import assert_bitwise
-from workers import overlap_worker, schedule_errors_worker, unscheduled_worker
+from helpers import (
+    SEQ,
+    STEPS,
+    TEST_CONFIG,
+    WORLD,
+    assert_bitwise,
+    batches,
+    expect_error,
+    hybrid_options,
+    lm_loss,
+    local_slice,
+    parity_run,
+    train,
+)
+
+import fsdp_compile
+from fsdp_compile.gpt import GPT, GPTConfig
+
+_c10d = torch.ops._c10d_functional
+
+
+def unscheduled_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    """aot_eager with the scheduling pass off, on the parity runs' data."""
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, steps)
+    backend = fsdp_compile.backend(strategy, compiler="aot_eager", schedule=False, **hybrid_options(strategy))
+    backend.shard(model)
+    out = train(model, torch.compile(model, backend=backend), data, rank)
+    (record,) = backend.graphs
+    out["scheduled"] = record.forward_schedule is not None
+    return out if rank == 0 else {}
 
 
 @functools.cache
@@ -26,6 +56,49 @@ def test_scheduling_changes_no_bits(strategy: str) -> None:
     assert_bitwise(off["params"], on["params"], "parameters, scheduling off vs on")
 
 
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::native_layer_norm", "aten::native_layer_norm_backward",
+               "aten::gelu", "aten::gelu_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::embedding_dense_backward")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def overlap_worker(rank: int, world: int, schedule: bool) -> dict:
+    """Profile training steps; report how long gloo collectives ran while the main thread computed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=67, block_size=64, n_layer=4, n_head=4, d_model=128)
+    model = GPT(cfg)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", schedule=schedule)
+    backend.shard(model)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randint(0, cfg.vocab_size, (4, 64))
+    for _ in range(2):
+        compiled(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            compiled(x).sum().backward()
+    events = prof.events()
+    # The profiler numbers threads itself: the main thread is the one issuing collectives.
+    main = next(e.thread for e in events if e.name.startswith("_c10d_functional::"))
+    comms = _union([(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("gloo:")])
+    computes = _union([(e.time_range.start, e.time_range.end) for e in events
+                       if e.name in COMPUTE_OPS and e.thread == main])
+    overlap = sum(max(0.0, min(ce, ke) - max(cs, ks)) for cs, ce in comms for ks, ke in computes)
+    return {"overlap_us": overlap, "comm_us": sum(e - s for s, e in comms),
+            "compute_us": sum(e - s for s, e in computes),
+            "comms_on_main_thread": any(e.thread == main for e in events if e.name.startswith("gloo:"))}
+
+
 def test_collectives_overlap_compute_on_cpu() -> None:
     """A profiled step at world 2: gloo moves the data on its own threads while the main
     thread computes. With the collectives scheduled, a sizeable part of the communication time
@@ -40,11 +113,44 @@ def test_collectives_overlap_compute_on_cpu() -> None:
     assert share_on > 2 * share_off, (share_on, share_off)
 
 
+def overlapped_compute(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Per gathered bucket, the compute nodes between its all-gather and that gather's wait (in
+    node order). Buckets are told apart by the tag lowering puts on their nodes."""
+    from fsdp_compile.passes.lowering import COMM_META
+
+    nodes = list(gm.graph.nodes)
+    issued = {n: i for i, n in enumerate(nodes) if n.target is _c10d.all_gather_into_tensor.default}
+    out = {}
+    for i, node in enumerate(nodes):
+        if node.target is _c10d.wait_tensor.default and node.args[0] in issued:
+            start = issued[node.args[0]]
+            out[node.args[0].meta[COMM_META].bucket] = sum(
+                1 for n in nodes[start + 1:i] if n.op == "call_function" and COMM_META not in n.meta)
+    return out
+
+
+def explicit_prefetch_worker(rank: int, world: int) -> dict:
+    """prefetch=0, with and without an explicit order (names in forward, modules in backward)."""
+    out = {}
+    for name in ("explicit", "none"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(TEST_CONFIG)
+        orders = {"forward_prefetch": {"blocks.0": ["blocks.1"]},
+                  "backward_prefetch": {model.blocks[1]: [model.blocks[0]]}} if name == "explicit" else {}
+        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", prefetch=0, **orders)
+        backend.shard(model)
+        x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+        lm_loss(torch.compile(model, backend=backend)(x), y).backward()
+        (record,) = backend.graphs
+        out[name] = {"forward": overlapped_compute(record.forward), "backward": overlapped_compute(record.backward)}
+    return out
+
+
 def test_explicit_prefetch_orders_change_the_compiled_schedule() -> None:
     """forward_prefetch={"blocks.0": ["blocks.1"]} and backward_prefetch={blocks[1]: [blocks[0]]}
     with prefetch=0: the named gathers run under the trigger's compute, read off the graphs'
     node order; without the orders every gather is waited right where it is issued."""
-    from workers import explicit_prefetch_worker
 
     out = run_workers(explicit_prefetch_worker, 2)[0]
     explicit, none = out["explicit"], out["none"]
@@ -53,6 +159,22 @@ def test_explicit_prefetch_orders_change_the_compiled_schedule() -> None:
     # Only the named buckets moved.
     assert explicit["forward"]["<root>"] == explicit["forward"]["blocks.0"] == 0
     assert explicit["backward"]["<root>"] == explicit["backward"]["blocks.1"] == 0
+
+
+def schedule_errors_worker(rank: int, world: int) -> dict:
+    errors = {}
+    torch._dynamo.reset()
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", max_inflight_bytes=1000)
+    backend.shard(model)
+    x = torch.randint(0, TEST_CONFIG.vocab_size, (2, SEQ))
+    errors["small_budget"] = expect_error(lambda: torch.compile(model, backend=backend)(x))
+    errors["unknown_unit"] = expect_error(
+        lambda: fsdp_compile.backend("FULL_SHARD", forward_prefetch={"blocks.0": ["blocks.7"]}).shard(GPT(TEST_CONFIG)))
+    model = GPT(TEST_CONFIG)
+    errors["unknown_module"] = expect_error(
+        lambda: fsdp_compile.backend("FULL_SHARD", backward_prefetch={model.blocks[1]: [model.blocks[1].mlp]}).shard(model))
+    return errors
 
 
 def test_scheduling_option_errors() -> None:

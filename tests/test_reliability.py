@@ -23,20 +23,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from distributed import _free_port, run_workers
-from torch import nn
-from workers import (
+from helpers import (
     TEST_CONFIG,
+    WORLD,
     batches,
     expect_error,
     hybrid_options,
     lm_loss,
     local_slice,
 )
+from torch import nn
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 
-WORLD = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 2, "NO_SHARD": 2, "HYBRID_SHARD": 4, "HYBRID_SHARD_ZERO2": 4}
 FLAT = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 HYBRID = ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 MODES = ("eager", "aot_eager")

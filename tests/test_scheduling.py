@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import inflight_from_order
 from torch.fx.experimental.proxy_tensor import make_fx
-from workers import inflight_from_order
 
 import fsdp_compile  # noqa: F401  (registers the markers)
 from fsdp_compile.inspection.memory import estimate_memory

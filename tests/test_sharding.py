@@ -2,19 +2,49 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from typing import Any
 
 import pytest
 import torch
 from distributed import run_workers
-from test_parity import (
+from helpers import (
     GRAD_RTOL,
     PARAM_ATOL,
+    TEST_CONFIG,
+    WORLD,
     assert_bitwise,
     assert_grads_close,
+    batches,
+    fsdp2_model,
+    full,
+    hybrid_options,
+    lm_loss,
+    local_slice,
+    local_storage_bytes,
     max_diff,
+    train,
 )
-from workers import graph_break_worker, storage_worker, tied_fsdp2_worker, tied_worker
+from torch import nn
+
+import fsdp_compile
+from fsdp_compile import ShardingStrategy
+from fsdp_compile.gpt import GPT, GPTConfig
+
+
+def storage_worker(rank: int, world: int, strategy: str) -> dict:
+    from fsdp_compile.runtime.collectives import padded_rows
+
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    padded_bytes = sum(
+        padded_rows(p.shape[0], world) * (p.numel() // p.shape[0]) * p.element_size()
+        for p in model.parameters()
+    )
+    fsdp_compile.backend(strategy).shard(model)
+    return {"full": full_bytes, "padded_share": padded_bytes, "local": local_storage_bytes(model)}
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
@@ -27,6 +57,57 @@ def test_each_rank_stores_its_share_of_the_parameters(strategy: str) -> None:
             # Exactly the padded 1/N share FSDP2 stores: about half, plus padding rows.
             assert report["local"] == report["padded_share"]
             assert report["full"] / world <= report["local"] < report["full"] / world * 1.05
+
+
+class TiedLM(nn.Module):
+    """Tied input/output embedding, a 0-d parameter and a buffer.
+
+    No BatchNorm: its training-mode statistics are per-rank batch statistics, so data-parallel
+    training legitimately differs from single-process training (as with DDP).
+    """
+
+    def __init__(self, vocab: int = 13, dim: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(idx)) * self.scale
+        return self.head(h) / self.temperature
+
+
+def tied_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    """Shard TiedLM; report what sharding did and train it eagerly and compiled."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    base = TiedLM()
+    cfg = GPTConfig(vocab_size=13)
+    data = batches(cfg, world, steps)
+    report: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", **hybrid_options(strategy))
+        backend.shard(model)
+        report["same_object"] = model.head._parameters["weight"] is model.emb._parameters["weight"]
+        report["unique_params"] = len(list(model.parameters()))
+        report["placements"] = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()}
+        report["buffers_plain"] = all(not isinstance(b, DTensor) for b in model.buffers())
+        report["scale_unchanged"] = torch.equal(model.scale, base.scale)
+        forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        report[mode] = train(model, forward, data, rank)
+        report[mode]["still_tied"] = model.head._parameters["weight"] is model.emb._parameters["weight"]
+        with torch.no_grad():  # an evaluation pass compiles an inference graph
+            report[mode]["eval_logits"] = forward(local_slice(data[0][0], rank))
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        report["reference"] = train(reference, reference, data, None)
+    return report
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
@@ -49,6 +130,39 @@ def test_tied_and_scalar_parameters_and_buffers(strategy: str) -> None:
     assert torch.equal(out["eager"]["eval_logits"], out["aot_eager"]["eval_logits"])
 
 
+class EagerOnlyMLP(nn.Module):
+    """An MLP whose forward Dynamo must not trace: it splits the model into two graphs."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(2 * dim, dim)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(self.fc(x)))
+
+
+def graph_break_worker(rank: int, world: int, strategy: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    base.blocks[0].mlp = EagerOnlyMLP(TEST_CONFIG.d_model)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend(strategy, compiler="aot_eager", **hybrid_options(strategy))
+        backend.shard(model)
+        forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        out[mode] = train(model, forward, data, rank)
+        out[mode]["graphs"] = len(backend.graphs)
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        out["reference"] = train(reference, reference, data, None)
+    return out
+
+
 def test_graph_break_from_disabled_submodule_trains_correctly() -> None:
     out = run_workers(graph_break_worker, 2, "FULL_SHARD", 3)[0]
     assert out["aot_eager"]["graphs"] >= 2, "the disabled submodule did not split the graph"
@@ -60,12 +174,92 @@ def test_graph_break_from_disabled_submodule_trains_correctly() -> None:
     assert_bitwise(out["eager"]["params"], out["aot_eager"]["params"], "eager vs aot_eager")
 
 
-def test_one_call_compile_equals_shard_then_compile() -> None:
-    from workers import convenience_worker
+def convenience_worker(rank: int, world: int) -> dict:
+    """fsdp_compile.compile() against backend + shard + torch.compile, same data."""
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    data = batches(TEST_CONFIG, world, 2)
+    one_call = copy.deepcopy(base)
+    compiled = fsdp_compile.compile(one_call, strategy="shard_grad_op", compiler="aot_eager")
+    got = train(one_call, compiled, data, rank)
+    torch._dynamo.reset()
+    explicit = copy.deepcopy(base)
+    backend = fsdp_compile.backend("SHARD_GRAD_OP", compiler="aot_eager")
+    want = train(explicit, torch.compile(backend.shard(explicit), backend=backend), data, rank)
+    return {"got": got["params"], "want": want["params"], "graphs": len(compiled.fsdp_backend.graphs),
+            "strategy": compiled.fsdp_backend.strategy.name}
 
+
+def test_one_call_compile_equals_shard_then_compile() -> None:
     out = run_workers(convenience_worker, 2)[0]
     assert out["strategy"] == "SHARD_GRAD_OP" and out["graphs"] == 1
     assert_bitwise(out["got"], out["want"], "fsdp_compile.compile vs explicit")
+
+
+class TiedGPT(GPT):
+    """The test GPT with its output head tied to the token embedding (GPT-2's layout)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.head.weight = self.tok_emb.weight
+
+
+def tied_fsdp2_worker(rank: int, world: int, strategy: str, steps: int, lr: float) -> dict:
+    """TiedGPT with blocks.0 frozen: the eager runtime, aot_eager and FSDP2, every step's gradients."""
+    from fsdp_compile.graphinfo import collectives
+
+    strategy = ShardingStrategy.parse(strategy)
+    torch.manual_seed(0)
+    base = TiedGPT(TEST_CONFIG)
+    base.blocks[0].requires_grad_(False)
+    data = batches(TEST_CONFIG, world, steps)
+    out: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager", "fsdp2"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if mode == "fsdp2":
+            forward = fsdp2_model(model, strategy, world)
+        else:
+            backend = fsdp_compile.backend(strategy, compiler="aot_eager", **hybrid_options(strategy))
+            backend.shard(model)
+            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        grads = []
+        for x, y in data:
+            lm_loss(forward(local_slice(x, rank)), local_slice(y, rank)).backward()
+            grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+        out[mode] = {"grads": grads, "params": {n: full(p) for n, p in model.named_parameters()}}
+        if mode == "aot_eager":
+            (record,) = backend.graphs
+            out[mode]["backward_collectives"] = [(c.kind, c.group_size, c.buffer_bytes)
+                                                 for c in collectives(record.backward)]
+    out["trainable_shapes"] = [tuple(p.shape) for p in base.parameters() if p.requires_grad]
+    out["tied"] = base.head.weight is base.tok_emb.weight
+    # The documented exception: a block applied twice reduces each call's gradient separately.
+    torch.manual_seed(0)
+    twice = BlockTwiceGPT(TEST_CONFIG)
+    x, y = (local_slice(t, rank) for t in data[0])
+    for mode in ("block_twice", "block_twice_fsdp2"):
+        model = copy.deepcopy(twice)
+        if mode == "block_twice_fsdp2":
+            fsdp2_model(model, strategy, world)
+        else:
+            fsdp_compile.backend(strategy, **hybrid_options(strategy)).shard(model)
+        lm_loss(model(x), y).backward()
+        out[mode] = {n: full(p.grad) for n, p in model.named_parameters()}
+    return out if rank == 0 else {}
+
+
+class BlockTwiceGPT(GPT):
+    """The test GPT applying its last block twice."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(self.blocks[-1](x)))
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", pytest.param("NO_SHARD", marks=pytest.mark.slow),
@@ -76,7 +270,6 @@ def test_tied_embeddings_and_a_frozen_block_are_bitwise_equal_to_fsdp2(strategy:
     once: FSDP2's semantics. Reducing each use separately and adding the reduced shards gives
     other rounding (first-step gradients 7e-9 off here), which AdamW at lr 1e-2 grows to 3e-5
     in three steps; and it reduce-scatters the tied weight twice."""
-    from runs import WORLD
 
     out = run_workers(tied_fsdp2_worker, WORLD[strategy], strategy, 3, 1e-2)[0]
     assert out["tied"]
