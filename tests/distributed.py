@@ -25,7 +25,8 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -116,7 +117,7 @@ class _Pool:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in values]
                 if dead:
                     raise WorkerError(f"rank {dead[0]} exited with code {self.procs[dead[0]].exitcode} "
-                                      "without a result")
+                                      "without a result") from None
                 continue
             if done_id != task_id:
                 continue

@@ -89,7 +89,7 @@ def shard_agreement_worker(rank: int, world: int, strategies: list[str]) -> dict
         # Agreeing ranks: no error, and no store traffic per step (only at shard() and the
         # first run of a graph).
         store = dist.distributed_c10d._get_default_store()
-        model, forward, backend = _sharded(strategy, "aot_eager")
+        _, forward, backend = _sharded(strategy, "aot_eager")
         _step(forward, rank, world)
         dist.barrier()  # every rank's first-run keys are written
         keys_after_first = store.num_keys()
@@ -115,7 +115,7 @@ def test_ranks_that_shard_differently_all_raise_naming_the_difference(strategy: 
     odd = world - 1
     others = list(range(world - 1))
     others_text = str(others) if len(others) > 1 else str(others[0])
-    for rank, errors in enumerate(results):
+    for _rank, errors in enumerate(results):
         block = errors[(strategy, "one_more_block")]
         assert block.startswith("AgreementError: fsdp_compile: ranks disagree at shard() on parameter "
                                 "'blocks.2.ln1.weight'"), block
@@ -291,7 +291,7 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tens
         return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
     state = {f"model.{n}": local(p) for n, p in model.state_dict().items()}
-    for i, (p, s) in enumerate(opt.state.items()):
+    for i, (_p, s) in enumerate(opt.state.items()):
         for k, v in s.items():
             if isinstance(v, torch.Tensor):
                 state[f"optim.{i}.{k}"] = local(v)
@@ -438,7 +438,7 @@ def test_a_stuck_rank_makes_the_others_raise_within_the_group_timeout(tmp_path: 
 
 def timeout_option_worker(rank: int, world: int) -> dict:
     """``timeout=`` reaches the checks of a backend whose groups come from the world."""
-    _, forward, backend = _sharded("FULL_SHARD", "aot_eager", timeout=datetime.timedelta(seconds=3))
+    _, forward, _backend = _sharded("FULL_SHARD", "aot_eager", timeout=datetime.timedelta(seconds=3))
     if rank == world - 1:
         return {"error": None}
     # Rank 1 never compiles: rank 0's first-run check gives up after timeout= seconds.
@@ -475,7 +475,7 @@ def test_torchrun_restarts_a_killed_rank_and_finishes_with_the_uninterrupted_los
     want = dict(re.findall(r"step +(\d+) \| loss (\S+)", plain.stdout))
 
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen(demo("--max-restarts", "1") + ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"],
+    proc = subprocess.Popen([*demo("--max-restarts", "1"), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, killed = [], False
     for line in proc.stdout:
