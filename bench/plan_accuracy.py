@@ -68,13 +68,32 @@ ACCURACY_RUNS = [  # (factory, batch, seq)
 SMOKE_RUNS = [("gpt_tiny", 2, 32)]
 
 
+QUIET = {"load": 1.5, "wait_s": 600.0}  # --quiet-load / --quiet-wait
+
+
+def _wait_for_quiet() -> float:
+    """Wait (up to ``QUIET["wait_s"]``) for the 1-minute load average to fall below
+    ``QUIET["load"]``: on a shared machine other jobs' time on the cores shows up in every step.
+    Returns the load when the run starts (it is recorded beside the run)."""
+    deadline = time.time() + QUIET["wait_s"]
+    load = os.getloadavg()[0]
+    while load >= QUIET["load"] and time.time() < deadline:
+        print(f"  load average {load:.1f} >= {QUIET['load']}: waiting for a quieter machine", flush=True)
+        time.sleep(15)
+        load = os.getloadavg()[0]
+    return load
+
+
 def _torchrun(world: int, args: list[str], out: Path) -> dict:
+    load = _wait_for_quiet()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            "-m", "fsdp_compile", "compare", *args, "--out", str(out)]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=True)
-    return json.loads((out / "compare.json").read_text())
+    data = json.loads((out / "compare.json").read_text())
+    data["load_at_start"] = load
+    return data
 
 
 def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
@@ -100,7 +119,11 @@ def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
                     "measured_wire_bytes": sum(m["bytes_per_step"].values()),
                     "measured_backend_wire_bytes": m.get("backend_bytes_per_step", 0.0),
                     "predicted_wire_bytes": sum(p["bytes_per_step"].values()),
-                    "collectives": m["collectives"], "compile_s": m["compile_seconds"], "cluster": data["cluster"]})
+                    "collectives": m["collectives"], "compile_s": m["compile_seconds"], "cluster": data["cluster"],
+                    "measured_cpu_s": m.get("cpu_seconds"), "cpu_wait_fraction": m.get("cpu_wait_fraction"),
+                    "load_average": m.get("load_average"), "load_at_start": data.get("load_at_start"),
+                    "predicted_compute_s": p["compute_seconds"], "predicted_comm_s": p["comm_seconds"],
+                    "predicted_exposed_s": p["exposed_comm_seconds"]})
     ranking = []
     for factory, _, _ in SMOKE_RUNS if smoke else ACCURACY_RUNS:
         for world in (2, 4):
@@ -113,6 +136,120 @@ def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
                         ranking.append({"model": factory, "world": world, "pair": [a["strategy"], b["strategy"]],
                                         "agree": agree})
     return {"runs": runs, "ranking": ranking}
+
+
+# ---------------------------------------------------------------------- where the time goes
+def _category(target: object) -> str:
+    name = str(target)
+    if any(k in name for k in ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")):
+        return "matmul"
+    if "scaled_dot_product" in name:
+        return "attention"
+    if name.startswith("fsdp_compile."):
+        return "fsdp copies"
+    return "other"
+
+
+def _real(value: object) -> object:
+    """A real tensor with a fake tensor's metadata (indices are 0: valid for any gather)."""
+    if isinstance(value, torch.Tensor):
+        shape = tuple(int(d) for d in value.shape)
+        return torch.randn(shape, dtype=value.dtype) if value.is_floating_point() else torch.zeros(shape, dtype=value.dtype)
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    return value
+
+
+def _node_cpu_seconds(gm: torch.fx.GraphModule, repeats: int) -> dict:
+    """Each compute node's CPU time when the graph runs for real on this thread (the fastest of
+    ``repeats`` runs). Collectives are replaced by an uninitialised result of the right shape:
+    their time is the links', measured separately."""
+    from fsdp_compile.passes.lowering import WAIT
+    from fsdp_compile.planning.cost import COLLECTIVE_KIND
+
+    class Timed(torch.fx.Interpreter):
+        def __init__(self, module: torch.fx.GraphModule) -> None:
+            super().__init__(module)
+            self.seconds: dict = {}
+
+        def run_node(self, node: torch.fx.Node) -> object:
+            if node.op == "call_function" and node.target in COLLECTIVE_KIND:
+                return _real(node.meta["val"])
+            if node.op == "call_function" and node.target is WAIT:
+                return self.env[node.args[0]]
+            start = time.thread_time()
+            out = super().run_node(node)
+            self.seconds[node] = time.thread_time() - start
+            return out
+
+    inputs = [_real(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
+    best: dict = {}
+    for _ in range(repeats):
+        timed = Timed(gm)
+        timed.run(*inputs)
+        for node, seconds in timed.seconds.items():
+            best[node] = min(best.get(node, seconds), seconds)
+    return best
+
+
+def part_attribution(smoke: bool = False, repeats: int = 5) -> dict:
+    """The compute half of the step-time model, node by node, robust to other jobs on the machine.
+
+    ``plan()`` traces each model for FULL_SHARD at world 2 with this CPU's compute numbers
+    (the calibrations ``Cluster.measure()`` runs); then every compute node of the forward and
+    backward graphs runs for real, one at a time on this thread, and its CPU time (the thread's,
+    not the wall clock: other jobs' time on the core is not the operator's) is set beside the
+    node's predicted roofline time, summed by kind of operator. (The optimizer step is not here:
+    ``Cluster.measure()`` times a real one over DTensor shards, which needs a process group.)
+    """
+    from fsdp_compile.planning import measure as measuring
+    from fsdp_compile.planning.cost import graph_costs
+    from fsdp_compile.planning.world import fake_world
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as under torchrun with OMP_NUM_THREADS=1: one core per rank
+    try:
+        cpu = torch.device("cpu")
+        cluster = Cluster(
+            name="this-cpu (compute only)", nodes=1, devices_per_node=2, device_memory=64 * GiB,
+            peak_flops={torch.float32: measuring._matmul_flops(torch.float32, cpu, repeats)},
+            memory_bandwidth=measuring._memory_bandwidth(cpu, repeats), intra_node_bandwidth=1e9,
+            inter_node_bandwidth=None, intra_node_latency=0.0, inter_node_latency=None,
+            op_overhead=measuring._op_overhead(cpu, repeats),
+            device_type="cpu")
+        models = []
+        for factory, batch, seq in SMOKE_RUNS if smoke else ACCURACY_RUNS:
+            model = globals()[factory]()
+            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            result = plan(model, (tokens,), cluster=cluster, loss_fn=_cross_entropy, world_size=2,
+                          strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=64 * GiB)
+            traced = next(iter(result._context.traced.values()))
+            by_kind: dict = {}
+            nodes = 0
+            with fake_world(2):
+                for record in traced.records:
+                    for gm in (record.forward, record.backward):
+                        if gm is None:
+                            continue
+                        costs = dict(graph_costs(gm, cluster))
+                        for node, seconds in _node_cpu_seconds(gm, repeats).items():
+                            cost = costs[node]
+                            if cost.kind != "compute":
+                                continue
+                            nodes += 1
+                            entry = by_kind.setdefault(_category(node.target),
+                                                       {"nodes": 0, "predicted_s": 0.0, "measured_s": 0.0, "flops": 0})
+                            entry["nodes"] += 1
+                            entry["predicted_s"] += float(cost.seconds)
+                            entry["measured_s"] += seconds
+                            entry["flops"] += int(cost.flops or 0)
+            models.append({"model": factory, "batch": batch, "seq": seq, "compute_nodes": nodes, "by_kind": by_kind,
+                           "predicted_s": sum(v["predicted_s"] for v in by_kind.values()),
+                           "measured_s": sum(v["measured_s"] for v in by_kind.values())})
+        return {"cluster": cluster.describe(), "op_overhead_s": cluster.op_overhead, "repeats": repeats,
+                "models": models}
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------- ZeRO Table 1
@@ -197,7 +334,7 @@ def part_a10g(width: int = 4096, seq: int = 1024, memory_budget: float | None = 
     for strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
         cache: dict[int, bool] = {}
 
-        def fits(depth: int) -> bool:
+        def fits(depth: int, cache: dict[int, bool] = cache, strategy: str = strategy) -> bool:
             if depth not in cache:
                 with torch.device("meta"):
                     model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=depth, n_head=max(width // 128, 1),
@@ -227,69 +364,104 @@ def part_a10g(width: int = 4096, seq: int = 1024, memory_budget: float | None = 
 
 # ---------------------------------------------------------------------- report
 def render(results: dict) -> str:
-    lines = ["# Planner accuracy", "", f"Run {results.get('when', '?')} on {results.get('machine', '?')}. Predictions "
+    lines = ["# Planner accuracy", "", (f"Run {results.get('when', '?')} on {results.get('machine', '?')}. Predictions "
              "use data-sheet presets for GPUs (never measured here) and `Cluster.measure()` on this machine. "
              "This machine is shared with other work during development: measured times are noisy; re-run "
-             "`python bench/plan_accuracy.py` at a quiet moment.", ""]
+             "`python bench/plan_accuracy.py` at a quiet moment."), ""]
     acc = results.get("accuracy")
     if acc:
         lines += ["## Measured on this machine (CPU, gloo)", "",
-                  "| model | world | strategy | step measured | step predicted | error | peak measured | peak predicted | error | wire MB issued / by gloo / predicted |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  ("| model | world | strategy | step measured | step predicted | error | main-thread CPU | waiting "
+                   "for a core | load | peak measured | peak predicted | error | wire MB issued / by gloo / "
+                   "predicted |"),
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in acc["runs"]:
+            cpu = f"{r['measured_cpu_s'] * 1e3:.0f} ms" if r.get("measured_cpu_s") is not None else "n/a"
+            wait = f"{r['cpu_wait_fraction'] * 100:.0f}%" if r.get("cpu_wait_fraction") is not None else "n/a"
+            load = f"{r['load_average']:.1f}" if r.get("load_average") is not None else "n/a"
             lines.append(
-                f"| {r['model']} b{r['batch']}x{r['seq']} | {r['world']} | {r['strategy']} | {r['measured_step_s'] * 1e3:.0f} ms | "
-                f"{r['predicted_step_s'] * 1e3:.0f} ms | {r['step_error'] * 100:+.0f}% | "
+                f"| {r['model']} b{r['batch']}x{r['seq']} | {r['world']} | {r['strategy']} | "
+                f"{r['measured_step_s'] * 1e3:.0f} ms | {r['predicted_step_s'] * 1e3:.0f} ms | "
+                f"{r['step_error'] * 100:+.0f}% | {cpu} | {wait} | {load} | "
                 f"{r['measured_peak_bytes'] / 2**20:.1f} MiB | {r['predicted_peak_bytes'] / 2**20:.1f} MiB | "
                 f"{r['peak_error'] * 100:+.0f}% | {r['measured_wire_bytes'] / 1e6:.1f} / "
                 f"{r.get('measured_backend_wire_bytes', 0) / 1e6:.1f} / {r['predicted_wire_bytes'] / 1e6:.1f} |")
-        within_mem = sum(abs(r["peak_error"]) <= 0.10 for r in acc["runs"])
-        within_step = sum(abs(r["step_error"]) <= 0.25 for r in acc["runs"])
+        runs = acc["runs"]
+        within_mem = sum(abs(r["peak_error"]) <= 0.10 for r in runs)
+        within_step = sum(abs(r["step_error"]) <= 0.25 for r in runs)
         agree = sum(p["agree"] for p in acc["ranking"])
-        lines += ["", f"Peak memory within 10%: {within_mem}/{len(acc['runs'])}; step time within 25%: "
-                  f"{within_step}/{len(acc['runs'])}; ranking agrees on {agree}/{len(acc['ranking'])} pairs whose "
-                  "measured times differ by more than 10%.", "",
-                  "Wire bytes: 'issued' counts the collectives the compiled graphs called (from the profiler's "
-                  "functional-collective events), 'by gloo' what gloo ran: it runs a reduce-scatter as an all-reduce "
-                  "of the whole buffer, twice a ring reduce-scatter's bytes. The planner predicts the collectives the "
-                  "graph issues, timed with the measured cost of each kind on gloo.", ""]
+        quiet = [r for r in runs if (r.get("cpu_wait_fraction") or 0) <= 0.10]
+        lines += ["", (f"Peak memory within 10%: {within_mem}/{len(runs)}; step time within 25%: "
+                       f"{within_step}/{len(runs)} (of the {len(quiet)} runs whose ranks waited for a core at most "
+                       f"10% of the step: {sum(abs(r['step_error']) <= 0.25 for r in quiet)}); ranking agrees on "
+                       f"{agree}/{len(acc['ranking'])} pairs whose measured times differ by more than 10%."), "",
+                  ("'main-thread CPU' is the CPU time of each rank's main thread per step (the slowest rank's), "
+                   "'waiting for a core' the share of the step that thread was runnable but other processes "
+                   "held the cores (the run queue's wait in /proc, the largest rank's), 'load' the 1-minute load "
+                   "average after the run. The planner predicts this machine without other jobs: a step measured "
+                   "while the ranks waited for a core is slower by about that share."), "",
+                  ("Wire bytes: 'issued' counts the collectives the compiled graphs called (from the profiler's "
+                   "functional-collective events), 'by gloo' what gloo ran: it runs a reduce-scatter as an "
+                   "all-reduce of the whole buffer, twice a ring reduce-scatter's bytes. The planner predicts the "
+                   "collectives the graph issues, timed with the measured cost of each kind on gloo."), ""]
+    att = results.get("attribution")
+    if att:
+        lines += ["## Where the compute time goes: each node of the real graphs against its prediction", "",
+                  (f"FULL_SHARD at world 2, traced by `plan()`; every compute node then run for real on one thread "
+                   f"(its thread CPU time, the fastest of {att['repeats']} runs; collectives left out) beside its "
+                   f"predicted time on {att['cluster']} (the compute calibrations of `Cluster.measure()`, "
+                   f"{att['op_overhead_s'] * 1e6:.1f} us per operator). Measured by thread CPU time, these hold "
+                   "while other jobs load the machine."), "",
+                  "| model | kind | nodes | predicted | measured CPU | error | measured GFLOP/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for m in att["models"]:
+            for kind, v in sorted(m["by_kind"].items(), key=lambda kv: -kv[1]["measured_s"]):
+                rate = f"{v['flops'] / v['measured_s'] / 1e9:.0f}" if v["flops"] and v["measured_s"] else ""
+                error = v["predicted_s"] / v["measured_s"] - 1 if v["measured_s"] else 0.0
+                lines.append(f"| {m['model']} b{m['batch']}x{m['seq']} | {kind} | {v['nodes']} | "
+                             f"{v['predicted_s'] * 1e3:.1f} ms | {v['measured_s'] * 1e3:.1f} ms | {error * 100:+.0f}% | "
+                             f"{rate} |")
+            lines.append(f"| {m['model']} b{m['batch']}x{m['seq']} | **all** | {m['compute_nodes']} | "
+                         f"**{m['predicted_s'] * 1e3:.1f} ms** | **{m['measured_s'] * 1e3:.1f} ms** | "
+                         f"**{(m['predicted_s'] / m['measured_s'] - 1) * 100:+.0f}%** | |")
+        lines.append("")
     zero = results.get("zero")
     if zero:
         lines += ["## ZeRO paper, Table 1 (7.5B parameters, Adam, 64 devices)", "",
                   f"Model: a GPT of {zero['parameters'] / 1e9:.2f}B parameters, bf16 compute, fp32 shards.", "",
-                  "| strategy | paper | formula at this P | plan: resident model states | plan: + gathered parameters "
-                  "at the peak | plan: whole peak (where) |",
+                  ("| strategy | paper | formula at this P | plan: resident model states | plan: + gathered parameters "
+                  "at the peak | plan: whole peak (where) |"),
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in zero["rows"]:
             lines.append(f"| {r['strategy']} | {r['paper_gb']} GB ({r['formula']}) | {r['formula_gb_at_P']:.2f} GB | "
                          f"{r['plan_model_states_gb']:.2f} GB | "
                          f"{r['plan_model_states_gb'] + r['plan_gathered_at_peak_gb']:.2f} GB | "
                          f"{r['plan_peak_gb']:.2f} GB ({r['peak_phase']}) |")
-        lines += ["", "Why they differ: ZeRO counts fp16 parameters (2P) and fp16 gradients (2P) plus K=12 bytes of "
+        lines += ["", ("Why they differ: ZeRO counts fp16 parameters (2P) and fp16 gradients (2P) plus K=12 bytes of "
                   "optimizer state (fp32 master copy, momentum, variance). Here the shards are the fp32 master "
                   "parameters (4 bytes), gradients are fp32 (4), AdamW keeps two fp32 moments (8): 16 bytes per "
                   "parameter, as in ZeRO, but SHARD_GRAD_OP keeps no resident fp16 copy: its 2P of bf16 parameters "
                   "exist only while gathered, from forward to backward (the 'gathered at peak' column), so its "
                   "resident model states are 16P/N, and its peak adds the gathered parameters instead of ZeRO-2's "
                   "2P + 14P/N. The whole peak adds what ZeRO's table leaves out: activations, fp32 reduction "
-                  "buffers and, at NO_SHARD's optimizer step, AdamW's shard-sized temporary.", ""]
+                  "buffers and, at NO_SHARD's optimizer step, AdamW's shard-sized temporary."), ""]
     anchors = results.get("anchors")
     if anchors:
         f = anchors["fsdp_paper_gpt175b_128xA100"]
         lines += ["## Published figures beside the planner's predictions", "",
                   "| configuration | published | predicted (data-sheet preset, not measured) |", "| --- | --- | --- |",
-                  f"| FSDP paper: GPT-175B, 128 A100, batch 20 x 512, FULL_SHARD | 159 TFLOP/s per GPU (51% of peak) | "
+                  (f"| FSDP paper: GPT-175B, 128 A100, batch 20 x 512, FULL_SHARD | 159 TFLOP/s per GPU (51% of peak) | "
                   f"{f['predicted_tflops_per_gpu']:.0f} TFLOP/s ({f['predicted_mfu'] * 100:.0f}%), peak "
-                  f"{f['predicted_peak_gib']:.0f} GiB per GPU ({'fits' if f['fits_80gb'] else 'does NOT fit'} 80 GB) |"]
+                  f"{f['predicted_peak_gib']:.0f} GiB per GPU ({'fits' if f['fits_80gb'] else 'does NOT fit'} 80 GB) |")]
         t = anchors["torchtitan_llama3_8b_8xH100"]
         for label, p in t["predicted"].items():
             lines.append(f"| torchtitan: Llama-3-8B, 8 H100, batch 1 x 8192, FSDP=8 ({label}) | 40.96 GiB, 7,227 "
                          f"tokens/s per GPU ({t['published_note']}) | {p['predicted_peak_gib']:.1f} GiB, "
                          f"{p['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s ({p['predicted_mfu'] * 100:.0f}% MFU) |")
-        lines += ["", "The differences are stated as they are: the planner uses data-sheet peak FLOP/s and bandwidths "
+        lines += ["", ("The differences are stated as they are: the planner uses data-sheet peak FLOP/s and bandwidths "
                   "with a roofline per operator, so it predicts the time of an ideal kernel for every operator of the "
                   "unfused graph; it knows nothing of kernel efficiency below peak, of launch gaps, or of the "
-                  "fusions Inductor would make.", ""]
+                  "fusions Inductor would make."), ""]
     a10g = results.get("a10g")
     if a10g:
         lines += ["## The seed's chart: deepest model per strategy on one G5.48xlarge (8x A10G 24 GB), predicted", "",
@@ -299,18 +471,23 @@ def render(results: dict) -> str:
         for name, r in a10g["rows"].items():
             lines.append(f"| {name} | {r['depth']} layers | {r['parameters'] / 1e9:.2f}B | "
                          f"{r['zero_formula_parameters'] / 1e9:.2f}B |")
-        lines += ["", "Activations, gathered parameters and reduction buffers are what separates the planner's "
-                  "answer from the formula's.", ""]
+        lines += ["", ("Activations, gathered parameters and reduction buffers are what separates the planner's "
+                  "answer from the formula's."), ""]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", action="append", choices=["accuracy", "zero", "anchors", "a10g"])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--part", action="append", choices=["accuracy", "attribution", "zero", "anchors", "a10g"])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quiet-load", type=float, default=QUIET["load"],
+                        help="before each measured run, wait for the 1-minute load average to fall below this")
+    parser.add_argument("--quiet-wait", type=float, default=QUIET["wait_s"],
+                        help="seconds to wait for it at most (then run anyway; the load is recorded)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    QUIET.update(load=args.quiet_load, wait_s=args.quiet_wait)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_accuracy_smoke" if args.smoke else "plan_accuracy"
@@ -320,11 +497,13 @@ def main() -> None:
                    torch=torch.__version__)
     runners = {
         "accuracy": lambda: part_accuracy(args.steps, out, args.smoke),
+        "attribution": lambda: part_attribution(args.smoke),
         "zero": lambda: part_zero(args.smoke),
         "anchors": part_anchors,
         "a10g": (lambda: part_a10g(width=128, seq=32, memory_budget=4e6, vocab=256)) if args.smoke else part_a10g,
     }
-    default_parts = ["accuracy", "zero", "a10g"] if args.smoke else ["accuracy", "zero", "anchors", "a10g"]
+    default_parts = (["accuracy", "attribution", "zero", "a10g"] if args.smoke else
+                     ["accuracy", "attribution", "zero", "anchors", "a10g"])
     for part in args.part or default_parts:
         started = time.time()
         results[part] = runners[part]()

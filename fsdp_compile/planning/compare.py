@@ -11,6 +11,11 @@ few steps with AdamW and measures:
   each) plus the largest running sum of the allocator's events during the step
   (``torch.profiler`` memory events on a CPU; ``torch.cuda.max_memory_allocated`` on a GPU).
   Never the planner's estimate;
+* how much of each step the machine gave to other work (Linux, from ``/proc``): the main
+  thread's CPU time per step and the share of the step it spent runnable but waiting for a
+  core (``cpu_wait_fraction``: the run queue's wait over the step's wall time, the largest
+  over ranks), and the load average. On a dedicated machine the wait is near 0; on a shared
+  one it is how far the measured wall time is from this machine's speed;
 * bytes per step: from the profiler's collective events (``gloo:*`` / ``nccl:*``), their
   buffers converted to wire bytes with the same ring formula as the planner. gloo runs a
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
@@ -23,6 +28,7 @@ few steps with AdamW and measures:
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +54,9 @@ class Measured:
     bytes_per_step: dict[str, float]  # what the compiled graphs' collectives move (ring formula)
     backend_bytes_per_step: float = 0.0  # what gloo / NCCL ran (gloo: reduce-scatter as all-reduce)
     collectives: dict[str, int] = field(default_factory=dict)
+    cpu_seconds: float | None = None  # the main thread's CPU time per step (median, slowest rank)
+    cpu_wait_fraction: float | None = None  # run-queue wait / wall time per step (median, largest rank)
+    load_average: float | None = None  # the machine's 1-minute load average after the steps
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -57,6 +66,30 @@ def _slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def _main_thread_schedstat() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of this thread so far; None
+    where ``/proc`` has no schedstat (not Linux)."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            on_cpu, waiting, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def _largest(value: float) -> float:
+    return _slowest(value)
 
 
 def resident_bytes(*objects: Any) -> int:
@@ -197,20 +230,28 @@ def measure_strategy(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times = []
+    times, cpu, waits = [], [], []
     for i, (inputs, targets) in enumerate(batches):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        before = _main_thread_schedstat()
         start = time.perf_counter()
         step(inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(_slowest(time.perf_counter() - start))
+        wall = time.perf_counter() - start
+        after = _main_thread_schedstat()
+        times.append(_slowest(wall))
+        if before is not None and after is not None:
+            cpu.append(_slowest(after[0] - before[0]))
+            waits.append(_largest((after[1] - before[1]) / wall))
         if i == 0:
             gc.collect()
     steady = times[warmup:] or times[-1:]
     step_seconds = statistics.median(steady)
+    cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
+    wait_fraction = statistics.median(waits[warmup:] or waits[-1:]) if waits else None
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
@@ -220,7 +261,8 @@ def measure_strategy(
     tokens = tokens_per_step or int(next(t for t in inputs if isinstance(t, torch.Tensor)).numel())
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
-                    float(resident), tokens / step_seconds, wire, backend_wire, counts)
+                    float(resident), tokens / step_seconds, wire, backend_wire, counts,
+                    cpu_seconds, wait_fraction, _load_average())
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
