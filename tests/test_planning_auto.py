@@ -42,3 +42,6 @@ def test_measure_calibrates_this_machine_on_every_rank_alike():
     for latency, bandwidth, group, samples in r["collectives"].values():
         assert latency >= 0 and bandwidth > 0 and group == 2 and samples == 3
     assert "collectives" in r["sources"] and "peak_flops" in r["sources"]
+    # a real optimizer step over DTensor shards: a cost per tensor and per byte, AdamW dearer than SGD
+    assert set(r["optimizer_step"]) == {"adamw", "sgd"}
+    assert r["optimizer_step"]["adamw"][0] > r["optimizer_step"]["sgd"][0] > 0

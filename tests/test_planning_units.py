@@ -142,6 +142,38 @@ def test_elementwise_is_memory_bound_and_views_are_free():
     assert costs[torch.ops.aten.view.default].kind == "free"
 
 
+def test_measured_optimizer_step_replaces_the_bandwidth_formula():
+    from fsdp_compile.planning.cost import optimizer_seconds
+
+    formula = small_cluster(op_overhead=1e-6)
+    expected = 7 * 4e6 / 1e11 + 12 * 10 * 1e-6  # seven passes over the shards, a dozen ops per tensor
+    assert optimizer_seconds("adamw", 1_000_000, 4_000_000, 10, formula) == pytest.approx(expected)
+    measured = formula.replace(optimizer_step={"adamw": (2e-4, 1e-9), "sgd": (1e-5, 1e-10)})
+    # per tensor and per byte, as measured; "adam" is timed as AdamW, "none" costs nothing
+    assert optimizer_seconds("adamw", 1_000_000, 4_000_000, 10, measured) == pytest.approx(10 * 2e-4 + 4e6 * 1e-9)
+    assert optimizer_seconds("adam", 1_000_000, 4_000_000, 10, measured) == pytest.approx(10 * 2e-4 + 4e6 * 1e-9)
+    assert optimizer_seconds("sgd", 1_000_000, 4_000_000, 10, measured) == pytest.approx(10 * 1e-5 + 4e6 * 1e-10)
+    assert optimizer_seconds("none", 1_000_000, 4_000_000, 10, measured) == 0.0
+    with pytest.raises(ClusterError, match=r"optimizer_step\['adamw'\]"):
+        small_cluster(optimizer_step={"adamw": (-1.0, 0.0)})
+
+
+def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
+    from fsdp_compile.planning import measure
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert measure._cpu_share(cpu) == 1.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a 2 x 2 hybrid world on 2 cores: half a core each
+    assert measure._cpu_share(cpu) == 0.5
+    assert measure._cpu_share(torch.device("cuda")) == 1.0
+    # the thread's CPU time is stretched by the share; a wall-clock timing already holds it
+    monkeypatch.setattr(measure, "_fastest_time", lambda fn, repeats, device, clock: 0.01)
+    assert measure._compute_seconds(lambda: None, 1, cpu) == pytest.approx(0.02)
+
+
 # ---------------------------------------------------------------- simulator
 def test_fully_hidden_collective_exposes_nothing():
     events = [("issue", "ag", 1.0, "intra", 10), ("compute", 3.0), ("wait", "ag"), ("compute", 1.0)]
