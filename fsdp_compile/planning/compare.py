@@ -12,10 +12,12 @@ few steps with AdamW and measures:
   (``torch.profiler`` memory events on a CPU; ``torch.cuda.max_memory_allocated`` on a GPU).
   Never the planner's estimate;
 * how much of each step the machine gave to other work (Linux, from ``/proc``): the main
-  thread's CPU time per step and the share of the step it spent runnable but waiting for a
-  core (``cpu_wait_fraction``: the run queue's wait over the step's wall time, the largest
-  over ranks), and the load average. On a dedicated machine the wait is near 0; on a shared
-  one it is how far the measured wall time is from this machine's speed;
+  thread's CPU time per step and the share of the step this process's threads spent runnable
+  but waiting for a core (``cpu_wait_fraction``: their run-queue wait over the step's wall
+  time, the largest over ranks), and the load average. On a dedicated machine the wait is near
+  0; on a shared one it is how far the measured wall time is from this machine's speed.
+  ``quiet_step_seconds`` is the median over the steps in which no rank waited for a core more
+  than 5% of the step (None when fewer than two such steps);
 * bytes per step: from the profiler's collective events (``gloo:*`` / ``nccl:*``), their
   buffers converted to wire bytes with the same ring formula as the planner. gloo runs a
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
@@ -57,6 +59,8 @@ class Measured:
     cpu_seconds: float | None = None  # the main thread's CPU time per step (median, slowest rank)
     cpu_wait_fraction: float | None = None  # run-queue wait / wall time per step (median, largest rank)
     load_average: float | None = None  # the machine's 1-minute load average after the steps
+    quiet_step_seconds: float | None = None  # median over steps no rank waited > 5% for a core
+    wait_fractions: list[float] = field(default_factory=list)  # per step, the largest rank's
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -68,17 +72,29 @@ def _slowest(value: float) -> float:
     return float(t.item())
 
 
-def _main_thread_schedstat() -> tuple[float, float] | None:
-    """(seconds on a CPU, seconds runnable but waiting for one) of this thread so far; None
-    where ``/proc`` has no schedstat (not Linux)."""
+QUIET_WAIT = 0.05  # a step whose ranks waited for a core at most this share of it counts as quiet
+
+
+def _schedstat() -> tuple[float, float] | None:
+    """(seconds the main thread ran on a CPU, seconds this process's threads were runnable but
+    waiting for one) so far; None where ``/proc`` has no schedstat (not Linux)."""
     import threading
 
+    main = threading.get_native_id()
+    on_cpu = waiting = 0.0
     try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            on_cpu, waiting, _ = f.read().split()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    ran, waited, _ = f.read().split()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            waiting += int(waited) / 1e9
+            if int(tid) == main:
+                on_cpu = int(ran) / 1e9
     except (OSError, ValueError):
         return None
-    return int(on_cpu) / 1e9, int(waiting) / 1e9
+    return on_cpu, waiting
 
 
 def _load_average() -> float | None:
@@ -235,13 +251,13 @@ def measure_strategy(
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        before = _main_thread_schedstat()
+        before = _schedstat()
         start = time.perf_counter()
         step(inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-        after = _main_thread_schedstat()
+        after = _schedstat()
         times.append(_slowest(wall))
         if before is not None and after is not None:
             cpu.append(_slowest(after[0] - before[0]))
@@ -251,7 +267,10 @@ def measure_strategy(
     steady = times[warmup:] or times[-1:]
     step_seconds = statistics.median(steady)
     cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
-    wait_fraction = statistics.median(waits[warmup:] or waits[-1:]) if waits else None
+    steady_waits = (waits[warmup:] or waits[-1:]) if waits else []
+    wait_fraction = statistics.median(steady_waits) if steady_waits else None
+    quiet = [t for t, w in zip(steady, steady_waits) if w <= QUIET_WAIT]
+    quiet_step = statistics.median(quiet) if len(quiet) >= 2 else None
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
@@ -262,7 +281,7 @@ def measure_strategy(
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
-                    cpu_seconds, wait_fraction, _load_average())
+                    cpu_seconds, wait_fraction, _load_average(), quiet_step, steady_waits)
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
