@@ -216,3 +216,13 @@ def test_symbolic_durations_give_expressions():
     t = simulate_events([("issue", "x", 3.0, "intra", 0), ("compute", 2 * b), ("wait", "x")])
     assert float(t.seconds.subs(b, 1)) == 3.0 and float(t.seconds.subs(b, 4)) == 8.0
     assert not math.isnan(float(t.exposed_comm_seconds.subs(b, 1)))
+
+
+def test_quiet_steps_leave_out_steps_that_waited_for_a_core():
+    from fsdp_compile.planning.compare import quiet_step_seconds
+
+    times, waits = [1.0, 5.0, 1.2, 4.0], [0.01, 0.6, 0.04, 0.3]
+    assert quiet_step_seconds(times, waits) == pytest.approx(1.1)  # the steps another job slowed are left out
+    assert quiet_step_seconds(times[:2], waits[:2]) is None  # one quiet step is not a measurement
+    # four ranks on two cores wait about half the time for each other: that is the job's own
+    assert quiet_step_seconds([2.0, 2.2, 9.0], [0.5, 0.52, 0.8], cpu_share=0.5) == pytest.approx(2.1)

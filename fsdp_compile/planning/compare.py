@@ -17,7 +17,8 @@ few steps with AdamW and measures:
   time, the largest over ranks), and the load average. On a dedicated machine the wait is near
   0; on a shared one it is how far the measured wall time is from this machine's speed.
   ``quiet_step_seconds`` is the median over the steps in which no rank waited for a core more
-  than 5% of the step (None when fewer than two such steps);
+  than 5% of the step beyond what the job's own ranks make it wait when they outnumber the cores
+  (:func:`quiet_step_seconds`; None when fewer than two such steps);
 * bytes per step: from the profiler's collective events (``gloo:*`` / ``nccl:*``), their
   buffers converted to wire bytes with the same ring formula as the planner. gloo runs a
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
@@ -73,6 +74,15 @@ def _slowest(value: float) -> float:
 
 
 QUIET_WAIT = 0.05  # a step whose ranks waited for a core at most this share of it counts as quiet
+
+
+def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[float], cpu_share: float = 1.0) -> float | None:
+    """The median of the steps whose ranks waited for a core at most ``QUIET_WAIT`` of the step
+    beyond ``1 - cpu_share`` (a rank sharing a core with the job's other ranks waits for it by
+    itself; see ``measure._cpu_share``); None when fewer than two steps qualify."""
+    limit = QUIET_WAIT + (1.0 - cpu_share)
+    quiet = [t for t, w in zip(step_times, wait_fractions) if w <= limit]
+    return statistics.median(quiet) if len(quiet) >= 2 else None
 
 
 def _schedstat() -> tuple[float, float] | None:
@@ -269,8 +279,9 @@ def measure_strategy(
     cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
     steady_waits = (waits[warmup:] or waits[-1:]) if waits else []
     wait_fraction = statistics.median(steady_waits) if steady_waits else None
-    quiet = [t for t, w in zip(steady, steady_waits) if w <= QUIET_WAIT]
-    quiet_step = statistics.median(quiet) if len(quiet) >= 2 else None
+    from .measure import _cpu_share
+
+    quiet_step = quiet_step_seconds(steady, steady_waits, _cpu_share(device))
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
