@@ -86,7 +86,12 @@ def _wait_for_quiet() -> float:
     return load
 
 
+REUSE = {"on": False}  # --reuse: aggregate compare.json files already written instead of running again
+
+
 def _torchrun(world: int, args: list[str], out: Path) -> dict:
+    if REUSE["on"] and (out / "compare.json").exists():
+        return json.loads((out / "compare.json").read_text())
     load = _wait_for_quiet()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
@@ -95,6 +100,7 @@ def _torchrun(world: int, args: list[str], out: Path) -> dict:
     subprocess.run(cmd, env=env, check=True)
     data = json.loads((out / "compare.json").read_text())
     data["load_at_start"] = load
+    (out / "compare.json").write_text(json.dumps(data, indent=2))
     return data
 
 
@@ -557,8 +563,11 @@ def main() -> None:
                         help="seconds to wait for it at most (then run anyway; the load is recorded)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--reuse", action="store_true",
+                        help="accuracy: use the compare.json files already in --out instead of running them again")
     args = parser.parse_args()
     QUIET.update(load=args.quiet_load, wait_s=args.quiet_wait)
+    REUSE["on"] = args.reuse
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_accuracy_smoke" if args.smoke else "plan_accuracy"
