@@ -86,12 +86,15 @@ def _wait_for_quiet() -> float:
     return load
 
 
-REUSE = {"on": False}  # --reuse: aggregate compare.json files already written instead of running again
+REUSE = {"on": False, "only": False}  # --reuse / --reuse-only
 
 
-def _torchrun(world: int, args: list[str], out: Path) -> dict:
+def _torchrun(world: int, args: list[str], out: Path) -> dict | None:
     if REUSE["on"] and (out / "compare.json").exists():
         return json.loads((out / "compare.json").read_text())
+    if REUSE["only"]:
+        print(f"  {out / 'compare.json'} is missing: left out (--reuse-only)", flush=True)
+        return None
     load = _wait_for_quiet()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
@@ -115,7 +118,7 @@ def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
         if not smoke:
             runs_here.append(_torchrun(4, common + ["--strategies", "HYBRID_SHARD,HYBRID_SHARD_ZERO2",
                                                     "--shard-size", "2"], out / f"compare_{factory}_w4"))
-        for data in runs_here:
+        for data in filter(None, runs_here):
             # the job's own ranks share the cores when they outnumber them (2 x 2 on 2 cores)
             share = min(1.0, (os.cpu_count() or 1) / data["world"])
             for row in data["rows"]:
@@ -455,9 +458,10 @@ def render(results: dict) -> str:
                        f"for the {len(quiet)} runs that had at least two. Ranking agrees on {agree}/"
                        f"{len(acc['ranking'])} pairs whose measured times differ by more than 10% (quiet steps where "
                        "both runs have them)."), "",
-                  ("The planner predicts this machine without other jobs. 'waiting for a core' is the share of a step "
-                   "the rank's threads were runnable while other processes held the cores (run-queue wait from "
-                   "/proc, the largest rank's, median over steps); a *quiet step* is one in which no rank waited "
+                  ("The planner predicts this machine without other jobs. 'waiting for a core' is how long the rank's "
+                   "threads were runnable while other processes held the cores, over the step's wall time (run-queue "
+                   "wait from /proc summed over the rank's threads, so above 100% when several wait at once; the "
+                   "largest rank's, median over steps); a *quiet step* is one in which no rank waited "
                    "more than 5% (at 2 x 2 on 2 cores: 5% beyond the 50% a rank waits for the rank sharing its "
                    "core). 'main-thread CPU' is the CPU time of the rank's main thread per step (the slowest "
                    "rank's), 'load' the 1-minute load average after the run."), "",
@@ -565,9 +569,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reuse", action="store_true",
                         help="accuracy: use the compare.json files already in --out instead of running them again")
+    parser.add_argument("--reuse-only", action="store_true", help="like --reuse, leaving out runs not written")
     args = parser.parse_args()
     QUIET.update(load=args.quiet_load, wait_s=args.quiet_wait)
-    REUSE["on"] = args.reuse
+    REUSE.update(on=args.reuse or args.reuse_only, only=args.reuse_only)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_accuracy_smoke" if args.smoke else "plan_accuracy"

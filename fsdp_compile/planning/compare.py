@@ -12,9 +12,10 @@ few steps with AdamW and measures:
   (``torch.profiler`` memory events on a CPU; ``torch.cuda.max_memory_allocated`` on a GPU).
   Never the planner's estimate;
 * how much of each step the machine gave to other work (Linux, from ``/proc``): the main
-  thread's CPU time per step and the share of the step this process's threads spent runnable
-  but waiting for a core (``cpu_wait_fraction``: their run-queue wait over the step's wall
-  time, the largest over ranks), and the load average. On a dedicated machine the wait is near
+  thread's CPU time per step and how long this process's threads spent runnable but waiting
+  for a core (``cpu_wait_fraction``: their run-queue wait summed over threads, over the step's
+  wall time -- above 1 when several threads wait at once -- the largest over ranks), and the
+  load average. On a dedicated machine the wait is near
   0; on a shared one it is how far the measured wall time is from this machine's speed.
   ``quiet_step_seconds`` is the median over the steps in which no rank waited for a core more
   than 5% of the step beyond what the job's own ranks make it wait when they outnumber the cores
