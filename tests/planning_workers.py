@@ -88,6 +88,7 @@ def measure_worker(rank: int, world: int) -> dict:
         "world": cluster.world_size, "flops": {str(k): v for k, v in cluster.peak_flops.items()},
         "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
         "overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
+        "workspace": cluster.collective_workspace,
         "collectives": {k: (v.step_latency, v.bandwidth, v.group_size, len(v.samples))
                         for k, v in cluster.measured_collectives.items()},
         "sources": sorted(cluster.sources),

@@ -45,3 +45,6 @@ def test_measure_calibrates_this_machine_on_every_rank_alike():
     # a real optimizer step over DTensor shards: a cost per tensor and per byte, AdamW dearer than SGD
     assert set(r["optimizer_step"]) == {"adamw", "sgd"}
     assert r["optimizer_step"]["adamw"][0] > r["optimizer_step"]["sgd"][0] > 0
+    # what gloo allocates beside each collective's result, per byte of its buffer, by the allocator
+    assert set(r["workspace"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert all(v >= 0 for v in r["workspace"].values())

@@ -226,3 +226,32 @@ def test_quiet_steps_leave_out_steps_that_waited_for_a_core():
     assert quiet_step_seconds(times[:2], waits[:2]) is None  # one quiet step is not a measurement
     # four ranks on two cores wait about half the time for each other: that is the job's own
     assert quiet_step_seconds([2.0, 2.2, 9.0], [0.5, 0.52, 0.8], cpu_share=0.5) == pytest.approx(2.1)
+
+
+def test_collective_workspace_is_live_from_the_collective_to_its_wait():
+    """gloo gathers into a temporary of the output's size: the peak must count it while the
+    gather is in flight, and not after its wait."""
+    from torch import fx
+
+    from fsdp_compile.passes.lowering import ALL_GATHER, WAIT
+    from fsdp_compile.planning.simulate import memory_timeline
+
+    mode = FakeTensorMode()
+    graph = fx.Graph()
+    shard = graph.placeholder("shard")
+    gathered = graph.call_function(ALL_GATHER, (shard, 2, "0"))
+    waited = graph.call_function(WAIT, (gathered,))
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (waited, 2))
+    graph.output(doubled)
+    with mode:
+        shard.meta["val"] = torch.empty(1024)
+        gathered.meta["val"] = waited.meta["val"] = torch.empty(2048)
+        doubled.meta["val"] = torch.empty(2048)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    plain = [sum(live.values()) for live in memory_timeline(gm)]
+    with_workspace = [sum(live.values()) for live in memory_timeline(gm, workspace={"all_gather": 1.0})]
+    extra = [b - a for a, b in zip(plain, with_workspace)]
+    assert extra == [0, 2048 * 4, 2048 * 4, 0, 0]  # placeholder, gather, wait, mul, output
+    assert small_cluster(collective_workspace={"all_gather": 1.0}).collective_workspace == {"all_gather": 1.0}
+    with pytest.raises(ClusterError, match=r"collective_workspace\['broadcast'\]"):
+        small_cluster(collective_workspace={"broadcast": 1.0})

@@ -69,8 +69,11 @@ class Cluster:
     kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``optimizer_step`` maps an
     optimizer's name to a measured ``(seconds per parameter tensor, seconds per shard byte)`` of
     one step over the backend's sharded parameters (:meth:`measure` fills it; without it the
-    step is timed as memory-bound passes over the shards). ``sources`` says where each number
-    comes from.
+    step is timed as memory-bound passes over the shards). ``collective_workspace`` maps a
+    collective kind to the bytes the communication backend allocates beside the result per byte
+    of the collective's buffer, alive until the wait (gloo gathers into a temporary and reduces
+    a copy; measured by the allocator in :meth:`measure`; NCCL works in the user's buffers: 0).
+    ``sources`` says where each number comes from.
     """
 
     name: str
@@ -90,6 +93,7 @@ class Cluster:
     device_type: str = "cuda"
     measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
+    collective_workspace: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -157,6 +161,11 @@ class Cluster:
             elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
                 problems.append(f"measured_collectives[{kind!r}] has bandwidth {fit.bandwidth} and latency "
                                 f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
+        for kind, share in self.collective_workspace.items():
+            if kind not in COLLECTIVE_KINDS:
+                problems.append(f"collective_workspace[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
+            elif not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+                problems.append(f"collective_workspace[{kind!r}]={share!r} must be a number >= 0")
         for name, fit in self.optimizer_step.items():
             if (not isinstance(fit, tuple) or len(fit) != 2
                     or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):

@@ -207,6 +207,47 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repea
     return fits
 
 
+def _allocated_peak(fn, device: torch.device) -> tuple[float, Any]:
+    """Bytes the allocator handed out at the peak while ``fn`` ran, beyond what was allocated
+    before it (the profiler's memory events on a CPU, the caching allocator's peak on a GPU),
+    and ``fn``'s result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - before), result
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    running = peak = 0
+    for _, delta in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                           if e.name() == "[memory]"):
+        running += delta
+        peak = max(peak, running)
+    return float(peak), result
+
+
+def _collective_workspace(group: Any, device: torch.device) -> dict[str, float]:
+    """Bytes the backend allocates beside each collective's result, per byte of its buffer
+    (the all-gather's output; the input of the others), by the allocator."""
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    numel = (1 << 20) // n * n
+    shares = {}
+    for kind in COLLECTIVE_KINDS:
+        local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+        buffer_bytes = numel * local.element_size()
+        _run_collective(kind, local, n, name)  # warm-up: first-call allocations are not per collective
+        dist.barrier(group=group)
+        peak, result = _allocated_peak(lambda kind=kind, local=local: _run_collective(kind, local, n, name), device)
+        extra = max(peak - result.numel() * result.element_size(), 0.0) / buffer_bytes
+        shares[kind] = _slowest(round(extra, 2), group)
+    return shares
+
+
 def _overlap(group: Any, device: torch.device, repeats: int) -> float:
     """Fraction of a collective's time hidden when it runs beside compute (1: fully hidden)."""
     n = dist.get_world_size(group)
@@ -266,6 +307,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     optimizer_step = {name: tuple(_slowest(v, group) for v in _optimizer_step(name, group, device, repeats))
                       for name in ("adamw", "sgd")}
     collectives = _collectives(group, device, sizes, repeats)
+    workspace = _collective_workspace(group, device)
     overlap = _overlap(group, device, repeats)
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
@@ -279,5 +321,6 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         intra_node_latency=ring.step_latency, inter_node_latency=ring.step_latency,
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
         device_type=device.type, measured_collectives=collectives, optimizer_step=optimizer_step,
+        collective_workspace=workspace,
         sources={key: where for key in ("peak_flops", "memory_bandwidth", "collectives", "op_overhead",
-                                         "comm_overlap", "optimizer_step", "device_memory")})
+                                         "comm_overlap", "optimizer_step", "collective_workspace", "device_memory")})
