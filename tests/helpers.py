@@ -21,7 +21,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 # ---------------------------------------------------------------- tolerances
 # Against a single-process reference: the reference averages the loss over the whole batch at
@@ -193,12 +193,7 @@ def inflight_from_order(gm: torch.fx.GraphModule) -> tuple[int, int]:
 
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     """What the backend's (single) compiled graph pair communicates and keeps for backward."""
-    from fsdp_compile.graphinfo import (
-        collective_counts,
-        marker_counts,
-        missed_overlaps,
-        saved_gathered_parameters,
-    )
+    from fsdp_compile.inspection.graphinfo import collective_counts, marker_counts, missed_overlaps, saved_gathered_parameters
 
     (record,) = backend.graphs
     fw_buckets, bw_buckets = record.forward_buckets, record.backward_buckets

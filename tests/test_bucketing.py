@@ -22,8 +22,8 @@ from helpers import (
 from torch import nn
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT
-from fsdp_compile.passes.bucketing import parse_policy, unit_modules, unit_of
+from fsdp_compile.models.gpt import GPT
+from fsdp_compile.sharding.units import parse_policy, unit_modules, unit_of
 
 # The default policy ("module") is checked by the parity runs (tests/test_parity.py).
 POLICIES = ["param", "bytes", "classes", "callable"]
@@ -37,13 +37,13 @@ POLICY_STRATEGIES = [s if s in ("FULL_SHARD", "HYBRID_SHARD") else pytest.param(
 
 def attention_or_mlp(module: nn.Module) -> bool:
     """A callable bucket policy (as FSDP1's auto_wrap_policy): attention and MLP separately."""
-    from fsdp_compile.gpt import MLP, CausalSelfAttention
+    from fsdp_compile.models.gpt import MLP, CausalSelfAttention
 
     return isinstance(module, (CausalSelfAttention, MLP))
 
 
 def bucket_policies() -> dict[str, Any]:
-    from fsdp_compile.gpt import Block
+    from fsdp_compile.models.gpt import Block
 
     return {"module": "module", "param": "param", "bytes": 4096, "classes": {Block},
             "callable": attention_or_mlp}
@@ -51,7 +51,7 @@ def bucket_policies() -> dict[str, Any]:
 
 def policy_worker(rank: int, world: int, strategy: str, policies: list[str], steps: int) -> dict:
     """The eager runtime (no buckets) and aot_eager under each bucket policy, on the same data."""
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.inspection.graphinfo import collectives
 
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)

@@ -60,7 +60,7 @@ def bytes_worker(rank: int, world: int, strategy: str) -> dict:
     """Theory, compiled graphs and a profiled step, for fp32 and for bf16 compute / fp32 reduce."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.inspection.graphinfo import collectives
 
     strategy = ShardingStrategy.parse(strategy)
     out = {}

@@ -83,7 +83,7 @@ def cache_run(rank: int, world: int, cache_dir: str, change: str = "", steps: in
     """Train TinyNet for ``steps`` SGD steps under Inductor with ``cache_dir``; report what the
     cache did and everything a bitwise comparison needs."""
     if change == "version":
-        fsdp_compile.__version__ = fsdp_compile.__version__ + "+test"
+        fsdp_compile.api.__version__ = fsdp_compile.api.__version__ + "+test"
     torch.manual_seed(0)
     model = TinyNet()
     strategy, options = backend_options(change)
@@ -115,8 +115,8 @@ def cache_keys(rank: int, world: int, changes: list[str]) -> dict[str, str | Non
     keys = {}
     for change in changes:
         if change == "version":
-            saved = fsdp_compile.__version__
-            fsdp_compile.__version__ = saved + "+test"
+            saved = fsdp_compile.api.__version__
+            fsdp_compile.api.__version__ = saved + "+test"
         torch.manual_seed(0)
         model = TinyNet()
         strategy, options = backend_options(change)
@@ -124,10 +124,10 @@ def cache_keys(rank: int, world: int, changes: list[str]) -> dict[str, str | Non
             warnings.simplefilter("ignore")
             backend = fsdp_compile.backend(strategy, compiler="inductor", **options)
             backend.shard(model)
-            key, _, _ = backend._compile_cache_key()
+            key, _, _ = backend.compiler.cache_key()
         keys[change or "baseline"] = key
         if change == "version":
-            fsdp_compile.__version__ = saved
+            fsdp_compile.api.__version__ = saved
     return keys
 
 

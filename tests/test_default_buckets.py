@@ -26,13 +26,8 @@ from layouts import (
 )
 from torch import nn
 
-from fsdp_compile.bucket_advice import oversized_bucket
-from fsdp_compile.passes.bucketing import (
-    parse_policy,
-    repeated_classes,
-    unit_modules,
-    unit_of,
-)
+from fsdp_compile.inspection.bucket_advice import oversized_bucket
+from fsdp_compile.sharding.units import parse_policy, repeated_classes, unit_modules, unit_of
 
 WORLD = 2
 STEPS = 3
@@ -50,7 +45,7 @@ def test_default_units(layout: str) -> None:
 
 
 def test_the_test_gpt_keeps_its_buckets() -> None:
-    from fsdp_compile.gpt import GPT
+    from fsdp_compile.models.gpt import GPT
 
     assert unit_modules(GPT(TEST_CONFIG), parse_policy("module")) == {"blocks.0", "blocks.1"}
 
@@ -160,8 +155,8 @@ def layout_worker(rank: int, world: int, strategy: str, names: list[str], steps:
     import warnings
 
     import fsdp_compile
-    from fsdp_compile.gpt import GPTConfig
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.models.gpt import GPTConfig
+    from fsdp_compile.inspection.graphinfo import collectives
 
     data = batches(GPTConfig(vocab_size=VOCAB), world, steps)
     out: dict[str, Any] = {}

@@ -27,7 +27,7 @@ from helpers import (
 )
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT
+from fsdp_compile.models.gpt import GPT
 
 STEPS = 3
 
@@ -199,7 +199,7 @@ def test_dump_dir_errors(tmp_path: Path, dump: Path) -> None:
 
 
 def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path: Path, monkeypatch) -> None:
-    from fsdp_compile import dump as dump_module
+    from fsdp_compile.inspection import dump as dump_module
 
     target = tmp_path / "summary.json"
     dump_module.write_json(target, {"old": True})
@@ -325,7 +325,7 @@ def failing_pass_worker(rank: int, world: int, phase: str, strict: bool, steps: 
     backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
     backend.shard(model)
     healthy = train(model, torch.compile(model, backend=backend), data, rank)
-    from fsdp_compile.graphinfo import collective_counts, marker_counts
+    from fsdp_compile.inspection.graphinfo import collective_counts, marker_counts
 
     graph = record.forward if phase == "forward" else record.backward
     return {"warnings": [str(w.message) for w in caught], "fallbacks": record.fallbacks,

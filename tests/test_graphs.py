@@ -100,7 +100,7 @@ def test_backward_gathers_only_the_parameters_backward_needs(strategy, compiler)
     tables, which no backward computation reads (bytes from shapes: padded rows x row x 4 x 2)."""
     from torch import nn
 
-    from fsdp_compile.gpt import GPT
+    from fsdp_compile.models.gpt import GPT
 
     def gathered_bytes(params) -> int:
         return sum(4 * 2 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in params)

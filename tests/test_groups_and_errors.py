@@ -20,7 +20,7 @@ from helpers import (
 from torch import nn
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT
+from fsdp_compile.models.gpt import GPT
 
 
 def _group_ranks(group) -> list[int] | None:

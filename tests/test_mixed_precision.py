@@ -25,7 +25,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
-from fsdp_compile.gpt import GPT
+from fsdp_compile.models.gpt import GPT
 
 STEPS = 5
 # FULL_SHARD runs by default; every other strategy (each with Inductor) with -m slow.
@@ -98,7 +98,7 @@ def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str
             "optimizer_state": {v.dtype for s in opt.state.values() for v in s.values() if v.dim()},
         }
         if kind not in ("eager", "fsdp2"):
-            from fsdp_compile.graphinfo import collectives
+            from fsdp_compile.inspection.graphinfo import collectives
 
             (record,) = backend.graphs
             result["fallbacks"] = record.fallbacks

@@ -23,7 +23,7 @@ from helpers import (
 )
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 _c10d = torch.ops._c10d_functional
 
@@ -116,7 +116,7 @@ def test_collectives_overlap_compute_on_cpu() -> None:
 def overlapped_compute(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Per gathered bucket, the compute nodes between its all-gather and that gather's wait (in
     node order). Buckets are told apart by the tag lowering puts on their nodes."""
-    from fsdp_compile.passes.lowering import COMM_META
+    from fsdp_compile.passes.graph import COMM_META
 
     nodes = list(gm.graph.nodes)
     issued = {n: i for i, n in enumerate(nodes) if n.target is _c10d.all_gather_into_tensor.default}

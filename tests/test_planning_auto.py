@@ -11,7 +11,7 @@ from distributed import run_workers
 from helpers import PER_RANK_BATCH, SEQ, TEST_CONFIG, batches, train
 
 import fsdp_compile
-from fsdp_compile.gpt import GPT
+from fsdp_compile.models.gpt import GPT
 from fsdp_compile.planning import Cluster, PlanError
 
 
@@ -109,7 +109,8 @@ def measure_worker(rank: int, world: int) -> dict:
     return {
         "world": cluster.world_size, "flops": {str(k): v for k, v in cluster.peak_flops.items()},
         "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
-        "overlap": cluster.comm_overlap,
+        "overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
+        "workspace": cluster.collective_workspace,
         "collectives": {k: (v.step_latency, v.bandwidth, v.group_size, len(v.samples))
                         for k, v in cluster.measured_collectives.items()},
         "sources": sorted(cluster.sources),
@@ -127,3 +128,9 @@ def test_measure_calibrates_this_machine_on_every_rank_alike():
     for latency, bandwidth, group, samples in r["collectives"].values():
         assert latency >= 0 and bandwidth > 0 and group == 2 and samples == 3
     assert "collectives" in r["sources"] and "peak_flops" in r["sources"]
+    # a real optimizer step over DTensor shards: a cost per tensor and per byte, AdamW dearer than SGD
+    assert set(r["optimizer_step"]) == {"adamw", "sgd"}
+    assert r["optimizer_step"]["adamw"][0] > r["optimizer_step"]["sgd"][0] > 0
+    # what gloo allocates beside each collective's result, per byte of its buffer, by the allocator
+    assert set(r["workspace"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert all(v >= 0 for v in r["workspace"].values())

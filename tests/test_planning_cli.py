@@ -61,18 +61,6 @@ def test_plan_command_solves_the_largest_batch(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["max_batch"]["FULL_SHARD"] > 2
 
 
-def test_plan_command_line_rejects_unknown_model_and_cluster_without_a_traceback() -> None:
-    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-9000"])
-    assert proc.returncode != 0 and "use one of" in proc.stderr
-    proc = _run(["-m", "fsdp_compile", "plan", "--model", "gpt-tiny", "--cluster", "tpu"])
-    assert proc.returncode == 2 and "error: unknown cluster preset 'tpu'" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_compare_command_line_needs_torchrun() -> None:
-    proc = _run(["-m", "fsdp_compile", "compare"])
-    assert proc.returncode != 0 and "start it with torchrun" in proc.stderr
-
-
 @pytest.mark.slow
 def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> None:
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_compile",
@@ -86,6 +74,8 @@ def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> No
         assert m["step_seconds"] > 0 and m["peak_bytes"] > m["resident_bytes"] > 0 and m["compile_seconds"] >= 0
         assert m["bytes_per_step"]["intra"] > 0 and m["backend_bytes_per_step"] > 0 and p["step_seconds"] > 0
         assert m["bytes_per_step"]["intra"] == pytest.approx(p["bytes_per_step"]["intra"], rel=0.01)
+        # how much of the step the machine gave to other work is recorded beside it (Linux /proc)
+        assert 0 < m["cpu_seconds"] and 0.0 <= m["cpu_wait_fraction"] <= 1.0 and m["load_average"] >= 0
     assert (tmp_path / "compare.png").stat().st_size > 1000
     assert "step ms" in proc.stdout and "pred ms" in proc.stdout
 

@@ -142,6 +142,38 @@ def test_elementwise_is_memory_bound_and_views_are_free():
     assert costs[torch.ops.aten.view.default].kind == "free"
 
 
+def test_measured_optimizer_step_replaces_the_bandwidth_formula():
+    from fsdp_compile.planning.cost import optimizer_seconds
+
+    formula = small_cluster(op_overhead=1e-6)
+    expected = 7 * 4e6 / 1e11 + 12 * 10 * 1e-6  # seven passes over the shards, a dozen ops per tensor
+    assert optimizer_seconds("adamw", 1_000_000, 4_000_000, 10, formula) == pytest.approx(expected)
+    measured = formula.replace(optimizer_step={"adamw": (2e-4, 1e-9), "sgd": (1e-5, 1e-10)})
+    # per tensor and per byte, as measured; "adam" is timed as AdamW, "none" costs nothing
+    assert optimizer_seconds("adamw", 1_000_000, 4_000_000, 10, measured) == pytest.approx(10 * 2e-4 + 4e6 * 1e-9)
+    assert optimizer_seconds("adam", 1_000_000, 4_000_000, 10, measured) == pytest.approx(10 * 2e-4 + 4e6 * 1e-9)
+    assert optimizer_seconds("sgd", 1_000_000, 4_000_000, 10, measured) == pytest.approx(10 * 1e-5 + 4e6 * 1e-10)
+    assert optimizer_seconds("none", 1_000_000, 4_000_000, 10, measured) == 0.0
+    with pytest.raises(ClusterError, match=r"optimizer_step\['adamw'\]"):
+        small_cluster(optimizer_step={"adamw": (-1.0, 0.0)})
+
+
+def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
+    from fsdp_compile.planning import measure
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert measure._cpu_share(cpu) == 1.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a 2 x 2 hybrid world on 2 cores: half a core each
+    assert measure._cpu_share(cpu) == 0.5
+    assert measure._cpu_share(torch.device("cuda")) == 1.0
+    # the thread's CPU time is stretched by the share; a wall-clock timing already holds it
+    monkeypatch.setattr(measure, "_fastest_time", lambda fn, repeats, device, clock: 0.01)
+    assert measure._compute_seconds(lambda: None, 1, cpu) == pytest.approx(0.02)
+
+
 # ---------------------------------------------------------------- simulator
 def test_fully_hidden_collective_exposes_nothing():
     events = [("issue", "ag", 1.0, "intra", 10), ("compute", 3.0), ("wait", "ag"), ("compute", 1.0)]
@@ -184,3 +216,42 @@ def test_symbolic_durations_give_expressions():
     t = simulate_events([("issue", "x", 3.0, "intra", 0), ("compute", 2 * b), ("wait", "x")])
     assert float(t.seconds.subs(b, 1)) == 3.0 and float(t.seconds.subs(b, 4)) == 8.0
     assert not math.isnan(float(t.exposed_comm_seconds.subs(b, 1)))
+
+
+def test_quiet_steps_leave_out_steps_that_waited_for_a_core():
+    from fsdp_compile.planning.compare import quiet_step_seconds
+
+    times, waits = [1.0, 5.0, 1.2, 4.0], [0.01, 0.6, 0.04, 0.3]
+    assert quiet_step_seconds(times, waits) == pytest.approx(1.1)  # the steps another job slowed are left out
+    assert quiet_step_seconds(times[:2], waits[:2]) is None  # one quiet step is not a measurement
+    # four ranks on two cores wait about half the time for each other: that is the job's own
+    assert quiet_step_seconds([2.0, 2.2, 9.0], [0.5, 0.52, 0.8], cpu_share=0.5) == pytest.approx(2.1)
+
+
+def test_collective_workspace_is_live_from_the_collective_to_its_wait():
+    """gloo gathers into a temporary of the output's size: the peak must count it while the
+    gather is in flight, and not after its wait."""
+    from torch import fx
+
+    from fsdp_compile.passes.graph import ALL_GATHER, WAIT
+    from fsdp_compile.planning.simulate import memory_timeline
+
+    mode = FakeTensorMode()
+    graph = fx.Graph()
+    shard = graph.placeholder("shard")
+    gathered = graph.call_function(ALL_GATHER, (shard, 2, "0"))
+    waited = graph.call_function(WAIT, (gathered,))
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (waited, 2))
+    graph.output(doubled)
+    with mode:
+        shard.meta["val"] = torch.empty(1024)
+        gathered.meta["val"] = waited.meta["val"] = torch.empty(2048)
+        doubled.meta["val"] = torch.empty(2048)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    plain = [sum(live.values()) for live in memory_timeline(gm)]
+    with_workspace = [sum(live.values()) for live in memory_timeline(gm, workspace={"all_gather": 1.0})]
+    extra = [b - a for a, b in zip(plain, with_workspace)]
+    assert extra == [0, 2048 * 4, 2048 * 4, 0, 0]  # placeholder, gather, wait, mul, output
+    assert small_cluster(collective_workspace={"all_gather": 1.0}).collective_workspace == {"all_gather": 1.0}
+    with pytest.raises(ClusterError, match=r"collective_workspace\['broadcast'\]"):
+        small_cluster(collective_workspace={"broadcast": 1.0})

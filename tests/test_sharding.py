@@ -30,7 +30,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 
 def storage_worker(rank: int, world: int, strategy: str) -> dict:
@@ -206,7 +206,7 @@ class TiedGPT(GPT):
 
 def tied_fsdp2_worker(rank: int, world: int, strategy: str, steps: int, lr: float) -> dict:
     """TiedGPT with blocks.0 frozen: the eager runtime, aot_eager and FSDP2, every step's gradients."""
-    from fsdp_compile.graphinfo import collectives
+    from fsdp_compile.inspection.graphinfo import collectives
 
     strategy = ShardingStrategy.parse(strategy)
     torch.manual_seed(0)

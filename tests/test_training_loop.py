@@ -52,7 +52,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
-from fsdp_compile.gpt import GPT, GPTConfig
+from fsdp_compile.models.gpt import GPT, GPTConfig
 
 MODES = ("eager", "aot_eager")
 MAX_NORM = 0.5  # below the test GPT's gradient norms (about 1 to 1.5): clipping really scales
@@ -115,7 +115,7 @@ def gloo_events(fn: Callable[[], Any]) -> list[str]:
 
 
 def graph_collectives(backend: fsdp_compile.FSDPBackend) -> list[dict]:
-    from fsdp_compile.graphinfo import collective_counts
+    from fsdp_compile.inspection.graphinfo import collective_counts
 
     return [{"forward": collective_counts(g.forward), "backward": collective_counts(g.backward)}
             for g in backend.graphs]

@@ -222,7 +222,8 @@ def run_compare(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
-             "cluster": cluster.describe(), "rows": rows}, indent=2, default=str))
+             "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
+            indent=2, default=str))
         print(f"{'strategy':<20}{'step ms':>10}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}{'pred MiB':>10}"
               f"{'wire MB':>10}{'pred MB':>10}{'compile s':>11}")
         for r in rows:
@@ -238,6 +239,16 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"written to {args.out}/compare.json and compare.png")
     dist.barrier()
     return 0
+
+
+def _cluster_numbers(cluster: Any) -> dict[str, Any]:
+    """Every number of a (measured) cluster, JSON-ready, so a run can be planned again later."""
+    return {"peak_flops": {str(k).replace("torch.", ""): v for k, v in cluster.peak_flops.items()},
+            "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
+            "comm_overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
+            "collective_workspace": cluster.collective_workspace,
+            "collectives": {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
+                            for k, v in cluster.measured_collectives.items()}}
 
 
 def _cross_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,14 @@ class Cluster:
     each operator of an ``aot_eager`` graph is a Python call). ``comm_overlap`` is the fraction
     of a collective's time that can hide under compute (1: a separate engine; on a CPU with
     gloo, communication takes CPU time from compute, measured). ``device_type`` selects the
-    kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``sources`` says where
-    each number comes from.
+    kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``optimizer_step`` maps an
+    optimizer's name to a measured ``(seconds per parameter tensor, seconds per shard byte)`` of
+    one step over the backend's sharded parameters (:meth:`measure` fills it; without it the
+    step is timed as memory-bound passes over the shards). ``collective_workspace`` maps a
+    collective kind to the bytes the communication backend allocates beside the result per byte
+    of the collective's buffer, alive until the wait (gloo gathers into a temporary and reduces
+    a copy; measured by the allocator in :meth:`measure`; NCCL works in the user's buffers: 0).
+    ``sources`` says where each number comes from.
     """
 
     name: str
@@ -86,6 +92,8 @@ class Cluster:
     comm_overlap: float = 1.0
     device_type: str = "cuda"
     measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+    optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
+    collective_workspace: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -153,6 +161,16 @@ class Cluster:
             elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
                 problems.append(f"measured_collectives[{kind!r}] has bandwidth {fit.bandwidth} and latency "
                                 f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
+        for kind, share in self.collective_workspace.items():
+            if kind not in COLLECTIVE_KINDS:
+                problems.append(f"collective_workspace[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
+            elif not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+                problems.append(f"collective_workspace[{kind!r}]={share!r} must be a number >= 0")
+        for name, fit in self.optimizer_step.items():
+            if (not isinstance(fit, tuple) or len(fit) != 2
+                    or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
+                problems.append(f"optimizer_step[{name!r}]={fit!r} must be (seconds per tensor >= 0, "
+                                "seconds per byte >= 0)")
         if problems:
             raise ClusterError(f"cluster {self.name!r}: " + "; ".join(problems))
 
@@ -224,8 +242,9 @@ class Cluster:
         """Calibrate a cluster from the machine this runs on, on the current process groups.
 
         Collective over ``group`` (default: the world): every rank must call it. Measures
-        matmul FLOP/s per dtype, memory bandwidth (a large copy), the per-operator overhead
-        of running a graph as Python, all-gather / reduce-scatter / all-reduce over ``sizes``
+        matmul FLOP/s per dtype (over the shapes and layouts of a training step's matmuls),
+        memory bandwidth (a large copy), the per-operator overhead of running a graph as
+        Python, one optimizer step over sharded (DTensor) parameters, all-gather / reduce-scatter / all-reduce over ``sizes``
         (buffer bytes) fitted to the ring model, and how much a collective slows compute that
         runs at the same time (``comm_overlap``). ``device_memory`` defaults to the device's
         capacity (on a CPU: pass the budget to plan against).

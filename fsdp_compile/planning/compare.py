@@ -11,6 +11,15 @@ few steps with AdamW and measures:
   each) plus the largest running sum of the allocator's events during the step
   (``torch.profiler`` memory events on a CPU; ``torch.cuda.max_memory_allocated`` on a GPU).
   Never the planner's estimate;
+* how much of each step the machine gave to other work (Linux, from ``/proc``): the main
+  thread's CPU time per step and how long this process's threads spent runnable but waiting
+  for a core (``cpu_wait_fraction``: their run-queue wait summed over threads, over the step's
+  wall time -- above 1 when several threads wait at once -- the largest over ranks), and the
+  load average. On a dedicated machine the wait is near
+  0; on a shared one it is how far the measured wall time is from this machine's speed.
+  ``quiet_step_seconds`` is the median over the steps in which no rank waited for a core more
+  than 5% of the step beyond what the job's own ranks make it wait when they outnumber the cores
+  (:func:`quiet_step_seconds`; None when fewer than two such steps);
 * bytes per step: from the profiler's collective events (``gloo:*`` / ``nccl:*``), their
   buffers converted to wire bytes with the same ring formula as the planner. gloo runs a
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
@@ -23,6 +32,7 @@ few steps with AdamW and measures:
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +58,11 @@ class Measured:
     bytes_per_step: dict[str, float]  # what the compiled graphs' collectives move (ring formula)
     backend_bytes_per_step: float = 0.0  # what gloo / NCCL ran (gloo: reduce-scatter as all-reduce)
     collectives: dict[str, int] = field(default_factory=dict)
+    cpu_seconds: float | None = None  # the main thread's CPU time per step (median, slowest rank)
+    cpu_wait_fraction: float | None = None  # run-queue wait / wall time per step (median, largest rank)
+    load_average: float | None = None  # the machine's 1-minute load average after the steps
+    quiet_step_seconds: float | None = None  # median over steps no rank waited > 5% for a core
+    wait_fractions: list[float] = field(default_factory=list)  # per step, the largest rank's
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -57,6 +72,51 @@ def _slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+QUIET_WAIT = 0.05  # a step whose ranks waited for a core at most this share of it counts as quiet
+
+
+def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[float], cpu_share: float = 1.0) -> float | None:
+    """The median of the steps whose ranks waited for a core at most ``QUIET_WAIT`` of the step
+    beyond ``1 - cpu_share`` (a rank sharing a core with the job's other ranks waits for it by
+    itself; see ``measure._cpu_share``); None when fewer than two steps qualify."""
+    limit = QUIET_WAIT + (1.0 - cpu_share)
+    quiet = [t for t, w in zip(step_times, wait_fractions) if w <= limit]
+    return statistics.median(quiet) if len(quiet) >= 2 else None
+
+
+def _schedstat() -> tuple[float, float] | None:
+    """(seconds the main thread ran on a CPU, seconds this process's threads were runnable but
+    waiting for one) so far; None where ``/proc`` has no schedstat (not Linux)."""
+    import threading
+
+    main = threading.get_native_id()
+    on_cpu = waiting = 0.0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    ran, waited, _ = f.read().split()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            waiting += int(waited) / 1e9
+            if int(tid) == main:
+                on_cpu = int(ran) / 1e9
+    except (OSError, ValueError):
+        return None
+    return on_cpu, waiting
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def _largest(value: float) -> float:
+    return _slowest(value)
 
 
 def resident_bytes(*objects: Any) -> int:
@@ -197,20 +257,32 @@ def measure_strategy(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times = []
+    times, cpu, waits = [], [], []
     for i, (inputs, targets) in enumerate(batches):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        before = _schedstat()
         start = time.perf_counter()
         step(inputs, targets)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(_slowest(time.perf_counter() - start))
+        wall = time.perf_counter() - start
+        after = _schedstat()
+        times.append(_slowest(wall))
+        if before is not None and after is not None:
+            cpu.append(_slowest(after[0] - before[0]))
+            waits.append(_largest((after[1] - before[1]) / wall))
         if i == 0:
             gc.collect()
     steady = times[warmup:] or times[-1:]
     step_seconds = statistics.median(steady)
+    cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
+    steady_waits = (waits[warmup:] or waits[-1:]) if waits else []
+    wait_fraction = statistics.median(steady_waits) if steady_waits else None
+    from .measure import _cpu_share
+
+    quiet_step = quiet_step_seconds(steady, steady_waits, _cpu_share(device))
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
@@ -220,7 +292,8 @@ def measure_strategy(
     tokens = tokens_per_step or int(next(t for t in inputs if isinstance(t, torch.Tensor)).numel())
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
-                    float(resident), tokens / step_seconds, wire, backend_wire, counts)
+                    float(resident), tokens / step_seconds, wire, backend_wire, counts,
+                    cpu_seconds, wait_fraction, _load_average(), quiet_step, steady_waits)
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:

@@ -200,12 +200,21 @@ def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] |
 
 
 def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int, cluster: Cluster) -> float:
-    """One optimizer step over this rank's shards: memory-bound elementwise updates.
+    """One optimizer step over this rank's shards.
 
-    AdamW (torch's foreach implementation) reads parameter, gradient and both moments and
+    Measured (``cluster.optimizer_step``, from :meth:`Cluster.measure`): seconds per parameter
+    tensor plus seconds per shard byte, fitted on a real step of the same optimizer over
+    DTensor shards -- on a CPU most of a step is per-tensor dispatch, not bandwidth.
+    Otherwise memory-bound elementwise updates: AdamW (torch's foreach implementation) reads parameter, gradient and both moments and
     writes parameter and moments: 7 passes over the shard bytes; SGD reads parameter and
     gradient and writes the parameter. Each foreach operator (about a dozen for AdamW) costs
     the per-operator overhead once per tensor on a CPU.
     """
-    passes, ops = {"adamw": (7, 12), "adam": (7, 12), "sgd": (3, 2), "none": (0, 0)}[optimizer]
+    if optimizer == "none":
+        return 0.0
+    measured = cluster.optimizer_step.get("adamw" if optimizer == "adam" else optimizer)
+    if measured is not None:
+        per_tensor, per_byte = measured
+        return tensors * per_tensor + shard_bytes * per_byte
+    passes, ops = {"adamw": (7, 12), "adam": (7, 12), "sgd": (3, 2)}[optimizer]
     return passes * shard_bytes / cluster.memory_bandwidth + ops * tensors * cluster.op_overhead

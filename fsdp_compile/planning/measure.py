@@ -1,8 +1,17 @@
 """``Cluster.measure()``: calibrate the planner's numbers on the machine it runs on.
 
-Collective over the group: every rank runs the same measurements in the same order, and each
-timing is the slowest rank's (a step waits for the slowest rank), so all ranks get the same
-cluster. Timings are medians of several repeats.
+Collective over the group: every rank runs the same measurements in the same order, at the
+same time (a barrier before each: in training the ranks compute side by side and share the
+machine's caches and memory), and each timing is the slowest rank's (a step waits for the
+slowest rank), so all ranks get the same cluster.
+
+Each timing is the fastest of several repeats: noise (other processes, interrupts) only ever
+adds time, so the fastest repeat is the closest to what the machine does. On a CPU whose ops
+run on one thread, compute is timed by the thread's CPU time, not the wall clock: on a shared
+machine a rank waits for a core whenever other jobs hold it, and that wait belongs to the
+other jobs, not to the operator (``bench/plan_accuracy.py`` measures it separately). When the
+job's own ranks outnumber the cores (a 2 x 2 hybrid world on 2 cores), each rank gets a share
+of a core, and its compute times are stretched by that share (:func:`_cpu_share`).
 """
 
 from __future__ import annotations
@@ -32,17 +41,46 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, repeats: int, device: torch.device) -> float:
+def _compute_clock(device: torch.device):
+    """The clock compute is timed by: the thread's CPU time where an op runs on this thread
+    alone (a CPU with one intra-op thread), else the wall clock."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _cpu_share(device: torch.device) -> float:
+    """The share of a core each rank's compute gets from its own job: below 1 when this node's
+    ranks (times their intra-op threads) outnumber the cores they may run on, e.g. a 2 x 2
+    hybrid world on 2 cores. The thread's CPU time does not see that sharing; the wall clock
+    of the training step does."""
+    if device.type != "cpu":
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    return min(1.0, cores / (max(ranks, 1) * torch.get_num_threads()))
+
+
+def _compute_seconds(fn, repeats: int, device: torch.device) -> float:
+    """How long ``fn`` keeps this rank's compute busy: the fastest repeat on the compute
+    clock, stretched by the rank's share of a core when that clock is the thread's."""
+    clock = _compute_clock(device)
+    seconds = _fastest_time(fn, repeats, device, clock)
+    return seconds / _cpu_share(device) if clock is time.thread_time else seconds
+
+
+def _fastest_time(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> float:
+    """The fastest of ``repeats`` runs of ``fn`` after one warm-up run (see the module docstring)."""
     fn()
     _sync(device)
     samples = []
     for _ in range(repeats):
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        samples.append(clock() - start)
+    return min(samples)
 
 
 def _slowest(value: float, group: Any) -> float:
@@ -52,22 +90,39 @@ def _slowest(value: float, group: Any) -> float:
     return float(t.item())
 
 
-def _matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int) -> float:
-    best = 0.0
-    sizes = (256, 512, 1024) if device.type == "cpu" else (2048, 4096, 8192)
-    for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        seconds = _median_time(lambda a=a, b=b: torch.mm(a, b), repeats, device)
-        best = max(best, 2 * n ** 3 / seconds)
-    return best
+# (m, k, n) of the matmuls a transformer's linear layers run: tokens x d_model against a
+# d_model x (1..4 d_model) weight, and the backward's transposed layouts of the same sizes.
+_CPU_MATMULS = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (512, 256, 1024), (512, 1024, 256),
+                (2048, 512, 1536))
+_GPU_MATMULS = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 16384), (8192, 16384, 4096))
 
 
-def _memory_bandwidth(device: torch.device, repeats: int) -> float:
+def _matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None) -> float:
+    """Median FLOP/s over matmuls of the shapes and layouts a training step runs.
+
+    Each shape runs in three layouts: ``x @ w.T`` (forward), ``g @ w`` (input gradient),
+    ``g.T @ x`` (weight gradient). The median, not the best: a step's time is the sum over its
+    matmuls, most of which are not the one shape the library runs fastest.
+    """
+    rates = []
+    for m, k, n in _CPU_MATMULS if device.type == "cpu" else _GPU_MATMULS:
+        x = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
+        g = torch.randn(m, n, device=device).to(dtype)
+        for a, b in ((x, w.t()), (g, w), (g.t(), x)):
+            if dist.is_initialized():
+                dist.barrier(group=group)
+            rates.append(2 * m * k * n / _compute_seconds(lambda a=a, b=b: torch.mm(a, b), repeats, device))
+    return statistics.median(rates)
+
+
+def _memory_bandwidth(device: torch.device, repeats: int, group: Any = None) -> float:
     numel = (64 << 20) if device.type == "cpu" else (256 << 20)
     src = torch.ones(numel, device=device)
     dst = torch.empty_like(src)
-    seconds = _median_time(lambda: dst.copy_(src), repeats, device)
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    seconds = _compute_seconds(lambda: dst.copy_(src), repeats, device)
     return 2 * src.numel() * src.element_size() / seconds  # read + write
 
 
@@ -82,7 +137,37 @@ def _op_overhead(device: torch.device, repeats: int) -> float:
     graph.output(value)
     gm = fx.GraphModule(torch.nn.Module(), graph)
     tiny = torch.ones(1, device=device)
-    return _median_time(lambda: gm(tiny), repeats, device) / count
+    return _compute_seconds(lambda: gm(tiny), repeats, device) / count
+
+
+def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: int) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per shard byte) of one real ``optimizer`` step
+    over DTensor shards on ``group``, as the backend's sharded parameters are: a line through
+    a step over many small tensors (per-tensor dispatch) and one over few large ones (bytes)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+
+    def step_seconds(count: int, numel: int) -> float:
+        params = []
+        for _ in range(count):
+            local = torch.zeros(numel, device=device)
+            p = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+            p.grad = DTensor.from_local(torch.ones(numel, device=device), mesh, [Shard(0)], run_check=False)
+            params.append(p)
+        opt = (torch.optim.AdamW(params, lr=1e-4) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4))
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        return _compute_seconds(opt.step, repeats, device)
+
+    many, few = (64, 1 << 10), (4, 1 << 20)
+    t_many, t_few = step_seconds(*many), step_seconds(*few)
+    bytes_many, bytes_few = many[0] * many[1] * 4, few[0] * few[1] * 4
+    # Solve t = tensors * a + bytes * b through both points; clipped at 0 like _fit_line.
+    per_byte = max((t_few - t_many * few[0] / many[0]) / (bytes_few - bytes_many * few[0] / many[0]), 0.0)
+    per_tensor = max((t_many - bytes_many * per_byte) / many[0], 0.0)
+    return per_tensor, per_byte
 
 
 def _wire_bytes(kind: str, buffer_bytes: int, n: int) -> float:
@@ -113,13 +198,54 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repea
             numel = max(n, size // 4 // n * n)
             local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
             dist.barrier(group=group)
-            seconds = _slowest(_median_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
-                                                repeats, device), group)
+            seconds = _slowest(_fastest_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
+                                                 repeats, device), group)
             samples.append((numel * 4, seconds))
         latency, per_byte = _fit_line([(_wire_bytes(kind, b, n), s) for b, s in samples])
         fits[kind] = MeasuredCollective(step_latency=latency / max(ring_steps(kind, n), 1),
                                         bandwidth=1.0 / per_byte, group_size=n, samples=tuple(samples))
     return fits
+
+
+def _allocated_peak(fn, device: torch.device) -> tuple[float, Any]:
+    """Bytes the allocator handed out at the peak while ``fn`` ran, beyond what was allocated
+    before it (the profiler's memory events on a CPU, the caching allocator's peak on a GPU),
+    and ``fn``'s result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - before), result
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    running = peak = 0
+    for _, delta in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                           if e.name() == "[memory]"):
+        running += delta
+        peak = max(peak, running)
+    return float(peak), result
+
+
+def _collective_workspace(group: Any, device: torch.device) -> dict[str, float]:
+    """Bytes the backend allocates beside each collective's result, per byte of its buffer
+    (the all-gather's output; the input of the others), by the allocator."""
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    numel = (1 << 20) // n * n
+    shares = {}
+    for kind in COLLECTIVE_KINDS:
+        local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+        buffer_bytes = numel * local.element_size()
+        _run_collective(kind, local, n, name)  # warm-up: first-call allocations are not per collective
+        dist.barrier(group=group)
+        peak, result = _allocated_peak(lambda kind=kind, local=local: _run_collective(kind, local, n, name), device)
+        extra = max(peak - result.numel() * result.element_size(), 0.0) / buffer_bytes
+        shares[kind] = _slowest(round(extra, 2), group)
+    return shares
 
 
 def _overlap(group: Any, device: torch.device, repeats: int) -> float:
@@ -142,11 +268,11 @@ def _overlap(group: Any, device: torch.device, repeats: int) -> float:
         _c10d.wait_tensor(work)
 
     dist.barrier(group=group)
-    t_compute = _slowest(_median_time(compute, repeats, device), group)
+    t_compute = _slowest(_fastest_time(compute, repeats, device), group)
     dist.barrier(group=group)
-    t_comm = _slowest(_median_time(comm, repeats, device), group)
+    t_comm = _slowest(_fastest_time(comm, repeats, device), group)
     dist.barrier(group=group)
-    t_both = _slowest(_median_time(both, repeats, device), group)
+    t_both = _slowest(_fastest_time(both, repeats, device), group)
     hidden = t_compute + t_comm - t_both
     return min(max(hidden / min(t_compute, t_comm), 0.0), 1.0)
 
@@ -175,10 +301,13 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     if sizes is None:
         sizes = (1 << 16, 1 << 18, 1 << 20, 1 << 22) if device.type == "cpu" else (1 << 20, 1 << 24, 1 << 27)
     # _slowest takes the largest value: negated, it gives the slowest rank's rate
-    flops = {dtype: -_slowest(-_matmul_flops(dtype, device, repeats), group) for dtype in dtypes}
-    bandwidth = -_slowest(-_memory_bandwidth(device, repeats), group)
+    flops = {dtype: -_slowest(-_matmul_flops(dtype, device, repeats, group), group) for dtype in dtypes}
+    bandwidth = -_slowest(-_memory_bandwidth(device, repeats, group), group)
     overhead = _slowest(_op_overhead(device, repeats), group) if device.type == "cpu" else 0.0
+    optimizer_step = {name: tuple(_slowest(v, group) for v in _optimizer_step(name, group, device, repeats))
+                      for name in ("adamw", "sgd")}
     collectives = _collectives(group, device, sizes, repeats)
+    workspace = _collective_workspace(group, device)
     overlap = _overlap(group, device, repeats)
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
@@ -191,6 +320,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         intra_node_bandwidth=ring.bandwidth, inter_node_bandwidth=ring.bandwidth,
         intra_node_latency=ring.step_latency, inter_node_latency=ring.step_latency,
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
-        device_type=device.type, measured_collectives=collectives,
+        device_type=device.type, measured_collectives=collectives, optimizer_step=optimizer_step,
+        collective_workspace=workspace,
         sources={key: where for key in ("peak_flops", "memory_bandwidth", "collectives", "op_overhead",
-                                         "comm_overlap", "device_memory")})
+                                         "comm_overlap", "optimizer_step", "collective_workspace", "device_memory")})

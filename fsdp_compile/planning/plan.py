@@ -199,7 +199,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
             timeline = timeline + simulate_graph(costs, cluster.comm_overlap)
             held = {"param": max(0, states["params"] - input_bytes(gm, "param")),
                     "buffer": max(0, states["buffers"] - input_bytes(gm, "buffer"))}
-            for live in memory_timeline(gm, held):
+            for live in memory_timeline(gm, held, workspace=cluster.collective_workspace):
                 total = sum(live.values()) + optimizer_bytes
                 if total > peak:
                     peak, phase = total, phase_name

@@ -20,7 +20,8 @@ from typing import Any
 
 from torch import fx
 
-from ..inspection.memory import ROLES, storage_lifetimes
+from ..inspection.memory import ROLES, role_of, storage_lifetimes
+from ..passes.graph import WAIT
 from .cost import NodeCost, maximum
 
 
@@ -114,14 +115,34 @@ def simulate_graph(costs: list[tuple[fx.Node, NodeCost]], comm_overlap: float = 
 
 
 def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
-                    symbolic: bool = False) -> list[dict[str, Any]]:
+                    symbolic: bool = False, workspace: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Live bytes by role after each node's allocations, in graph order.
 
     Same lifetimes as :func:`fsdp_compile.inspection.memory.estimate_memory` (inputs live throughout,
     outputs from their node to their last use); ``held`` adds bytes per role the caller keeps
-    alive without passing them in.
+    alive without passing them in. ``workspace`` maps a collective kind to the bytes the
+    communication backend allocates per byte of the collective's buffer, alive from the
+    collective to its wait (``Cluster.collective_workspace``), counted in the role of the
+    collective's result.
     """
     life = storage_lifetimes(gm, symbolic)
+    workspace_at: dict[int, list] = {}
+    if workspace:
+        from .cost import ALL_GATHER, COLLECTIVE_KIND, tensor_bytes
+
+        index = {n: i for i, n in enumerate(life.nodes)}
+        for node in life.nodes:
+            kind = COLLECTIVE_KIND.get(node.target) if node.op == "call_function" else None
+            share = workspace.get(kind, 0.0) if kind else 0.0
+            if not share:
+                continue
+            buffer = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
+            nbytes = tensor_bytes(buffer, symbolic) * share
+            waits = [index[u] for u in node.users if u.target is WAIT]
+            end = max(waits) if waits else len(life.nodes) - 1
+            role = role_of(node)
+            for i in range(index[node], end + 1):
+                workspace_at.setdefault(i, []).append((role, nbytes))
     allocs: dict[int, list] = {}
     frees: dict[int, list] = {}
     for key in life.size:
@@ -134,7 +155,10 @@ def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
     for i in range(len(life.nodes)):
         for key in allocs.get(i, []):
             by_role[life.role[key]] = by_role[life.role[key]] + life.size[key]
-        timeline.append(dict(by_role))
+        live = dict(by_role)
+        for role, nbytes in workspace_at.get(i, []):
+            live[role] = live[role] + nbytes
+        timeline.append(live)
         for key in frees.get(i, []):
             by_role[life.role[key]] = by_role[life.role[key]] - life.size[key]
     return timeline

@@ -129,7 +129,7 @@ def symbolic_analysis(plan: Any, strategy: ShardingStrategy | str, size: str, in
                     continue
                 held = {"param": max(0, states["params"] - input_bytes(gm, "param")),
                         "buffer": max(0, states["buffers"] - input_bytes(gm, "buffer"))}
-                for live in memory_timeline(gm, held, symbolic=True):
+                for live in memory_timeline(gm, held, symbolic=True, workspace=cluster.collective_workspace):
                     lives.append(sum(live.values()) + states["optimizer"])
                 step = step + simulate_graph(graph_costs(gm, cluster, groups, symbolic=True),
                                              cluster.comm_overlap).seconds
