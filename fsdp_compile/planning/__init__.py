@@ -5,7 +5,8 @@ size, costs every node against a :class:`Cluster` and simulates the schedule; se
 :mod:`.plan` and the README's "Choosing a strategy".
 """
 
-from .cluster import Cluster, ClusterError, MeasuredCollective
+from .cluster import Cluster
+from .numbers import ClusterError, MeasuredCollective
 from .plan import Plan, PlanError, PlanRow, plan
 
 __all__ = ["Cluster", "ClusterError", "MeasuredCollective", "Plan", "PlanError", "PlanRow", "plan"]

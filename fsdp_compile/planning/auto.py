@@ -27,7 +27,8 @@ from torch import nn
 from ..api import MixedPrecision, ShardingStrategy
 from ..backend import FSDPBackend
 from ..sharding.units import parse_policy
-from .cluster import Cluster, ClusterError
+from .cluster import Cluster
+from .numbers import ClusterError
 from .plan import Plan, PlanError, PlanRow, plan, require_fit
 
 log = logging.getLogger("fsdp_compile")

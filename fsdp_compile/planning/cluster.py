@@ -24,32 +24,16 @@ from typing import Any
 
 import torch
 
-from ..api import ConfigError
-
-GB = 1e9
-GiB = 1 << 30
-TFLOPS = 1e12
-GBITS = 1e9 / 8  # bytes per second in one gigabit per second
-
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-class ClusterError(ConfigError):
-    """A cluster description is incomplete or impossible."""
-
-
-@dataclass(frozen=True)
-class MeasuredCollective:
-    """A fitted ring model of one collective kind, from :meth:`Cluster.measure`.
-
-    time = ``step_latency`` x ring steps + wire bytes / ``bandwidth`` (wire bytes: what each
-    rank sends, ``(n - 1) / n`` of the buffer, twice that for all-reduce).
-    """
-
-    step_latency: float  # seconds per ring step
-    bandwidth: float  # wire bytes per second
-    group_size: int  # the group it was measured on
-    samples: tuple[tuple[int, float], ...] = ()  # (buffer bytes, median seconds)
+from . import measure as measuring
+from .numbers import (
+    COLLECTIVE_KINDS,
+    GB,
+    GBITS,
+    TFLOPS,
+    ClusterError,
+    GiB,
+    MeasuredCollective,
+)
 
 
 @dataclass(frozen=True)
@@ -249,20 +233,8 @@ class Cluster:
         runs at the same time (``comm_overlap``). ``device_memory`` defaults to the device's
         capacity (on a CPU: pass the budget to plan against).
         """
-        from . import measure as measuring
-
         return measuring.measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
                                          nodes=nodes, device=device, device_memory=device_memory)
-
-
-def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope), both clipped at 0 (time never falls with size)."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
-    slope = max(slope, 1e-18)
-    return max(my - slope * mx, 0.0), slope
 
 
 def _timed(fn, repeats: int) -> float:

@@ -19,12 +19,13 @@ import pickle
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .plan import PlanError
+from .numbers import PlanError
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -45,8 +46,13 @@ def _meta_inputs(inputs: Any) -> Any:
         if isinstance(v, torch.Tensor) else v, inputs)
 
 
-def plan_in_subprocess(model: nn.Module, example_inputs: tuple, **kwargs: Any):
-    request = {"model": meta_copy(model), "inputs": _meta_inputs(example_inputs), "kwargs": kwargs}
+def run_in_subprocess(planner: Callable[..., Any], model: nn.Module, example_inputs: tuple, **kwargs: Any):
+    """``planner(model's meta copy, meta inputs, **kwargs)`` in a fresh Python process.
+
+    ``planner`` travels by reference (a module-level function: pickle names its module, which
+    the child imports), so this module needs nothing of the planner itself."""
+    request = {"planner": planner, "model": meta_copy(model), "inputs": _meta_inputs(example_inputs),
+               "kwargs": kwargs}
     with tempfile.TemporaryDirectory(prefix="fsdp_compile_plan_") as tmp:
         request_path = os.path.join(tmp, "request.pkl")
         result_path = os.path.join(tmp, "result.pkl")
@@ -77,12 +83,10 @@ def plan_in_subprocess(model: nn.Module, example_inputs: tuple, **kwargs: Any):
 
 
 def _main(request_path: str, result_path: str) -> None:
-    from .plan import plan
-
     with open(request_path, "rb") as f:
         request = pickle.load(f)
     try:
-        result = ("ok", plan(request["model"], request["inputs"], **request["kwargs"]))
+        result = ("ok", request["planner"](request["model"], request["inputs"], **request["kwargs"]))
     except Exception as exc:  # noqa: BLE001  (any error goes back to the parent, which raises it)
         result = ("error", exc)
     with open(result_path, "wb") as f:

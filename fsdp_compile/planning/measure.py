@@ -19,19 +19,16 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import fx
 
-from .cluster import (
-    COLLECTIVE_KINDS,
-    Cluster,
-    ClusterError,
-    MeasuredCollective,
-    _fit_line,
-)
+from .numbers import COLLECTIVE_KINDS, ClusterError, MeasuredCollective, fit_line
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 _c10d = torch.ops._c10d_functional
 
@@ -164,7 +161,7 @@ def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: i
     many, few = (64, 1 << 10), (4, 1 << 20)
     t_many, t_few = step_seconds(*many), step_seconds(*few)
     bytes_many, bytes_few = many[0] * many[1] * 4, few[0] * few[1] * 4
-    # Solve t = tensors * a + bytes * b through both points; clipped at 0 like _fit_line.
+    # Solve t = tensors * a + bytes * b through both points; clipped at 0 like fit_line.
     per_byte = max((t_few - t_many * few[0] / many[0]) / (bytes_few - bytes_many * few[0] / many[0]), 0.0)
     per_tensor = max((t_many - bytes_many * per_byte) / many[0], 0.0)
     return per_tensor, per_byte
@@ -201,7 +198,7 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repea
             seconds = _slowest(_fastest_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
                                                  repeats, device), group)
             samples.append((numel * 4, seconds))
-        latency, per_byte = _fit_line([(_wire_bytes(kind, b, n), s) for b, s in samples])
+        latency, per_byte = fit_line([(_wire_bytes(kind, b, n), s) for b, s in samples])
         fits[kind] = MeasuredCollective(step_latency=latency / max(ring_steps(kind, n), 1),
                                         bandwidth=1.0 / per_byte, group_size=n, samples=tuple(samples))
     return fits

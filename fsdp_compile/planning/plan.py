@@ -24,22 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import ConfigError, MixedPrecision, ShardingStrategy
+from ..api import MixedPrecision, ShardingStrategy
 from ..inspection.memory import input_bytes
-from ..runtime.collectives import padded_rows
-from .cluster import Cluster, ClusterError, GiB
+from .cluster import Cluster
 from .cost import Group, graph_costs, optimizer_seconds
+from .isolated import run_in_subprocess
+from .numbers import OPTIMIZER_STATES, ClusterError, GiB, PlanError
 from .simulate import Timeline, memory_timeline, simulate_graph
+from .states import model_state_bytes
+from .symbolic import symbolic_analysis
 from .trace import Candidate, Traced, trace_candidates
 
 ROLE_NAMES = {"param": "params", "grad": "grads", "gathered": "gathered", "activation": "activations",
               "buffer": "buffers"}
 MEMORY_KEYS = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "none": 0}
-
-
-class PlanError(ConfigError):
-    """No strategy fits, or the planner was asked something it cannot answer."""
 
 
 @dataclass
@@ -125,20 +123,14 @@ class Plan:
     def memory_expr(self, strategy: ShardingStrategy | str, size: str = "batch", *, input_index: int = 0,
                     dim: int | None = None):
         """Peak bytes per device of ``strategy`` as a sympy expression of the batch (or ``"seq"``)."""
-        from .symbolic import symbolic_analysis
-
         return symbolic_analysis(self, strategy, size, input_index, dim).memory
 
     def step_time_expr(self, strategy: ShardingStrategy | str, size: str = "batch", *, input_index: int = 0,
                        dim: int | None = None):
         """Predicted step seconds of ``strategy`` as a sympy expression of the batch (or ``"seq"``)."""
-        from .symbolic import symbolic_analysis
-
         return symbolic_analysis(self, strategy, size, input_index, dim).step_seconds
 
     def _solve(self, strategy, size: str, input_index: int, dim: int) -> int:
-        from .symbolic import symbolic_analysis
-
         name = ShardingStrategy.parse(strategy).name
         key = (name, size, input_index, dim)
         if key not in self._solved:
@@ -154,33 +146,6 @@ class Plan:
 
 def _rank(row: PlanRow) -> tuple:
     return (not row.fits, row.step_seconds if row.step_seconds is not None else math.inf, row.peak_bytes)
-
-
-# ---------------------------------------------------------------------- model states
-def _shard_numel(shape: tuple[int, ...], shard_size: int) -> int:
-    if not shape or shard_size == 1:
-        return math.prod(shape)
-    return padded_rows(shape[0], shard_size) * math.prod(shape[1:])
-
-
-def model_state_bytes(model: nn.Module, strategy: ShardingStrategy, world: int, devices_per_node: int,
-                      optimizer: str) -> dict[str, float]:
-    """Resident bytes per device of parameters, gradients and optimizer state (exact, from the
-    parameters' shapes and the strategy's shard layout), and of buffers."""
-    shard = 1 if strategy is ShardingStrategy.NO_SHARD else (devices_per_node if strategy.is_hybrid else world)
-    params = grads = 0
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        numel = _shard_numel(tuple(p.shape), shard)
-        params += numel * p.element_size()
-        if p.requires_grad:
-            grads += numel * p.element_size()
-    states = OPTIMIZER_STATES[optimizer]
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return {"params": params, "grads": grads, "optimizer": states * grads, "buffers": buffers}
 
 
 # ---------------------------------------------------------------------- one candidate
@@ -362,9 +327,7 @@ def plan(
                     # one row per strategy ruled out: its bucket and prefetch variants cannot fit either
                     rows.append(_untraced_row(candidate, states[candidate.strategy], budget))
     except RealProcessGroupError:
-        from .isolated import plan_in_subprocess
-
-        return plan_in_subprocess(model, example_inputs, cluster=cluster, loss_fn=loss_fn,
+        return run_in_subprocess(plan, model, example_inputs, cluster=cluster, loss_fn=loss_fn,
                                   mixed_precision=mixed_precision, optimizer=optimizer, world_size=world,
                                   strategies=strategies, buckets=buckets, prefetch=prefetch,
                                   memory_budget=memory_budget, trace_all=trace_all, verbose=verbose)

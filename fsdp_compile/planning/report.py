@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cluster import GiB
+from .numbers import GiB
 
 
 def _unit(plan: Any) -> tuple[str, float]:

@@ -25,8 +25,9 @@ import torch
 from ..api import ShardingStrategy
 from ..inspection.memory import input_bytes
 from .cost import graph_costs, optimizer_seconds
-from .plan import OPTIMIZER_STATES, PlanError, model_state_bytes
+from .numbers import OPTIMIZER_STATES, PlanError
 from .simulate import memory_timeline, simulate_graph
+from .states import model_state_bytes
 from .trace import trace_candidates
 from .world import fake_world
 
