@@ -192,7 +192,8 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
-        flops = ", ".join(f"{str(d).replace('torch.', '')} {v / TFLOPS:.4g} TFLOP/s" for d, v in self.peak_flops.items())
+        flops = ", ".join(f"{str(d).replace('torch.', '')} {v / TFLOPS:.4g} TFLOP/s"
+                          for d, v in self.peak_flops.items())
         inter = (f"{self.inter_node_bandwidth / GB:.4g} GB/s" if self.inter_node_bandwidth else "n/a")
         return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device_type} devices, "
                 f"{self.device_memory / GiB:.3g} GiB each ({self.usable_memory / GiB:.3g} usable), {flops}, "
@@ -228,7 +229,8 @@ class Cluster:
         Collective over ``group`` (default: the world): every rank must call it. Measures
         matmul FLOP/s per dtype (over the shapes and layouts of a training step's matmuls),
         memory bandwidth (a large copy), the per-operator overhead of running a graph as
-        Python, one optimizer step over sharded (DTensor) parameters, all-gather / reduce-scatter / all-reduce over ``sizes``
+        Python, one optimizer step over sharded (DTensor) parameters, all-gather /
+        reduce-scatter / all-reduce over ``sizes``
         (buffer bytes) fitted to the ring model, and how much a collective slows compute that
         runs at the same time (``comm_overlap``). ``device_memory`` defaults to the device's
         capacity (on a CPU: pass the budget to plan against).
@@ -264,7 +266,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
             "peak_flops": "NVIDIA H100 data sheet (SXM): BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989 dense; "
                           "FP32 67 TFLOPS (non-tensor; torch's default fp32 matmul precision)",
             "memory_bandwidth": "NVIDIA H100 data sheet (SXM): 3.35 TB/s",
-            "intra_node_bandwidth": "NVIDIA H100 data sheet: NVLink 900 GB/s per GPU, both directions -> 450 GB/s one way",
+            "intra_node_bandwidth": ("NVIDIA H100 data sheet: NVLink 900 GB/s per GPU, both directions "
+                                     "-> 450 GB/s one way"),
             "inter_node_bandwidth": "assumed: one 400 Gb/s InfiniBand NDR (ConnectX-7) NIC per GPU, as in DGX H100 "
                                     "clusters -> 50 GB/s one way",
             "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
@@ -282,8 +285,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
             "device_memory": "NVIDIA A100 Tensor Core GPU data sheet (80GB SXM): 80 GB HBM2e",
             "peak_flops": "NVIDIA A100 data sheet: BF16/FP16 tensor 312 TFLOPS dense; FP32 19.5 TFLOPS",
             "memory_bandwidth": "NVIDIA A100 data sheet (80GB SXM): 2,039 GB/s",
-            "intra_node_bandwidth": "NVIDIA A100 data sheet: NVLink 600 GB/s per GPU, both directions -> 300 GB/s one way",
-            "inter_node_bandwidth": "assumed: one 200 Gb/s InfiniBand HDR NIC per GPU, as in DGX A100 -> 25 GB/s one way",
+            "intra_node_bandwidth": ("NVIDIA A100 data sheet: NVLink 600 GB/s per GPU, both directions "
+                                     "-> 300 GB/s one way"),
+            "inter_node_bandwidth": ("assumed: one 200 Gb/s InfiniBand HDR NIC per GPU, as in DGX A100 "
+                                     "-> 25 GB/s one way"),
             "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
             "reserved_memory": "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers and allocator slack",
         }},

@@ -77,7 +77,8 @@ def _slowest(value: float) -> float:
 QUIET_WAIT = 0.05  # a step whose ranks waited for a core at most this share of it counts as quiet
 
 
-def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[float], cpu_share: float = 1.0) -> float | None:
+def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[float],
+                       cpu_share: float = 1.0) -> float | None:
     """The median of the steps whose ranks waited for a core at most ``QUIET_WAIT`` of the step
     beyond ``1 - cpu_share`` (a rank sharing a core with the job's other ranks waits for it by
     itself; see ``measure._cpu_share``); None when fewer than two steps qualify."""

@@ -205,7 +205,8 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
     Measured (``cluster.optimizer_step``, from :meth:`Cluster.measure`): seconds per parameter
     tensor plus seconds per shard byte, fitted on a real step of the same optimizer over
     DTensor shards -- on a CPU most of a step is per-tensor dispatch, not bandwidth.
-    Otherwise memory-bound elementwise updates: AdamW (torch's foreach implementation) reads parameter, gradient and both moments and
+    Otherwise memory-bound elementwise updates: AdamW (torch's foreach implementation) reads
+    parameter, gradient and both moments and
     writes parameter and moments: 7 passes over the shard bytes; SGD reads parameter and
     gradient and writes the parameter. Each foreach operator (about a dozen for AdamW) costs
     the per-operator overhead once per tensor on a CPU.

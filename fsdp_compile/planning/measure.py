@@ -184,7 +184,8 @@ def _run_collective(kind: str, buffer: torch.Tensor, n: int, group_name: str) ->
     return _c10d.wait_tensor(_c10d.all_reduce(buffer, "sum", group_name))
 
 
-def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repeats: int) -> dict[str, MeasuredCollective]:
+def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
+                 repeats: int) -> dict[str, MeasuredCollective]:
     n = dist.get_world_size(group)
     name = (group or dist.group.WORLD).group_name
     fits = {}

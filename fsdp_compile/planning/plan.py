@@ -227,7 +227,8 @@ def _compute_dtype(model: nn.Module, mixed_precision: MixedPrecision | None) -> 
     return torch.float32
 
 
-def _candidates(strategies, buckets, prefetches, world: int, devices_per_node: int) -> tuple[list[Candidate], list[str]]:
+def _candidates(strategies, buckets, prefetches, world: int,
+                devices_per_node: int) -> tuple[list[Candidate], list[str]]:
     chosen = [ShardingStrategy.parse(s) for s in strategies] if strategies else list(ShardingStrategy)
     skipped = []
     out = []

@@ -112,7 +112,8 @@ def tag_buffer_inputs(record: CompiledGraph) -> None:
                if isinstance(n.meta.get("val"), torch.Tensor) and n.meta.get(ROLE_META) != "param"
                and "rng" not in n.name]
     forward = forward[:len(dynamo)]
-    if len(forward) != len(dynamo) or any(tuple(n.meta["val"].shape) != shape for n, (shape, _) in zip(forward, dynamo)):
+    mismatched = any(tuple(n.meta["val"].shape) != shape for n, (shape, _) in zip(forward, dynamo))
+    if len(forward) != len(dynamo) or mismatched:
         return
     for node, (_, is_buffer) in zip(forward, dynamo):
         if is_buffer:
