@@ -193,7 +193,12 @@ def inflight_from_order(gm: torch.fx.GraphModule) -> tuple[int, int]:
 
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
     """What the backend's (single) compiled graph pair communicates and keeps for backward."""
-    from fsdp_compile.inspection.graphinfo import collective_counts, marker_counts, missed_overlaps, saved_gathered_parameters
+    from fsdp_compile.inspection.graphinfo import (
+        collective_counts,
+        marker_counts,
+        missed_overlaps,
+        saved_gathered_parameters,
+    )
 
     (record,) = backend.graphs
     fw_buckets, bw_buckets = record.forward_buckets, record.backward_buckets

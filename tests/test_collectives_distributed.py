@@ -14,13 +14,13 @@ def collectives_worker(rank: int, world: int) -> dict:
     """Run the collective semantics eagerly on a hybrid layout, logging the collectives issued."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fsdp_compile.sharding.groups import resolve_topology
     from fsdp_compile.runtime.collectives import (
         CommSpec,
         gather_params,
         reduce_grads,
         shard_bounds,
     )
+    from fsdp_compile.sharding.groups import resolve_topology
 
     topo = resolve_topology(ShardingStrategy.HYBRID_SHARD, "cpu", shard_size=2)
 

@@ -155,8 +155,8 @@ def layout_worker(rank: int, world: int, strategy: str, names: list[str], steps:
     import warnings
 
     import fsdp_compile
-    from fsdp_compile.models.gpt import GPTConfig
     from fsdp_compile.inspection.graphinfo import collectives
+    from fsdp_compile.models.gpt import GPTConfig
 
     data = batches(GPTConfig(vocab_size=VOCAB), world, steps)
     out: dict[str, Any] = {}

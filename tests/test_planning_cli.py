@@ -75,7 +75,7 @@ def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> No
         assert m["bytes_per_step"]["intra"] > 0 and m["backend_bytes_per_step"] > 0 and p["step_seconds"] > 0
         assert m["bytes_per_step"]["intra"] == pytest.approx(p["bytes_per_step"]["intra"], rel=0.01)
         # how much of the step the machine gave to other work is recorded beside it (Linux /proc)
-        assert 0 < m["cpu_seconds"] and 0.0 <= m["cpu_wait_fraction"] <= 1.0 and m["load_average"] >= 0
+        assert m["cpu_seconds"] > 0 and 0.0 <= m["cpu_wait_fraction"] <= 1.0 and m["load_average"] >= 0
     assert (tmp_path / "compare.png").stat().st_size > 1000
     assert "step ms" in proc.stdout and "pred ms" in proc.stdout
 

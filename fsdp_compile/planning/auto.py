@@ -81,7 +81,7 @@ def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecisi
             outcome[0] = plan(model, request.example_inputs, cluster=cluster, loss_fn=request.loss_fn,
                               mixed_precision=mixed_precision, optimizer=request.optimizer, world_size=world,
                               memory_budget=request.memory_budget, **request.plan_options)
-        except Exception as exc:
+        except Exception as exc:  # raised on every rank below, not only on rank 0
             outcome[0] = exc
     dist.broadcast_object_list(outcome, src=0)
     result = outcome[0]

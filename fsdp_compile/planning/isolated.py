@@ -87,7 +87,7 @@ def _main(request_path: str, result_path: str) -> None:
         request = pickle.load(f)
     try:
         result = ("ok", request["planner"](request["model"], request["inputs"], **request["kwargs"]))
-    except Exception as exc:
+    except Exception as exc:  # any error goes back to the parent, which raises it
         result = ("error", exc)
     with open(result_path, "wb") as f:
         pickle.dump(result, f)
