@@ -10,13 +10,13 @@ the same model from the same weights on the same data with AdamW, in the same pr
   FSDP2 + ``torch.compile`` (Inductor; FSDP2's hooks stay eager, blocks compile);
   DDP, eager.
 
-Every variant is built and warmed up (compiled) once, then measured in ``--rounds`` rounds; each
-round runs every variant for ``--steps`` steps, the order rotated by one each round, so that no
-variant always runs first, last, or next to the same neighbour, and drift in the machine's load
-lands on every variant alike. A variant's step time in a round is the median of its steps (max
-over ranks); the report gives the median over rounds and the range (min-max over rounds), and
-every ratio is computed per round, between variants measured minutes apart, with its range.
-A comparison whose range includes 1.0 is reported as within noise.
+Every variant is built and warmed up (compiled) once, then measured in ``--rounds`` rounds. A
+round takes ``--steps`` steps of every variant, interleaved one step at a time in the round's
+order, which rotates by one each round (no variant always runs first or after the same
+neighbour), so that the load of a shared machine, drifting over minutes, lands on every variant
+alike. A variant's step time in a round is the median of its steps (max over ranks); the report
+gives the median over rounds and the range (min-max over rounds), and every ratio is computed per
+round, with its range. A comparison whose range includes 1.0 is reported as within noise.
 
 Peak memory per rank: the resident training state (parameter shards, buffers, optimizer state)
 plus the peak of bytes allocated during a profiled steady step, summed in the order the CPU
@@ -233,11 +233,18 @@ def measure(args, variants: list[str], base, cfg, rank: int, world: int,
         order = rotated(variants, r)
         orders.append(order)
         for name in order:
+            built[name].step()  # untimed: the first step after the others' work has cold caches
+        # Interleaved one step at a time: a variant's steps and its peers' are taken seconds apart,
+        # so the load of a shared machine, which drifts over minutes, lands on all of them alike.
+        timed: dict[str, dict[str, list[float]]] = {name: {} for name in order}
+        for _ in range(args.steps):
+            for name in order:
+                for key, values in built[name].timed_steps(1).items():
+                    timed[name].setdefault(key, []).extend(values)
+        for name in order:
             variant = built[name]
-            variant.step()  # after another variant ran: its caches, not this one's, are warm
-            timed = variant.timed_steps(args.steps)
             profiled = variant.profiled_step(world)
-            mine = {key: statistics.median(values) for key, values in timed.items()}
+            mine = {key: statistics.median(values) for key, values in timed[name].items()}
             gathered = [None] * world
             dist.all_gather_object(gathered, {**mine, "peak": profiled["resident_bytes"] + profiled["step_peak_bytes"],
                                               "resident": profiled["resident_bytes"]})
@@ -323,7 +330,8 @@ def markdown(report: dict) -> str:
     lines = [
         (f"Training step, GPT {report['config']}, {report['world']} ranks on CPU (gloo), "
         f"{report['machine']}, torch {report['torch']}. {report['rounds']} rounds, the variant order rotated "
-        f"each round; per round, the median of {report['steps']} steps (max over ranks) after one re-warm step. "
+        f"each round; per round, the median of {report['steps']} steps (max over ranks), the variants' steps "
+         f"interleaved one by one after one untimed step each. "
         f"Each figure is the median over rounds with its range (min-max over rounds) in parentheses; ratios "
         f"are taken per round. Load average (1 min) on the machine: {load['before'][0]:.2f} before, "
         f"{', '.join(f'{x:.2f}' for x in load['after_rounds'])} after each round ({report['cores']} cores; "
@@ -396,9 +404,16 @@ def verdict(report: dict) -> list[str]:
     notes.append(f"scheduling on vs off: {fmt_ratio(off)} per round "
                  f"({fmt_spread(ours['step_ms'])} vs {fmt_spread(by['fsdp_compile_unscheduled']['step_ms'])} ms): "
                  f"scheduling {effect} here.")
-    memory = ours["peak_memory_mib"]["median"] / by["fsdp2_eager"]["peak_memory_mib"]["median"]
-    notes.append(f"peak memory per rank vs fsdp2_eager: {fmt_spread(ours['peak_memory_mib'])} vs "
-                 f"{fmt_spread(by['fsdp2_eager']['peak_memory_mib'])} MiB ({memory:.2f}x).")
+    for peer in ("fsdp2_eager", "fsdp2_compile"):
+        mine, theirs = ours["peak_memory_mib"], by[peer]["peak_memory_mib"]
+        if mine["max"] < theirs["min"]:
+            side = "less in every round"
+        elif mine["min"] > theirs["max"]:
+            side = "more in every round"
+        else:
+            side = "the ranges over rounds overlap: within noise"
+        notes.append(f"peak memory per rank vs {peer}: {fmt_spread(mine)} vs {fmt_spread(theirs)} MiB "
+                     f"({mine['median'] / theirs['median']:.2f}x of medians; {side}).")
     cpu = {k: v["median"] for k, v in ours["cpu_ms"].items()}
     step = ours["step_ms"]["median"]
     notes.append(
@@ -440,7 +455,16 @@ def main() -> None:
                    help="check that the benchmark runs: a 1-layer model, 2 steps, 3 rounds, aot_eager (figures mean nothing)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--name", default=None, help="file name stem (default train_step_cpu, or train_step_smoke)")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown (and verdict) of an earlier run's JSON")
     args = p.parse_args()
+    if args.render:
+        path = Path(args.render)
+        report = json.loads(path.read_text())
+        if "verdict" in report:
+            report["verdict"] = verdict(report)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        path.with_suffix(".md").write_text(markdown(report))
+        return
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
