@@ -37,6 +37,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -218,7 +219,9 @@ def rotated(variants: list[str], round_index: int) -> list[str]:
 
 
 def measure(args, variants: list[str], base, cfg, rank: int, world: int,
-            load_after: list[float]) -> tuple[list[dict], list[list[str]]]:
+            after_round: Callable[[list[dict], list[list[str]], float], None]) -> None:
+    """Builds every variant, then measures the rounds; after each round, rank 0 hands the summary
+    so far to ``after_round`` (so that a run stopped early still leaves its completed rounds)."""
     built = {}
     warmup_times = {}
     for name in variants:
@@ -262,11 +265,13 @@ def measure(args, variants: list[str], base, cfg, rank: int, world: int,
                 row = per_round[name][-1]
                 print(f"round {r + 1}/{args.rounds} {name}: {row['step_ms']:.1f} ms/step, "
                       f"peak {row['peak_mib']:.1f} MiB", flush=True)
-        load_after.append(os.getloadavg()[0])
+        if rank == 0:
+            after_round(summarize(args, cfg, world, per_round, warmup_times), orders, os.getloadavg()[0])
 
+
+def summarize(args, cfg, world: int, per_round: dict[str, list[dict]], warmup_times: dict[str, list[float]]) -> list[dict]:
     results = []
-    for name in variants:
-        rows = per_round[name]
+    for name, rows in per_round.items():
         step = spread([row["step_ms"] for row in rows])
         prof = rows[0]["profile"]
         results.append({
@@ -285,7 +290,7 @@ def measure(args, variants: list[str], base, cfg, rank: int, world: int,
             "profile_ms": {key: statistics.median(row["profile"][f"{key}_ms"] for row in rows)
                            for key in ("compute", "communication", "communication_under_compute")},
         })
-    return results, orders
+    return results
 
 
 def comparison(rows: list[dict], ours: str, peer: str) -> dict:
@@ -327,9 +332,11 @@ def markdown(report: dict) -> str:
     rows = report["results"]
     comps = {(c["ours"], c["peer"]): c for c in report["comparisons"]}
     load = report["load"]
+    planned = report.get("rounds_planned", report["rounds"])
+    stopped = f" (of {planned} planned: the run was stopped early)" if planned != report["rounds"] else ""
     lines = [
         (f"Training step, GPT {report['config']}, {report['world']} ranks on CPU (gloo), "
-        f"{report['machine']}, torch {report['torch']}. {report['rounds']} rounds, the variant order rotated "
+        f"{report['machine']}, torch {report['torch']}. {report['rounds']} rounds{stopped}, the variant order rotated "
         f"each round; per round, the median of {report['steps']} steps (max over ranks), the variants' steps "
          f"interleaved one by one after one untimed step each. "
         f"Each figure is the median over rounds with its range (min-max over rounds) in parentheses; ratios "
@@ -473,7 +480,7 @@ def main() -> None:
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if len(set(args.variants)) != len(args.variants):
         p.error(f"--variants lists a variant twice: {args.variants}")
-    name = args.name or ("train_step_smoke" if args.smoke else "train_step_cpu")
+    stem = args.name or ("train_step_smoke" if args.smoke else "train_step_cpu")
     if not args.smoke:
         # Cold compiles for every variant, so compile times do not depend on the order they run
         # in or on what earlier runs left in the cache.
@@ -488,14 +495,16 @@ def main() -> None:
     torch.manual_seed(0)
     base = GPT(cfg)
     torch._dynamo.reset()
-    load_after = []
-    results, orders = measure(args, args.variants, base, cfg, rank, world, load_after)
-    if rank == 0:
+    load_after: list[float] = []
+    out = Path(args.out)
+
+    def write(results: list[dict], orders: list[list[str]], load: float) -> None:
+        load_after.append(load)
         report = {
             "config": f"{args.layers} layers, d_model {args.d_model}, seq {args.seq}, vocab {args.vocab}, "
                       f"batch {args.batch}/rank, {base.num_parameters():,} parameters",
-            "world": world, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "compiler": args.compiler,
-            "smoke": args.smoke, "orders": orders,
+            "world": world, "steps": args.steps, "warmup": args.warmup, "rounds": len(orders),
+            "rounds_planned": args.rounds, "compiler": args.compiler, "smoke": args.smoke, "orders": orders,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cores": os.cpu_count(),
             "torch": torch.__version__,
             "load": {"before": list(load_before), "after_rounds": load_after},
@@ -505,11 +514,13 @@ def main() -> None:
         if {"fsdp_compile_scheduled", "fsdp_compile_unscheduled", "fsdp2_eager", "fsdp2_compile"} <= set(args.variants):
             report["verdict"] = verdict(report)
         table = markdown(report) if "fsdp2_eager" in args.variants else json.dumps(results, indent=2)
-        print(table)
-        out = Path(args.out)
+        if len(orders) == args.rounds:
+            print(table)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / f"{name}.md").write_text(table)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / f"{stem}.md").write_text(table)
+
+    measure(args, args.variants, base, cfg, rank, world, write)
     dist.barrier()
     dist.destroy_process_group()
 
