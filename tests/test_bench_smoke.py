@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_copy_in_benchmark_runs(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "copy_in_kernel.py"), "--smoke", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          check=False, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "copy_in_smoke.json").read_text())
     assert [r["params"] for r in report["rows"]] == [16, 16, 64, 64, 256, 256]
@@ -53,3 +53,41 @@ def test_compile_time_benchmark_warm_restart_under_inductor(tmp_path: Path) -> N
     for layers in (1, 2):
         assert rows[(layers, "fsdp_cold_cached")]["cache"]["misses"] == 1
         assert rows[(layers, "fsdp_warm")]["cache"]["hits"] == 1
+
+
+TRAIN_STEP_VARIANTS = ["fsdp_compile_scheduled", "fsdp_compile_unscheduled", "fsdp2_eager", "fsdp2_compile", "ddp"]
+
+
+def test_train_step_benchmark_runs_rounds_with_spread(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "bench" / "train_step.py"), "--smoke", "--out", str(tmp_path)],
+                          check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "train_step_smoke.json").read_text())
+    assert report["steps"] == 2 and report["rounds"] == 3 and report["world"] == 2
+    assert [r["variant"] for r in report["results"]] == TRAIN_STEP_VARIANTS
+    # Rotated: each round starts with another variant, and every round runs every variant once.
+    assert [order[0] for order in report["orders"]] == TRAIN_STEP_VARIANTS[:3]
+    assert all(sorted(order) == sorted(TRAIN_STEP_VARIANTS) for order in report["orders"])
+    assert len(report["load"]["after_rounds"]) == 3 and len(report["load"]["before"]) == 3
+    for row in report["results"]:
+        for figure in (row["step_ms"], row["peak_memory_mib"], row["cpu_ms"]["process"]):
+            assert len(figure["rounds"]) == 3, row
+            assert 0 < figure["min"] <= figure["median"] <= figure["max"], row
+        assert row["resident_mib"]["min"] > 0 and row["peak_memory_mib"]["min"] > row["resident_mib"]["max"], row
+        assert row["collectives_per_step"] and row["collective_mib_per_step"] > 0, row
+    by = {r["variant"]: r for r in report["results"]}
+    assert by["fsdp_compile_scheduled"]["collectives_per_step"]["all_gather"] > 0
+    comps = {(c["ours"], c["peer"]): c for c in report["comparisons"]}
+    off = comps[("fsdp_compile_scheduled", "fsdp_compile_unscheduled")]
+    # Ratios are per round, from the step times of the same round.
+    on_rounds, off_rounds = by["fsdp_compile_scheduled"]["step_ms"]["rounds"], by["fsdp_compile_unscheduled"]["step_ms"]["rounds"]
+    assert off["rounds"] == pytest.approx([a / b for a, b in zip(on_rounds, off_rounds)])
+    expected = "faster" if off["max"] < 1 else "slower" if off["min"] > 1 else "within noise"
+    assert off["verdict"] == expected
+    assert {("fsdp_compile_scheduled", "fsdp2_eager"), ("fsdp_compile_scheduled", "fsdp2_compile"),
+            ("ddp", "fsdp2_eager")} <= set(comps)
+    text = (tmp_path / "train_step_smoke.md").read_text()
+    assert "| variant | step ms | vs FSDP2 eager | vs FSDP2 + compile |" in text
+    assert "- round 3: fsdp2_eager" in text and "scheduling on vs off:" in text
