@@ -293,10 +293,14 @@ def summarize(args, cfg, world: int, per_round: dict[str, list[dict]], warmup_ti
     return results
 
 
-def comparison(rows: list[dict], ours: str, peer: str) -> dict:
-    """Ratio of step times ours/peer, per round (the two measured in the same round)."""
+def process_cpu(row: dict) -> dict:
+    return row["cpu_ms"]["process"]
+
+
+def comparison(rows: list[dict], ours: str, peer: str, figure: Callable[[dict], dict] = lambda r: r["step_ms"]) -> dict:
+    """Ratio of a figure (step time by default) ours/peer, per round (the two measured in the same round)."""
     by = {r["variant"]: r for r in rows}
-    ratios = [a / b for a, b in zip(by[ours]["step_ms"]["rounds"], by[peer]["step_ms"]["rounds"])]
+    ratios = [a / b for a, b in zip(figure(by[ours])["rounds"], figure(by[peer])["rounds"])]
     result = spread(ratios)
     if result["max"] < 1.0:
         result["verdict"] = "faster"
@@ -307,13 +311,13 @@ def comparison(rows: list[dict], ours: str, peer: str) -> dict:
     return {"ours": ours, "peer": peer, **result}
 
 
-def comparisons(rows: list[dict]) -> list[dict]:
+def comparisons(rows: list[dict], figure: Callable[[dict], dict] = lambda r: r["step_ms"]) -> list[dict]:
     names = [r["variant"] for r in rows]
     pairs = [(name, peer) for peer in ("fsdp2_eager", "fsdp2_compile") if peer in names
              for name in names if name != peer and not (peer == "fsdp2_compile" and name in ("fsdp2_eager", "ddp"))]
     if {"fsdp_compile_scheduled", "fsdp_compile_unscheduled"} <= set(names):
         pairs.append(("fsdp_compile_scheduled", "fsdp_compile_unscheduled"))
-    return [comparison(rows, ours, peer) for ours, peer in pairs]
+    return [comparison(rows, ours, peer, figure) for ours, peer in pairs]
 
 
 def fmt_spread(s: dict, digits: int = 1) -> str:
@@ -370,13 +374,15 @@ def markdown(report: dict) -> str:
         "overlapped aten compute ops on the main thread (Inductor's fused kernels are not aten ops, so "
         "for compiled variants this overlap is a lower bound):")
     lines += ["", memory_note, "", time_note, "",
-              ("| variant | step (wall) | main-thread CPU | process CPU | process CPU / wall | gloo running "
-              "| gloo under aten compute |"),
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              ("| variant | step (wall) | main-thread CPU | process CPU | process CPU vs FSDP2 eager "
+               "| process CPU / wall | gloo running | gloo under aten compute |"),
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cpu_comps = {(c["ours"], c["peer"]): c for c in report.get("cpu_comparisons", [])}
     for r in rows:
         p, c = r["profile_ms"], r["cpu_ms"]
+        cpu_eager = "1.00x" if r["variant"] == "fsdp2_eager" else fmt_ratio(cpu_comps.get((r["variant"], "fsdp2_eager")))
         lines.append(f"| {r['variant']} | {r['step_ms']['median']:.1f} | {fmt_spread(c['main_thread'])} | "
-                     f"{fmt_spread(c['process'])} | {c['process']['median'] / r['step_ms']['median']:.2f} | "
+                     f"{fmt_spread(c['process'])} | {cpu_eager} | {c['process']['median'] / r['step_ms']['median']:.2f} | "
                      f"{p['communication']:.1f} | {p['communication_under_compute']:.1f} |")
     lines += ["", "Round by round, step ms in the order each round ran:", ""]
     by = {r["variant"]: r for r in rows}
@@ -408,9 +414,15 @@ def verdict(report: dict) -> list[str]:
     off = comps[("fsdp_compile_scheduled", "fsdp_compile_unscheduled")]
     effect = {"faster": "helps", "slower": "hurts",
               "within noise": "makes no difference that this machine can measure"}[off["verdict"]]
+    off_cpu = {(c["ours"], c["peer"]): c for c in report["cpu_comparisons"]}[("fsdp_compile_scheduled",
+                                                                             "fsdp_compile_unscheduled")]
     notes.append(f"scheduling on vs off: {fmt_ratio(off)} per round "
                  f"({fmt_spread(ours['step_ms'])} vs {fmt_spread(by['fsdp_compile_unscheduled']['step_ms'])} ms): "
-                 f"scheduling {effect} here.")
+                 f"scheduling {effect} here; process CPU per step {fmt_ratio(off_cpu)}: the same work, moved.")
+    for peer in ("fsdp2_eager", "fsdp2_compile"):
+        c = {(c["ours"], c["peer"]): c for c in report["cpu_comparisons"]}[("fsdp_compile_scheduled", peer)]
+        notes.append(f"process CPU per step vs {peer} (steadier than wall time on a loaded machine): "
+                     f"{fmt_ratio(c)}, {c['verdict'].replace('faster', 'less in every round').replace('slower', 'more in every round')}.")
     for peer in ("fsdp2_eager", "fsdp2_compile"):
         mine, theirs = ours["peak_memory_mib"], by[peer]["peak_memory_mib"]
         if mine["max"] < theirs["min"]:
@@ -467,6 +479,8 @@ def main() -> None:
     if args.render:
         path = Path(args.render)
         report = json.loads(path.read_text())
+        report["comparisons"] = comparisons(report["results"])
+        report["cpu_comparisons"] = comparisons(report["results"], process_cpu)
         if "verdict" in report:
             report["verdict"] = verdict(report)
         path.write_text(json.dumps(report, indent=2) + "\n")
@@ -511,6 +525,7 @@ def main() -> None:
             "results": results,
         }
         report["comparisons"] = comparisons(results)
+        report["cpu_comparisons"] = comparisons(results, process_cpu)
         if {"fsdp_compile_scheduled", "fsdp_compile_unscheduled", "fsdp2_eager", "fsdp2_compile"} <= set(args.variants):
             report["verdict"] = verdict(report)
         table = markdown(report) if "fsdp2_eager" in args.variants else json.dumps(results, indent=2)

@@ -88,6 +88,11 @@ def test_train_step_benchmark_runs_rounds_with_spread(tmp_path: Path) -> None:
     assert off["verdict"] == expected
     assert {("fsdp_compile_scheduled", "fsdp2_eager"), ("fsdp_compile_scheduled", "fsdp2_compile"),
             ("ddp", "fsdp2_eager")} <= set(comps)
+    cpu = {(c["ours"], c["peer"]): c for c in report["cpu_comparisons"]}
+    assert cpu[("fsdp_compile_scheduled", "fsdp_compile_unscheduled")]["rounds"] == pytest.approx(
+        [a / b for a, b in zip(by["fsdp_compile_scheduled"]["cpu_ms"]["process"]["rounds"],
+                               by["fsdp_compile_unscheduled"]["cpu_ms"]["process"]["rounds"])])
     text = (tmp_path / "train_step_smoke.md").read_text()
     assert "| variant | step ms | vs FSDP2 eager | vs FSDP2 + compile |" in text
     assert "- round 3: fsdp2_eager" in text and "scheduling on vs off:" in text
+    assert "| process CPU vs FSDP2 eager |" in text
