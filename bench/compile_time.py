@@ -303,7 +303,7 @@ def markdown(report: dict) -> str:
                          for v, r in zip(values, fsdp_rows)]
                 lines.append(f"| {name} | " + " | ".join(cells) + f" | {spread} |")
         lines.append("")
-    lines += ["## Where the time goes", ""] + where_the_time_goes(report, find) + [""]
+    lines += ["## Where the time goes", "", *where_the_time_goes(report, find), ""]
     if report.get("notes"):
         lines += ["## Notes", ""] + report["notes"] + [""]
     return "\n".join(lines)

@@ -112,12 +112,10 @@ def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
     for factory, batch, seq in SMOKE_RUNS if smoke else ACCURACY_RUNS:
         model = f"plan_accuracy:{factory}"
         common = ["--model", model, "--batch", str(batch), "--seq", str(seq), "--steps", str(steps)]
-        flat = _torchrun(2, common + ["--strategies", "FULL_SHARD,NO_SHARD" if smoke else
-                                      "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD"], out / f"compare_{factory}_w2")
+        flat = _torchrun(2, [*common, "--strategies", "FULL_SHARD,NO_SHARD" if smoke else "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD"], out / f"compare_{factory}_w2")
         runs_here = [flat]
         if not smoke:
-            runs_here.append(_torchrun(4, common + ["--strategies", "HYBRID_SHARD,HYBRID_SHARD_ZERO2",
-                                                    "--shard-size", "2"], out / f"compare_{factory}_w4"))
+            runs_here.append(_torchrun(4, [*common, "--strategies", "HYBRID_SHARD,HYBRID_SHARD_ZERO2", "--shard-size", "2"], out / f"compare_{factory}_w4"))
         for data in filter(None, runs_here):
             # the job's own ranks share the cores when they outnumber them (2 x 2 on 2 cores)
             share = min(1.0, (os.cpu_count() or 1) / data["world"])
