@@ -90,5 +90,9 @@ def test_accuracy_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     assert [r["strategy"] for r in data["zero"]["rows"]] == ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
     depths = {name: r["depth"] for name, r in data["a10g"]["rows"].items()}
     assert depths["NO_SHARD"] < depths["SHARD_GRAD_OP"] <= depths["FULL_SHARD"]
+    assert data["scale"]["plan_seconds"] > 0 and data["scale"]["peak_rss_bytes"] > 0
+    (att,) = data["attribution"]["models"]
+    assert att["by_kind"]["matmul"]["measured_s"] > 0 and att["predicted_s"] > 0
     text = (tmp_path / "plan_accuracy_smoke.md").read_text()
     assert "ZeRO paper" in text and "Measured on this machine" in text and "seed's chart" in text
+    assert "Where the compute time goes" in text and "Scale: Llama-3-70B" in text
