@@ -42,8 +42,8 @@ def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **op
         return AutoBackend(**options)
     given = [name for name in AUTO_OPTIONS if options.get(name) is not None]
     if given:
-        raise ValueError(f"{'=, '.join(given)}= {'are' if len(given) > 1 else 'is'} for strategy='auto'; "
-                         "to plan by hand call fsdp_compile.plan()")
+        raise ValueError(f"{', '.join(f'{name}=' for name in AUTO_OPTIONS)} are for strategy='auto' "
+                         f"(got {', '.join(f'{name}=' for name in given)}); to plan by hand call fsdp_compile.plan()")
     return FSDPBackend(strategy, **{k: v for k, v in options.items() if k not in AUTO_OPTIONS})
 
 

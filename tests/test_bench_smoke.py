@@ -32,6 +32,7 @@ def _run_compile_time(tmp_path: Path, *extra: str) -> dict:
     return json.loads((tmp_path / "compile_time_smoke.json").read_text())
 
 
+@pytest.mark.slow  # four fresh two-rank processes: about 3 minutes of the default run's 15
 def test_compile_time_benchmark_runs(tmp_path: Path) -> None:
     report = _run_compile_time(tmp_path)
     rows = {(r["layers"], r["variant"]): r for r in report["results"]}
