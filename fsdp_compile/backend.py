@@ -1,14 +1,10 @@
-"""The Dynamo backend: shard a model, then compile graphs that carry FSDP markers.
+"""The user-facing backend: options, ``shard``, gradient-sync control, reports.
 
-Pipeline for one Dynamo graph (compiled mode):
-
-1. Check every parameter input is a shard this package made (else: call ``shard`` first).
-2. AOTAutograd traces the joint forward/backward graph; the ``unshard`` markers' autograd
-   formula puts ``reduce_grad`` markers into its backward half.
-3. Joint passes (before the partitioner) decide what is kept for backward: the strategy's
-   reshard policy as recompute tags.
-4. The min-cut partitioner splits forward and backward; graph passes run on each half.
-5. The inner compiler (Inductor, or ``aot_eager`` which runs the graph as Python) compiles them.
+:class:`FSDPBackend` shards a model over its process groups (:mod:`fsdp_compile.sharding`),
+checks that every rank shards alike (:mod:`fsdp_compile.agreement`), and, as the object
+``torch.compile`` is given, hands every graph Dynamo captures to its
+:class:`~fsdp_compile.compiler.Compiler`, which runs the pipeline (joint passes, partition,
+graph passes, inner compiler). ``backend.graphs`` keeps what the compiler produced.
 """
 
 from __future__ import annotations
@@ -42,7 +38,6 @@ from .sharding.groups import Topology, current_device, resolve_topology, world_t
 from .sharding.params import ShardedParamInfo, is_sharded, shard_module
 from .sharding.units import ROOT_UNIT, BucketPolicy, unit_modules, unit_of
 
-COMPILERS = ("inductor", "aot_eager", "eager")
 log = logging.getLogger("fsdp_compile")
 # shard() calls per mesh on this process: the agreement key of the n-th call is the same on every rank.
 _SHARD_CALLS: dict[str, int] = {}
