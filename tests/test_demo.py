@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\d+\.\d+) \|\s+(\d+) tokens/s", re.M)
 
@@ -54,6 +56,7 @@ def test_demo_as_in_the_readme() -> None:
     check_training(run_demo(2, *args), steps)
 
 
+@pytest.mark.slow  # 20 s of four ranks; hybrid training is covered by the default parity and loop runs
 def test_demo_hybrid_eager_runtime_on_four_ranks() -> None:
     stdout = run_demo(4, "--strategy", "hybrid_shard", "--shard-size", "2", "--no-compile", "--steps", "25")
     assert "HYBRID_SHARD, 4 ranks, eager runtime" in stdout
