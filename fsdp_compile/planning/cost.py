@@ -30,15 +30,12 @@ from torch.utils.flop_counter import (
 )
 
 from ..inspection.memory import size_hint
-from ..passes.graph import ALL_GATHER, PURE_VIEWS, WAIT
+from ..passes.graph import ALL_GATHER, COLLECTIVES, PURE_VIEWS, WAIT
 from .cluster import Cluster
 from .measure import ring_steps
 
 aten = torch.ops.aten
-_c10d = torch.ops._c10d_functional
-REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
-ALL_REDUCE = _c10d.all_reduce.default
-COLLECTIVE_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+COLLECTIVE_KIND = COLLECTIVES  # functional collective -> its kind (the graph vocabulary's table)
 
 # Nodes that only reinterpret or name existing storage: no kernel runs.
 FREE = PURE_VIEWS | {
