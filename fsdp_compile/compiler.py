@@ -287,10 +287,12 @@ class Compiler:
                                    disabled=self.backend.options.disable_passes, rollback=False, regenerate=False)
         except PassFailure as failure:
             self._fail(record, "joint", failure)
-            results = getattr(failure, "results", [])
-            record.pass_seconds.setdefault("joint", {}).update({r.name: r.seconds for r in results})
-            return
+            results, failed = failure.results, True
+        else:
+            failed = False
         record.pass_seconds.setdefault("joint", {}).update({r.name: r.seconds for r in results})
+        if failed:
+            return
         if dumper is not None:
             dumper.write_graph(record.index, "joint_after.py", graph_code(graph, tags=True))
         record.stage_seconds["joint"] = time.perf_counter() - started

@@ -163,3 +163,8 @@ def test_no_import_cycles_and_no_function_level_import_hides_one() -> None:
         everything.setdefault(where, set()).add(target)
     hidden = [(where, line, target) for where, line, target in local if _reaches(everything, target, where)]
     assert not hidden, f"function-level imports that hide a cycle: {hidden}"
+
+
+def test_a_misspelt_stage_is_an_error_not_an_empty_stage() -> None:
+    with pytest.raises(ValueError, match="stage 'graphs' is not a pipeline stage; use one of joint, partitioned, graph"):
+        run_stage(two_layers(), "graphs", graph_context())

@@ -22,7 +22,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..api import ConfigError
-from .context import GraphPass, PassContext
+from .context import STAGES, GraphPass, PassContext
 from .lowering import lower_markers_pass
 from .reshard import elide_trivial_unshard_pass, tag_reshard_policy_pass
 from .rng_state_order import order_rng_states_pass
@@ -45,6 +45,8 @@ PIPELINE: tuple[GraphPass, ...] = (
 
 def stage_passes(stage: str, ctx: PassContext, disabled: Collection[str] = ()) -> list[GraphPass]:
     """The passes of ``stage`` that apply to ``ctx``, in pipeline order."""
+    if stage not in STAGES:  # a misspelt stage would otherwise run no pass at all
+        raise ValueError(f"stage {stage!r} is not a pipeline stage; use one of {', '.join(STAGES)}")
     return [p for p in PIPELINE if p.stage == stage and p.name not in disabled and p.when(ctx)]
 
 
@@ -94,6 +96,7 @@ class PassFailure(RuntimeError):
     def __init__(self, pass_name: str, error: BaseException) -> None:
         super().__init__(f"pass {pass_name!r} failed: {type(error).__name__}: {error}")
         self.pass_name = pass_name
+        self.results: list[PassResult] = []  # the passes that ran before it (set by run_passes)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
