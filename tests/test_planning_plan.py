@@ -50,6 +50,17 @@ def test_one_row_per_strategy_with_every_field(small_plan):
     assert "HYBRID_SHARD_ZERO2" in text and "chosen:" in text and "not measured" in text
 
 
+def test_runtime_work_per_parameter_is_part_of_the_step(small_plan):
+    model, base = small_plan
+    with torch.device("meta"):
+        again = GPT(CFG)
+    slower = plan(again, (torch.zeros(2, 32, dtype=torch.long),), cluster=cpu_cluster(runtime_per_tensor=1e-3),
+                  loss_fn=gpt_loss, prefetch=(1,), strategies=["FULL_SHARD"])
+    tensors = len(list(model.parameters()))
+    assert slower.row("FULL_SHARD").step_seconds == pytest.approx(
+        base.row("FULL_SHARD").step_seconds + tensors * 1e-3)
+
+
 def test_model_states_follow_the_zero_formula(small_plan):
     model, _ = small_plan
     P = sum(p.numel() for p in model.parameters())

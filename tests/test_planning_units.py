@@ -58,6 +58,7 @@ def test_unknown_preset_lists_the_known_ones():
     ({"devices_per_node": 2.5}, "whole number"),
     ({"inter_node_bandwidth": None}, "inter_node_bandwidth is missing"),
     ({"comm_overlap": 1.5}, "comm_overlap=1.5 must be <= 1.0"),
+    ({"runtime_per_tensor": -1e-6}, "runtime_per_tensor=-1e-06 must be >= 0"),
     ({"intra_node_latency": float("nan")}, "finite"),
     ({"reserved_memory": 2e9}, "leaves nothing"),
     ({"device_type": "tpu"}, "device_type"),
@@ -156,6 +157,50 @@ def test_measured_optimizer_step_replaces_the_bandwidth_formula():
     assert optimizer_seconds("none", 1_000_000, 4_000_000, 10, measured) == 0.0
     with pytest.raises(ClusterError, match=r"optimizer_step\['adamw'\]"):
         small_cluster(optimizer_step={"adamw": (-1.0, 0.0)})
+
+
+def test_runtime_work_per_parameter_is_added_outside_the_graphs():
+    from fsdp_compile.planning.cost import optimizer_seconds, outside_graph_seconds
+
+    cluster = small_cluster(optimizer_step={"adamw": (2e-4, 1e-9)}, runtime_per_tensor=3e-4)
+    optimizer = optimizer_seconds("adamw", 1_000_000, 4_000_000, 10, cluster)
+    assert outside_graph_seconds("adamw", 1_000_000, 4_000_000, 10, cluster) == pytest.approx(optimizer + 10 * 3e-4)
+    assert outside_graph_seconds("none", 1_000_000, 4_000_000, 10, cluster) == pytest.approx(10 * 3e-4)
+
+
+def test_compute_calibrations_take_turns_when_ranks_outnumber_cores(monkeypatch):
+    from fsdp_compile.planning import measure
+
+    cpu = torch.device("cpu")
+    barriers: list = []
+    monkeypatch.setattr(measure.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(measure.dist, "barrier", lambda group=None: barriers.append(group))
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
+    calls: list = []
+
+    def calibrate(sync: bool) -> float:
+        calls.append(sync)
+        return 1.0
+
+    # every rank has a core: side by side, the calibration barriers itself
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert measure._in_turns(calibrate, None, cpu) == 1.0 and calls == [True] and barriers == []
+    # 4 ranks on 2 cores: two turns, this rank (local rank 3) in the second, without inner barriers
+    calls.clear()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert measure._in_turns(calibrate, "g", cpu) == 1.0 and calls == [False] and barriers == ["g", "g"]
+
+
+def test_cpu_communication_hides_fully_with_a_core_to_spare(monkeypatch):
+    from fsdp_compile.planning import measure
+
+    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert measure._cpu_overlap(None, torch.device("cpu"), 1) == 1.0
 
 
 def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):

@@ -246,6 +246,7 @@ def _cluster_numbers(cluster: Any) -> dict[str, Any]:
     return {"peak_flops": {str(k).replace("torch.", ""): v for k, v in cluster.peak_flops.items()},
             "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
             "comm_overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
+            "runtime_per_tensor": cluster.runtime_per_tensor,
             "collective_workspace": cluster.collective_workspace,
             "collectives": {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
                             for k, v in cluster.measured_collectives.items()}}

@@ -57,6 +57,9 @@ class Cluster:
     collective kind to the bytes the communication backend allocates beside the result per byte
     of the collective's buffer, alive until the wait (gloo gathers into a temporary and reduces
     a copy; measured by the allocator in :meth:`measure`; NCCL works in the user's buffers: 0).
+    ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
+    (the local shard taken in forward, the gradient wrapped into a DTensor and accumulated in
+    backward; measured by :meth:`measure`, 0 in presets, where the CPU runs ahead of the GPU).
     ``sources`` says where each number comes from.
     """
 
@@ -78,6 +81,7 @@ class Cluster:
     measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_workspace: dict[str, float] = field(default_factory=dict)
+    runtime_per_tensor: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,6 +121,7 @@ class Cluster:
         need("reserved_memory", self.reserved_memory, positive=False)
         need("op_overhead", self.op_overhead, positive=False)
         need("comm_overlap", self.comm_overlap, positive=False, at_most=1.0)
+        need("runtime_per_tensor", self.runtime_per_tensor, positive=False)
         if isinstance(self.nodes, int) and self.nodes > 1:
             # Several nodes talk over the inter-node link: it must be described.
             need("inter_node_bandwidth", self.inter_node_bandwidth)

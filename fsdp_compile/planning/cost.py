@@ -216,3 +216,12 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
         return tensors * per_tensor + shard_bytes * per_byte
     passes, ops = {"adamw": (7, 12), "adam": (7, 12), "sgd": (3, 2)}[optimizer]
     return passes * shard_bytes / cluster.memory_bandwidth + ops * tensors * cluster.op_overhead
+
+
+def outside_graph_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int,
+                          cluster: Cluster) -> float:
+    """What a training step spends outside its compiled graphs, on the compute stream: the
+    optimizer step and the runtime's per-parameter work (``cluster.runtime_per_tensor``: taking
+    each DTensor's local shard in forward, wrapping and accumulating each gradient in backward)."""
+    return (optimizer_seconds(optimizer, shard_numel, shard_bytes, tensors, cluster)
+            + tensors * cluster.runtime_per_tensor)

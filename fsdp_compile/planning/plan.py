@@ -27,7 +27,7 @@ from torch import nn
 from ..api import MixedPrecision, ShardingStrategy
 from ..inspection.memory import input_bytes
 from .cluster import Cluster
-from .cost import Group, graph_costs, optimizer_seconds
+from .cost import Group, graph_costs, outside_graph_seconds
 from .isolated import run_in_subprocess
 from .numbers import OPTIMIZER_STATES, ClusterError, GiB, PlanError
 from .simulate import Timeline, memory_timeline, simulate_graph
@@ -179,7 +179,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
                       "gathered": 0, "activations": 0, "buffers": states["buffers"]}
     n_tensors = len({id(p) for p in traced.model.parameters()})
     numel = states["grads"] / 4
-    opt_seconds = optimizer_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
+    opt_seconds = outside_graph_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
     step = timeline.seconds + opt_seconds
     memory = {k: float(peak_roles.get(k, 0)) for k in MEMORY_KEYS}
     c = traced.candidate

@@ -24,7 +24,7 @@ import torch
 
 from ..api import ShardingStrategy
 from ..inspection.memory import input_bytes
-from .cost import graph_costs, optimizer_seconds
+from .cost import graph_costs, outside_graph_seconds
 from .numbers import OPTIMIZER_STATES, PlanError
 from .simulate import memory_timeline, simulate_graph
 from .states import model_state_bytes
@@ -139,7 +139,8 @@ def symbolic_analysis(plan: Any, strategy: ShardingStrategy | str, size: str, in
         temporary = states["grads"] if OPTIMIZER_STATES[context.optimizer] else 0
         lives.append(sum(states.values()) + temporary)
         tensors = len({id(p) for p in traced.model.parameters()})
-        step = step + optimizer_seconds(context.optimizer, int(states["grads"] / 4), states["grads"], tensors, cluster)
+        step = step + outside_graph_seconds(context.optimizer, int(states["grads"] / 4), states["grads"], tensors,
+                                            cluster)
     substitution = {s: x for expr in lives if isinstance(expr, sympy.Basic)
                     for s in expr.free_symbols if str(s) in symbols}
     lives = [sympy.sympify(e).subs(substitution) for e in lives]
