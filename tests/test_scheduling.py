@@ -140,3 +140,33 @@ def test_a_bucket_without_a_collective_stays_in_place() -> None:
     sched = schedule_collectives(gm, ScheduleOptions())
     assert [c.bucket for c in sched.collectives] == ["b1"]
     assert before and [n.name for n in gm.graph.nodes if n.name in before] == before
+
+
+def test_inflight_tree_answers_as_a_plain_list():
+    """The scheduler's bytes-in-flight tree (range add, range max, first/last position over a
+    limit) against a plain list, on random operations: it must place every collective where the
+    list-based walk it replaces did."""
+    import random
+
+    from fsdp_compile.passes.scheduling import _Inflight
+
+    rng = random.Random(0)
+    for size in (1, 2, 7, 64, 129):
+        tree, plain = _Inflight(size), [0] * size
+        for _ in range(300):
+            lo = rng.randrange(size)
+            hi = rng.randrange(lo, size + 1)
+            value = rng.choice((-3, 1, 2, 5, 8))
+            tree.add(lo, hi, value)
+            for t in range(lo, hi):
+                plain[t] += value
+            lo, hi = sorted((rng.randrange(size + 1), rng.randrange(size + 1)))
+            limit = rng.randrange(-5, 40)
+            over = [t for t in range(lo, hi) if plain[t] > limit]
+            assert tree.first_above(lo, hi, limit) == (over[0] if over else hi)
+            assert tree.last_above(lo, hi, limit) == (over[-1] if over else None)
+            if hi > lo:
+                assert tree.max(lo, hi) == max(plain[lo:hi])
+            t = rng.randrange(size)
+            assert tree[t] == plain[t]
+        assert tree.peak() == max(plain)

@@ -97,6 +97,75 @@ class _Group:
             yield range(lo, max(hi, lo + 1)), size
 
 
+class _Inflight:
+    """Bytes in flight at each position, with range updates and queries in O(log n).
+
+    A reduction issued early in backward stays in flight to the graph's end: with a plain list,
+    placing each one costs the length of the graph, and the pass grows with the square of the
+    model's depth. A segment tree (lazy range add, range max) keeps it linear up to a log.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.top = [0] * (4 * size)  # max over the node's range, its own pending adds included
+        self.pending = [0] * (4 * size)  # added to the node's whole range, not yet to its children
+
+    def add(self, lo: int, hi: int, value: int, node: int = 1, left: int = 0, right: int | None = None) -> None:
+        """Add ``value`` at every position of [lo, hi)."""
+        right = self.size if right is None else right
+        if hi <= left or right <= lo or lo >= hi:
+            return
+        if lo <= left and right <= hi:
+            self.top[node] += value
+            self.pending[node] += value
+            return
+        middle = (left + right) // 2
+        self.add(lo, hi, value, 2 * node, left, middle)
+        self.add(lo, hi, value, 2 * node + 1, middle, right)
+        self.top[node] = self.pending[node] + max(self.top[2 * node], self.top[2 * node + 1])
+
+    def __getitem__(self, position: int) -> int:
+        return self.max(position, position + 1)
+
+    def max(self, lo: int, hi: int, node: int = 1, left: int = 0, right: int | None = None) -> int:
+        """The largest value in [lo, hi) (hi > lo)."""
+        right = self.size if right is None else right
+        if hi <= left or right <= lo:
+            return -(1 << 62)
+        if lo <= left and right <= hi:
+            return self.top[node]
+        middle = (left + right) // 2
+        return self.pending[node] + max(self.max(lo, hi, 2 * node, left, middle),
+                                        self.max(lo, hi, 2 * node + 1, middle, right))
+
+    def first_above(self, lo: int, hi: int, limit: int) -> int:
+        """The first position in [lo, hi) whose value exceeds ``limit``; ``hi`` if none."""
+        found = self._search(lo, hi, limit, 1, 0, self.size, 0, first=True)
+        return hi if found is None else found
+
+    def last_above(self, lo: int, hi: int, limit: int) -> int | None:
+        """The last position in [lo, hi) whose value exceeds ``limit``; None if none."""
+        return self._search(lo, hi, limit, 1, 0, self.size, 0, first=False)
+
+    def _search(self, lo: int, hi: int, limit: int, node: int, left: int, right: int, above: int,
+                first: bool) -> int | None:
+        if hi <= left or right <= lo or self.top[node] + above <= limit:
+            return None
+        if right - left == 1:
+            return left
+        middle = (left + right) // 2
+        above += self.pending[node]
+        halves = ((2 * node, left, middle), (2 * node + 1, middle, right))
+        for child, child_left, child_right in (halves if first else reversed(halves)):
+            found = self._search(lo, hi, limit, child, child_left, child_right, above, first)
+            if found is not None:
+                return found
+        return None
+
+    def peak(self) -> int:
+        return self.top[1]
+
+
 def _groups(graph: fx.Graph) -> dict[int, _Group]:
     groups: dict[int, _Group] = {}
     for node in graph.nodes:
@@ -152,12 +221,11 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         group.ready = max([position[i] + 1 for i in inputs] + [first_op])
         group.first_use = min(position[u] for u in users)
 
-    inflight = [0] * (len(compute) + 1)
+    inflight = _Inflight(len(compute) + 1)
 
     def occupy(group: _Group, sign: int = 1) -> None:
         for positions, size in group.spans():
-            for t in positions:
-                inflight[t] += sign * size
+            inflight.add(positions.start, positions.stop, sign * size)
 
     gathers = sorted((g for g in groups.values() if g.tag.kind == "gather" and not g.pinned),
                      key=lambda g: g.first_use)
@@ -178,8 +246,10 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             desired = first_op
         start = min(max(desired, group.ready), group.first_use)
         size = group.sizes[0]
-        while start < group.first_use and any(inflight[t] + size > budget for t in range(start, group.first_use)):
-            start += 1
+        # the first start from which the gather fits under the budget until its use
+        last_over = inflight.last_above(start, group.first_use, budget - size)
+        if last_over is not None:
+            start = last_over + 1
         group.at = [start, group.first_use]
         group.delayed = start > max(desired, group.ready)
         occupy(group)
@@ -204,12 +274,12 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
                 break  # gathers fill the budget here and this one is due: issue anyway
         group.at = [start]
         for size in group.sizes:
-            wait = group.at[-1]
-            while wait < group.first_use and inflight[wait] + size <= budget:
-                inflight[wait] += size
-                wait += 1
-            if wait == group.at[-1]:
-                inflight[wait] += size  # waited where it is issued: in flight for that moment
+            issued = group.at[-1]
+            # in flight until the first position where it would break the budget, or its use
+            wait = inflight.first_above(issued, group.first_use, budget - size) if issued < group.first_use else issued
+            inflight.add(issued, wait, size)
+            if wait == issued:
+                inflight.add(wait, wait + 1, size)  # waited where it is issued: in flight for that moment
             group.at.append(wait)
         placed.append(group)
 
@@ -219,7 +289,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
 
     return Schedule(
         budget=budget,
-        peak_inflight=max(inflight),
+        peak_inflight=inflight.peak(),
         collectives=[
             ScheduledCollective(
                 kind=g.tag.kind, bucket=g.tag.bucket, bytes=g.sizes[0],
