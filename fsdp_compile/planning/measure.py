@@ -11,7 +11,9 @@ run on one thread, compute is timed by the thread's CPU time, not the wall clock
 machine a rank waits for a core whenever other jobs hold it, and that wait belongs to the
 other jobs, not to the operator (``bench/plan_accuracy.py`` measures it separately). When the
 job's own ranks outnumber the cores (a 2 x 2 hybrid world on 2 cores), each rank gets a share
-of a core, and its compute times are stretched by that share (:func:`_cpu_share`).
+of a core: the compute calibrations run in turns, a core per rank (:func:`_in_turns`), and
+compute times, and the CPU time communication takes from compute, are stretched by that share
+(:func:`_cpu_share`).
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ def _cpu_share(device: torch.device) -> float:
     ranks (times their intra-op threads) outnumber the cores they may run on, e.g. a 2 x 2
     hybrid world on 2 cores. The thread's CPU time does not see that sharing; the wall clock
     of the training step does."""
-    if device.type != "cpu":
-        return 1.0
+    return 1.0 if device.type != "cpu" else min(1.0, _cores_per_thread())
+
+
+def _cores_per_thread() -> float:
+    """This node's cores over the compute threads its ranks run (ranks x intra-op threads)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    return min(1.0, cores / (max(ranks, 1) * torch.get_num_threads()))
+    return cores / (max(ranks, 1) * torch.get_num_threads())
 
 
 def _compute_seconds(fn, repeats: int, device: torch.device) -> float:
@@ -381,9 +386,7 @@ def _cpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
     collectives of each kind, over their wall time, for the slowest rank. With a core to
     spare per rank, communication threads do not take compute's cores: 1.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    if ranks * torch.get_num_threads() < cores:
+    if _cores_per_thread() > 1.0:
         return 1.0
     n = dist.get_world_size(group)
     name = (group or dist.group.WORLD).group_name
