@@ -179,8 +179,8 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
                       "gathered": 0, "activations": 0, "buffers": states["buffers"]}
     n_tensors = len({id(p) for p in traced.model.parameters()})
     numel = states["grads"] / 4
-    opt_seconds = outside_graph_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
-    step = timeline.seconds + opt_seconds
+    outside_seconds = outside_graph_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
+    step = timeline.seconds + outside_seconds
     memory = {k: float(peak_roles.get(k, 0)) for k in MEMORY_KEYS}
     c = traced.candidate
     failed = [f"{f['pass']} ({f['phase']})" for record in traced.records for f in record.fallbacks]
@@ -191,7 +191,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
         peak_bytes=float(peak), memory=memory, step_seconds=float(step),
         exposed_comm_seconds=float(timeline.exposed_comm_seconds),
         bytes_per_step={k: float(v) for k, v in timeline.wire_bytes.items()},
-        compute_seconds=float(timeline.compute_seconds + opt_seconds), comm_seconds=float(timeline.comm_seconds),
+        compute_seconds=float(timeline.compute_seconds + outside_seconds), comm_seconds=float(timeline.comm_seconds),
         tokens_per_second=tokens / step if step > 0 else None,
         mfu=float(timeline.flops) / (step * cluster.flops_for(compute_dtype)) if step > 0 else None,
         phase=phase, note=note)
