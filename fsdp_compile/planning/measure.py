@@ -184,23 +184,27 @@ def _op_overhead(device: torch.device, repeats: int) -> float:
     return _compute_seconds(lambda: gm(tiny), repeats, device) / count
 
 
+def _sharded_params(count: int, numel: int, group: Any, device: torch.device) -> list[torch.nn.Parameter]:
+    """``count`` zero parameters of ``numel`` local elements each, DTensors sharded on dim 0 over
+    ``group`` as the backend's parameters are (no communication: each rank makes its own)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    return [torch.nn.Parameter(DTensor.from_local(torch.zeros(numel, device=device), mesh, [Shard(0)],
+                                                  run_check=False)) for _ in range(count)]
+
+
 def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: int,
                     sync: bool = True) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per shard byte) of one real ``optimizer`` step
     over DTensor shards on ``group``, as the backend's sharded parameters are: a line through
     a step over many small tensors (per-tensor dispatch) and one over few large ones (bytes)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
-
     def step_seconds(count: int, numel: int) -> float:
-        params = []
-        for _ in range(count):
-            local = torch.zeros(numel, device=device)
-            p = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
-            p.grad = DTensor.from_local(torch.ones(numel, device=device), mesh, [Shard(0)], run_check=False)
-            params.append(p)
+        params = _sharded_params(count, numel, group, device)
+        grads = _sharded_params(count, numel, group, device)
+        for p, g in zip(params, grads):
+            p.grad = g.detach().fill_(1.0)
         opt = (torch.optim.AdamW(params, lr=1e-4) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4))
         _sync_ranks(group, sync)
         return _compute_seconds(opt.step, repeats, device)
@@ -220,14 +224,8 @@ def _runtime_per_tensor(group: Any, device: torch.device, repeats: int, sync: bo
     reduced gradient back into a DTensor and accumulates it into ``.grad``. Timed as a real
     autograd round trip over DTensor shards at two parameter counts (the slope: per tensor),
     like the optimizer step, so the graphs' own work is not counted twice."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
-
     def round_trip_seconds(count: int) -> float:
-        params = [torch.nn.Parameter(DTensor.from_local(torch.zeros(64, device=device), mesh, [Shard(0)],
-                                                        run_check=False)) for _ in range(count)]
+        params = _sharded_params(count, 64, group, device)
 
         def step() -> None:
             torch.stack([p.to_local().sum() for p in params]).sum().backward()
