@@ -264,6 +264,7 @@ def part_attribution(smoke: bool = False, repeats: int = 5) -> dict:
         cluster = Cluster(
             name="this-cpu (compute only)", nodes=1, devices_per_node=2, device_memory=64 * GiB,
             peak_flops={torch.float32: measuring._matmul_flops(torch.float32, cpu, repeats)},
+            attention_flops={torch.float32: measuring._attention_flops(torch.float32, cpu, repeats)},
             memory_bandwidth=measuring._memory_bandwidth(cpu, repeats), intra_node_bandwidth=1e9,
             inter_node_bandwidth=None, intra_node_latency=0.0, inter_node_latency=None,
             op_overhead=measuring._op_overhead(cpu, repeats),

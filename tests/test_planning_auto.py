@@ -109,6 +109,7 @@ def measure_worker(rank: int, world: int) -> dict:
     cluster = Cluster.measure(sizes=(1 << 14, 1 << 16, 1 << 18), repeats=3, device_memory=1 << 30)
     return {
         "world": cluster.world_size, "flops": {str(k): v for k, v in cluster.peak_flops.items()},
+        "attention_flops": {str(k): v for k, v in cluster.attention_flops.items()},
         "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
         "overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
         "workspace": cluster.collective_workspace, "runtime_per_tensor": cluster.runtime_per_tensor,
@@ -136,6 +137,9 @@ def test_measure_calibrates_this_machine_on_every_rank_alike():
     for latency, bandwidth, group, samples in r["collectives"].values():
         assert latency >= 0 and bandwidth > 0 and group == 2 and samples == 3
     assert "collectives" in r["sources"] and "peak_flops" in r["sources"]
+    # fused attention's own rate, for every calibrated dtype
+    assert set(r["attention_flops"]) == set(r["flops"]) and min(r["attention_flops"].values()) > 1e8
+    assert "attention_flops" in r["sources"]
     # a real optimizer step over DTensor shards: a cost per tensor and per byte, AdamW dearer than SGD
     assert set(r["optimizer_step"]) == {"adamw", "sgd"}
     assert r["optimizer_step"]["adamw"][0] > r["optimizer_step"]["sgd"][0] > 0

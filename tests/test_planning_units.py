@@ -59,6 +59,8 @@ def test_unknown_preset_lists_the_known_ones():
     ({"inter_node_bandwidth": None}, "inter_node_bandwidth is missing"),
     ({"comm_overlap": 1.5}, "comm_overlap=1.5 must be <= 1.0"),
     ({"runtime_per_tensor": -1e-6}, "runtime_per_tensor=-1e-06 must be >= 0"),
+    ({"attention_flops": {torch.float32: -1.0}}, r"attention_flops\[torch.float32\]=-1.0 must be > 0"),
+    ({"attention_flops": {"fp32": 1e12}}, "attention_flops key 'fp32' must be a floating-point torch.dtype"),
     ({"intra_node_latency": float("nan")}, "finite"),
     ({"reserved_memory": 2e9}, "leaves nothing"),
     ({"device_type": "tpu"}, "device_type"),
@@ -133,14 +135,33 @@ def test_matmul_is_compute_bound_and_counts_torch_flops():
     assert cost.seconds == pytest.approx(2 * 512 ** 3 / 1e9)
 
 
-def test_elementwise_is_memory_bound_and_views_are_free():
+def test_elementwise_is_memory_bound_and_views_cost_only_the_call():
     gm = _graph(lambda a: (a * 2).view(-1), (1024, 1024))
     cluster = small_cluster(op_overhead=1e-6)
     costs = {n.target: c for n, c in graph_costs(gm, cluster)}
     mul = costs[torch.ops.aten.mul.Tensor]
     assert mul.kind == "compute" and mul.flops == 0
     assert mul.seconds == pytest.approx(2 * 1024 * 1024 * 4 / 1e11 + 1e-6)
-    assert costs[torch.ops.aten.view.default].kind == "free"
+    # a view moves no bytes, but a graph run as Python still calls it; on a GPU (no overhead) it is free
+    view = costs[torch.ops.aten.view.default]
+    assert view.bytes == 0 and view.seconds == pytest.approx(1e-6)
+    no_overhead = {n.target: c for n, c in graph_costs(gm, small_cluster())}
+    assert no_overhead[torch.ops.aten.view.default].kind == "free"
+
+
+def test_attention_runs_at_its_own_measured_rate():
+    def attention(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gm = _graph(attention, (1, 2, 512, 64), (1, 2, 512, 64), (1, 2, 512, 64))
+    node = next(n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    at_peak = node_cost(node, small_cluster(), {})
+    measured = node_cost(node, small_cluster(attention_flops={torch.float32: 1e11}), {})
+    assert at_peak.flops == measured.flops == 4 * 2 * 512 * 512 * 64  # torch's formula: QK^T and PV
+    assert at_peak.seconds == pytest.approx(at_peak.flops / 1e12)  # no measurement: the matmul peak
+    assert measured.seconds == pytest.approx(measured.flops / 1e11)
+    # another dtype than the measured one falls back to that dtype's peak
+    assert small_cluster(attention_flops={torch.bfloat16: 1e11}).attention_flops_for(torch.float32) == 1e12
 
 
 def test_measured_optimizer_step_replaces_the_bandwidth_formula():
@@ -215,8 +236,68 @@ def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
     assert measure._cpu_share(cpu) == 0.5
     assert measure._cpu_share(torch.device("cuda")) == 1.0
     # the thread's CPU time is stretched by the share; a wall-clock timing already holds it
-    monkeypatch.setattr(measure, "_fastest_time", lambda fn, repeats, device, clock: 0.01)
+    monkeypatch.setattr(measure, "_samples", lambda fn, repeats, device, clock: [0.01])
     assert measure._compute_seconds(lambda: None, 1, cpu) == pytest.approx(0.02)
+
+
+def test_matmul_calibration_is_the_median_pass_over_every_shape(monkeypatch):
+    from fsdp_compile.planning import measure
+
+    monkeypatch.setattr(measure, "_CPU_MATMULS", ((8, 8, 8), (16, 8, 4)))
+    monkeypatch.setattr(measure, "_cpu_share", lambda device: 1.0)
+    monkeypatch.setattr(measure, "_samples", lambda fn, repeats, device, clock: [1.0, 3.0, 2.0])
+    flops = 3 * 2 * (8 * 8 * 8 + 16 * 8 * 4)  # three layouts of each shape, in one pass
+    assert measure._matmul_flops(torch.float32, torch.device("cpu"), 3, sync=False) == pytest.approx(flops / 2.0)
+
+
+def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatch):
+    import collections
+    import time
+    from types import SimpleNamespace
+
+    from fsdp_compile.planning import measure
+
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(measure.dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(measure.dist, "group", SimpleNamespace(WORLD=SimpleNamespace(group_name="world")))
+    monkeypatch.setattr(measure, "_slowest", lambda value, group: value)
+    runs: collections.Counter = collections.Counter()
+
+    def run_collective(kind, buffer, n, name):
+        runs[kind, buffer.numel()] += 1
+        buffer_bytes = buffer.numel() * buffer.element_size() * (n if kind == "all_gather" else 1)
+        typical = 2e-3 + buffer_bytes / 1e9
+        # one run in three is ten times faster than the others (a collective's own spread)
+        time.sleep(typical / 10 if runs[kind, buffer.numel()] % 3 == 0 else typical)
+
+    monkeypatch.setattr(measure, "_run_collective", run_collective)
+    fits = measure._collectives(None, torch.device("cpu"), (1 << 18, 1 << 20, 1 << 22), repeats=3)
+    assert set(fits) == {"all_gather", "reduce_scatter", "all_reduce"}
+    for kind, fit in fits.items():
+        wire_per_buffer_byte = 0.5 * (2 if kind == "all_reduce" else 1)
+        typical_bandwidth = 1e9 * wire_per_buffer_byte
+        assert 0.6 * typical_bandwidth < fit.bandwidth < 1.2 * typical_bandwidth, (kind, fit)
+        assert len(fit.samples) == 3
+
+
+def test_compare_collects_garbage_between_steps_not_inside_them():
+    import gc
+
+    from fsdp_compile.planning.compare import _collector_between_steps
+
+    assert gc.isenabled()
+    with _collector_between_steps(True):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with _collector_between_steps(False):
+        assert gc.isenabled()
+    gc.disable()  # a caller that runs without the automatic collector keeps it off
+    try:
+        with _collector_between_steps(True):
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 # ---------------------------------------------------------------- simulator

@@ -168,6 +168,9 @@ def add_compare_parser(sub: Any) -> None:
     p.add_argument("--strategies", help="comma-separated (default: all that apply at this world size)")
     p.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor"])
     p.add_argument("--shard-size", type=int, help="hybrid strategies: ranks per shard group (default LOCAL_WORLD_SIZE)")
+    p.add_argument("--gc-during-steps", action="store_true",
+                   help="leave Python's garbage collector on inside the timed steps (default: it runs between "
+                   "them, as torchtitan's trainer does)")
     p.add_argument("--out", type=Path, default=Path("compare_out"), help="directory for compare.json and compare.png")
 
 
@@ -210,7 +213,7 @@ def run_compare(args: argparse.Namespace) -> int:
     for name in names:
         options = {"shard_size": shard_size} if name.startswith("HYBRID") else {}
         measured[name] = measure_strategy(name, build, batches, loss_fn, compiler=args.compiler,
-                                          backend_options=options)
+                                          backend_options=options, gc_between_steps=not args.gc_during_steps)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
@@ -222,6 +225,7 @@ def run_compare(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
+             "gc_between_steps": not args.gc_during_steps,
              "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
             indent=2, default=str))
         print(f"{'strategy':<20}{'step ms':>10}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}{'pred MiB':>10}"
@@ -244,6 +248,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def _cluster_numbers(cluster: Any) -> dict[str, Any]:
     """Every number of a (measured) cluster, JSON-ready, so a run can be planned again later."""
     return {"peak_flops": {str(k).replace("torch.", ""): v for k, v in cluster.peak_flops.items()},
+            "attention_flops": {str(k).replace("torch.", ""): v for k, v in cluster.attention_flops.items()},
             "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
             "comm_overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
             "runtime_per_tensor": cluster.runtime_per_tensor,

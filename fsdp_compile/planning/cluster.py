@@ -60,6 +60,9 @@ class Cluster:
     ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
     (the local shard taken in forward, the gradient wrapped into a DTensor and accumulated in
     backward; measured by :meth:`measure`, 0 in presets, where the CPU runs ahead of the GPU).
+    ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
+    (forward and backward, FLOPs as torch's flop counter counts them; measured by
+    :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.
     ``sources`` says where each number comes from.
     """
 
@@ -82,6 +85,7 @@ class Cluster:
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
+    attention_flops: dict[torch.dtype, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -160,6 +164,13 @@ class Cluster:
                     or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
                 problems.append(f"optimizer_step[{name!r}]={fit!r} must be (seconds per tensor >= 0, "
                                 "seconds per byte >= 0)")
+        if not isinstance(self.attention_flops, dict):
+            problems.append(f"attention_flops={self.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
+        else:
+            for dtype, value in self.attention_flops.items():
+                if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                    problems.append(f"attention_flops key {dtype!r} must be a floating-point torch.dtype")
+                need(f"attention_flops[{dtype}]", value)
         if problems:
             raise ClusterError(f"cluster {self.name!r}: " + "; ".join(problems))
 
@@ -182,6 +193,11 @@ class Cluster:
         raise ClusterError(
             f"cluster {self.name!r} has no peak FLOP/s for {dtype} (it has: {known}); add it with "
             f"cluster.replace(peak_flops={{**cluster.peak_flops, {dtype}: ...}})")
+
+    def attention_flops_for(self, dtype: torch.dtype) -> float:
+        """FLOP/s for fused attention in ``dtype``: measured where the cluster has it, else the
+        matmul peak."""
+        return self.attention_flops.get(dtype) or self.flops_for(dtype)
 
     def check_world(self, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

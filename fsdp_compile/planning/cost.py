@@ -3,8 +3,9 @@
 * Compute nodes: a roofline. FLOPs come from torch's own formulas
   (``torch.utils.flop_counter``, the table ``FlopCounterMode`` uses) applied to the node's
   fake tensors; bytes are what the node reads and writes. Time is the larger of FLOPs over
-  the device's peak for the operands' dtype and bytes over memory bandwidth, plus the
-  cluster's per-operator overhead. Views and other metadata-only nodes cost nothing.
+  the device's peak for the operands' dtype (fused attention: the cluster's attention rate)
+  and bytes over memory bandwidth, plus the cluster's per-operator overhead. Views and other
+  metadata-only nodes cost only that overhead (0 on GPUs).
 * Collectives: the ring model of :mod:`.cluster`, per link: a group inside one node runs at
   the intra-node bandwidth, a group spanning nodes at the inter-node one, and the latency
   counts each intra- and inter-node ring step.
@@ -59,6 +60,14 @@ _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
 }
+
+
+_SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
+
+# Fused attention runs at its own rate (``Cluster.attention_flops``), not at the matmul peak.
+ATTENTION_OPS = frozenset(
+    packet for packet in (*flop_registry, *_EXTRA_FLOPS)
+    if "attention" in str(packet) and "flex" not in str(packet))
 
 
 def maximum(a: Any, b: Any) -> Any:
@@ -164,6 +173,10 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
         group = group_of(node.args[-1], cluster.devices_per_node, groups)
         return collective_cost(kind, tensor_bytes(buffer, symbolic), group, cluster)
     if target in FREE:
+        # No kernel runs, but where graphs run as Python (aot_eager on a CPU) a view is still
+        # an operator call: it costs the per-operator overhead (getitem and size queries do not).
+        if cluster.op_overhead and isinstance(target, torch._ops.OpOverload) and target not in _SIZE_QUERIES:
+            return NodeCost("compute", cluster.op_overhead)
         return NodeCost("free")
     args = _value(node.args, symbolic)
     kwargs = {k: _value(v, symbolic) for k, v in node.kwargs.items()}
@@ -186,7 +199,8 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
             moved = moved + tensor_bytes(t, symbolic)
     seconds = moved / cluster.memory_bandwidth
     if flops and dtype is not None and dtype.is_floating_point:
-        seconds = maximum(flops / cluster.flops_for(dtype), seconds)
+        rate = cluster.attention_flops_for(dtype) if packet in ATTENTION_OPS else cluster.flops_for(dtype)
+        seconds = maximum(flops / rate, seconds)
     return NodeCost("compute", seconds + cluster.op_overhead, flops=flops, bytes=moved)
 
 

@@ -5,8 +5,11 @@ same time (a barrier before each: in training the ranks compute side by side and
 machine's caches and memory), and each timing is the slowest rank's (a step waits for the
 slowest rank), so all ranks get the same cluster.
 
-Each timing is the fastest of several repeats: noise (other processes, interrupts) only ever
-adds time, so the fastest repeat is the closest to what the machine does. On a CPU whose ops
+Each compute timing is the fastest of several repeats: noise (other processes, interrupts)
+only ever adds time, so the fastest repeat is the closest to what the machine does. A
+collective's time is the median: its spread is the collective's own (the backend's threads
+waking on every rank, fresh buffers), a step pays the typical one, and on this project's CPU
+machine the median 1-16 MB gloo collective took 1.2-4x the fastest. On a CPU whose ops
 run on one thread, compute is timed by the thread's CPU time, not the wall clock: on a shared
 machine a rank waits for a core whenever other jobs hold it, and that wait belongs to the
 other jobs, not to the operator (``bench/plan_accuracy.py`` measures it separately). When the
@@ -64,16 +67,18 @@ def _cores_per_thread() -> float:
     return cores / (max(ranks, 1) * torch.get_num_threads())
 
 
-def _compute_seconds(fn, repeats: int, device: torch.device) -> float:
-    """How long ``fn`` keeps this rank's compute busy: the fastest repeat on the compute
-    clock, stretched by the rank's share of a core when that clock is the thread's."""
+def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = False) -> float:
+    """How long ``fn`` keeps this rank's compute busy: the fastest repeat on the compute clock
+    (the median with ``typical``), stretched by the rank's share of a core when that clock is
+    the thread's."""
     clock = _compute_clock(device)
-    seconds = _fastest_time(fn, repeats, device, clock)
+    samples = _samples(fn, repeats, device, clock)
+    seconds = statistics.median(samples) if typical else min(samples)
     return seconds / _cpu_share(device) if clock is time.thread_time else seconds
 
 
-def _fastest_time(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> float:
-    """The fastest of ``repeats`` runs of ``fn`` after one warm-up run (see the module docstring)."""
+def _samples(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> list[float]:
+    """``repeats`` timings of ``fn`` on ``clock`` after one warm-up run."""
     fn()
     _sync(device)
     samples = []
@@ -83,7 +88,17 @@ def _fastest_time(fn, repeats: int, device: torch.device, clock=time.perf_counte
         fn()
         _sync(device)
         samples.append(clock() - start)
-    return min(samples)
+    return samples
+
+
+def _fastest_time(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> float:
+    """The fastest of ``repeats`` runs of ``fn`` (see the module docstring)."""
+    return min(_samples(fn, repeats, device, clock))
+
+
+def _typical_time(fn, repeats: int, device: torch.device) -> float:
+    """The median wall time of ``repeats`` runs of ``fn`` (see the module docstring)."""
+    return statistics.median(_samples(fn, repeats, device))
 
 
 def _slowest(value: float, group: Any) -> float:
@@ -109,21 +124,58 @@ def _sync_ranks(group: Any, sync: bool) -> None:
 
 def _matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
                   sync: bool = True) -> float:
-    """Median FLOP/s over matmuls of the shapes and layouts a training step runs.
+    """FLOP/s of the matmuls a training step runs, run the way a step runs them.
 
     Each shape runs in three layouts: ``x @ w.T`` (forward), ``g @ w`` (input gradient),
-    ``g.T @ x`` (weight gradient). The median, not the best: a step's time is the sum over its
-    matmuls, most of which are not the one shape the library runs fastest.
+    ``g.T @ x`` (weight gradient). A step runs each of its matmuls once, after other operators
+    have filled the caches with other data, so the calibration runs all of them in sequence,
+    every operand distinct, and takes the median pass: total FLOPs over its time, which weighs
+    each shape by its share of the work as a step's time does. (Timing each shape in a loop
+    and keeping the fastest repeat read 98 GFLOP/s on this project's CPU where the matmuls of a
+    training step ran at 84-94.)
     """
-    rates = []
+    pairs = []
+    flops = 0
     for m, k, n in _CPU_MATMULS if device.type == "cpu" else _GPU_MATMULS:
         x = torch.randn(m, k, device=device).to(dtype)
         w = torch.randn(n, k, device=device).to(dtype)
         g = torch.randn(m, n, device=device).to(dtype)
-        for a, b in ((x, w.t()), (g, w), (g.t(), x)):
-            _sync_ranks(group, sync)
-            rates.append(2 * m * k * n / _compute_seconds(lambda a=a, b=b: torch.mm(a, b), repeats, device))
-    return statistics.median(rates)
+        pairs += [(x, w.t()), (g, w), (g.t(), x)]
+        flops += 3 * 2 * m * k * n
+
+    def sequence() -> None:
+        for a, b in pairs:
+            torch.mm(a, b)
+
+    _sync_ranks(group, sync)
+    return flops / _compute_seconds(sequence, repeats, device, typical=True)
+
+
+# (batch, heads, sequence, head dim) of the attention the calibration runs: a CPU demo's GPT
+# block (4 x 256 tokens, 8 heads of 64) and a GPU training run's (4 x 2048 tokens, 32 of 128).
+_CPU_ATTENTION = (4, 8, 256, 64)
+_GPU_ATTENTION = (4, 32, 2048, 128)
+
+
+def _attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
+                     sync: bool = True) -> float:
+    """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts
+    them (the formulas the cost model applies): attention kernels run softmax and masking
+    beside their matmuls and reach a rate of their own (on this project's CPU, about 70 GFLOP/s
+    where the matmuls reach 90-98)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = _CPU_ATTENTION if device.type == "cpu" else _GPU_ATTENTION
+    q, k, v = (torch.randn(shape, device=device).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(shape, device=device).to(dtype)
+    flops = sdpa_flop_count(q.shape, k.shape, v.shape) + sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+
+    def forward_backward() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    _sync_ranks(group, sync)
+    return flops / _compute_seconds(forward_backward, repeats, device, typical=True)
 
 
 def _memory_bandwidth(device: torch.device, repeats: int, group: Any = None, sync: bool = True) -> float:
@@ -279,6 +331,9 @@ def _run_collective(kind: str, buffer: torch.Tensor, n: int, group_name: str) ->
     return _c10d.wait_tensor(_c10d.all_reduce(buffer, "sum", group_name))
 
 
+_COLLECTIVE_REPEATS = 9  # a median needs more samples than a minimum
+
+
 def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
                  repeats: int) -> dict[str, MeasuredCollective]:
     n = dist.get_world_size(group)
@@ -291,8 +346,8 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
             numel = max(n, size // 4 // n * n)
             local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
             dist.barrier(group=group)
-            seconds = _slowest(_fastest_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
-                                                 repeats, device), group)
+            seconds = _slowest(_typical_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
+                                             max(repeats, _COLLECTIVE_REPEATS), device), group)
             samples.append((numel * 4, seconds))
         latency, per_byte = fit_line([(_wire_bytes(kind, b, n), s) for b, s in samples])
         fits[kind] = MeasuredCollective(step_latency=latency / max(ring_steps(kind, n), 1),
@@ -437,6 +492,9 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
             rate = -_slowest(-_in_turns(lambda sync, dtype=dtype: _matmul_flops(dtype, device, repeats, group, sync),
                                         group, device), group)
             flops[dtype] = max(flops.get(dtype, 0.0), rate)
+    attention = {dtype: -_slowest(-_in_turns(
+        lambda sync, dtype=dtype: _attention_flops(dtype, device, repeats, group, sync), group, device), group)
+        for dtype in dtypes}
     bandwidth = -_slowest(-_in_turns(lambda sync: _memory_bandwidth(device, repeats, group, sync), group, device),
                           group)
     overhead = (_slowest(_in_turns(lambda sync: _op_overhead(device, repeats), group, device), group)
@@ -461,9 +519,9 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         intra_node_bandwidth=ring.bandwidth, inter_node_bandwidth=ring.bandwidth,
         intra_node_latency=ring.step_latency, inter_node_latency=ring.step_latency,
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
-        runtime_per_tensor=runtime_per_tensor,
+        runtime_per_tensor=runtime_per_tensor, attention_flops=attention,
         device_type=device.type, measured_collectives=collectives, optimizer_step=optimizer_step,
         collective_workspace=workspace,
-        sources={key: where for key in ("peak_flops", "memory_bandwidth", "collectives", "op_overhead",
-                                         "comm_overlap", "optimizer_step", "runtime_per_tensor", "collective_workspace",
-                                         "device_memory")})
+        sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
+                                         "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
+                                         "collective_workspace", "device_memory")})
