@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
+from fsdp_compile.planning.measure import allocation_records, allocator_peak
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::native_layer_norm",
                "aten::native_layer_norm_backward", "aten::gelu", "aten::gelu_backward",
@@ -173,20 +173,13 @@ class Variant:
         raw = prof.profiler.kineto_results
         marker = next(e for e in raw.events() if e.name() == MEASURED_STEP)
         start_ns, end_ns, origin = marker.start_ns(), marker.end_ns(), raw.trace_start_ns()
-        # Every allocation and free is one record with its own timestamp and size, from every
-        # thread. Summing them in time order gives the bytes allocated at each moment. (The
+        # Every allocation and free is one record with its own timestamp, address and size, from
+        # every thread. Summing them in time order gives the bytes allocated at each moment
+        # (allocator_peak: an address reused before its free's timestamp is counted once). (The
         # profiler's per-op memory columns attribute each record to every op whose time range
         # contains it, on any thread, so gloo's ops running beside compute pick up compute's
         # allocations: a peak built from them changes with timing from run to run.)
-        records = sorted(((e.start_ns(), e.nbytes()) for e in raw.events()
-                          if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda r: r[0])
-        live = peak = 0
-        for when, delta in records:
-            if when > end_ns:
-                break
-            if when >= start_ns:
-                live += delta
-                peak = max(peak, live)
+        peak = allocator_peak([r for r in allocation_records(prof) if start_ns <= r[0] <= end_ns])
 
         lo, hi = (start_ns - origin) / 1e3, (end_ns - origin) / 1e3
         events = [e for e in prof.events() if lo <= e.time_range.start and e.time_range.end <= hi]

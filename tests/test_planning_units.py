@@ -280,6 +280,23 @@ def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatc
         assert len(fit.samples) == 3
 
 
+def test_allocator_peak_counts_a_reused_address_once():
+    from fsdp_compile.planning.measure import allocator_peak
+
+    MiB = 1 << 20
+    records = [
+        (1, 0xA, 4 * MiB),
+        (2, 0xB, 2 * MiB),
+        (3, 0xA, 4 * MiB),  # 0xA handed out again: its free (another thread's) is recorded late
+        (4, 0xA, -4 * MiB),
+        (5, 0xC, -1 * MiB),  # memory allocated before the profile began
+        (6, 0xD, 1 * MiB),
+    ]
+    # at most 0xA and 0xB are live at once: 6 MiB, not the 10 MiB of the records' naive sum
+    assert allocator_peak(records) == 6 * MiB
+    assert allocator_peak([(1, 0xA, MiB), (2, 0xA, -MiB), (3, 0xA, 3 * MiB)]) == 3 * MiB
+
+
 def test_compare_collects_garbage_between_steps_not_inside_them():
     import gc
 

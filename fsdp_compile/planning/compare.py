@@ -215,6 +215,8 @@ def _profiled_step(step: Callable[[], None], device: torch.device) -> tuple[floa
     """The largest running sum of allocator events during one step, and the profiler's events."""
     from torch.profiler import ProfilerActivity, profile
 
+    from .measure import allocation_records, allocator_peak
+
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -225,13 +227,7 @@ def _profiled_step(step: Callable[[], None], device: torch.device) -> tuple[floa
         return float(torch.cuda.max_memory_allocated() - before), list(prof.profiler.kineto_results.events())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         step()
-    events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    running = peak = 0
-    for _, delta in memory:
-        running += delta
-        peak = max(peak, running)
-    return float(peak), events
+    return float(allocator_peak(allocation_records(prof))), list(prof.profiler.kineto_results.events())
 
 
 @contextlib.contextmanager
