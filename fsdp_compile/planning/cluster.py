@@ -249,11 +249,12 @@ class Cluster:
 
         Collective over ``group`` (default: the world): every rank must call it. Measures
         matmul FLOP/s per dtype (over the shapes and layouts of a training step's matmuls),
-        memory bandwidth (a large copy), the per-operator overhead of running a graph as
-        Python, one optimizer step over sharded (DTensor) parameters, all-gather /
-        reduce-scatter / all-reduce over ``sizes``
-        (buffer bytes) fitted to the ring model, and how much a collective slows compute that
-        runs at the same time (``comm_overlap``). ``device_memory`` defaults to the device's
+        fused attention FLOP/s per dtype, memory bandwidth (on a CPU: a step's memory-bound
+        operators on cold inputs), the per-operator overhead of running a graph as Python, one
+        optimizer step over sharded (DTensor) parameters, the runtime's work per sharded
+        parameter, all-gather / reduce-scatter / all-reduce over ``sizes`` (buffer bytes, the
+        median run) fitted to the ring model, what the backend allocates beside each, and how
+        much of a collective can hide under compute (``comm_overlap``). ``device_memory`` defaults to the device's
         capacity (on a CPU: pass the budget to plan against).
         """
         return measuring.measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
