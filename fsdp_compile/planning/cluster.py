@@ -254,8 +254,8 @@ class Cluster:
         optimizer step over sharded (DTensor) parameters, the runtime's work per sharded
         parameter, all-gather / reduce-scatter / all-reduce over ``sizes`` (buffer bytes, the
         median run) fitted to the ring model, what the backend allocates beside each, and how
-        much of a collective can hide under compute (``comm_overlap``). ``device_memory`` defaults to the device's
-        capacity (on a CPU: pass the budget to plan against).
+        much of a collective can hide under compute (``comm_overlap``). ``device_memory``
+        defaults to the device's capacity (on a CPU: pass the budget to plan against).
         """
         return measuring.measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
                                          nodes=nodes, device=device, device_memory=device_memory)

@@ -6,7 +6,9 @@ machine's caches and memory), and each timing is the slowest rank's (a step wait
 slowest rank), so all ranks get the same cluster.
 
 Each compute timing is the fastest of several repeats: noise (other processes, interrupts)
-only ever adds time, so the fastest repeat is the closest to what the machine does. A
+only ever adds time, so the fastest repeat is the closest to what the machine does. Matmuls
+and attention are the exception: a step runs each of them once, after other operators, so
+they are timed as a pass over every shape and the median pass counts (:func:`_matmul_flops`). A
 collective's time is the median: its spread is the collective's own (the backend's threads
 waking on every rank, fresh buffers), a step pays the typical one, and on this project's CPU
 machine the median 1-16 MB gloo collective took 1.2-4x the fastest. On a CPU whose ops
