@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from .inspection.report import graph_summary, render_report
 from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.grad_sync import GradientSync
 from .sharding.groups import Topology, current_device, resolve_topology, world_timeout
-from .sharding.params import ShardedParamInfo, is_sharded, shard_module
+from .sharding.params import LocalShards, ShardedParamInfo, is_sharded, shard_module
 from .sharding.units import ROOT_UNIT, BucketPolicy, unit_modules, unit_of
 
 log = logging.getLogger("fsdp_compile")
@@ -126,6 +127,7 @@ class FSDPBackend:
         self.params: dict[str, ShardedParamInfo] = {}
         self.graphs: list[CompiledGraph] = []
         self._owned = WeakIdKeyDictionary()  # sharded parameter -> its info
+        self.local_shards: weakref.WeakSet[LocalShards] = weakref.WeakSet()  # per model it sharded
         self.gradient_sync = GradientSync()
         self.init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
         # Buckets over half of a model's parameters under a resharding strategy, by label: what
@@ -216,6 +218,7 @@ class FSDPBackend:
                               init_device=init_device or current_device(self.topology.mesh.device_type),
                               materialize=materialize)
         infos = result.infos
+        self.local_shards.add(result.shards)
         if result.peak_full_bytes is not None:
             self.init_peak_bytes = max(self.init_peak_bytes or 0, result.peak_full_bytes)
         self.units.update(info.unit for info in infos.values())

@@ -58,7 +58,7 @@ from .passes.scheduling import Schedule, ScheduleOptions
 from .runtime.faults import reraise_named
 from .runtime.markers import REDUCE_GRAD, UNSHARD, decode
 from .sharding.groups import world_timeout
-from .sharding.params import sharded_name
+from .sharding.params import leaf_owner, sharded_name
 
 if TYPE_CHECKING:
     from .backend import FSDPBackend
@@ -168,6 +168,9 @@ class Compiler:
         first_run = [True]
 
         def run(*args: Any) -> Any:
+            replaced = self._refresh_leaves()
+            if replaced is not None:
+                return self._run_eagerly_once(record, compiled, args, replaced)
             if verifier is not None:
                 if first_run[0]:
                     kind = "inference graph" if record.inference else "graph"
@@ -181,6 +184,26 @@ class Compiler:
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run
+
+    def _refresh_leaves(self) -> dict[int, torch.Tensor] | None:
+        """Bring the leaves that stand for the parameters in line with them (``requires_grad``
+        toggled, storage replaced since the last call); None when nothing changed."""
+        replaced: dict[int, torch.Tensor] = {}
+        for shards in self.backend.local_shards:
+            replaced.update(shards.refresh())
+        return replaced if replaced else None
+
+    def _run_eagerly_once(self, record: CompiledGraph, compiled: Callable, args: tuple[Any, ...],
+                          replaced: dict[int, torch.Tensor]) -> Any:
+        """This call through the eager runtime: the compiled graph was traced for leaves that
+        no longer match their parameters (a parameter frozen or unfrozen since), so its autograd
+        would be wrong for them. Dynamo's guards on the leaves compile a new graph next call."""
+        boxed = getattr(compiled, "_boxed_call", False) and len(args) == 1 and isinstance(args[0], list)
+        flat = list(args[0]) if boxed else list(args)
+        if boxed:
+            args[0].clear()  # a boxed call hands its inputs over
+        flat = [replaced.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in flat]
+        return record.dynamo(*flat)
 
     def _collectives(self, record: CompiledGraph) -> list[CollectiveCall]:
         """What ``record`` issues, for the first-run agreement check. A graph loaded from the
@@ -197,8 +220,11 @@ class Compiler:
         for node, value in zip(placeholders, example_inputs):
             if not isinstance(value, nn.Parameter) or value in self.backend._owned:
                 continue
+            owner = leaf_owner(value)
+            if owner is not None and owner in self.backend.local_shards:
+                continue
             name = sharded_name(value) or _parameter_name(node)
-            if isinstance(value, DTensor):
+            if isinstance(value, DTensor) or owner is not None:
                 raise RuntimeError(
                     f"parameter {name!r} is a DTensor that this backend did not shard; compile a "
                     "model with the backend whose shard() sharded it"

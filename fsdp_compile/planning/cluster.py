@@ -58,8 +58,9 @@ class Cluster:
     of the collective's buffer, alive until the wait (gloo gathers into a temporary and reduces
     a copy; measured by the allocator in :meth:`measure`; NCCL works in the user's buffers: 0).
     ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
-    (the local shard taken in forward, the gradient wrapped into a DTensor and accumulated in
-    backward; measured by :meth:`measure`, 0 in presets, where the CPU runs ahead of the GPU).
+    (each shard's leaf checked against its parameter before a graph runs, the gradient
+    accumulated into the leaf and wrapped into a DTensor ``.grad`` in backward; measured by
+    :meth:`measure`, 0 in presets, where the CPU runs ahead of the GPU).
     ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
     (forward and backward, FLOPs as torch's flop counter counts them; measured by
     :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.

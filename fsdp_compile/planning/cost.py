@@ -235,7 +235,7 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
 def outside_graph_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int,
                           cluster: Cluster) -> float:
     """What a training step spends outside its compiled graphs, on the compute stream: the
-    optimizer step and the runtime's per-parameter work (``cluster.runtime_per_tensor``: taking
-    each DTensor's local shard in forward, wrapping and accumulating each gradient in backward)."""
+    optimizer step and the runtime's per-parameter work (``cluster.runtime_per_tensor``: checking
+    each shard's leaf before a graph runs, wrapping and accumulating each gradient in backward)."""
     return (optimizer_seconds(optimizer, shard_numel, shard_bytes, tensors, cluster)
             + tensors * cluster.runtime_per_tensor)

@@ -273,16 +273,24 @@ def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: i
 
 
 def _runtime_per_tensor(group: Any, device: torch.device, repeats: int, sync: bool = True) -> float:
-    """Seconds per sharded parameter per training step spent outside the compiled graphs: the
-    root forward takes each DTensor's local shard (``to_local``), and backward wraps each
-    reduced gradient back into a DTensor and accumulates it into ``.grad``. Timed as a real
-    autograd round trip over DTensor shards at two parameter counts (the slope: per tensor),
-    like the optimizer step, so the graphs' own work is not counted twice."""
+    """Seconds per sharded parameter per training step spent outside the compiled graphs: each
+    graph call first checks every leaf against its DTensor parameter
+    (:meth:`~fsdp_compile.sharding.params.LocalShards.refresh`), and backward accumulates each
+    reduced gradient into its leaf, whose hook wraps it into a DTensor ``.grad``. Timed as a
+    real autograd round trip through :class:`LocalShards` at two parameter counts (the slope:
+    per tensor), like the optimizer step, so the graphs' own work is not counted twice."""
+    from ..sharding.params import LocalShards
+
     def round_trip_seconds(count: int) -> float:
         params = _sharded_params(count, 64, group, device)
+        shards = LocalShards()
+        for index, param in enumerate(params):
+            shards.add(f"p{index}", param)
+        leaves = list(shards.leaves.values())
 
         def step() -> None:
-            torch.stack([p.to_local().sum() for p in params]).sum().backward()
+            shards.refresh()
+            torch.stack([leaf.sum() for leaf in leaves]).sum().backward()
             for p in params:
                 p.grad = None
 

@@ -97,12 +97,13 @@ class GradientSync:
                 shards = reduce_grads([g for _, g in members], [t.shape[0] if t.dim() else 0 for t in locals_],
                                       [t.dtype for t in locals_], comm)
                 for (entry, _), shard in zip(members, shards):
-                    _add_grad(entry.param, shard)
+                    add_local_grad(entry.param, shard)
         self.accumulators = {}
         self.accumulating = False
 
 
-def _add_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+def add_local_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+    """Accumulate ``local_grad`` (this rank's shard of a reduced gradient) into ``param.grad``."""
     grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
     if param.grad is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import CPUOffload, MixedPrecision
 from ..runtime.collectives import CommSpec, padded_rows, shard_bounds
-from .grad_sync import SYNC_ATTR, GradientSync
+from .grad_sync import SYNC_ATTR, GradientSync, add_local_grad
 from .groups import Topology, current_device
 from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
@@ -61,60 +62,136 @@ class ShardedParamInfo:
 _SHARDED_NAMES = WeakIdKeyDictionary()
 
 
+# Every leaf that stands for a sharded parameter in forward -> the LocalShards holding it.
+_LEAF_OWNERS = WeakIdKeyDictionary()
+
+
 def sharded_name(param: torch.Tensor) -> str | None:
-    """The name a parameter had when it was sharded, or None if no backend sharded it."""
+    """The name a parameter (or the leaf that stands for it in forward) had when it was
+    sharded, or None if no backend sharded it."""
     return _SHARDED_NAMES.get(param)
+
+
+def leaf_owner(tensor: torch.Tensor) -> LocalShards | None:
+    """The LocalShards whose forward reads ``tensor`` for a sharded parameter, if any."""
+    return _LEAF_OWNERS.get(tensor)
 
 
 def is_sharded(module: nn.Module) -> bool:
     return any(SPECS_ATTR in m.__dict__ for m in module.modules())
 
 
-def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor:
     # Dynamo inlines this once per parameter read, and its cost grows with every attribute,
     # call and constant it meets: everything a read needs is precomputed at shard time, the
     # marker's arguments included (one tuple), and per-forward state is read from the root's
-    # LocalShards, which the traced root forward itself set (no guard per module).
-    param = module._parameters[name]
-    if param is None:
-        return None
+    # LocalShards, which the traced root forward itself set (no guard per module). The DTensor
+    # parameter itself is never touched here (see LocalShards).
     # Attribute reads, not module.__dict__[...]: Dynamo wraps a whole __dict__ it is asked for.
     fqn, marker_args = getattr(module, READS_ATTR)[name]
-    if not isinstance(param, DTensor):
-        raise RuntimeError(
-            f"parameter {fqn!r} was replaced by a plain tensor after the model was sharded; "
-            "load new values with load_state_dict() or copy_() into the existing parameter"
-        )
     shards = getattr(module, LOCALS_ATTR)
     shared = shards.shared_gathered
     if shared is not None and fqn in shared:  # a tied parameter: gathered once at the root
         return shared[fqn]
-    return _gather(param, fqn, marker_args, shards)
+    return _gather(fqn, marker_args, shards)
 
 
-def _gather(param: nn.Parameter, fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
-    """One marker: ``param``'s full value (its gradient reduced, or accumulated under no_sync)."""
-    current = shards.current
-    if current is not None:  # inside the root's forward
-        local = current.get(fqn)
+def _gather(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
+    """One marker: the parameter's full value (its gradient reduced, or accumulated under no_sync)."""
+    local = shards.leaves[fqn]
+    if shards.in_forward:
         accumulating = shards.accumulating
     else:  # a read outside the model's forward (eager runtime)
-        local = None
         accumulating = shards.sync is not None and shards.sync.accumulating
-    if local is None:
-        local = param.to_local()
-    if accumulating and param.requires_grad:
+    if accumulating and local.requires_grad:
         return torch.ops.fsdp_compile.unshard_no_sync(local, shards.sync.accumulators[fqn], *marker_args)
     return torch.ops.fsdp_compile.unshard(local, *marker_args)
 
 
-class LocalShards:
-    """The local tensor of every shard of one model, taken once per forward at its root.
+@dataclass
+class _Registration:
+    """One name a sharded parameter is registered under: where to look for replacements."""
 
-    Why at the root: inside an activation-checkpointed region (a ``tag_activation_checkpoint``
-    higher-order op under torch.compile) ``DTensor.to_local()`` makes AOTAutograd save the
-    DeviceMesh for backward, which it cannot. Taken before the region, the region only sees
-    plain tensors.
+    parameters: dict  # the owning module's _parameters
+    name: str
+    fqn: str
+    param: nn.Parameter
+
+
+class _Shard:
+    """One sharded parameter, and the plain tensor that stands for it in forward.
+
+    ``leaf`` shares the DTensor's local storage (an optimizer step on the DTensor, a
+    ``copy_`` or a checkpoint load is seen by the next forward without a copy) and is an
+    autograd leaf of its own: gradients accumulate into ``leaf.grad`` and a hook moves them
+    into ``param.grad`` as a DTensor, as FSDP2 moves its reduced shards into the sharded
+    parameters' ``.grad``.
+    """
+
+    __slots__ = ("fqn", "hooked", "leaf", "local", "owner", "param")
+
+    def __init__(self, fqn: str, param: nn.Parameter, owner: LocalShards) -> None:
+        self.fqn = fqn
+        self.owner = owner
+        self.param = param
+        self.hooked = False
+        self.local = param._local_tensor
+        self.leaf = self._make_leaf()
+
+    def _make_leaf(self) -> nn.Parameter:
+        # nn.Parameter: Dynamo and AOTAutograd treat it as the parameter it stands for (a
+        # static input), as they treated the DTensor.
+        leaf = nn.Parameter(self.local.detach(), requires_grad=False)
+        _SHARDED_NAMES[leaf] = self.fqn
+        _LEAF_OWNERS[leaf] = self.owner
+        self.hooked = False
+        self._follow(leaf)
+        return leaf
+
+    def _follow(self, leaf: nn.Parameter) -> None:
+        leaf.requires_grad_(self.param.requires_grad)
+        if leaf.requires_grad and not self.hooked:
+            leaf.register_post_accumulate_grad_hook(self._move_grad)
+            self.hooked = True
+
+    def _move_grad(self, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        # None when the graph gave this leaf no gradient (under no_sync it goes to the accumulator).
+        if grad is not None and self.param.requires_grad:
+            add_local_grad(self.param, grad)
+
+    def refresh(self) -> bool:
+        """Make the leaf follow the parameter again; True if the leaf changed (a compiled graph
+        traced with the old one must not run this call)."""
+        if self.param._local_tensor is not self.local:  # new storage (``param.data = ...``)
+            self.local = self.param._local_tensor
+            self.leaf = self._make_leaf()
+            return True
+        if self.leaf.requires_grad is not self.param.requires_grad:
+            self._follow(self.leaf)
+            return True
+        return False
+
+
+class LocalShards:
+    """The plain tensors that stand for one model's sharded parameters in its forward.
+
+    Why not the DTensor parameters themselves: every DTensor a graph reads costs Dynamo a
+    subclass input with spec guards and an unwrapping (``to_local``) per parameter, and
+    AOTAutograd a subclass input to flatten and a DTensor gradient to rebuild: together more
+    than doubling the compile time of a deep model against plain ``torch.compile``. The graphs
+    read one leaf per parameter instead (see :class:`_Shard`), and the DTensor parameters stay
+    what the optimizer, ``state_dict`` and checkpoints see.
+
+    Plain tensors also keep activation-checkpointed regions clean: ``DTensor.to_local()``
+    inside a ``tag_activation_checkpoint`` region made AOTAutograd save the DeviceMesh for
+    backward, which it cannot.
+
+    The leaves follow their parameters (``requires_grad``, replaced storage) through
+    :meth:`refresh`, which runs eagerly before every forward: at the root's forward in the
+    eager runtime, and before every compiled graph runs (a graph traced with a leaf that no
+    longer matches runs through the eager runtime once; Dynamo's guards on the leaf then
+    compile a new graph).
 
     Parameters registered under several names (tied input/output embeddings) are gathered once
     per forward, at the root, and every read returns that one tensor: autograd then sums the
@@ -126,16 +203,76 @@ class LocalShards:
     """
 
     def __init__(self, sync: GradientSync | None = None) -> None:
-        self.params: list[tuple[str, nn.Parameter]] = []
         self.sync = sync
-        # Tied parameters (registered under several names): (fqn, parameter, marker arguments).
-        self.shared: list[tuple[str, nn.Parameter, tuple]] = []
-        # Set by the root's forward for its duration: the local shards, whether gradients
-        # accumulate without synchronization (read once per forward, one guard under Dynamo),
-        # and the tied parameters' gathered values.
-        self.current: dict[str, torch.Tensor] | None = None
+        self.shards: list[_Shard] = []
+        self.registrations: list[_Registration] = []
+        # What the graphs read: fqn -> leaf (the dict is kept, entries are replaced).
+        self.leaves: dict[str, nn.Parameter] = {}
+        # Tied parameters (registered under several names): (fqn, marker arguments).
+        self.shared: list[tuple[str, tuple]] = []
+        # Set by the root's forward for its duration: whether gradients accumulate without
+        # synchronization (read once per forward, one guard under Dynamo), and the tied
+        # parameters' gathered values.
+        self.in_forward = False
         self.accumulating = False
         self.shared_gathered: dict[str, torch.Tensor] | None = None
+        self._snapshot: tuple[list, ...] | None = None  # what _unchanged compares, in parallel lists
+
+    def add(self, fqn: str, param: nn.Parameter) -> None:
+        shard = _Shard(fqn, param, self)
+        self.shards.append(shard)
+        self.leaves[fqn] = shard.leaf
+        self._snapshot = None
+
+    def register(self, module: nn.Module, name: str, fqn: str) -> None:
+        """``module.<name>`` is (one registration of) the sharded parameter ``fqn``."""
+        self.registrations.append(_Registration(module._parameters, name, fqn, module._parameters[name]))
+        self._snapshot = None
+
+    def refresh(self) -> dict[int, nn.Parameter]:
+        """Bring every leaf in line with its parameter; returns ``{id(old leaf): new leaf}`` for
+        the leaves that changed (empty when none did).
+
+        Raises if a sharded parameter was replaced by another tensor after sharding: its leaf
+        would go on reading the old values.
+        """
+        if self._unchanged():
+            return {}
+        for reg in self.registrations:
+            current = reg.parameters.get(reg.name)
+            if current is not reg.param:
+                what = ("None" if current is None else "another DTensor" if isinstance(current, DTensor)
+                        else "a plain tensor")
+                raise RuntimeError(
+                    f"parameter {reg.fqn!r} was replaced by {what} after the model was sharded; load "
+                    "new values with load_state_dict() or copy_() into the existing parameter"
+                )
+        changed = {}
+        for shard in self.shards:
+            old = shard.leaf
+            if shard.refresh():
+                changed[id(old)] = shard.leaf
+                self.leaves[shard.fqn] = shard.leaf
+        self._snapshot = None
+        return changed
+
+    def _unchanged(self) -> bool:
+        # Runs before every graph call, for every parameter: compared with C-level iteration
+        # (map over parallel lists), a few times faster than a loop over the objects.
+        if self._snapshot is None:
+            regs, shards = self.registrations, self.shards
+            self._snapshot = ([r.parameters for r in regs], [r.name for r in regs], [r.param for r in regs],
+                              [s.param for s in shards], [s.local for s in shards], [s.leaf for s in shards])
+        dicts, names, registered, params, locals_, leaves = self._snapshot
+        if not (all(map(is_, map(dict.get, dicts, names), registered))
+                and all(map(is_, map(_LOCAL_TENSOR, params), locals_))):
+            return False
+        with torch._C.DisableTorchFunctionSubclass():  # a DTensor's attributes, without its dispatch
+            return all(map(is_, map(_REQUIRES_GRAD, params), map(_REQUIRES_GRAD, leaves)))
+
+
+_LOCAL_TENSOR = attrgetter("_local_tensor")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def _make_property(name: str) -> property:
@@ -160,17 +297,20 @@ def _make_root_forward(cls: type):
         # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
         # own, so hooks would add graphs; this way all of it is part of the model's graph.
         shards = self.__dict__[LOCALS_ATTR]
+        if not torch.compiler.is_compiling():
+            # The eager runtime; compiled graphs refresh before they run (Compiler._guarded).
+            shards.refresh()
         shards.accumulating = shards.sync is not None and shards.sync.accumulating
-        shards.current = {fqn: param.to_local() for fqn, param in shards.params}
+        shards.in_forward = True
         try:
-            shards.shared_gathered = {fqn: _gather(param, fqn, args_, shards) for fqn, param, args_ in shards.shared}
+            shards.shared_gathered = {fqn: _gather(fqn, args_, shards) for fqn, args_ in shards.shared}
             policy = self.__dict__.get(MIXED_PRECISION_ATTR)
             if policy is None:
                 return original_forward(self, *args, **kwargs)
             args, kwargs = cast_inputs(policy, args, kwargs)
             return cast_output(policy, original_forward(self, *args, **kwargs))
         finally:
-            shards.current = None
+            shards.in_forward = False
             shards.shared_gathered = None
 
     return forward
@@ -230,6 +370,7 @@ def _place(storage: torch.Tensor, offload: CPUOffload | None) -> torch.Tensor:
 @dataclass
 class ShardResult:
     infos: dict[str, ShardedParamInfo]
+    shards: LocalShards
     peak_full_bytes: int | None = None  # meta-device models: most full parameter bytes held
 
 
@@ -310,17 +451,19 @@ def shard_module(
         model.__dict__[MIXED_PRECISION_ATTR] = mixed_precision
     per_module.setdefault(model, {})
     shards = LocalShards(sync)
-    shards.params = [(fqn, sharded) for sharded, info in seen.values() for fqn in [info.fqn]]
-    shards.shared = [(info.fqn, sharded, info.unshard_args) for key, (sharded, info) in seen.items()
-                     if registrations[key] > 1]
+    for sharded, info in seen.values():
+        shards.add(info.fqn, sharded)
+    shards.shared = [(info.fqn, info.unshard_args) for key, (sharded, info) in seen.items() if registrations[key] > 1]
     for module, specs in per_module.items():
+        for name, info in specs.items():
+            shards.register(module, name, info.fqn)
         module.__dict__[SPECS_ATTR] = specs
         module.__dict__[READS_ATTR] = {name: (info.fqn, info.unshard_args) for name, info in specs.items()}
         module.__dict__[LOCALS_ATTR] = shards
         if sync is not None:
             module.__dict__[SYNC_ATTR] = sync
         module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), module is model)
-    return ShardResult(infos, peak)
+    return ShardResult(infos, shards, peak)
 
 
 # ---------------------------------------------------------------- mixed precision and offload

@@ -1,0 +1,109 @@
+"""The plain tensors that stand for the sharded parameters in forward (``LocalShards``).
+
+Graphs read one plain leaf per parameter, not the DTensor (a DTensor input costs Dynamo and
+AOTAutograd a subclass input per parameter: see bench/results/compile_time_analysis.md). What
+users do to the DTensor parameters must still reach the graphs: freezing and unfreezing after
+the model was compiled, in-place updates, replacing a parameter (an error that names it).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_workers
+from helpers import GRAD_RTOL, TEST_CONFIG, assert_grads_close, batches, expect_error, full, lm_loss, local_slice
+from torch import nn
+
+import fsdp_compile
+from fsdp_compile.models.gpt import GPT
+
+FROZEN = "blocks.0."
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(forward: Any, model: nn.Module, batch: tuple, rank: int | None) -> dict[str, torch.Tensor]:
+    x, y = batch if rank is None else (local_slice(t, rank) for t in batch)
+    lm_loss(forward(x), y).backward()
+    grads = _grads(model)
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
+def leaves_worker(rank: int, world: int, mode: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    base = GPT(TEST_CONFIG)
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    backend.shard(model)
+    forward = torch.compile(model, backend=backend) if mode == "compiled" else model
+    data = batches(TEST_CONFIG, world, 4)
+    out: dict[str, Any] = {"ours": [], "reference": []}
+
+    def both(batch: tuple) -> None:
+        out["ours"].append(_step(forward, model, batch, rank))
+        out["reference"].append(_step(reference, reference, batch, None))
+
+    both(data[0])
+    for m in (model, reference):  # frozen after the model was compiled
+        m.blocks[0].requires_grad_(False)
+    both(data[1])
+    both(data[2])  # the graph compiled for the frozen block
+    for m in (model, reference):
+        m.blocks[0].requires_grad_(True)
+    both(data[3])
+    with torch.no_grad():  # in place on the DTensor: the next forward reads it
+        for m in (model, reference):
+            dict(m.named_parameters())["blocks.1.mlp.fc.weight"].mul_(0.5)
+    both(data[0])
+    out["graph_inputs"] = [
+        type(n.meta["example_value"]).__name__
+        for record in backend.graphs for n in record.dynamo.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+        and isinstance(n.meta["example_value"], DTensor)
+    ]
+    out["graphs"] = len(backend.graphs)
+    model.blocks[1].mlp.fc._parameters["weight"] = nn.Parameter(torch.zeros(3))
+    x, y = (local_slice(t, rank) for t in data[0])
+    out["replaced"] = expect_error(lambda: lm_loss(forward(x), y).backward())
+    return out
+
+
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def leaves_run(request) -> tuple[str, dict]:
+    return request.param, run_workers(leaves_worker, 2, request.param)[0]
+
+
+def test_freezing_and_unfreezing_after_compile_reach_the_gradients(leaves_run) -> None:
+    mode, out = leaves_run
+    for step, (ours, ref) in enumerate(zip(out["ours"], out["reference"])):
+        assert sorted(ours) == sorted(ref), f"{mode} step {step}: which parameters got gradients"
+        assert_grads_close(ours, ref, GRAD_RTOL, f"{mode} step {step}")
+    assert not any(n.startswith(FROZEN) for n in out["ours"][1]), "a frozen block got gradients"
+    assert not any(n.startswith(FROZEN) for n in out["ours"][2])
+    assert any(n.startswith(FROZEN) for n in out["ours"][3]), "an unfrozen block got no gradients"
+
+
+def test_graphs_read_plain_tensors_not_dtensors(leaves_run) -> None:
+    mode, out = leaves_run
+    assert out["graph_inputs"] == []
+    if mode == "compiled":
+        # One graph per requires_grad state: all trainable, blocks.0 frozen (all trainable
+        # again is the first graph's guards).
+        assert out["graphs"] == 2
+
+
+def test_a_replaced_parameter_is_an_error_that_names_it(leaves_run) -> None:
+    _, out = leaves_run
+    assert out["replaced"].startswith("RuntimeError")
+    assert "'blocks.1.mlp.fc.weight' was replaced by a plain tensor after the model was sharded" in out["replaced"]
+    assert "load_state_dict()" in out["replaced"]
