@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -152,7 +153,7 @@ class Compiler:
         # forward checks both graphs' collectives against the other ranks.
         eager_backward = ({"force_non_lazy_backward_lowering": True}
                           if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering") else {})
-        with torch._functorch.config.patch(**eager_backward):
+        with torch._functorch.config.patch(**eager_backward), _collector_paused():
             if compiler == "aot_eager":
                 compiled = self._compile_aot_eager(gm, example_inputs, record)
             else:
@@ -724,3 +725,22 @@ def _parameter_name(node: fx.Node) -> str:
     name = source.name() if callable(source.name) else source.name
     keys = _SOURCE_KEY.findall(name)
     return ".".join(keys) if keys else name
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a graph compiles.
+
+    Compiling allocates millions of long-lived objects (graphs, nodes, fake tensors); the
+    automatic collector then walks the whole growing heap again and again: at 64 layers about
+    16% of a compile, plain torch.compile's included. Paused, objects still die by reference
+    count; cyclic garbage waits for the next automatic collection after the compile, one
+    walk instead of many. The caller's collector state is restored.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

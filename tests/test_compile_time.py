@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import fsdp_compile  # noqa: F401  (registers the markers)
+import fsdp_compile  # also registers the markers
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.passes.templates import TraceCache
 from fsdp_compile.runtime.collectives import CommSpec
@@ -124,3 +125,53 @@ def test_a_user_pass_sees_the_code_of_the_graph_so_far() -> None:
     out, _ = run_passes(gm, [("drop_tanh", drop_tanh), ("user", user_pass)], graph_only={drop_tanh})
     assert torch.equal(seen[0], torch.tensor([0.0, 2.0]))
     assert torch.equal(out(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
+
+
+# ---------------------------------------------------------------- what each parameter read costs the tracers
+def test_a_marker_carries_its_spec_as_one_argument_that_round_trips() -> None:
+    """Dynamo and AOTAutograd handle every argument of every marker; a deep model has one marker
+    per parameter read, so the spec travels as one string, readable in a dumped graph."""
+    specs = [SPEC, CommSpec("0", 2, False, "1", 2, torch.bfloat16, torch.float32, False, "cuda:0"),
+             CommSpec("7", 4, True, "", 1, torch.float16, None, True, None)]
+    for spec in specs:
+        args = spec.op_args()
+        assert len(args) == 1 and isinstance(args[0], str)
+        assert CommSpec.from_op_args(*args) == spec
+    assert specs[1].op_args()[0] == ("shard_group=0;shard_size=2;dim0_sharded=False;replicate_group=1;"
+                                     "replicate_size=2;param_dtype=bfloat16;reduce_dtype=float32;"
+                                     "reshard_after_forward=False;compute_device=cuda:0")
+    schema = torch.ops.fsdp_compile.unshard.default._schema
+    assert [a.name for a in schema.arguments] == ["shard", "fqn", "unit", "full_rows", "spec"]
+
+
+def test_a_spec_that_cannot_travel_is_an_error() -> None:
+    with pytest.raises(ValueError, match="CommSpec.shard_group='a;b'"):
+        CommSpec("a;b", 2, True, "", 1, None, None, True).op_args()
+    with pytest.raises(ValueError, match="lacks shard_size"):
+        CommSpec.from_op_args("shard_group=0")
+
+
+def _collector_worker(rank: int, world: int) -> dict:
+    import gc
+
+    from helpers import TEST_CONFIG, batches, lm_loss, local_slice
+
+    from fsdp_compile.models.gpt import GPT
+
+    during = []
+    torch.manual_seed(0)
+    model = GPT(TEST_CONFIG)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager",
+                                   passes={"forward": [lambda gm: during.append(gc.isenabled())]})
+    backend.shard(model)
+    x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
+    lm_loss(torch.compile(model, backend=backend)(x), y).backward()
+    return {"during": during, "after": gc.isenabled()}
+
+
+def test_the_garbage_collector_is_paused_while_a_graph_compiles_and_restored_after() -> None:
+    from distributed import run_workers
+
+    for out in run_workers(_collector_worker, 2):
+        assert out["during"] == [False]
+        assert out["after"] is True

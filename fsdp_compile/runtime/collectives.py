@@ -17,6 +17,7 @@ back. The reduce-scatter buffer uses the same layout.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -47,7 +48,8 @@ def shard_bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CommSpec:
-    """How one parameter is communicated; travels as the markers' trailing arguments.
+    """How one parameter is communicated; travels as the markers' last argument, one string of
+    ``field=value`` pairs (see :meth:`op_args`).
 
     ``dim0_sharded`` is False for a parameter kept whole on every rank even though the strategy
     shards (a 0-d tensor): it is not gathered, and its gradient is all-reduced over the shard
@@ -67,9 +69,29 @@ class CommSpec:
     reshard_after_forward: bool
     compute_device: str | None = None
 
-    def op_args(self) -> tuple:
-        """The fields in declaration order: the markers' trailing arguments (see markers.py)."""
-        return tuple(getattr(self, f.name) for f in fields(self))
+    def op_args(self) -> tuple[str]:
+        """The markers' trailing arguments (see markers.py): one string naming every field,
+        ``"shard_group=0;shard_size=2;...;compute_device=None"``.
+
+        One argument rather than one per field: Dynamo and AOTAutograd handle every argument
+        of every marker (a proxy, a guard source, the custom op's autograd layer), and a deep
+        model has a marker per parameter read.
+        """
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            text = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else str(value)
+            if isinstance(value, str) and (_SPEC_SEP in value or "=" in value):
+                raise ValueError(f"CommSpec.{f.name}={value!r}: a marker cannot carry {_SPEC_SEP!r} or '=' here")
+            parts.append(f"{f.name}={text}")
+        return (_SPEC_SEP.join(parts),)
+
+    @staticmethod
+    def from_op_args(*args: str) -> CommSpec:
+        """The spec that :meth:`op_args` wrote."""
+        if len(args) != 1 or not isinstance(args[0], str):
+            raise ValueError(f"a marker's spec is one string of field=value pairs, got {args!r}")
+        return _decode_spec(args[0])
 
     @property
     def gathers(self) -> bool:
@@ -81,6 +103,31 @@ class CommSpec:
     def grad_reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         # FSDP2's default: reduce in the compute dtype unless told otherwise.
         return self.reduce_dtype or self.param_dtype or grad_dtype
+
+
+_SPEC_SEP = ";"
+
+
+@functools.cache
+def _decode_spec(text: str) -> CommSpec:
+    # Cached: the fake and eager implementations decode it at every marker call.
+    values = dict(part.partition("=")[::2] for part in text.split(_SPEC_SEP))
+    kwargs: dict[str, object] = {}
+    for f in fields(CommSpec):
+        if f.name not in values:
+            raise ValueError(f"marker spec {text!r} lacks {f.name}")
+        raw, kind = values[f.name], str(f.type)
+        if kind == "int":
+            kwargs[f.name] = int(raw)
+        elif kind == "bool":
+            kwargs[f.name] = raw == "True"
+        elif kind == "torch.dtype | None":
+            kwargs[f.name] = None if raw == "None" else getattr(torch, raw)
+        elif kind == "str | None":
+            kwargs[f.name] = None if raw == "None" else raw
+        else:
+            kwargs[f.name] = raw
+    return CommSpec(**kwargs)
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:

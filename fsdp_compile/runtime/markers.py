@@ -8,11 +8,10 @@ runs without ``torch.compile`` with the same semantics, and a compiled graph tha
 markers runs them as ordinary ops.
 
 Every marker names its parameter (``fqn``) and the unit it is bucketed with (``unit``), then
-spells out a :class:`CommSpec`, so a graph says by itself what each marker communicates and with
-whom, and the passes need nothing but the graph.
+spells out a :class:`CommSpec` (one ``"shard_group=0;shard_size=2;..."`` string), so a graph says
+by itself what each marker communicates and with whom, and the passes need nothing but the graph.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +21,10 @@ from .collectives import CommSpec, gather_params, reduce_grads
 from .faults import reraise_named
 from .kernels import NAMESPACE
 
-# Every marker ends with the CommSpec's fields, in the dataclass's order: the schemas below are
-# generated from that one definition, and CommSpec(*args) / spec.op_args() convert.
-_SCHEMA_TYPES = {"str": "str", "int": "SymInt", "bool": "bool", "torch.dtype | None": "ScalarType?",
-                 "str | None": "str?"}
-SPEC_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[str(f.type)]} {f.name}" for f in dataclasses.fields(CommSpec))
-# The arguments each marker has before the spec's fields.
+# Every marker ends with its CommSpec, as one string of field=value pairs: spec.op_args() writes
+# it, CommSpec.from_op_args(*args) reads it.
+SPEC_SCHEMA = "str spec"
+# The arguments each marker has before the spec.
 UNSHARD_HEAD = "Tensor shard, str fqn, str unit, SymInt full_rows"
 UNSHARD_NO_SYNC_HEAD = "Tensor shard, Tensor accumulator, str fqn, str unit, SymInt full_rows"
 REDUCE_GRAD_HEAD = "Tensor grad, str fqn, str unit, SymInt local_rows, ScalarType grad_dtype"
@@ -40,12 +37,12 @@ def _marker(name: str, head: str):
 @_marker("unshard", UNSHARD_HEAD)
 def unshard(shard: torch.Tensor, fqn: str, unit: str, full_rows: int, *spec_args) -> torch.Tensor:
     """The full parameter (in the compute dtype) gathered from every rank's dim-0 shard."""
-    return _gather_one(shard, fqn, full_rows, CommSpec(*spec_args))
+    return _gather_one(shard, fqn, full_rows, CommSpec.from_op_args(*spec_args))
 
 
 @unshard.register_fake
 def _unshard_fake(shard, fqn, unit, full_rows, *spec_args):
-    return _gathered_fake(shard, full_rows, CommSpec(*spec_args))
+    return _gathered_fake(shard, full_rows, CommSpec.from_op_args(*spec_args))
 
 
 def _gather_one(shard: torch.Tensor, fqn: str, full_rows: int, spec: CommSpec) -> torch.Tensor:
@@ -71,14 +68,14 @@ def reduce_grad(grad: torch.Tensor, fqn: str, unit: str, local_rows: int, grad_d
                 *spec_args) -> torch.Tensor:
     """This rank's shard of the average over data-parallel ranks of the full gradient ``grad``."""
     try:
-        return reduce_grads([grad], [local_rows], [grad_dtype], CommSpec(*spec_args))[0]
+        return reduce_grads([grad], [local_rows], [grad_dtype], CommSpec.from_op_args(*spec_args))[0]
     except Exception as exc:
         reraise_named(exc, f"the gradient reduction of parameter {fqn!r} (eager runtime)", None)
 
 
 @reduce_grad.register_fake
 def _reduce_grad_fake(grad, fqn, unit, local_rows, grad_dtype, *spec_args):
-    spec = CommSpec(*spec_args)
+    spec = CommSpec.from_op_args(*spec_args)
     shape = (local_rows, *grad.shape[1:]) if spec.gathers else grad.shape
     return torch.empty(shape, dtype=grad_dtype, device="cpu" if spec.compute_device else grad.device)
 
@@ -109,12 +106,12 @@ def unshard_no_sync(shard: torch.Tensor, accumulator: torch.Tensor, fqn: str, un
     leaf of the full parameter's shape, so autograd sums the full gradients of every
     micro-batch into ``accumulator.grad`` and nothing is communicated in backward.
     """
-    return _gather_one(shard, fqn, full_rows, CommSpec(*spec_args))
+    return _gather_one(shard, fqn, full_rows, CommSpec.from_op_args(*spec_args))
 
 
 @unshard_no_sync.register_fake
 def _unshard_no_sync_fake(shard, accumulator, fqn, unit, full_rows, *spec_args):
-    return _gathered_fake(shard, full_rows, CommSpec(*spec_args))
+    return _gathered_fake(shard, full_rows, CommSpec.from_op_args(*spec_args))
 
 
 def _unshard_no_sync_setup_context(ctx, inputs, output) -> None:
@@ -171,13 +168,13 @@ class Marker:
 def decode(node: fx.Node) -> Marker:
     if node.target is UNSHARD:
         tensor, fqn, unit, rows, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, rows, CommSpec(*spec_args))
+        return Marker(node, tensor, fqn, unit, rows, CommSpec.from_op_args(*spec_args))
     if node.target is UNSHARD_NO_SYNC:
         tensor, _accumulator, fqn, unit, rows, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, rows, CommSpec(*spec_args))
+        return Marker(node, tensor, fqn, unit, rows, CommSpec.from_op_args(*spec_args))
     if node.target is REDUCE_GRAD:
         tensor, fqn, unit, rows, grad_dtype, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, rows, CommSpec(*spec_args), grad_dtype)
+        return Marker(node, tensor, fqn, unit, rows, CommSpec.from_op_args(*spec_args), grad_dtype)
     raise ValueError(f"{node.format_node()} is not an fsdp_compile marker")
 
 
