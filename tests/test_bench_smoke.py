@@ -47,6 +47,20 @@ def test_compile_time_benchmark_runs(tmp_path: Path) -> None:
     assert "| layers | plain s | fsdp_compile s | ratio |" in text and "## Where the time goes" in text
 
 
+def test_compile_time_benchmark_reports_the_median_of_repeated_runs() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compile_time_bench", ROOT / "bench" / "compile_time.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs = [{"compiler": "aot_eager", "layers": 4, "variant": "fsdp", "compile_s": t, "run": i}
+            for i, t in enumerate([3.0, 9.0, 2.0])]
+    runs.append({"compiler": "aot_eager", "layers": 4, "variant": "plain", "compile_s": 1.0, "run": 3})
+    rows = {r["variant"]: r for r in bench.median_runs(runs)}
+    assert rows["fsdp"]["run"] == 0 and rows["fsdp"]["compile_s_runs"] == [2.0, 3.0, 9.0]
+    assert rows["plain"]["compile_s_runs"] == [1.0]
+
+
 @pytest.mark.slow
 def test_compile_time_benchmark_warm_restart_under_inductor(tmp_path: Path) -> None:
     report = _run_compile_time(tmp_path, "--compilers", "inductor", "--variants", "fsdp_warm")
