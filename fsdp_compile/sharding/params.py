@@ -273,8 +273,8 @@ _REQUIRES_GRAD = attrgetter("requires_grad")
 def _make_property(name: str) -> property:
     def read(self: nn.Module) -> torch.Tensor:
         # Dynamo inlines this once per parameter read, and its cost grows with every call,
-        # attribute and constant it meets (a read was ~100 bytecode steps against ~20 for a
-        # plain parameter): everything is precomputed at shard time, the marker's arguments
+        # attribute and constant it meets (reads through helper calls cost it ~100 bytecode
+        # steps each more than plain parameter reads): everything is precomputed at shard time, the marker's arguments
         # included (one tuple, one guard), and the plain case -- inside the forward, no tied
         # parameter, no accumulation, which the traced root forward decided once -- is one
         # marker on the leaf. The DTensor parameter itself is never touched (see LocalShards).
