@@ -184,8 +184,11 @@ class Variant:
         lo, hi = (start_ns - origin) / 1e3, (end_ns - origin) / 1e3
         events = [e for e in prof.events() if lo <= e.time_range.start and e.time_range.end <= hi]
         main = next((e.thread for e in events if e.name in ("aten::mm", "aten::addmm")), None)
-        comm_events = [e for e in events if e.name.startswith("gloo:")]
-        comm = union([(e.time_range.start, e.time_range.end) for e in comm_events])
+        # A collective counts when it starts inside the step: gloo's worker thread records its
+        # end after it has signalled completion, which can land just past the step's end (DDP's
+        # last all-reduce was sometimes missed).
+        comm_events = [e for e in prof.events() if e.name.startswith("gloo:") and lo <= e.time_range.start <= hi]
+        comm = union([(e.time_range.start, min(e.time_range.end, hi)) for e in comm_events])
         compute = union([(e.time_range.start, e.time_range.end) for e in events
                          if e.name in COMPUTE_OPS and e.thread == main])
         collectives, moved = {}, 0
