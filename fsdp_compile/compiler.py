@@ -226,8 +226,9 @@ class Compiler:
                 continue
             name = sharded_name(value) or _parameter_name(node)
             if isinstance(value, DTensor) or owner is not None:
+                what = "a DTensor" if isinstance(value, DTensor) else "the shard of a parameter"
                 raise RuntimeError(
-                    f"parameter {name!r} is a DTensor that this backend did not shard; compile a "
+                    f"parameter {name!r} is {what} that this backend did not shard; compile a "
                     "model with the backend whose shard() sharded it"
                 )
             raise RuntimeError(
