@@ -153,7 +153,7 @@ class Compiler:
         # forward checks both graphs' collectives against the other ranks.
         eager_backward = ({"force_non_lazy_backward_lowering": True}
                           if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering") else {})
-        with torch._functorch.config.patch(**eager_backward), _collector_paused():
+        with torch._functorch.config.patch(**eager_backward), collector_paused():
             if compiler == "aot_eager":
                 compiled = self._compile_aot_eager(gm, example_inputs, record)
             else:
@@ -729,7 +729,7 @@ def _parameter_name(node: fx.Node) -> str:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while a graph compiles.
 
     Compiling allocates millions of long-lived objects (graphs, nodes, fake tensors); the

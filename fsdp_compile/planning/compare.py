@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import ShardingStrategy
+from ..compiler import collector_paused
 
 
 @dataclass
@@ -237,14 +238,9 @@ def _collector_between_steps(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    was_enabled = gc.isenabled()
     gc.collect(1)
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def measure_strategy(
