@@ -81,7 +81,7 @@ def is_sharded(module: nn.Module) -> bool:
     return any(SPECS_ATTR in m.__dict__ for m in module.modules())
 
 
-def _gathered_parameter(module: nn.Module, fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
+def _gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
     """A read that is not the plain case of :func:`_make_property`: a tied parameter, gradient
     accumulation without synchronization, or a read outside the model's forward."""
     shared = shards.shared_gathered
@@ -128,7 +128,6 @@ class _Shard:
         self.fqn = fqn
         self.owner = owner
         self.param = param
-        self.hooked = False
         self.local = param._local_tensor
         self.leaf = self._make_leaf()
 
@@ -284,7 +283,7 @@ def _make_property(name: str) -> property:
         shards = self._fsdp_local_shards
         if shards.plain_reads:
             return torch.ops.fsdp_compile.unshard(shards.leaves[fqn], *marker_args)
-        return _gathered_parameter(self, fqn, marker_args, shards)
+        return _gathered_parameter(fqn, marker_args, shards)
 
     def write(self: nn.Module, value: object) -> None:
         info = self.__dict__[SPECS_ATTR].get(name)
