@@ -17,6 +17,7 @@ nothing about one instance may live in the class (a pitfall seen in SimpleFSDP).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import attrgetter, is_
@@ -62,7 +63,9 @@ class ShardedParamInfo:
 _SHARDED_NAMES = WeakIdKeyDictionary()
 
 
-# Every leaf that stands for a sharded parameter in forward -> the LocalShards holding it.
+# Every leaf that stands for a sharded parameter in forward -> a weak reference to the LocalShards
+# holding it. Weak: the LocalShards holds the leaf, and a value that reaches its own key keeps
+# the entry, the model's parameters, their device mesh and its process group alive forever.
 _LEAF_OWNERS = WeakIdKeyDictionary()
 
 
@@ -74,7 +77,8 @@ def sharded_name(param: torch.Tensor) -> str | None:
 
 def leaf_owner(tensor: torch.Tensor) -> LocalShards | None:
     """The LocalShards whose forward reads ``tensor`` for a sharded parameter, if any."""
-    return _LEAF_OWNERS.get(tensor)
+    owner = _LEAF_OWNERS.get(tensor)
+    return owner() if owner is not None else None
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -122,7 +126,7 @@ class _Shard:
     parameters' ``.grad``.
     """
 
-    __slots__ = ("fqn", "hooked", "leaf", "local", "owner", "param")
+    __slots__ = ("__weakref__", "fqn", "hooked", "leaf", "local", "owner", "param")
 
     def __init__(self, fqn: str, param: nn.Parameter, owner: LocalShards) -> None:
         self.fqn = fqn
@@ -136,7 +140,7 @@ class _Shard:
         # static input), as they treated the DTensor.
         leaf = nn.Parameter(self.local.detach(), requires_grad=False)
         _SHARDED_NAMES[leaf] = self.fqn
-        _LEAF_OWNERS[leaf] = self.owner
+        _LEAF_OWNERS[leaf] = weakref.ref(self.owner)
         self.hooked = False
         self._follow(leaf)
         return leaf
@@ -144,10 +148,10 @@ class _Shard:
     def _follow(self, leaf: nn.Parameter) -> None:
         leaf.requires_grad_(self.param.requires_grad)
         if leaf.requires_grad and not self.hooked:
-            leaf.register_post_accumulate_grad_hook(self._move_grad)
+            leaf.register_post_accumulate_grad_hook(_grad_mover(self))
             self.hooked = True
 
-    def _move_grad(self, leaf: torch.Tensor) -> None:
+    def move_grad(self, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         # None when the graph gave this leaf no gradient (under no_sync it goes to the accumulator).
         if grad is not None and self.param.requires_grad:
@@ -164,6 +168,23 @@ class _Shard:
             self._follow(self.leaf)
             return True
         return False
+
+
+def _grad_mover(shard: _Shard):
+    """The leaf's post-accumulate-grad hook, holding its shard weakly.
+
+    The leaf keeps its hooks in C++, where the garbage collector cannot see them: a hook that
+    held the shard strongly (a bound method) would close a cycle leaf -> hook -> shard -> leaf
+    that is never collected, keeping the DTensor parameters, their mesh and its gloo process
+    group (and that group's threads, which then race interpreter shutdown) alive.
+    """
+    ref = weakref.ref(shard)
+
+    def move(leaf: torch.Tensor) -> None:
+        alive = ref()
+        if alive is not None:
+            alive.move_grad(leaf)
+    return move
 
 
 class LocalShards:
