@@ -75,6 +75,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import fsdp_compile
     from fsdp_compile.models.gpt import GPT, GPTConfig
+    from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -158,8 +159,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(args.result).write_text(json.dumps(gathered, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group(exit_process=True)
 
 
 # ----------------------------------------------------------------------------- parent

@@ -48,6 +48,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning.measure import allocation_records, allocator_peak
+from fsdp_compile.sharding.groups import end_process_group
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::native_layer_norm",
                "aten::native_layer_norm_backward", "aten::gelu", "aten::gelu_backward",
@@ -532,8 +533,7 @@ def main() -> None:
         (out / f"{stem}.md").write_text(table)
 
     measure(args, args.variants, base, cfg, rank, world, write)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group(exit_process=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
+from fsdp_compile.sharding.groups import end_process_group
 
 _NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
 
@@ -148,9 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         train(args, rank, world)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other ranks may never reach it
+        raise
+    end_process_group(exit_process=True)
 
 
 def init_process_group(timeout: datetime.timedelta) -> None:

@@ -1,8 +1,9 @@
 """Run a function on several CPU processes joined by a gloo process group.
 
 ``run_workers(fn, world_size, *args)`` returns each rank's return value. Every rank uses
-``OMP_NUM_THREADS=1`` (the CI machine has 2 cores), a process-group timeout, and a barrier
-before ``destroy_process_group()`` (gloo can abort at exit otherwise). When any rank raises, the
+``OMP_NUM_THREADS=1`` (the CI machine has 2 cores), a process-group timeout, and ends its group
+with ``end_process_group()`` (a barrier that holds no earlier collective, then
+``destroy_process_group()``: gloo can abort at exit otherwise). When any rank raises, the
 others are killed at once and the failing rank's traceback is raised in the parent, so a test
 never waits on ranks blocked in a collective.
 
@@ -58,6 +59,8 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    from fsdp_compile.sharding.groups import end_process_group
+
     torch.set_num_threads(1)
     fresh_environment = dict(os.environ)
     fresh_seed = torch.initial_seed()
@@ -76,7 +79,7 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
             except BaseException:  # report anything, including KeyboardInterrupt, to the parent
                 results.put((task_id, rank, "error", traceback.format_exc()))
                 return  # the parent kills the others, which may be blocked in a collective
-        dist.barrier()
+        end_process_group()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

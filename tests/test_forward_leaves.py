@@ -137,3 +137,4 @@ def test_a_dropped_model_releases_its_parameters() -> None:
     # freeing a Python tensor after finalization began: "terminate called without an active
     # exception").
     assert run_workers(release_worker, 2) == [0, 0]
+

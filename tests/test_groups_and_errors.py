@@ -253,3 +253,30 @@ def test_shard_needs_torch_distributed() -> None:
     assert not dist.is_initialized()  # tests never initialize the pytest process itself
     with pytest.raises(RuntimeError, match="init_process_group"):
         fsdp_compile.backend().shard(nn.Linear(2, 2))
+
+
+END_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+from fsdp_compile.sharding.groups import end_process_group
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+atexit.register(lambda: print("finalized"))
+print("trained", end="")
+end_process_group(exit_process=True)
+print("not reached")
+"""
+
+
+def test_end_process_group_destroys_the_group_and_exits_without_finalizing(tmp_path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    proc = subprocess.run([sys.executable, "-c", END_SCRIPT, port], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # Unflushed output is written; neither atexit handlers nor anything after the call run.
+    assert proc.stdout == "trained"

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..sharding.groups import end_process_group
+
 # GPT-3 paper (Brown et al., 2020), Table 2.1: layers, d_model, heads; vocabulary 50257, context 2048.
 GPT_SIZES = {
     "gpt-125m": (12, 768, 12), "gpt-350m": (24, 1024, 16), "gpt-760m": (24, 1536, 16),
@@ -182,7 +184,8 @@ def run_compare(args: argparse.Namespace) -> int:
     from .compare import bar_chart, measure_strategy
     from .plan import plan
 
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         if "RANK" not in os.environ:
             raise SystemExit("compare runs strategies on the current processes: start it with torchrun, e.g. "
                              "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m fsdp_compile compare")
@@ -241,7 +244,10 @@ def run_compare(args: argparse.Namespace) -> int:
         except ImportError:
             print("matplotlib is not installed: no chart (pip install -e '.[plot]')")
         print(f"written to {args.out}/compare.json and compare.png")
-    dist.barrier()
+    if owns_group:  # started as a script under torchrun: it ends here
+        end_process_group(exit_process=True)
+    else:
+        dist.barrier()
     return 0
 
 
