@@ -9,9 +9,12 @@ depths, at world 2 (gloo, CPU). Every (depth, compiler, variant) runs in fresh p
 (``torchrun``-style, one per rank, each with an empty Inductor cache directory of its own), so
 no cache leaks from one measurement into another. Variants:
 
-  plain         ``torch.compile(model)`` of the unsharded model on the same ranks;
-  fsdp          ``fsdp_compile`` FULL_SHARD, scheduling on (the default);
-  fsdp_nosched  the same with ``schedule=False``;
+  plain           ``torch.compile(model)`` of the unsharded model on the same ranks;
+  plain_regions   the same with every block's forward a ``torch.compiler.nested_compile_region``
+                  (torch's own way to compile a repeated block once), the peer for regions;
+  fsdp            ``fsdp_compile`` FULL_SHARD, regions and scheduling on (the defaults);
+  fsdp_no_regions the same with ``regions=False`` (every block traced and compiled inline);
+  fsdp_nosched    the same as fsdp with ``schedule=False``;
   fsdp_warm     (Inductor only) the fsdp variant with ``cache_dir=`` a fresh directory
                 (``fsdp_cold_cached``), then new processes compiling it again with that
                 directory: the warm restart.
@@ -43,7 +46,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("plain", "fsdp", "fsdp_nosched", "fsdp_warm")
+VARIANTS = ("plain", "plain_regions", "fsdp", "fsdp_no_regions", "fsdp_nosched", "fsdp_warm")
 ALL_VARIANTS = (*VARIANTS, "fsdp_cold_cached")
 COMPILERS = ("aot_eager", "inductor")
 
@@ -92,7 +95,12 @@ def worker(args: argparse.Namespace) -> None:
     model = GPT(cfg)
     backend = None
     partition_seconds: list[float] = []
-    if args.variant == "plain" and args.compiler == "aot_eager":
+    if args.variant == "plain_regions":
+        # The benchmark's own process: the model class is patched here only.
+        from fsdp_compile.models.gpt import Block
+
+        Block.forward = torch.compiler.nested_compile_region(Block.forward)
+    if args.variant in ("plain", "plain_regions") and args.compiler == "aot_eager":
         # torch's aot_eager backend, with its partitioner timed (torch times it only inside
         # Inductor).
         from torch._dynamo.backends.common import aot_autograd
@@ -109,10 +117,11 @@ def worker(args: argparse.Namespace) -> None:
         compiled = torch.compile(model, backend=aot_autograd(
             fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=timed_partition,
             keep_inference_input_mutations=True))
-    elif args.variant == "plain":
+    elif args.variant in ("plain", "plain_regions"):
         compiled = torch.compile(model, backend=args.compiler)
     else:
-        options = {"compiler": args.compiler, "schedule": args.variant != "fsdp_nosched"}
+        options = {"compiler": args.compiler, "schedule": args.variant != "fsdp_nosched",
+                   "regions": args.variant != "fsdp_no_regions"}
         if args.cache_dir:
             options["cache_dir"] = args.cache_dir
         backend = fsdp_compile.backend("FULL_SHARD", **options)
@@ -274,8 +283,8 @@ def markdown(report: dict) -> str:
     ]
     for compiler in report["compilers"]:
         lines += [f"## {compiler}", "",
-                  "| layers | plain s | fsdp_compile s | ratio | ratio of CPU time | no scheduling s | scheduling cost | our work s (% of compile) | warm restart: first step s (% of cold) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| layers | plain s | fsdp_compile s | ratio | ratio of CPU time | no regions s | plain with regions s | no scheduling s | scheduling cost | our work s (% of compile) | warm restart: first step s (% of cold) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for layers in report["layers"]:
             plain = find.get((compiler, layers, "plain"))
             fsdp = find.get((compiler, layers, "fsdp"))
@@ -296,8 +305,20 @@ def markdown(report: dict) -> str:
                     warm_s += f"; {warm['first_step_s'] / fsdp['first_step_s'] * 100:.0f}% of fsdp_compile's"
                 warm_s += ")"
 
+            flat = find.get((compiler, layers, "fsdp_no_regions"))
+            plain_regions = find.get((compiler, layers, "plain_regions"))
             lines.append(f"| {layers} | {fmt(plain and plain['compile_s'])} | {fmt(fsdp and fsdp['compile_s'])} | "
-                         f"{ratio} | {cpu_ratio} | {fmt(nosched and nosched['compile_s'])} | {cost} | {ours} | {warm_s} |")
+                         f"{ratio} | {cpu_ratio} | {fmt(flat and flat['compile_s'])} | "
+                         f"{fmt(plain_regions and plain_regions['compile_s'])} | {fmt(nosched and nosched['compile_s'])} | "
+                         f"{cost} | {ours} | {warm_s} |")
+        lines += ["", f"Depth: compile time at each depth over the shallowest's ({compiler}):", "",
+                  "| variant | " + " | ".join(f"{layers} layers" for layers in report["layers"]) + " |",
+                  "| --- | " + " | ".join("---" for _ in report["layers"]) + " |"]
+        for variant in ("plain", "plain_regions", "fsdp", "fsdp_no_regions"):
+            runs = [find.get((compiler, layers, variant)) for layers in report["layers"]]
+            if runs[0] and all(runs):
+                lines.append(f"| {variant} | " + " | ".join(f"{r['compile_s'] / runs[0]['compile_s']:.2f}x"
+                                                          for r in runs) + " |")
         lines += ["", f"Breakdown on rank 0, seconds ({compiler}):", "",
                   "| layers | variant | compile | " + " | ".join(BREAKDOWN) + " |",
                   "| --- | --- | --- | " + " | ".join("---" for _ in BREAKDOWN) + " |"]

@@ -170,6 +170,7 @@ class BackendOptions:
     cache_dir: str | None
     disable_passes: tuple[str, ...]
     bucket_policy: Policy
+    regions: bool | int = True
 
     @classmethod
     def validate(
@@ -195,6 +196,7 @@ class BackendOptions:
         verify: bool,
         cache_dir: str | os.PathLike | None,
         disable_passes: Sequence[str],
+        regions: bool | int = True,
     ) -> BackendOptions:
         """Every option of :func:`fsdp_compile.backend` checked, each once: a wrong one raises
         an error that names it and says what to use."""
@@ -229,6 +231,11 @@ class BackendOptions:
             raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify= takes a bool, got {type(verify).__name__}")
+        if not isinstance(regions, int):
+            raise TypeError(f"regions= takes a bool or a number of copies, got {type(regions).__name__}")
+        if not isinstance(regions, bool) and regions < 2:
+            raise ValueError(f"regions={regions}: a block is compiled once for all its copies from 2 copies on; "
+                             "give 2 or more, True (where it pays) or False")
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
             raise TypeError(f"cache_dir= takes a directory path, got {type(cache_dir).__name__}")
         phases = dict(passes or {})
@@ -248,4 +255,4 @@ class BackendOptions:
                    prefetch, max_inflight_bytes, forward_prefetch, backward_prefetch,
                    os.fspath(dump_dir) if dump_dir is not None else None, strict, phases, offload, verify,
                    os.fspath(cache_dir) if cache_dir is not None else None, tuple(dict.fromkeys(disable_passes)),
-                   policy)
+                   policy, regions)

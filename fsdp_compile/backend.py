@@ -37,6 +37,7 @@ from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.grad_sync import GradientSync
 from .sharding.groups import Topology, current_device, resolve_topology, world_timeout
 from .sharding.params import LocalShards, ShardedParamInfo, is_sharded, shard_module
+from .sharding.regions import MIN_REGION_COPIES, regions_supported
 from .sharding.units import ROOT_UNIT, BucketPolicy, unit_modules, unit_of
 
 log = logging.getLogger("fsdp_compile")
@@ -113,13 +114,14 @@ class FSDPBackend:
         verify: bool = True,
         cache_dir: str | os.PathLike | None = None,
         disable_passes: Sequence[str] = (),
+        regions: bool | int = True,
     ) -> None:
         self.options = BackendOptions.validate(
             strategy, compiler=compiler, mesh=mesh, process_groups=process_groups, shard_size=shard_size,
             timeout=timeout, bucket=bucket, mixed_precision=mixed_precision, schedule=schedule, prefetch=prefetch,
             max_inflight_bytes=max_inflight_bytes, forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch, dump_dir=dump_dir, strict=strict, passes=passes, offload=offload,
-            verify=verify, cache_dir=cache_dir, disable_passes=disable_passes)
+            verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions)
         self.bucket_policy = self.options.bucket_policy
         self.units: set[str] = {ROOT_UNIT}
         self.explicit_prefetch: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
@@ -147,6 +149,16 @@ class FSDPBackend:
         return f"fsdp_compile.backend(strategy={strategy!r}, compiler={self.options.compiler!r})"
 
     # ---------------------------------------------------------------- sharding
+    def region_copies(self) -> int | None:
+        """From how many copies a block class is compiled as a region (sharding/regions.py);
+        None: no regions (``regions=False``, a torch without region reuse, the eager compiler)."""
+        regions = self.options.regions
+        if regions is False or not regions_supported():
+            return None
+        if regions is True:
+            return MIN_REGION_COPIES.get(self.options.compiler)
+        return regions
+
     # ---------------------------------------------------------------- compiling
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """``torch.compile(model, backend=self)``: the compile pipeline (see :mod:`fsdp_compile.compiler`)."""
@@ -216,7 +228,7 @@ class FSDPBackend:
         result = shard_module(model, self.topology, self.bucket_policy, self.options.mixed_precision,
                               sync=self.gradient_sync, offload=self.options.offload, init_fn=init_fn,
                               init_device=init_device or current_device(self.topology.mesh.device_type),
-                              materialize=materialize)
+                              materialize=materialize, region_copies=self.region_copies())
         infos = result.infos
         self.local_shards.add(result.shards)
         if result.peak_full_bytes is not None:

@@ -53,8 +53,9 @@ from .inspection.memory import MemoryEstimate, estimate_memory, input_bytes
 from .inspection.report import graph_summary
 from .passes.bucketing import Bucket
 from .passes.context import PassContext
-from .passes.graph import ROLE_META
-from .passes.pipeline import PassFailure, copy_graph_module, run_stage
+from .passes.graph import ROLE_META, copy_graph_module
+from .passes.pipeline import PassFailure, run_stage
+from .passes.regions import PARAM_META, has_regions, inline_regions, is_region_body_joint, is_region_call
 from .passes.scheduling import Schedule, ScheduleOptions
 from .runtime.faults import reraise_named
 from .runtime.markers import REDUCE_GRAD, UNSHARD, decode
@@ -144,9 +145,12 @@ class Compiler:
         dumper = self._dumper()
         if dumper is not None:
             dumper.write_graph(record.index, "dynamo.py", graph_code(gm))
+        self.captured_passes(gm, example_inputs, record)
         if compiler == "eager":
             # The captured graph as Python: every marker runs the eager runtime, so a user can
             # step through it with pdb and print tensors.
+            if inline_regions(gm):
+                gm.recompile()
             self._write_summary(record)
             return self._guarded(gm.forward, record)
         # Compile the backward graph now, not at the first backward: the first run of the
@@ -204,6 +208,12 @@ class Compiler:
         if boxed:
             args[0].clear()  # a boxed call hands its inputs over
         flat = [replaced.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in flat]
+        if any(is_region_call(n) for n in record.dynamo.graph.nodes):
+            # Regions run only under AOTAutograd (their backward is traced on first use): run
+            # a copy with them inlined, made once.
+            record.dynamo = copy_graph_module(record.dynamo)
+            inline_regions(record.dynamo)
+            record.dynamo.recompile()
         return record.dynamo(*flat)
 
     def _collectives(self, record: CompiledGraph) -> list[CollectiveCall]:
@@ -276,13 +286,22 @@ class Compiler:
                    **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        if not joint_inputs and is_region_body_joint(joint.graph):
+            # A region's body, partitioned once for every call of it (AOTAutograd hands it over
+            # with no inputs). It holds no markers, so nothing of ours applies.
+            start = time.perf_counter()
+            forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            record.stage_seconds["partition"] = (record.stage_seconds.get("partition", 0.0)
+                                                 + time.perf_counter() - start)
+            partition_fixups(forward, backward, self.backend.options.disable_passes)
+            return forward, backward
         if self._joint_captures is not None:
             self._joint_captures.append(
                 JointCapture(record, copy_graph_module(joint), list(joint_inputs), dict(kwargs)))
         self.joint_passes(joint, record)
         start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        record.stage_seconds["partition"] = time.perf_counter() - start
+        record.stage_seconds["partition"] = record.stage_seconds.get("partition", 0.0) + time.perf_counter() - start
         partition_fixups(forward, backward, self.backend.options.disable_passes)
         if self._joint_captures is not None:
             self._joint_captures[-1].partitioned = (copy_graph_module(forward), copy_graph_module(backward))
@@ -297,6 +316,31 @@ class Compiler:
         return PassContext(phase, bucket_policy=self.backend.bucket_policy, decompositions=decompositions,
                            schedule=schedule)
 
+    def captured_passes(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph) -> None:
+        """The graph Dynamo captured, before AOTAutograd: compile regions' markers move to their
+        call sites (see passes/regions.py). Without regions there is nothing to do. On a
+        failure the graph stays as captured: the markers then run inside the regions through
+        the eager runtime (same results, no bucketing for them)."""
+        if not has_regions(gm.graph):
+            return
+        started = time.perf_counter()
+        record.graph_nodes["captured"] = len(gm.graph.nodes)
+        for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
+            name = sharded_name(value) if isinstance(value, torch.Tensor) else None
+            if name is not None:
+                node.meta[PARAM_META] = name
+        ctx = PassContext("captured", params={fqn: info.unshard_args for fqn, info in self.backend.params.items()})
+        try:
+            _, results = run_stage(gm, "captured", ctx, disabled=self.backend.options.disable_passes)
+        except PassFailure as failure:
+            self._fail(record, "captured", failure)
+            results = failure.results
+        record.pass_seconds["captured"] = {r.name: r.seconds for r in results}
+        dumper = self._dumper()
+        if dumper is not None:
+            dumper.write_graph(record.index, "captured.py", graph_code(gm))
+        record.stage_seconds["captured"] = time.perf_counter() - started
+
     def joint_passes(self, joint: fx.GraphModule, record: CompiledGraph) -> None:
         """The reshard policy as partitioner tags, in place (the partitioner holds the graph).
 
@@ -306,6 +350,8 @@ class Compiler:
         """
         started = time.perf_counter()
         graph = joint.graph
+        if is_region_body_joint(graph):  # Inductor runs its joint passes on region bodies too
+            return
         record.graph_nodes["joint"] = len(graph.nodes)
         dumper = self._dumper()
         if dumper is not None:
@@ -481,6 +527,7 @@ class Compiler:
             "offload": repr(o.offload),
             "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
             "disable_passes": list(o.disable_passes),
+            "region_copies": self.backend.region_copies(),
             "strict": o.strict,
         }
 

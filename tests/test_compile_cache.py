@@ -23,7 +23,7 @@ from torch import nn
 
 import fsdp_compile
 
-CHANGES = ["strategy", "bucket", "mixed_precision", "schedule", "version", "user_pass"]
+CHANGES = ["strategy", "bucket", "mixed_precision", "schedule", "regions", "version", "user_pass"]
 
 
 class TinyNet(nn.Module):
@@ -70,6 +70,8 @@ def backend_options(change: str) -> tuple[str, dict[str, Any]]:
         options["mixed_precision"] = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16)
     elif change == "schedule":
         options["schedule"] = False
+    elif change == "regions":
+        options["regions"] = False
     elif change == "user_pass":
         options["passes"] = {"backward": [UuidPass("a")]}
     elif change == "user_pass_changed":

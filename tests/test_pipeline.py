@@ -41,7 +41,8 @@ def graph_context(schedule: bool = True) -> PassContext:
 
 def test_the_pipeline_is_declared_in_stage_order_with_one_signature() -> None:
     stages = [p.stage for p in PIPELINE]
-    assert stages == sorted(stages, key=["joint", "partitioned", "graph"].index)
+    assert stages == sorted(stages, key=["captured", "joint", "partitioned", "graph"].index)
+    assert [p.name for p in PIPELINE if p.stage == "captured"] == ["hoist_region_markers", "inline_reordering_regions"]
     assert [p.name for p in PIPELINE if p.stage == "graph"] == [
         "elide_trivial_unshard", "lower_markers", "schedule_collectives"]
     for graph_pass in PIPELINE:
@@ -166,5 +167,5 @@ def test_no_import_cycles_and_no_function_level_import_hides_one() -> None:
 
 
 def test_a_misspelt_stage_is_an_error_not_an_empty_stage() -> None:
-    with pytest.raises(ValueError, match="stage 'graphs' is not a pipeline stage; use one of joint, partitioned, graph"):
+    with pytest.raises(ValueError, match="stage 'graphs' is not a pipeline stage; use one of captured, joint, partitioned, graph"):
         run_stage(two_layers(), "graphs", graph_context())

@@ -14,24 +14,28 @@ from typing import Any
 
 import torch.fx as fx
 
-# The stages of the pipeline, in order: the joint graph before partitioning, the pair of
-# partitioned graphs (fix-ups that must see both), then each forward / backward graph.
-STAGES = ("joint", "partitioned", "graph")
+# The stages of the pipeline, in order: the graph Dynamo captured (before AOTAutograd), the
+# joint graph before partitioning, the pair of partitioned graphs (fix-ups that must see
+# both), then each forward / backward graph.
+STAGES = ("captured", "joint", "partitioned", "graph")
 # Passes a user may switch off by name (backend(disable_passes=...)); the partition fix-up that
-# orders saved RNG states is a correctness repair, not an optimization, and always runs.
-OPTIONAL_PASSES = ("elide_trivial_unshard", "tag_reshard_policy", "lower_markers", "schedule_collectives")
+# orders saved RNG states is a correctness repair, not an optimization, and always runs, and so
+# do the captured graph's region passes (backend(regions=False) compiles without regions).
+OPTIONAL_PASSES = ("route_region_inputs", "elide_trivial_unshard", "tag_reshard_policy",
+                   "lower_markers", "schedule_collectives")
 
 
 @dataclass
 class PassContext:
     """Options and facts a pass may read; one per graph the pipeline works on."""
 
-    phase: str  # "joint", "partitioned", "forward", "inference" or "backward"
+    phase: str  # "captured", "joint", "partitioned", "forward", "inference" or "backward"
     bucket_policy: Any = None  # bucketing.Policy
     decompositions: dict | None = None  # the table the graph was traced with (Inductor's, or None)
     schedule: Any = None  # scheduling.ScheduleOptions; None when scheduling is off
     forward: fx.GraphModule | None = None  # stage "partitioned": the forward graph (gm is the backward)
     results: dict[str, Any] = field(default_factory=dict)  # earlier passes' results, by name
+    params: dict[str, tuple] | None = None  # stage "captured": parameter name -> its marker's arguments
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ code that reports on its result cannot disagree about what a node is.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -151,3 +152,15 @@ def stable_topological_sort(graph: fx.Graph) -> None:
                 cursor.append(node)
             placed.add(node)
             cursor = node
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy with its own graph, as a lazy graph module where torch has them: the passes'
+    ``recompile()`` calls then defer Python code generation to the first call of ``forward``
+    (or read of ``.code``) instead of regenerating it after every pass, which for a graph of
+    tens of thousands of nodes costs seconds each time. It runs the same code either way."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule as cls
+    except ImportError:  # a torch without lazy graph modules: copies recompile eagerly
+        cls = fx.GraphModule
+    return cls(gm, copy.deepcopy(gm.graph))

@@ -24,6 +24,7 @@ import torch.fx as fx
 from ..api import ConfigError
 from .context import STAGES, GraphPass, PassContext
 from .lowering import lower_markers_pass
+from .regions import hoist_region_markers_pass, inline_reordering_regions_pass, route_region_inputs_pass
 from .reshard import elide_trivial_unshard_pass, tag_reshard_policy_pass
 from .rng_state_order import order_rng_states_pass
 from .scheduling import schedule_collectives_pass
@@ -31,7 +32,12 @@ from .scheduling import schedule_collectives_pass
 Pass = tuple[str, Callable[[fx.GraphModule], Any]]
 
 PIPELINE: tuple[GraphPass, ...] = (
-    # Joint graph: the strategy's reshard policy as partitioner tags.
+    # The captured graph: markers of compile regions' bodies move to the call sites.
+    GraphPass("hoist_region_markers", hoist_region_markers_pass, "captured"),
+    GraphPass("inline_reordering_regions", inline_reordering_regions_pass, "captured"),
+    # Joint graph: region calls take gathered parameters from the gather, not from an earlier
+    # call; then the strategy's reshard policy as partitioner tags.
+    GraphPass("route_region_inputs", route_region_inputs_pass, "joint"),
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "joint"),
     GraphPass("tag_reshard_policy", tag_reshard_policy_pass, "joint"),
     # The partitioned pair: saved RNG states ordered where the backward graph expects them.
@@ -97,18 +103,6 @@ class PassFailure(RuntimeError):
         super().__init__(f"pass {pass_name!r} failed: {type(error).__name__}: {error}")
         self.pass_name = pass_name
         self.results: list[PassResult] = []  # the passes that ran before it (set by run_passes)
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy with its own graph, as a lazy graph module where torch has them: the passes'
-    ``recompile()`` calls then defer Python code generation to the first call of ``forward``
-    (or read of ``.code``) instead of regenerating it after every pass, which for a graph of
-    tens of thousands of nodes costs seconds each time. It runs the same code either way."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule as cls
-    except ImportError:  # a torch without lazy graph modules: copies recompile eagerly
-        cls = fx.GraphModule
-    return cls(gm, copy.deepcopy(gm.graph))
 
 
 def run_passes(

@@ -86,9 +86,11 @@ def default_loss(output: Any) -> torch.Tensor:
 def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, devices_per_node: int,
                   world: int) -> FSDPBackend:
     hybrid = candidate.strategy.is_hybrid
+    # Without regions: the cost model prices the flat graph node by node; regions change where a
+    # block's operators are written down, not which run or what is communicated.
     return FSDPBackend(candidate.strategy, compiler="aot_eager", bucket=candidate.bucket,
                        prefetch=candidate.prefetch, mixed_precision=mixed_precision,
-                       shard_size=devices_per_node if hybrid else None)
+                       shard_size=devices_per_node if hybrid else None, regions=False)
 
 
 def tag_buffer_inputs(record: CompiledGraph) -> None:

@@ -35,6 +35,7 @@ from .grad_sync import SYNC_ATTR, GradientSync, add_local_grad
 from .groups import Topology, current_device
 from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
+from .regions import REGION_ATTR, RegionReads, make_region_forward, region_units, relative_marker_args
 from .units import Policy, parse_policy, unit_modules, unit_of
 
 SPECS_ATTR = "_fsdp_specs"
@@ -231,6 +232,8 @@ class LocalShards:
         self.accumulating = False
         self.shared_gathered: dict[str, torch.Tensor] | None = None
         self.plain_reads = False  # in_forward, not accumulating, no tied parameters
+        # fqn -> the (dict, key) places besides ``leaves`` that hold its leaf (region reads).
+        self.mirrors: dict[str, list[tuple[dict, str]]] = {}
         self._snapshot: tuple[list, ...] | None = None  # what _unchanged compares, in parallel lists
 
     def add(self, fqn: str, param: nn.Parameter) -> None:
@@ -238,6 +241,10 @@ class LocalShards:
         self.shards.append(shard)
         self.leaves[fqn] = shard.leaf
         self._snapshot = None
+
+    def mirror(self, fqn: str, where: dict, key: str) -> None:
+        """``where[key]`` holds ``fqn``'s leaf too: keep it current when the leaf changes."""
+        self.mirrors.setdefault(fqn, []).append((where, key))
 
     def register(self, module: nn.Module, name: str, fqn: str) -> None:
         """``module.<name>`` is (one registration of) the sharded parameter ``fqn``."""
@@ -268,6 +275,8 @@ class LocalShards:
             if shard.refresh():
                 changed[id(old)] = shard.leaf
                 self.leaves[shard.fqn] = shard.leaf
+                for where, key in self.mirrors.get(shard.fqn, ()):
+                    where[key] = shard.leaf
         self._snapshot = None
         return changed
 
@@ -300,6 +309,12 @@ def _make_property(name: str) -> property:
         # marker on the leaf. The DTensor parameter itself is never touched (see LocalShards).
         # Plain attribute reads, not getattr() calls or module.__dict__[...] (Dynamo wraps a
         # whole __dict__ it is asked for).
+        region = self._fsdp_region
+        if region is not None and not region.sync.accumulating and torch.compiler.is_compiling():
+            # Inside a compile region (sharding/regions.py): nothing here may name the block,
+            # or the next block could not reuse this trace, nor read the root's per-forward
+            # state (Dynamo does not reuse a region that read what the outer frame wrote).
+            return torch.ops.fsdp_compile.unshard(region.leaves[name], *region.args[name])
         fqn, marker_args = self._fsdp_reads[name]
         shards = self._fsdp_local_shards
         if shards.plain_reads:
@@ -345,17 +360,21 @@ def _make_root_forward(cls: type):
     return forward
 
 
-_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool], type] = {}
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool], type] = {}
 
 
-def _sharded_class(cls: type, names: tuple[str, ...], root: bool) -> type:
-    """The generated subclass: a gathering property per parameter, and for the root a forward
-    that takes the local shards (and applies mixed precision casts)."""
-    key = (cls, names, root)
+def _sharded_class(cls: type, names: tuple[str, ...], root: bool, region: bool = False) -> type:
+    """The generated subclass: a gathering property per parameter, for the root a forward that
+    takes the local shards (and applies mixed precision casts), for a unit compiled as a region
+    a forward that runs as one (see sharding/regions.py)."""
+    key = (cls, names, root, region)
     if key not in _CLASS_CACHE:
-        namespace = {name: _make_property(name) for name in names}
+        namespace: dict[str, Any] = {name: _make_property(name) for name in names}
+        namespace[REGION_ATTR] = None  # set on the instances inside a region
         if root:
             namespace["forward"] = _make_root_forward(cls)
+        elif region:
+            namespace["forward"] = make_region_forward(cls)
         namespace["__module__"] = cls.__module__
         namespace["_fsdp_original_class"] = cls
         _CLASS_CACHE[key] = type(f"Sharded{cls.__name__}", (cls,), namespace)
@@ -414,12 +433,15 @@ def shard_module(
     init_fn: InitFn | None = None,
     init_device: torch.device | None = None,
     materialize: bool = True,
+    region_copies: int | None = None,
 ) -> ShardResult:
     """Shard every parameter of ``model`` in place; returns the info of each, by name.
 
     Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`),
     on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
     with ``materialize=False`` they become meta shards instead (planning: shapes only).
+    ``region_copies``: compile the units of a class with that many copies or more as regions
+    (see :mod:`.regions`; needs ``sync``); None: no regions.
     """
     units = unit_modules(model, policy)
     presharded: dict[int, tuple[torch.Tensor, bool]] = {}
@@ -483,6 +505,21 @@ def shard_module(
     for sharded, info in seen.values():
         shards.add(info.fqn, sharded)
     shards.shared = [(info.fqn, info.unshard_args) for key, (sharded, info) in seen.items() if registrations[key] > 1]
+    module_names = {module: name for name, module in model.named_modules()}
+    tied = {fqn for fqn, _ in shards.shared}
+    tied_units = {unit_of(module_names[m], units) for m, specs in per_module.items()
+                  if any(info.fqn in tied for info in specs.values())}
+    regional = (region_units(model, units, tied_units, region_copies)
+                if region_copies is not None and sync is not None else set())
+    for module, specs in per_module.items():
+        unit = unit_of(module_names[module], units)
+        if unit in regional:
+            reads = RegionReads({name: shards.leaves[info.fqn] for name, info in specs.items()},
+                                {name: relative_marker_args(info.fqn, unit, info.unshard_args)
+                                 for name, info in specs.items()}, sync)
+            module.__dict__[REGION_ATTR] = reads
+            for name, info in specs.items():
+                shards.mirror(info.fqn, reads.leaves, name)
     for module, specs in per_module.items():
         for name, info in specs.items():
             shards.register(module, name, info.fqn)
@@ -491,7 +528,13 @@ def shard_module(
         module.__dict__[LOCALS_ATTR] = shards
         if sync is not None:
             module.__dict__[SYNC_ATTR] = sync
-        module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), module is model)
+        region = module is not model and module_names[module] in regional
+        module.__class__ = _sharded_class(type(module), tuple(sorted(specs)), module is model, region)
+    for unit in sorted(regional):
+        module = model.get_submodule(unit)
+        if module not in per_module:  # a block whose parameters all live in its submodules
+            module.__dict__[SYNC_ATTR] = sync
+            module.__class__ = _sharded_class(type(module), (), False, True)
     return ShardResult(infos, shards, peak)
 
 

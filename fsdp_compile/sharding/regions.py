@@ -1,0 +1,109 @@
+"""Compile each repeated block once: repeated bucket units as ``nested_compile_region``\\ s.
+
+A deep model is the same block many times over. Plain tracing pays for every copy: Dynamo
+inlines each block's forward, AOTAutograd traces it, the partitioner and the inner compiler
+walk it. With ``backend(regions=True)`` (the default where torch supports it), every unit of a
+repeated class runs its forward through ``torch.compiler.nested_compile_region``: Dynamo traces
+one block and stamps the others out of that trace (torch >= 2.13 reuses a region's trace
+when its inputs and guards match), the graph holds one body that every block calls through
+``invoke_subgraph``, AOTAutograd and the partitioner handle that body once per signature, and
+Inductor compiles it once.
+
+For a block's trace to be reusable by the next block, nothing it reads may name the block:
+inside a region a sharded parameter's read is ``unshard(leaf, <its name within the unit>,
+"<region>", ...)``, all of it read from the module itself (:class:`RegionReads`), so block 7's
+reads are block 0's with the sources moved. The markers then sit inside the shared body, where
+they cannot be bucketed per block; the pass :mod:`fsdp_compile.passes.regions` hoists them to
+the top-level graph, each call site's with its parameter's real name, unit and group, before
+AOTAutograd. From there on the collectives are where they are without regions: bucketed per
+unit, prefetched across block boundaries, resharded by the strategy's policy.
+
+A unit is compiled as a region only when it repeats (two or more units of its class), holds
+no parameter tied to one outside it, and gradients are synchronized (under ``no_sync`` the
+blocks run inline: their reads carry per-parameter accumulators). Eager runs are unaffected:
+outside ``torch.compile`` a region is a plain call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+REGION_ATTR = "_fsdp_region"
+# From how many copies of a block a region pays for its fixed cost (one more trace of the body,
+# torch's per-call schema for the region), by compiler: measured on this project's GPT
+# (bench/results/compile_time_analysis.md): under Inductor 4 blocks compile 29% faster as
+# regions; under aot_eager, which compiles nothing, regions cost 14% at 4 blocks, break even
+# at 6 and save from 8. The eager compiler runs every region inline: none there.
+MIN_REGION_COPIES = {"inductor": 2, "aot_eager": 8}
+# The unit a marker inside a region names: hoisting replaces it with the call site's unit.
+REGION_UNIT = "<region>"
+
+
+def regions_supported() -> bool:
+    """Whether this torch reuses a region's trace across calls (torch >= 2.13): without that,
+    a region costs more to compile than the same code inlined."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region is not None and "max_reuse_entries" in inspect.signature(region).parameters
+
+
+@dataclass
+class RegionReads:
+    """What a sharded module inside a region reads, keyed by the parameter's local name: the
+    leaf that stands for it and the marker's arguments relative to the unit. Identical in every
+    block but for the leaves, which Dynamo reaches through the module (``self``), so a trace of
+    one block is valid for the next."""
+
+    leaves: dict[str, nn.Parameter]
+    args: dict[str, tuple]
+    sync: Any  # the backend's GradientSync: regions only while gradients are synchronized
+
+
+def region_units(model: nn.Module, units: Iterable[str], tied_units: Iterable[str], min_copies: int = 2) -> set[str]:
+    """The units compiled as regions: of a class that heads ``min_copies`` units or more, holding no tied
+    parameter (a parameter registered under several names is gathered once, at the root), and
+    with nothing inside that Dynamo is told not to trace (``torch.compiler.disable``): a region
+    must be captured whole, and torch raises instead of breaking the graph inside one."""
+    units = [u for u in units if u]
+    classes = Counter(type(model.get_submodule(u)) for u in units)
+    tied = set(tied_units)
+    return {u for u in units if classes[type(model.get_submodule(u))] >= max(2, min_copies) and u not in tied
+            and not any(_compile_disabled(m) for m in model.get_submodule(u).modules())}
+
+
+def _compile_disabled(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward", type(module).forward)
+    return bool(getattr(forward, "_torchdynamo_disable", False))
+
+
+def relative_marker_args(fqn: str, unit: str, unshard_args: tuple) -> tuple:
+    """A read's marker arguments inside a region: the name within the unit, the region's unit
+    placeholder, then the rows and the spec as they are (equal in every block)."""
+    return (fqn[len(unit) + 1:], REGION_UNIT, *unshard_args[2:])
+
+
+# torch raises once a region has this many traces that could not be reused. A block that could
+# not reuse another's trace is still right, only slower to compile (the backend counts the
+# bodies and warns), so the limit is set out of reach.
+_MAX_REUSE_ENTRIES = 1 << 16
+
+
+def make_region_forward(cls: type):
+    """The generated unit class's forward: the original one, as a region while gradients are
+    synchronized."""
+    original_forward = cls.forward
+    region = torch.compiler.nested_compile_region(original_forward, max_reuse_entries=_MAX_REUSE_ENTRIES)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self._fsdp_gradient_sync.accumulating:
+            return original_forward(self, *args, **kwargs)
+        return region(self, *args, **kwargs)
+
+    forward.__doc__ = original_forward.__doc__
+    return forward
