@@ -35,7 +35,7 @@ from .inspection.bucket_advice import oversized_bucket
 from .inspection.report import graph_summary, render_report
 from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.grad_sync import GradientSync
-from .sharding.groups import Topology, current_device, resolve_topology, world_timeout
+from .sharding.groups import Topology, current_device, group_device_type, resolve_topology, world_timeout
 from .sharding.params import LocalShards, ShardedParamInfo, is_sharded, shard_module
 from .sharding.regions import MIN_REGION_COPIES, regions_supported
 from .sharding.units import ROOT_UNIT, BucketPolicy, unit_modules, unit_of
@@ -352,6 +352,10 @@ class FSDPBackend:
                 f"the model's parameters are on several device types {sorted(types)}; move the "
                 "model to one device before sharding"
             )
+        if types == {"cpu"} and init_device is None and group_device_type() != "cpu":
+            # Built on the CPU for an accelerator's group (NCCL): sharding moves the parameters
+            # there, as FSDP2's fully_shard moves a module to its mesh's device.
+            return group_device_type()
         if types:
             return types.pop()
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -119,7 +119,13 @@ def current_device(device_type: str) -> torch.device:
 
 
 def _default_device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if "nccl" in dist.get_backend() else "cpu"
+
+
+def group_device_type() -> str:
+    """The device the default process group communicates on ("cuda" for NCCL, else "cpu")."""
+    _require_initialized()
+    return _default_device_type()
 
 
 def _require_initialized() -> None:

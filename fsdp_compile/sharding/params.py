@@ -390,29 +390,43 @@ def _owners(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, str, nn.Par
 
 
 def _shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | None) -> tuple[torch.Tensor, bool]:
-    """This rank's DTensor shard of ``param``, and whether it is split on dim 0."""
+    """This rank's DTensor shard of ``param``, and whether it is split on dim 0.
+
+    The shard lives on the mesh's device (this rank's GPU for an NCCL group), whatever device
+    ``param`` was built on, as FSDP2's ``fully_shard`` moves a module's states to its mesh's
+    device; on the CPU with ``offload``; meta parameters (planning) stay meta.
+    """
     full = param.detach()
+    target = full.device if full.is_meta else torch.device("cpu") if offload else current_device(
+        topology.mesh.device_type)
     if full.dim() == 0 or topology.shard_size == 1:
-        local = _place(full.clone(), offload)
+        local = _pin(full.to(target, copy=True), offload)
         return DTensor.from_local(local, topology.mesh, topology.replicated_placements(),
                                   run_check=False), False
     rows = full.shape[0]
     chunk = padded_rows(rows, topology.shard_size)
     start, length = shard_bounds(rows, topology.shard_size, topology.shard_rank)
     # Stored padded (as FSDP2 does) so every rank's copy-in reads an equal chunk.
-    storage = full.new_zeros((chunk, *full.shape[1:]))
+    storage = full.new_zeros((chunk, *full.shape[1:]), device=target)
     storage[:length].copy_(full[start:start + length])
-    local = _place(storage, offload)[:length]
+    local = _pin(storage, offload)[:length]
     dtensor = DTensor.from_local(local, topology.mesh, topology.placements, run_check=False,
                                  shape=full.shape, stride=full.stride())
     return dtensor, True
 
 
-def _place(storage: torch.Tensor, offload: CPUOffload | None) -> torch.Tensor:
-    if offload is None:
-        return storage
-    storage = storage.to("cpu")
-    return storage.pin_memory() if offload.pin_memory and offload_pins_memory() else storage
+def _pin(storage: torch.Tensor, offload: CPUOffload | None) -> torch.Tensor:
+    if offload is not None and offload.pin_memory and offload_pins_memory():
+        return storage.pin_memory()
+    return storage
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (not meta ones: materializing places those) go to the parameters' device."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 @dataclass
@@ -455,7 +469,9 @@ def shard_module(
     elif init_fn is not None and materialize:
         raise ValueError("init_fn= initializes parameters on the meta device, and this model has none; "
                          "drop init_fn or build the model under torch.device('meta')")
-    compute_device = str(current_device(topology.mesh.device_type)) if offload is not None else None
+    device = current_device(topology.mesh.device_type)
+    _move_buffers(model, device)
+    compute_device = str(device) if offload is not None else None
     seen: dict[int, tuple[nn.Parameter, ShardedParamInfo]] = {}
     registrations: dict[int, int] = {}
     per_module: dict[nn.Module, dict[str, ShardedParamInfo]] = {}
