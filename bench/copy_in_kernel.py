@@ -103,6 +103,13 @@ def run(args: argparse.Namespace) -> dict:
 
             assert torch.equal(ours(), fsdp2()[0]), "ours and FSDP2 disagree"
             ours_s = timed(ours, device, args.iters, args.warmup)
+            by_block = {}
+            default_block = triton_kernels.BLOCK
+            for block in args.blocks:  # elements per Triton program: a sweep for tuning BLOCK
+                triton_kernels.BLOCK = block
+                assert torch.equal(ours(), fsdp2()[0]), f"ours (BLOCK {block}) and FSDP2 disagree"
+                by_block[block] = timed(ours, device, args.iters, args.warmup) * 1e6
+            triton_kernels.BLOCK = default_block
             fsdp2_s = timed(fsdp2, device, args.iters, args.warmup)
             moved = total * 4 + total * dtype.itemsize  # read fp32 shards, write the buffer
             results.append({
@@ -111,27 +118,31 @@ def run(args: argparse.Namespace) -> dict:
                 "ours_gbps": moved / ours_s / 1e9, "fsdp2_gbps": moved / fsdp2_s / 1e9,
                 "ours_vs_copy_bandwidth": moved / ours_s / 1e9 / copy_gbps,
                 "speedup_vs_fsdp2": fsdp2_s / ours_s,
+                "ours_us_by_block": by_block,
             })
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "world": world, "copy_gbps": copy_gbps,
         "kernel": "triton" if device.type == "cuda" and triton_kernels.available() else "torch",
+        "block": triton_kernels.BLOCK if triton_kernels.available() else None,
         "rows": results,
     }
 
 
 def markdown(report: dict) -> str:
     lines = [
-        f"Copy-in on {report['device']} (torch {report['torch']}, kernel: {report['kernel']}); "
-        f"device copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write).",
+        f"Copy-in on {report['device']} (torch {report['torch']}, kernel: {report['kernel']}, BLOCK "
+        f"{report.get('block')}); device copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write). Each "
+        "time is the median call, host work included (table, launch).",
         "",
-        "| params | dtype | buffer MiB | ours µs | FSDP2 µs | ours GB/s | of copy bw | vs FSDP2 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| params | dtype | buffer MiB | ours µs | FSDP2 µs | ours GB/s | of copy bw | vs FSDP2 | ours µs by BLOCK |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rows"]:
+        sweep = ", ".join(f"{b}: {us:.0f}" for b, us in r.get("ours_us_by_block", {}).items()) or "-"
         lines.append(
             f"| {r['params']} | {r['dtype']} | {r['buffer_mib']:.1f} | {r['ours_us']:.1f} | {r['fsdp2_us']:.1f} | "
-            f"{r['ours_gbps']:.0f} | {r['ours_vs_copy_bandwidth']:.0%} | {r['speedup_vs_fsdp2']:.2f}x |")
+            f"{r['ours_gbps']:.0f} | {r['ours_vs_copy_bandwidth']:.0%} | {r['speedup_vs_fsdp2']:.2f}x | {sweep} |")
     return "\n".join(lines) + "\n"
 
 
@@ -140,6 +151,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--params", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    p.add_argument("--blocks", type=int, nargs="*", default=[],
+                   help="also time our kernel at these BLOCK sizes (elements per program), for tuning")
     p.add_argument("--world", type=int, default=8, help="ranks the shards come from (sets padding)")
     p.add_argument("--total-bytes", type=int, default=256 * 2**20, help="fp32 bytes of all full parameters")
     p.add_argument("--copy-bytes", type=int, default=512 * 2**20)

@@ -8,15 +8,17 @@ destination dtype and filling the rest of the destination range with zeros:
 * chunk-cat (reduce-scatter input): one segment per (gradient, rank) chunk;
 * copy-out (all-gather output): one segment per (parameter, rank) chunk, into each full tensor.
 
-Segments are described by int64 tables (raw pointers, offsets, lengths) and a block table that
-maps each program to (segment, offset), so the launch count does not grow with the number of
-tensors. Conversions to and from bfloat16 use integer arithmetic (round to nearest even going
-down, a 16-bit shift going up), so results are the same as torch's casts on a GPU and in
-Triton's CPU interpreter, whose float casts truncate and flush bfloat16 subnormals to zero.
+Segments are described by one int64 table (raw pointers, offsets, lengths, first block); each
+program finds its segment by a binary search over the first blocks, so the launch count and
+the bytes sent to the device per launch do not grow with the tensors' sizes. Conversions to and
+from bfloat16 use integer arithmetic (round to nearest even going down, a 16-bit shift going
+up), so results are the same as torch's casts on a GPU and in Triton's CPU interpreter, whose
+float casts truncate and flush bfloat16 subnormals to zero.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,19 +65,29 @@ if triton is not None:
 
     @triton.jit
     def _segment_copy_kernel(
-        src_ptrs, src_starts, src_lens, dst_ptrs, dst_starts, dst_lens, block_segment, block_offset,
-        SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr, WIDEN_FROM_BF16: tl.constexpr,
-        ROUND_TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        table, n_segments, SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr, WIDEN_FROM_BF16: tl.constexpr,
+        ROUND_TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        seg = tl.load(block_segment + pid)
-        offset = tl.load(block_offset + pid)
-        src = tl.load(src_ptrs + seg).to(tl.pointer_type(SRC_DTYPE))
-        dst = tl.load(dst_ptrs + seg).to(tl.pointer_type(DST_DTYPE))
-        src_start = tl.load(src_starts + seg)
-        src_len = tl.load(src_lens + seg)
-        dst_start = tl.load(dst_starts + seg)
-        dst_len = tl.load(dst_lens + seg)
+        # The table holds one column per field (see segment_copy), n_segments long each. The
+        # program's segment is the last one whose first block is at or before it: a binary
+        # search over the first-block column, so no per-block table crosses to the device.
+        pid = tl.program_id(0).to(tl.int64)
+        first_block = table + 6 * n_segments
+        lo = tl.zeros((), tl.int64)
+        hi = lo + n_segments - 1
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            after = tl.load(first_block + mid) <= pid
+            lo = tl.where(after, mid, lo)
+            hi = tl.where(after, hi, mid - 1)
+        seg = lo
+        offset = (pid - tl.load(first_block + seg)) * BLOCK_SIZE
+        src = tl.load(table + seg).to(tl.pointer_type(SRC_DTYPE))
+        src_start = tl.load(table + n_segments + seg)
+        src_len = tl.load(table + 2 * n_segments + seg)
+        dst = tl.load(table + 3 * n_segments + seg).to(tl.pointer_type(DST_DTYPE))
+        dst_start = tl.load(table + 4 * n_segments + seg)
+        dst_len = tl.load(table + 5 * n_segments + seg)
         idx = offset + tl.arange(0, BLOCK_SIZE)
         values = tl.load(src + src_start + idx, mask=idx < src_len, other=0.0)
         if WIDEN_FROM_BF16:
@@ -113,24 +125,22 @@ def segment_copy(segments: Sequence[Segment]) -> None:
     if src_dtype not in _TL_DTYPES or dst_dtype not in _TL_DTYPES:
         raise TypeError(f"segment_copy supports {SUPPORTED_DTYPES}, got {src_dtype} -> {dst_dtype}")
     device = segments[0].dst.device
-    table = torch.tensor(
-        [[s.src.data_ptr(), s.src_start, max(0, min(s.src_len, s.dst_len)), s.dst.data_ptr(),
-          s.dst_start, s.dst_len] for s in segments],
-        dtype=torch.int64,
-    )
-    blocks = (table[:, 5] + BLOCK - 1) // BLOCK
-    block_segment = torch.repeat_interleave(torch.arange(len(segments)), blocks)
-    first_block = torch.cumsum(blocks, 0) - blocks
-    block_offset = (torch.arange(int(blocks.sum())) - first_block[block_segment]) * BLOCK
-    pin = device.type == "cuda"
-    columns = [table[:, i].contiguous() for i in range(6)] + [block_segment, block_offset]
-    columns = [c.pin_memory().to(device, non_blocking=True) if pin else c.to(device) for c in columns]
+    # One int64 table, one column per field (pointers, starts, lengths, each segment's first
+    # block), sent to the device in one copy: small (7 numbers a segment), so a pageable copy
+    # costs less than pinning a buffer for it on every call.
+    blocks = [-(-s.dst_len // BLOCK) for s in segments]
+    first_blocks = list(itertools.accumulate(blocks, initial=0))
+    columns = ([s.src.data_ptr() for s in segments], [s.src_start for s in segments],
+               [max(0, min(s.src_len, s.dst_len)) for s in segments], [s.dst.data_ptr() for s in segments],
+               [s.dst_start for s in segments], [s.dst_len for s in segments], first_blocks[:-1])
+    table = torch.tensor(list(itertools.chain.from_iterable(columns)), dtype=torch.int64).to(device)
     converts = src_dtype != dst_dtype
-    _segment_copy_kernel[(int(blocks.sum()),)](
-        *columns,
+    _segment_copy_kernel[(first_blocks[-1],)](
+        table, len(segments),
         SRC_DTYPE=_TL_DTYPES[src_dtype], DST_DTYPE=_TL_DTYPES[dst_dtype],
         WIDEN_FROM_BF16=converts and src_dtype is torch.bfloat16,
         ROUND_TO_BF16=converts and dst_dtype is torch.bfloat16, BLOCK_SIZE=BLOCK,
+        SEARCH_STEPS=max(1, (len(segments) - 1).bit_length()),
     )
 
 
