@@ -111,3 +111,17 @@ def test_train_step_benchmark_runs_rounds_with_spread(tmp_path: Path) -> None:
     assert "| variant | step ms | vs FSDP2 eager | vs FSDP2 + compile |" in text
     assert "- round 3: fsdp2_eager" in text and "scheduling on vs off:" in text
     assert "| process CPU vs FSDP2 eager |" in text
+
+
+def test_single_gpu_benchmark_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29600 + os.getpid() % 1000)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "single_gpu_step.py"), "--smoke", "--compiler",
+                           "aot_eager", "--out", str(tmp_path)],
+                          check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "single_gpu_step_smoke.json").read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert set(rows) == {"plain", "fsdp2", "fsdp_compile"}
+    # The same weights and batches: every variant starts from the same loss.
+    assert all(abs(r["first_loss"] - rows["plain"]["first_loss"]) < 1e-2 for r in rows.values())
+    assert "| fsdp_compile |" in (tmp_path / "single_gpu_step_smoke.md").read_text()

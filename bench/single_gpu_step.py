@@ -1,0 +1,214 @@
+"""One GPU, one process: fsdp_compile against FSDP2 + torch.compile and plain torch.compile.
+
+    python bench/single_gpu_step.py                       # on a CUDA device
+    python bench/single_gpu_step.py --smoke --out /tmp    # tiny, on the CPU with gloo (checks the script)
+
+A GPT (8 layers, d_model 1024, 16 heads, sequence 1024, batch 8, vocabulary 50304), AdamW,
+bf16 compute with fp32 parameters and gradient reduction, at world 1 (a one-rank NCCL group).
+With one rank the collectives move nothing across a link: what this measures is everything
+around them on a real GPU -- the compiled graphs (Inductor's Triton code, our copy-in kernel
+fused with the cast), the runtime per step, compile time and peak memory -- against the peers
+in the same process:
+
+  plain        ``torch.compile(model)`` of the unsharded model under ``torch.autocast(bfloat16)``;
+  fsdp2        torch's ``fully_shard`` per block and at the root (MixedPrecisionPolicy bf16 / fp32
+               reduce, resharding after forward), then ``torch.compile`` (Inductor);
+  fsdp_compile ``fsdp_compile.backend("FULL_SHARD", mixed_precision=bf16 / fp32 reduce)``, Inductor.
+
+Step time: median of ``--steps`` steps after ``--warmup`` (the first compiles), each step timed
+with CUDA events around forward, backward and the optimizer step. Compile time: the first
+step's time minus the median step. Peak memory: ``torch.cuda.max_memory_allocated`` over the
+timed steps. (The planner plans worlds of 2 or more: none is set beside this one.) Writes JSON
+and a Markdown table to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp_compile
+from fsdp_compile.models.gpt import GPT, GPTConfig
+from fsdp_compile.sharding.groups import end_process_group
+
+VARIANTS = ("plain", "fsdp2", "fsdp_compile")
+
+
+class Clock:
+    """Seconds of a region of GPU work (CUDA events), or of wall time on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self) -> Clock:
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def build(variant: str, base: torch.nn.Module, device: torch.device, compiler: str):
+    """(model the optimizer steps, forward callable, autocast dtype or None)."""
+    model = copy.deepcopy(base)
+    bf16 = torch.bfloat16
+    if variant == "plain":
+        model.to(device)
+        return model, torch.compile(model, backend=compiler), bf16
+    if variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model.to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        return model, torch.compile(model, backend=compiler), None
+    if variant == "fsdp_compile":
+        backend = fsdp_compile.backend(
+            "FULL_SHARD", compiler=compiler, mixed_precision=fsdp_compile.MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32))
+        backend.shard(model)
+        return model, torch.compile(model, backend=backend), None
+    raise ValueError(variant)
+
+
+def measure(variant: str, base: torch.nn.Module, cfg: GPTConfig, args: argparse.Namespace,
+            device: torch.device) -> dict:
+    model, forward, autocast_dtype = build(variant, base, device, args.compiler)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    gen = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=gen).to(device)
+               for _ in range(4)]
+    times, losses = [], []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        idx = batches[step % len(batches)]
+        with Clock(device) as clock:
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = forward(idx[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), idx[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times.append(clock.seconds)
+        losses.append(loss.item())
+    steady = statistics.median(times[args.warmup:])
+    tokens = args.batch * cfg.block_size
+    result = {
+        "variant": variant, "step_ms": steady * 1e3,
+        "step_ms_range": [min(times[args.warmup:]) * 1e3, max(times[args.warmup:]) * 1e3],
+        "compile_s": times[0] - steady, "tokens_per_s": tokens / steady,
+        "peak_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None),
+        "first_loss": losses[0], "last_loss": losses[-1],
+    }
+    del model, forward, opt
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        f"# One GPU: fsdp_compile vs FSDP2 + torch.compile vs plain torch.compile ({report['device']})", "",
+        f"GPT {c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads, sequence {c['seq']}, batch "
+        f"{c['batch']}, vocab {c['vocab']}; AdamW; bf16 compute, fp32 parameters; world 1 "
+        f"({report['backend']}); {c.get('compiler', 'inductor')}; torch {report['torch']}, Triton {report['triton']}. Median of {c['steps']} "
+        f"steps after {c['warmup']} warm-up steps (the first compiles); compile = first step - median step. "
+        "World 1: the collectives move nothing across a link.", "",
+        "| variant | step ms (min-max) | vs plain | vs FSDP2 | tokens/s | peak GiB | compile s | loss first -> last |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = {r["variant"]: r for r in report["rows"]}
+    for r in report["rows"]:
+        lo, hi = r["step_ms_range"]
+        vs_plain = rows["plain"]["step_ms"] / r["step_ms"] if "plain" in rows else float("nan")
+        vs_fsdp2 = rows["fsdp2"]["step_ms"] / r["step_ms"] if "fsdp2" in rows else float("nan")
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} ({lo:.1f}-{hi:.1f}) | {vs_plain:.2f}x | {vs_fsdp2:.2f}x "
+                     f"| {r['tokens_per_s']:.0f} | {peak} | {r['compile_s']:.1f} | "
+                     f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+    lines.append("")
+    lines.append("Speed columns: the other variant's step time over this one's (above 1: this one is faster).")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--smoke", action="store_true", help="tiny model on whatever device, to check the script")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args()
+    if args.smoke:
+        args.layers, args.d_model, args.heads, args.seq, args.batch, args.vocab = 2, 32, 2, 16, 2, 67
+        args.warmup, args.steps = 2, 2
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    rows = []
+    for variant in args.variants:
+        rows.append(measure(variant, base, cfg, args, device))
+        print(json.dumps(rows[-1]), flush=True)
+    report = {
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "backend": dist.get_backend(), "torch": torch.__version__,
+        "triton": getattr(__import__("triton"), "__version__", "?"),
+        "config": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
+                   "batch": args.batch, "vocab": args.vocab, "warmup": args.warmup, "steps": args.steps,
+                   "compiler": args.compiler},
+        "rows": rows,
+    }
+    table = markdown(report)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "single_gpu_step_smoke" if args.smoke else f"single_gpu_step_{'cuda' if cuda else 'cpu'}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table)
+    end_process_group(exit_process=True)
+
+
+if __name__ == "__main__":
+    main()
