@@ -204,6 +204,18 @@ def layout_worker(rank: int, world: int, layout: str) -> dict:
     return out
 
 
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"encoder_decoder"}))
+def test_every_model_layout_trains_bit_for_bit_with_regions(layout: str) -> None:
+    # Blocks in a list, a dict, attributes, nested (MoE experts), two stages, two stacks, none
+    # repeated: each layout's repeated units become regions and their gradients equal the
+    # eager runtime's bit for bit. No region calls remain where nothing repeats, and for the
+    # twin stacks: their input feeds the encoder's first block and the residual around the
+    # encoder, so that body's calls are inlined (as the encoder-decoder's below).
+    out = run_workers(layout_worker, 2, layout)[0]
+    assert bool(out["calls"]) == (layout not in ("no_repeats", "twin_stacks")), out["calls"]
+    assert_bitwise(out["regions"], out["eager"], f"{layout} gradients vs the eager runtime")
+
+
 def test_a_shared_input_read_twice_in_a_block_inlines_that_block() -> None:
     # Both stacks read the embedded input, and each block reads its input twice (the residual
     # and the layer norm); the decoder's cross-attention also reads the encoder's output twice

@@ -37,10 +37,11 @@ import torch.nn as nn
 
 REGION_ATTR = "_fsdp_region"
 # From how many copies of a block a region pays for its fixed cost (one more trace of the body,
-# torch's per-call schema for the region), by compiler: measured on this project's GPT
-# (bench/results/compile_time_analysis.md): under Inductor 4 blocks compile 29% faster as
-# regions; under aot_eager, which compiles nothing, regions cost 14% at 4 blocks, break even
-# at 6 and save from 8. The eager compiler runs every region inline: none there.
+# torch's per-call schema for the region), by compiler, measured on this project's GPT
+# (bench/results/compile_time_cpu_regions_*.md): under Inductor, which compiles the body once,
+# 4 blocks compile 28% faster as regions; under aot_eager, which compiles nothing, regions cost
+# at 4 blocks (the plain model: +12%) and save from 16 (fsdp_compile: -20%), so 8 sits between.
+# The eager compiler runs every region inline: none there.
 MIN_REGION_COPIES = {"inductor": 2, "aot_eager": 8}
 # The unit a marker inside a region names: hoisting replaces it with the call site's unit.
 REGION_UNIT = "<region>"
