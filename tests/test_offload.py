@@ -118,12 +118,16 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 @pytest.mark.parametrize("source", ["cuda", "meta", "cpu"])
 def test_offloaded_shards_are_placed_in_host_memory(source: str) -> None:
     """Where a parameter comes from a device (fake CUDA tensors: no CUDA needed to place them),
-    its shard storage under offload is host memory; without offload it stays where it was."""
+    its shard storage under offload is host memory; without offload it goes to the mesh's
+    device (a CPU-built model sharded over NCCL trains on the GPU), and stays where it was
+    when there is none (meta shards while planning)."""
     with FakeTensorMode():
         storage = torch.empty(4, 3, device=source)
         for pin in (True, False):
-            assert _place(storage, CPUOffload(pin_memory=pin)).device.type == "cpu"
+            assert _place(storage, CPUOffload(pin_memory=pin), torch.device("cuda", 0)).device.type == "cpu"
         assert _place(storage, None).device == storage.device
+        if source != "meta":
+            assert _place(storage, None, torch.device("cuda", 0)).device == torch.device("cuda", 0)
 
 
 def test_pin_memory_pins_exactly_where_an_accelerator_can_use_it() -> None:

@@ -390,35 +390,34 @@ def _owners(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, str, nn.Par
 
 
 def _shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | None) -> tuple[torch.Tensor, bool]:
-    """This rank's DTensor shard of ``param``, and whether it is split on dim 0.
-
-    The shard lives on the mesh's device (this rank's GPU for an NCCL group), whatever device
-    ``param`` was built on, as FSDP2's ``fully_shard`` moves a module's states to its mesh's
-    device; on the CPU with ``offload``; meta parameters (planning) stay meta.
-    """
+    """This rank's DTensor shard of ``param``, and whether it is split on dim 0."""
     full = param.detach()
-    target = full.device if full.is_meta else torch.device("cpu") if offload else current_device(
-        topology.mesh.device_type)
+    device = None if full.is_meta else current_device(topology.mesh.device_type)
     if full.dim() == 0 or topology.shard_size == 1:
-        local = _pin(full.to(target, copy=True), offload)
+        local = _place(full.clone(), offload, device)
         return DTensor.from_local(local, topology.mesh, topology.replicated_placements(),
                                   run_check=False), False
     rows = full.shape[0]
     chunk = padded_rows(rows, topology.shard_size)
     start, length = shard_bounds(rows, topology.shard_size, topology.shard_rank)
     # Stored padded (as FSDP2 does) so every rank's copy-in reads an equal chunk.
-    storage = full.new_zeros((chunk, *full.shape[1:]), device=target)
+    storage = full.new_zeros((chunk, *full.shape[1:]))
     storage[:length].copy_(full[start:start + length])
-    local = _pin(storage, offload)[:length]
+    local = _place(storage, offload, device)[:length]
     dtensor = DTensor.from_local(local, topology.mesh, topology.placements, run_check=False,
                                  shape=full.shape, stride=full.stride())
     return dtensor, True
 
 
-def _pin(storage: torch.Tensor, offload: CPUOffload | None) -> torch.Tensor:
-    if offload is not None and offload.pin_memory and offload_pins_memory():
-        return storage.pin_memory()
-    return storage
+def _place(storage: torch.Tensor, offload: CPUOffload | None, device: torch.device | None = None) -> torch.Tensor:
+    """Where a shard lives: host memory under ``offload`` (pinned where asked and possible),
+    else ``device``, the mesh's (None: where it is). FSDP2's ``fully_shard`` moves a module's
+    states to its mesh's device too: a model built on the CPU and sharded over an NCCL group
+    trains on the GPU."""
+    if offload is not None:
+        storage = storage.to("cpu")
+        return storage.pin_memory() if offload.pin_memory and offload_pins_memory() else storage
+    return storage if device is None else storage.to(device)
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
