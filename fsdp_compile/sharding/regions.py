@@ -104,7 +104,9 @@ def make_region_forward(cls: type):
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self._fsdp_gradient_sync.accumulating:
             return original_forward(self, *args, **kwargs)
-        return region(self, *args, **kwargs)
+        # torch.compile must capture a region whole: a graph break inside the block raises, and
+        # Dynamo's message quotes the line below, so it says what to do.
+        return region(self, *args, **kwargs)  # a graph break in this block? use backend(regions=False)
 
     forward.__doc__ = original_forward.__doc__
     return forward
