@@ -15,7 +15,6 @@ Bandwidth counts bytes read plus bytes written. Results: JSON and a Markdown tab
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import random
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from report_files import write_report
 
 import fsdp_compile  # noqa: F401  (registers the ops)
 from fsdp_compile.runtime import triton_kernels
@@ -166,11 +166,7 @@ def main() -> None:
     report = run(args)
     table = markdown(report)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "copy_in_smoke" if args.smoke else f"copy_in_{args.device}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(table)
+    write_report(args.out, "copy_in_smoke" if args.smoke else f"copy_in_{args.device}", report, table)
 
 
 if __name__ == "__main__":

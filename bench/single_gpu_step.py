@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from report_files import write_report
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
@@ -202,11 +203,8 @@ def main() -> None:
     }
     table = markdown(report)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "single_gpu_step_smoke" if args.smoke else f"single_gpu_step_{'cuda' if cuda else 'cpu'}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(table)
+    write_report(args.out, "single_gpu_step_smoke" if args.smoke else f"single_gpu_step_{'cuda' if cuda else 'cpu'}",
+                 report, table)
     end_process_group(exit_process=True)
 
 

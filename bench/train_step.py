@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from report_files import write_report
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fsdp_compile
@@ -528,9 +529,7 @@ def main() -> None:
         table = markdown(report) if "fsdp2_eager" in args.variants else json.dumps(results, indent=2)
         if len(orders) == args.rounds:
             print(table)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / f"{stem}.md").write_text(table)
+        write_report(out, stem, report, table)
 
     measure(args, args.variants, base, cfg, rank, world, write)
     end_process_group(exit_process=True)
