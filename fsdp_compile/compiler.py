@@ -417,12 +417,16 @@ class Compiler:
     def _tag_saved_inputs(gm: fx.GraphModule, forward_output_roles: list[str]) -> None:
         """Give the backward graph's saved inputs the roles their forward outputs had.
 
-        AOTAutograd passes the tensors forward saved, in order, as the backward graph's first
-        inputs (the gradients of the outputs, ``tangents_*``, come last).
+        AOTAutograd passes the tensors forward saved, in order, as the backward graph's inputs
+        (the gradients of the outputs, ``tangents_*``, come last). Saved sizes (SymInts, with a
+        dynamic dimension) are the forward's last outputs but the backward's first inputs, so
+        tensors are matched with tensors only.
         """
-        saved = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-        if saved and len(saved) <= len(forward_output_roles):
-            for node, role in zip(saved, forward_output_roles[-len(saved):]):
+        saved = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
+                 and not _is_size(n)]
+        tensor_roles = [role for role in forward_output_roles if role != "other"]
+        if saved and len(saved) <= len(tensor_roles):
+            for node, role in zip(saved, tensor_roles[-len(saved):]):
                 node.meta[ROLE_META] = role
 
     def _compile_aot_eager(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph):
@@ -748,11 +752,16 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
         return _uuid(self.key, self.user_partitioner)
 
 
+def _is_size(node: fx.Node) -> bool:
+    """A graph value that is a number (a SymInt size), not a tensor."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
 def _output_roles(gm: fx.GraphModule) -> list[str]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     roles = []
     for value in output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]:
-        if not isinstance(value, fx.Node):
+        if not isinstance(value, fx.Node) or _is_size(value):
             roles.append("other")
         elif is_gathered(value):
             roles.append("gathered")

@@ -169,3 +169,35 @@ def test_no_import_cycles_and_no_function_level_import_hides_one() -> None:
 def test_a_misspelt_stage_is_an_error_not_an_empty_stage() -> None:
     with pytest.raises(ValueError, match="stage 'graphs' is not a pipeline stage; use one of captured, joint, partitioned, graph"):
         run_stage(two_layers(), "graphs", graph_context())
+
+
+def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None:
+    # With a dynamic dimension AOTAutograd saves sizes as well: they are the forward's last
+    # outputs but the backward's first inputs. A parameter saved for backward must still be
+    # counted as a parameter (the planner's memory expression read one activation as a
+    # parameter, and one parameter as an activation, before).
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fsdp_compile.compiler import Compiler, _output_roles
+    from fsdp_compile.passes.graph import ROLE_META
+
+    size = ShapeEnv().create_unbacked_symint()
+    forward = torch.fx.Graph()
+    weight, x = forward.placeholder("primals_1"), forward.placeholder("primals_2")
+    weight.meta.update(val=torch.empty(4, 4, device="meta"), **{ROLE_META: "param"})
+    x.meta["val"] = torch.empty(2, 4, device="meta")
+    mm = forward.call_function(torch.ops.aten.mm.default, (x, weight))
+    mm.meta["val"] = torch.empty(2, 4, device="meta")
+    sym = forward.call_function(torch.ops.aten.sym_size.int, (x, 0))
+    sym.meta["val"] = size
+    forward.output((mm, weight, x, sym))  # output, then saved: weight, x, then the saved size
+    roles = _output_roles(torch.fx.GraphModule(torch.nn.Module(), forward))
+
+    backward = torch.fx.Graph()
+    nodes = [backward.placeholder(name) for name in ("sym_size_int", "primals_1", "primals_2", "tangents_1")]
+    nodes[0].meta["val"] = size
+    for node in nodes[1:]:
+        node.meta["val"] = torch.empty(4, 4, device="meta")
+    backward.output((nodes[3],))
+    Compiler._tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles)
+    assert [n.meta.get(ROLE_META) for n in nodes] == [None, "param", "activation", None]
