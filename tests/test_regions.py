@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from distributed import run_workers
 from helpers import (
+    WORLD,
     assert_bitwise,
     batches,
     full,
@@ -165,24 +166,19 @@ def test_prefetch_crosses_block_boundaries(full_shard) -> None:
     assert full_shard["regions"]["prefetch_crosses_blocks"]
 
 
-@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD"])
+# FULL_SHARD has the fixture above; hybrid strategies run on 4 ranks, with -m slow.
+OTHER_STRATEGIES = ["SHARD_GRAD_OP", "NO_SHARD"] + [
+    pytest.param(s, marks=pytest.mark.slow) for s in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")]
+
+
+@pytest.mark.parametrize("strategy", OTHER_STRATEGIES)
 def test_other_strategies_train_bit_for_bit_with_regions(strategy: str) -> None:
-    out = run_workers(regions_worker, 2, strategy)[0]
+    out = run_workers(regions_worker, WORLD[strategy], strategy)[0]
     for mode in ("no_regions", "eager"):
         assert_bitwise(out["regions"]["grads0"], out[mode]["grads0"], f"{strategy} first-step gradients vs {mode}")
         assert_bitwise(out["regions"]["params"], out[mode]["params"], f"{strategy} parameters vs {mode}")
     assert out["regions"]["facts"] == out["no_regions"]["facts"]
     assert out["regions"]["memory"] == out["no_regions"]["memory"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
-def test_hybrid_strategies_train_bit_for_bit_with_regions(strategy: str) -> None:
-    out = run_workers(regions_worker, 4, strategy)[0]
-    for mode in ("no_regions", "eager"):
-        assert_bitwise(out["regions"]["grads0"], out[mode]["grads0"], f"{strategy} first-step gradients vs {mode}")
-        assert_bitwise(out["regions"]["params"], out[mode]["params"], f"{strategy} parameters vs {mode}")
-    assert out["regions"]["facts"] == out["no_regions"]["facts"]
 
 
 def layout_worker(rank: int, world: int, layout: str) -> dict:
