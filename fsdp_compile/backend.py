@@ -341,8 +341,7 @@ class FSDPBackend:
                     targets = [targets]
                 self.explicit_prefetch[phase][label(trigger, option)] = [label(t, option) for t in targets]
 
-    @staticmethod
-    def _device_type(model: nn.Module, init_device: torch.device | None = None) -> str:
+    def _device_type(self, model: nn.Module, init_device: torch.device | None = None) -> str:
         types = {p.device.type for p in model.parameters()}
         types.discard("meta")
         if init_device is not None:
@@ -352,9 +351,10 @@ class FSDPBackend:
                 f"the model's parameters are on several device types {sorted(types)}; move the "
                 "model to one device before sharding"
             )
-        if types == {"cpu"} and init_device is None and group_device_type() != "cpu":
+        if types == {"cpu"} and init_device is None and self.options.mesh is None and group_device_type() != "cpu":
             # Built on the CPU for an accelerator's group (NCCL): sharding moves the parameters
-            # there, as FSDP2's fully_shard moves a module to its mesh's device.
+            # there, as FSDP2's fully_shard moves a module to its mesh's device. A mesh the
+            # user gave says the device itself.
             return group_device_type()
         if types:
             return types.pop()
