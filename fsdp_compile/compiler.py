@@ -286,24 +286,19 @@ class Compiler:
                    **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        if not joint_inputs and is_region_body_joint(joint.graph):
-            # A region's body, partitioned once for every call of it (AOTAutograd hands it over
-            # with no inputs). It holds no markers, so nothing of ours applies.
-            start = time.perf_counter()
-            forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            record.stage_seconds["partition"] = (record.stage_seconds.get("partition", 0.0)
-                                                 + time.perf_counter() - start)
-            partition_fixups(forward, backward, self.backend.options.disable_passes)
-            return forward, backward
-        if self._joint_captures is not None:
-            self._joint_captures.append(
-                JointCapture(record, copy_graph_module(joint), list(joint_inputs), dict(kwargs)))
-        self.joint_passes(joint, record)
+        # A region's body comes without inputs: AOTAutograd partitions it once for every call of
+        # it, and it holds no markers, so nothing of ours applies to it.
+        body = not joint_inputs and is_region_body_joint(joint.graph)
+        if not body:
+            if self._joint_captures is not None:
+                self._joint_captures.append(
+                    JointCapture(record, copy_graph_module(joint), list(joint_inputs), dict(kwargs)))
+            self.joint_passes(joint, record)
         start = time.perf_counter()
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         record.stage_seconds["partition"] = record.stage_seconds.get("partition", 0.0) + time.perf_counter() - start
         partition_fixups(forward, backward, self.backend.options.disable_passes)
-        if self._joint_captures is not None:
+        if not body and self._joint_captures is not None:
             self._joint_captures[-1].partitioned = (copy_graph_module(forward), copy_graph_module(backward))
         return forward, backward
 
