@@ -12,6 +12,7 @@ from fsdp_compile.runtime.collectives import (
     padded_rows,
     shard_bounds,
 )
+from fsdp_compile.runtime.kernels import flatten_shapes
 
 ops = torch.ops.fsdp_compile
 
@@ -41,10 +42,11 @@ def test_copy_in_then_gather_then_copy_out_rebuilds_full_tensors(world: int, dty
     chunks = chunk_numels([f.shape for f in FULLS], world)
     # An all-gather concatenates every rank's copy-in buffer.
     gathered = torch.cat([ops.copy_in([shard_of(f, world, r) for f in FULLS], chunks, dtype) for r in range(world)])
-    outs = ops.copy_out(gathered, world, chunks, [f.numel() for f in FULLS])
+    outs = ops.copy_out(gathered, world, chunks, *flatten_shapes([f.shape for f in FULLS]))
     for out, f in zip(outs, FULLS):
         assert out.dtype == dtype
-        assert torch.equal(out.view(f.shape), f.to(dtype))
+        assert out.shape == f.shape and out.is_contiguous()
+        assert torch.equal(out, f.to(dtype))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

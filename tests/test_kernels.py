@@ -106,9 +106,9 @@ def test_copy_out(seed: int, world: int, dtype: torch.dtype) -> None:
     shapes = random_full_shapes(rng, rng.randint(1, 12))
     chunks = chunk_numels(shapes, world)
     gathered = tricky_values(world * sum(chunks), gen).to(dtype).to(DEVICE)
-    numels = [int(torch.Size(s).numel()) for s in shapes]
-    want = kernels.copy_out_reference(gathered, world, chunks, numels)
-    got = triton_kernels.copy_out(gathered, world, chunks, numels)
+    want = kernels.copy_out_reference(gathered, world, chunks, shapes)
+    got = triton_kernels.copy_out(gathered, world, chunks, shapes)
+    assert [tuple(g.shape) for g in got] == [tuple(s) for s in shapes]
     assert all(bits_equal(g, w) for g, w in zip(got, want)), f"shapes {shapes}"
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
+import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # noqa: F401  (registers the markers)
+from fsdp_compile.passes.graph import COMM_META
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.runtime.collectives import CommSpec
 from fsdp_compile.sharding.units import parse_policy
@@ -46,3 +50,24 @@ def test_parameters_share_a_bucket_only_when_groups_and_dtypes_match() -> None:
     expected = sorted([("g", torch.float32, 128), ("g", torch.float64, 64), ("h", torch.float32, 64)], key=str)
     assert sorted(gathers, key=str) == expected
     assert sorted(reductions, key=str) == expected
+
+
+def test_a_lowered_bucket_adds_one_node_per_parameter_besides_its_collective() -> None:
+    # Compile time after lowering grows with the nodes per block: copy-out hands out shaped
+    # parameters (no view node after it) and each shard gradient is one view of the reduced
+    # buffer (not split, view and narrow).
+    gm = one_unit_graph()
+    per_bucket: dict[tuple[str, int], list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if COMM_META in node.meta:
+            tag = node.meta[COMM_META]
+            per_bucket.setdefault((tag.kind, tag.group), []).append(node)
+    sizes = sorted((kind, len(nodes)) for (kind, _), nodes in per_bucket.items())
+    # Gather: copy_in, all_gather, wait, copy_out, a getitem per parameter; reduce: chunk_cat,
+    # reduce_scatter, wait, an as_strided per parameter. Buckets hold 2, 1 and 1 parameters.
+    assert sizes == [("gather", 5), ("gather", 5), ("gather", 6), ("reduce", 4), ("reduce", 4), ("reduce", 5)]
+    for (kind, _), nodes in per_bucket.items():
+        for out in (n for n in nodes if n.target in (operator.getitem, torch.ops.aten.as_strided.default)):
+            want = (8, 8) if kind == "gather" else (4, 8)
+            assert tuple(out.meta["val"].shape) == want, out.format_node()
+            assert all(COMM_META not in user.meta for user in out.users), "a lowered output feeds another lowered node"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from . import kernels as _kernels_module  # noqa: F401  (registers the copy ops)
+from . import kernels as _kernels_module  # also registers the copy ops
 
 _c10d = torch.ops._c10d_functional
 _copy_ops = torch.ops.fsdp_compile
@@ -171,8 +171,15 @@ def gather_params(
     chunks = chunk_numels(full_shapes, spec.shard_size)
     flat = _copy_ops.copy_in(list(shards), chunks, dtype)
     gathered = _wait(_c10d.all_gather_into_tensor(flat, spec.shard_size, spec.shard_group))
-    fulls = _copy_ops.copy_out(gathered, spec.shard_size, chunks, [math.prod(s) for s in full_shapes])
-    return [f.view(shape) for f, shape in zip(fulls, full_shapes)]
+    return list(_copy_ops.copy_out(gathered, spec.shard_size, chunks, *_kernels_module.flatten_shapes(full_shapes)))
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
 
 
 def divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[float | None, float | None]:
@@ -224,14 +231,15 @@ def reduce_grads(
     if post is not None:
         flat = flat / post
 
-    outs = []
-    if spec.gathers:
-        for piece, shape, n, dtype in zip(torch.split(flat, chunks), full_shapes, local_rows, grad_dtypes):
-            outs.append(piece.view(-1, *shape[1:]).narrow(0, 0, n).to(dtype))
-    else:
-        numels = [math.prod(shape) for shape in full_shapes]
-        for piece, shape, dtype in zip(torch.split(flat, numels), full_shapes, grad_dtypes):
-            outs.append(piece.view(shape).to(dtype))
+    # Each shard gradient is a view of the reduced buffer at its offset (as FSDP2 takes them),
+    # one as_strided rather than split, view and narrow: one node per parameter in a lowered
+    # graph instead of three.
+    sizes = [(n, *shape[1:]) for shape, n in zip(full_shapes, local_rows)] if spec.gathers else full_shapes
+    pieces = chunks if spec.gathers else [math.prod(shape) for shape in full_shapes]
+    outs, offset = [], flat.storage_offset()
+    for size, piece, dtype in zip(sizes, pieces, grad_dtypes):
+        outs.append(flat.as_strided(size, _contiguous_strides(size), offset).to(dtype))
+        offset += piece
     if spec.compute_device is not None:
         outs = [o.to("cpu") for o in outs]
     return outs

@@ -11,6 +11,7 @@ Layout: a tensor of ``numel`` elements split over ``world`` ranks is cut into ch
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -78,22 +79,44 @@ def _(grads, world, padded_numels, dtype):
 
 
 # ----------------------------------------------------------------------------- copy-out
+def flatten_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(every dimension back to back, the number of dimensions of each shape): how shapes travel
+    as arguments of an op (a schema has no list of lists)."""
+    return [int(d) for shape in shapes for d in shape], [len(shape) for shape in shapes]
+
+
+def unflatten_shapes(dims: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    """The shapes :func:`flatten_shapes` wrote."""
+    shapes, start = [], 0
+    for rank in ranks:
+        shapes.append(tuple(dims[start:start + rank]))
+        start += rank
+    return shapes
+
+
 def copy_out_reference(gathered: torch.Tensor, world: int, padded_numels: Sequence[int],
-                       numels: Sequence[int]) -> list[torch.Tensor]:
+                       shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     # One split_with_sizes_copy into per-parameter (world, chunk) buffers, as FSDP2's copy-out.
     outs = [torch.empty(world, padded, dtype=gathered.dtype, device=gathered.device) for padded in padded_numels]
     torch.split_with_sizes_copy(gathered.view(world, -1), list(padded_numels), dim=1, out=outs)
-    return [out.view(-1)[:numel] for out, numel in zip(outs, numels)]
+    return [out.view(-1)[:math.prod(shape)].view(shape) for out, shape in zip(outs, shapes)]
 
 
 @torch.library.custom_op(f"{NAMESPACE}::copy_out", mutates_args=())
-def copy_out(gathered: torch.Tensor, world: int, padded_numels: list[int], numels: list[int]) -> list[torch.Tensor]:
-    """Flat full tensors from an all-gather output (padding dropped), one per parameter."""
+def copy_out(gathered: torch.Tensor, world: int, padded_numels: list[int], dims: list[int],
+             ranks: list[int]) -> list[torch.Tensor]:
+    """Full tensors of the given shapes from an all-gather output (padding dropped), one per
+    parameter; ``dims`` and ``ranks`` are the shapes as :func:`flatten_shapes` writes them.
+
+    Shaped rather than flat: one node per parameter in a lowered graph instead of two (a flat
+    output and its view), which a deep model pays for in every compiler stage after lowering.
+    """
+    shapes = unflatten_shapes(dims, ranks)
     if _use_triton(gathered.device, gathered.dtype):
-        return triton_kernels.copy_out(gathered, world, padded_numels, numels)
-    return copy_out_reference(gathered, world, padded_numels, numels)
+        return triton_kernels.copy_out(gathered, world, padded_numels, shapes)
+    return copy_out_reference(gathered, world, padded_numels, shapes)
 
 
 @copy_out.register_fake
-def _(gathered, world, padded_numels, numels):
-    return [gathered.new_empty(n) for n in numels]
+def _(gathered, world, padded_numels, dims, ranks):
+    return [gathered.new_empty(shape) for shape in unflatten_shapes(dims, ranks)]

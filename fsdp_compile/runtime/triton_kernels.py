@@ -193,11 +193,12 @@ def chunk_cat(grads: Sequence[torch.Tensor], world: int, padded_numels: Sequence
 
 
 def copy_out(gathered: torch.Tensor, world: int, padded_numels: Sequence[int],
-             numels: Sequence[int]) -> list[torch.Tensor]:
+             shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     total = sum(padded_numels)
-    outs = [torch.empty(n, dtype=gathered.dtype, device=gathered.device) for n in numels]
+    outs = [torch.empty(shape, dtype=gathered.dtype, device=gathered.device) for shape in shapes]
     segments, offset = Segments(), 0
-    for out, padded, numel in zip(outs, padded_numels, numels):
+    for out, padded in zip(outs, padded_numels):
+        numel = out.numel()
         for rank in range(world):
             start = rank * padded
             segments.add(gathered, rank * total + offset, padded, out, start, max(0, min(padded, numel - start)))
