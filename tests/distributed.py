@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import itertools
 import os
 import pickle
@@ -51,6 +52,9 @@ def _free_port() -> int:
 
 def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
     """A rank's loop: run each task ``(id, fn, args, env)`` until told to stop (``None``)."""
+    # A rank killed by a signal (a heap corruption in native code aborts) prints every
+    # thread's Python stack first, so the failure names where it happened.
+    faulthandler.enable()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
