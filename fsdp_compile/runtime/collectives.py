@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from . import kernels as _kernels_module  # also registers the copy ops
+from .kernels import flatten_shapes  # importing kernels also registers the copy ops
 
 _c10d = torch.ops._c10d_functional
 _copy_ops = torch.ops.fsdp_compile
@@ -171,10 +171,12 @@ def gather_params(
     chunks = chunk_numels(full_shapes, spec.shard_size)
     flat = _copy_ops.copy_in(list(shards), chunks, dtype)
     gathered = _wait(_c10d.all_gather_into_tensor(flat, spec.shard_size, spec.shard_group))
-    return list(_copy_ops.copy_out(gathered, spec.shard_size, chunks, *_kernels_module.flatten_shapes(full_shapes)))
+    return list(_copy_ops.copy_out(gathered, spec.shard_size, chunks, *flatten_shapes(full_shapes)))
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``, as torch gives a contiguous tensor (an empty dimension
+    counts as 1)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
