@@ -175,6 +175,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- parent
+def depth_fit(shallow: int, shallow_s: float, deep: int, deep_s: float) -> tuple[float, float, float] | None:
+    """(fixed seconds, seconds per block, the most seconds per block with which ``deep`` layers
+    take at most 2x of ``shallow``) for compile time = fixed + layers x per block through both
+    points; None when the depths do not allow it (one depth, or ``deep`` <= 2 x ``shallow``)."""
+    if deep <= 2 * shallow:
+        return None
+    per_block = (deep_s - shallow_s) / (deep - shallow)
+    fixed = shallow_s - shallow * per_block
+    # fixed + deep p <= 2 (fixed + shallow p)  <=>  p <= fixed / (deep - 2 shallow)
+    return fixed, per_block, fixed / (deep - 2 * shallow)
+
+
 def run_config(args: argparse.Namespace, layers: int, compiler: str, variant: str, workdir: Path,
                cache_dir: str | None) -> dict:
     result = workdir / f"{compiler}_{layers}_{variant}.json"
@@ -314,14 +326,20 @@ def markdown(report: dict) -> str:
                          f"{ratio} | {cpu_ratio} | {fmt(flat and flat['compile_s'])} | "
                          f"{fmt(plain_regions and plain_regions['compile_s'])} | {fmt(nosched and nosched['compile_s'])} | "
                          f"{cost} | {ours} | {warm_s} |")
-        lines += ["", f"Depth: compile time at each depth over the shallowest's ({compiler}):", "",
-                  "| variant | " + " | ".join(f"{layers} layers" for layers in report["layers"]) + " |",
-                  "| --- | " + " | ".join("---" for _ in report["layers"]) + " |"]
+        shallow, deep = report["layers"][0], report["layers"][-1]
+        lines += ["", f"Depth: compile time at each depth over the shallowest's ({compiler}); as a fixed part plus a "
+                  f"cost per block, from {shallow} and {deep} layers, and the cost per block at which {deep} layers "
+                  f"would take 2x of {shallow} with that fixed part:", "",
+                  "| variant | " + " | ".join(f"{layers} layers" for layers in report["layers"])
+                  + " | fixed s | per block s | per block for 2x s |",
+                  "| --- | " + " | ".join("---" for _ in report["layers"]) + " | --- | --- | --- |"]
         for variant in ("plain", "plain_regions", "fsdp", "fsdp_no_regions"):
             runs = [find.get((compiler, layers, variant)) for layers in report["layers"]]
             if runs[0] and all(runs):
+                fit = depth_fit(shallow, runs[0]["compile_s"], deep, runs[-1]["compile_s"])
+                fitted = " | ".join(f"{v:.2f}" for v in fit) if fit else "- | - | -"
                 lines.append(f"| {variant} | " + " | ".join(f"{r['compile_s'] / runs[0]['compile_s']:.2f}x"
-                                                          for r in runs) + " |")
+                                                          for r in runs) + f" | {fitted} |")
         lines += ["", f"Breakdown on rank 0, seconds ({compiler}):", "",
                   "| layers | variant | compile | " + " | ".join(BREAKDOWN) + " |",
                   "| --- | --- | --- | " + " | ".join("---" for _ in BREAKDOWN) + " |"]
