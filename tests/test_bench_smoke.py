@@ -69,12 +69,13 @@ def test_compile_time_benchmark_reports_the_median_of_repeated_runs() -> None:
 def test_compile_time_benchmark_splits_depth_into_a_fixed_part_and_a_cost_per_block() -> None:
     # 10 s + 0.5 s a block: 4 layers 12 s, 64 layers 42 s (3.5x); 2x of 4 layers at 64 would
     # need at most 10 / (64 - 8) s a block.
-    fixed, per_block, for_2x = _compile_time_module().depth_fit(4, 12.0, 64, 42.0)
+    bench = _compile_time_module()
+    fixed, per_block, for_2x = bench.depth_fit(4, 12.0, 64, 42.0)
     assert fixed == pytest.approx(10.0) and per_block == pytest.approx(0.5)
     assert for_2x == pytest.approx(10.0 / 56)
     assert 10.0 + 64 * for_2x == pytest.approx(2 * (10.0 + 4 * for_2x))
     # The smoke run's 1 and 2 layers cannot reach 2x by depth alone: no bound.
-    assert _compile_time_module().depth_fit(1, 1.0, 2, 1.5) is None
+    assert bench.depth_fit(1, 1.0, 2, 1.5) is None
 
 
 @pytest.mark.slow
