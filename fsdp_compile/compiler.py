@@ -49,11 +49,11 @@ from .compile_cache import (
 )
 from .inspection.dump import Dumper, graph_code, manifest_for
 from .inspection.graphinfo import is_gathered
-from .inspection.memory import MemoryEstimate, estimate_memory, input_bytes
+from .inspection.memory import MemoryEstimate, estimate_memory, input_bytes, output_storage_keys
 from .inspection.report import graph_summary
 from .passes.bucketing import Bucket
 from .passes.context import PassContext
-from .passes.graph import ROLE_META, copy_graph_module
+from .passes.graph import ROLE_META, SAVED_STORAGE_META, copy_graph_module
 from .passes.pipeline import PassFailure, run_stage
 from .passes.regions import PARAM_META, has_regions, inline_regions, is_region_body_joint, is_region_call
 from .passes.scheduling import Schedule, ScheduleOptions
@@ -100,6 +100,7 @@ class CompiledGraph:
     phases: dict[str, PhaseResult] = field(default_factory=_phase_results)
     inference: bool = False
     forward_output_roles: list[str] = field(default_factory=list)
+    forward_output_storages: list[Any] = field(default_factory=list)  # storage keys, as the roles
     forward_param_bytes: int = 0
     compiler: str = ""
     fallbacks: list[dict[str, str]] = field(default_factory=list)  # passes that failed, per phase
@@ -372,7 +373,7 @@ class Compiler:
         started = time.perf_counter()
         record.graph_nodes[phase] = len(gm.graph.nodes)
         if phase == "backward":
-            self._tag_saved_inputs(gm, record.forward_output_roles)
+            self._tag_saved_inputs(gm, record.forward_output_roles, record.forward_output_storages)
         kind = "backward" if phase == "backward" else "forward"
         dumper = self._dumper()
         on_graph = None
@@ -403,14 +404,17 @@ class Compiler:
         if phase != "backward":
             record.inference = phase == "inference"
             record.forward_output_roles = _output_roles(gm)
+            record.forward_output_storages = output_storage_keys(gm)
             record.forward_param_bytes = input_bytes(gm, "param")
         self._write_summary(record)
         record.stage_seconds[phase] = time.perf_counter() - started
         return gm
 
     @staticmethod
-    def _tag_saved_inputs(gm: fx.GraphModule, forward_output_roles: list[str]) -> None:
-        """Give the backward graph's saved inputs the roles their forward outputs had.
+    def _tag_saved_inputs(gm: fx.GraphModule, forward_output_roles: list[str],
+                          forward_output_storages: list[Any]) -> None:
+        """Give the backward graph's saved inputs the roles and storage keys their forward
+        outputs had.
 
         AOTAutograd passes the tensors forward saved, in order, as the backward graph's inputs
         (the gradients of the outputs, ``tangents_*``, come last). Saved sizes (SymInts, with a
@@ -419,10 +423,13 @@ class Compiler:
         """
         saved = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
                  and not _is_size(n)]
-        tensor_roles = [role for role in forward_output_roles if role != "other"]
-        if saved and len(saved) <= len(tensor_roles):
-            for node, role in zip(saved, tensor_roles[-len(saved):]):
+        tensors = [(role, key) for role, key in zip(forward_output_roles, forward_output_storages)
+                   if role != "other"]
+        if saved and len(saved) <= len(tensors):
+            for node, (role, key) in zip(saved, tensors[-len(saved):]):
                 node.meta[ROLE_META] = role
+                if key is not None:
+                    node.meta[SAVED_STORAGE_META] = key
 
     def _compile_aot_eager(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph):
         from functorch.compile import make_boxed_func

@@ -179,7 +179,8 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from fsdp_compile.compiler import Compiler, _output_roles
-    from fsdp_compile.passes.graph import ROLE_META
+    from fsdp_compile.inspection.memory import output_storage_keys
+    from fsdp_compile.passes.graph import ROLE_META, SAVED_STORAGE_META
 
     size = ShapeEnv().create_unbacked_symint()
     forward = torch.fx.Graph()
@@ -191,7 +192,8 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     sym = forward.call_function(torch.ops.aten.sym_size.int, (x, 0))
     sym.meta["val"] = size
     forward.output((mm, weight, x, sym))  # output, then saved: weight, x, then the saved size
-    roles = _output_roles(torch.fx.GraphModule(torch.nn.Module(), forward))
+    forward_gm = torch.fx.GraphModule(torch.nn.Module(), forward)
+    roles, storages = _output_roles(forward_gm), output_storage_keys(forward_gm)
 
     backward = torch.fx.Graph()
     nodes = [backward.placeholder(name) for name in ("sym_size_int", "primals_1", "primals_2", "tangents_1")]
@@ -199,5 +201,8 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     for node in nodes[1:]:
         node.meta["val"] = torch.empty(4, 4, device="meta")
     backward.output((nodes[3],))
-    Compiler._tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles)
+    Compiler._tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles, storages)
     assert [n.meta.get(ROLE_META) for n in nodes] == [None, "param", "activation", None]
+    # Each saved input counts on the storage its forward output had (weight's, x's).
+    assert [n.meta.get(SAVED_STORAGE_META) for n in nodes] == [None, *storages[1:3], None]
+    assert storages[1] != storages[2]

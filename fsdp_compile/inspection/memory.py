@@ -17,11 +17,21 @@ scheduler bounds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ..passes.graph import COLLECTIVE_OPS, COMM_META, ROLE_META, WAIT, collective_bytes
+from ..passes.graph import (
+    COLLECTIVE_OPS,
+    COMM_META,
+    PURE_VIEWS,
+    ROLE_META,
+    SAVED_STORAGE_META,
+    WAIT,
+    collective_bytes,
+)
+from ..passes.regions import aliased_input, is_region_call, region_body
 
 ROLES = ("param", "gathered", "grad", "activation", "buffer")
 
@@ -91,6 +101,62 @@ class StorageLifetimes:
     role: dict
     born: dict
     last_use: dict
+    keys: dict = field(default_factory=dict)  # node -> the storage keys of its value's tensors
+
+
+def storage_keys(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[Any, torch.Tensor]]]:
+    """Each node's tensors, with a key naming the storage each one lives on at run time.
+
+    Fake tensors say which storage a value is on, but only an aliasing op (a view, a getitem
+    of a split, a wait on a collective) puts a node's value on a storage its inputs already
+    hold: so a value inherits a key only from the node's own inputs, and is otherwise a new
+    storage of that node. Fake propagation can hand unrelated nodes one fake storage (each
+    call of a region body returns values on the storages of the first call's outputs), which
+    a key by fake storage alone would count once for all of them. A view redone outside a
+    region body carries the body's value, on the body input's storage: a pure view takes its
+    base's key whatever its value. A region call's outputs are new storages but those its body
+    passes through from an input. Graph inputs share a key where their values share a storage;
+    a backward graph's saved input takes the key its forward output had (``SAVED_STORAGE_META``).
+    """
+    keys: dict[fx.Node, list[tuple[Any, torch.Tensor]]] = {}
+    for node in gm.graph.nodes:
+        tensors = _tensors(node.meta.get("val"))
+        if node.op == "placeholder":
+            keys[node] = _input_keys(node)
+            continue
+        if is_region_call(node):
+            keys[node] = _region_call_keys(node, tensors, keys)
+            continue
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and node.target in PURE_VIEWS and inputs and keys.get(inputs[0]):
+            keys[node] = [(keys[inputs[0]][0][0], t) for t in tensors]
+            continue
+        inherited = {_storage_key(v): key for inp in inputs for key, v in keys.get(inp, [])}
+        keys[node] = [(inherited.get(_storage_key(t), (node.name, _storage_key(t))), t) for t in tensors]
+    return keys
+
+
+def _input_keys(node: fx.Node) -> list[tuple[Any, torch.Tensor]]:
+    saved = node.meta.get(SAVED_STORAGE_META)
+    return [(("saved", saved) if saved is not None else ("input", _storage_key(t)), t)
+            for t in _tensors(node.meta.get("val"))]
+
+
+def _region_call_keys(call: fx.Node, tensors: list[torch.Tensor], keys: dict) -> list[tuple[Any, torch.Tensor]]:
+    """A region call's outputs: an output its body passes through from an input (or a view
+    of one) is on that input's storage; the others are new storages of the call, shared
+    where their values share one (views of one body value)."""
+    body = region_body(call)
+    operands = call.args[2:]
+    out = []
+    for index, t in enumerate(tensors):
+        source = aliased_input(body, index)
+        operand = operands[source] if source is not None and source < len(operands) else None
+        if isinstance(operand, fx.Node) and keys.get(operand):
+            out.append((keys[operand][0][0], t))
+        else:
+            out.append(((call.name, _storage_key(t)), t))
+    return out
 
 
 def storage_lifetimes(gm: fx.GraphModule, symbolic: bool = False) -> StorageLifetimes:
@@ -103,32 +169,37 @@ def storage_lifetimes(gm: fx.GraphModule, symbolic: bool = False) -> StorageLife
     role: dict = {}
     born: dict = {}
     last_use: dict = {}
-    node_storages: dict[fx.Node, list] = {}
+    node_keys = storage_keys(gm)
     for i, node in enumerate(nodes):
-        keys = []
-        for t in _tensors(node.meta.get("val")):
-            key = _storage_key(t)
-            keys.append(key)
+        for key, t in node_keys[node]:
             if key not in size:
                 size[key] = _storage_bytes(t, symbolic)
                 role[key] = role_of(node)
                 born[key] = 0 if node.op == "placeholder" else i
                 last_use[key] = end if node.op == "placeholder" else i
-        node_storages[node] = keys
     for node in nodes:
         for user in node.users:
-            for key in node_storages[node]:
+            for key, _ in node_keys[node]:
                 last_use[key] = max(last_use[key], index[user])
-    return StorageLifetimes(nodes, size, role, born, last_use)
+    keys = {node: [key for key, _ in pairs] for node, pairs in node_keys.items()}
+    return StorageLifetimes(nodes, size, role, born, last_use, keys)
+
+
+def output_storage_keys(gm: fx.GraphModule) -> list[Any]:
+    """The storage key of each of the graph's outputs (None where it is not a tensor node):
+    what a backward graph's saved inputs carry as ``SAVED_STORAGE_META``."""
+    keys = storage_keys(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    return [keys[v][0][0] if isinstance(v, fx.Node) and keys.get(v) else None for v in values]
 
 
 def input_bytes(gm: fx.GraphModule, role: str) -> int:
     """Bytes of the graph inputs with ``role`` (distinct storages)."""
     seen, total = set(), 0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and role_of(node) == role:
-            for t in _tensors(node.meta.get("val")):
-                key = _storage_key(t)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if role_of(node) == role:
+            for key, t in _input_keys(node):
                 if key not in seen:
                     seen.add(key)
                     total += _storage_bytes(t)
@@ -144,6 +215,28 @@ def role_of(node: fx.Node) -> str:
     return "activation"
 
 
+def _region_scratch_bytes(call: fx.Node, scratch: dict[int, int]) -> int:
+    """The most bytes a region call's body holds at once besides its inputs and outputs,
+    which the calling graph counts (cached per body: its calls share it)."""
+    body = region_body(call)
+    if id(body) not in scratch:
+        life = storage_lifetimes(body)
+        ends = {key for node in body.graph.nodes if node.op in ("placeholder", "output")
+                for arg in ([node] if node.op == "placeholder" else node.all_input_nodes)
+                for key in life.keys.get(arg, [])}
+        change = [0] * (len(life.nodes) + 1)
+        for key, nbytes in life.size.items():
+            if key not in ends:
+                change[life.born[key]] += nbytes
+                change[life.last_use[key] + 1] -= nbytes
+        live = most = 0
+        for delta in change:
+            live += delta
+            most = max(most, live)
+        scratch[id(body)] = most
+    return scratch[id(body)]
+
+
 def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> MemoryEstimate:
     """``held``: bytes per role the caller keeps alive during the graph without passing them
     in (e.g. the parameters a backward graph does not read), counted at every node."""
@@ -157,6 +250,7 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> M
         allocs.setdefault(born[key], []).append(key)
         frees.setdefault(last_use[key], []).append(key)
 
+    scratch: dict[int, int] = {}  # region body -> bytes it needs beyond its inputs and outputs
     in_flight: dict[fx.Node, int] = {}  # collective -> bytes, from the collective until its wait
     by_role = dict.fromkeys(ROLES, 0)
     for r, extra in (held or {}).items():
@@ -173,6 +267,11 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> M
             in_flight.pop(node.args[0], None)
         elif node.target in COLLECTIVE_OPS:
             in_flight[node] = collective_bytes(node)
+        # A region call's body holds its own intermediates while it runs, on top of what is
+        # live here (its inputs, and its outputs allocated above).
+        body_bytes = _region_scratch_bytes(node, scratch) if is_region_call(node) else 0
+        live += body_bytes
+        by_role["activation"] += body_bytes
         if live > peak:
             peak, peak_node, peak_by_role = live, node.name, dict(by_role)
         for r in ROLES:
@@ -180,6 +279,8 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> M
         timeline.append((node.name, live))
         role_timeline.append(dict(by_role))
         inflight_timeline.append(sum(in_flight.values()))
+        live -= body_bytes
+        by_role["activation"] -= body_bytes
         for key in frees.get(i, []):
             live -= size[key]
             by_role[role[key]] -= size[key]

@@ -23,7 +23,9 @@ them out and keep them out:
   the forward call and the top-level partitioner could only save it (FULL_SHARD would hold
   every gathered block until backward). A backward call's input that is only an input of the
   forward call passed through (or a view of one) is taken from the forward call's input
-  instead: the gather's output, which the reshard policy can then recompute in backward.
+  instead: the gather's output, which the reshard policy can then recompute in backward. A
+  chain of views that ends where it began (``t(t(w))``) is not redone: the input itself is
+  passed.
 """
 
 from __future__ import annotations
@@ -276,23 +278,53 @@ def _mentions_nodes(args: object) -> bool:
     return bool(found)
 
 
-def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[fx.Node]] | None:
-    """(input index, views from that input to the output) when ``body``'s output
-    ``output_index`` is one of its inputs or a view of one; else None."""
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+def _view_chain(body: fx.GraphModule, output_index: int) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The node ``body``'s output ``output_index`` is a chain of pure views of (or is), and
+    those views from it to the output; (None, []) when there is no such output."""
     output = next(n for n in reversed(body.graph.nodes) if n.op == "output")
     values = output.args[0]
     if not isinstance(values, (tuple, list)) or output_index >= len(values):
-        return None
+        return None, []
     node, views = values[output_index], []
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in PURE_VIEWS:
-        if _mentions_nodes((node.args[1:], node.kwargs)):
-            return None  # a view sized by the body's own values cannot be redone outside it
         views.append(node)
         node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "placeholder":
+    return (node if isinstance(node, fx.Node) else None), views[::-1]
+
+
+def _input_index(body: fx.GraphModule, node: fx.Node | None) -> int | None:
+    if node is None or node.op != "placeholder":
         return None
-    return placeholders.index(node), views[::-1]
+    return [n for n in body.graph.nodes if n.op == "placeholder"].index(node)
+
+
+def aliased_input(body: fx.GraphModule, output_index: int) -> int | None:
+    """The index of the input that ``body``'s output ``output_index`` is, or is a view of:
+    that output is on the input's storage, not a new one."""
+    return _input_index(body, _view_chain(body, output_index)[0])
+
+
+def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[fx.Node]] | None:
+    """(input index, views from that input to the output) when ``body``'s output
+    ``output_index`` is one of its inputs or a view of one that can be redone outside the
+    body; else None."""
+    root, views = _view_chain(body, output_index)
+    index = _input_index(body, root)
+    if index is None or any(_mentions_nodes((view.args[1:], view.kwargs)) for view in views):
+        return None  # a view sized by the body's own values cannot be redone outside it
+    return index, views
+
+
+def _same_view(base: object, view: object) -> bool:
+    """Whether ``view`` reads exactly what ``base`` does (same dtype, sizes, strides and
+    offset); symbolic layouts never count as the same."""
+    if not (isinstance(base, torch.Tensor) and isinstance(view, torch.Tensor)) or base.dtype != view.dtype:
+        return False
+    layouts = [(tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in (base, view)]
+    if any(isinstance(x, torch.SymInt) for layout in layouts for part in layout[:2] for x in part) or any(
+            isinstance(layout[2], torch.SymInt) for layout in layouts):
+        return False
+    return layouts[0] == layouts[1]
 
 
 def route_region_inputs(graph: fx.Graph) -> int:
@@ -311,6 +343,10 @@ def route_region_inputs(graph: fx.Graph) -> int:
                 continue
             input_index, views = found
             value = producer.args[2 + input_index]
+            if _same_view(_value(value), _value(operand)):
+                # e.g. t(t(w)), which a linear layer's body saves for its backward: a graph
+                # of many blocks would carry two nodes per weight that change nothing.
+                views = []
             with graph.inserting_before(call):
                 for view in views:
                     value_meta = dict(view.meta)
