@@ -423,8 +423,8 @@ class Compiler:
         """
         saved = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
                  and not _is_size(n)]
-        tensors = [(role, key) for role, key in zip(forward_output_roles, forward_output_storages)
-                   if role != "other"]
+        storages = list(forward_output_storages) + [None] * (len(forward_output_roles) - len(forward_output_storages))
+        tensors = [(role, key) for role, key in zip(forward_output_roles, storages) if role != "other"]
         if saved and len(saved) <= len(tensors):
             for node, (role, key) in zip(saved, tensors[-len(saved):]):
                 node.meta[ROLE_META] = role

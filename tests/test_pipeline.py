@@ -206,3 +206,8 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     # Each saved input counts on the storage its forward output had (weight's, x's).
     assert [n.meta.get(SAVED_STORAGE_META) for n in nodes] == [None, *storages[1:3], None]
     assert storages[1] != storages[2]
+    # Without storage keys (a forward whose keys were not recorded) the roles still go across.
+    for node in nodes:
+        node.meta.pop(ROLE_META, None)
+    Compiler._tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles, [])
+    assert [n.meta.get(ROLE_META) for n in nodes] == [None, "param", "activation", None]
