@@ -164,6 +164,48 @@ def test_memory_estimate_of_region_graphs_stays_that_of_the_flat_graphs(full_sha
         assert abs(with_regions - without) <= 0.1 * without, (with_regions, without)
 
 
+def measured_peak_worker(rank: int, world: int) -> dict:
+    """The estimated and the allocator's peak of one training step, with regions and without,
+    on blocks big enough that activations dominate (4 x d_model 128, 4 x 128 tokens a rank)."""
+    from fsdp_compile.planning.measure import _allocated_peak
+
+    config = GPTConfig(n_layer=4, d_model=128, n_head=4, block_size=128)
+    x = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for mode, regions in (("regions", 2), ("no_regions", False)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(config)
+        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions, strict=True)
+        forward = torch.compile(backend.shard(model), backend=backend)
+
+        def step() -> None:
+            for p in model.parameters():
+                p.grad = None
+            forward(x).sum().backward()
+
+        step()
+        for p in model.parameters():
+            p.grad = None
+        allocated, _ = _allocated_peak(lambda: forward(x).sum().backward(), torch.device("cpu"))
+        (record,) = backend.graphs
+        # The estimate counts the parameter shards, allocated before the step.
+        out[mode] = {"measured": allocated + record.forward_memory.peak_by_role["param"],
+                     "estimate": max(record.forward_memory.peak_bytes, record.backward_memory.peak_bytes)}
+    return out if rank == 0 else {}
+
+
+def test_memory_estimate_of_region_graphs_matches_the_allocator() -> None:
+    # The allocator's peak of a step (the profiler's CPU allocation events) also holds what the
+    # graphs do not show (gloo's buffers beside each collective, autograd's bookkeeping): the
+    # estimates come out a few percent under it, with regions as without. Counting storages by
+    # fake values alone put the region graphs' estimate at half of it.
+    out = run_workers(measured_peak_worker, 2)[0]
+    for mode in ("regions", "no_regions"):
+        measured, estimate = out[mode]["measured"], out[mode]["estimate"]
+        assert 0.85 * measured <= estimate <= 1.05 * measured, (mode, estimate, measured)
+
+
 def test_prefetch_crosses_block_boundaries(full_shard) -> None:
     # The next block's all-gather is in flight while a block's region runs.
     assert full_shard["regions"]["prefetch_crosses_blocks"]
