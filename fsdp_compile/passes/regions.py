@@ -318,11 +318,10 @@ def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[f
 def _same_view(base: object, view: object) -> bool:
     """Whether ``view`` reads exactly what ``base`` does (same dtype, sizes, strides and
     offset); symbolic layouts never count as the same."""
-    if not (isinstance(base, torch.Tensor) and isinstance(view, torch.Tensor)) or base.dtype != view.dtype:
+    if not (isinstance(base, torch.Tensor) and isinstance(view, torch.Tensor)):
         return False
-    layouts = [(tuple(t.shape), tuple(t.stride()), t.storage_offset()) for t in (base, view)]
-    if any(isinstance(x, torch.SymInt) for layout in layouts for part in layout[:2] for x in part) or any(
-            isinstance(layout[2], torch.SymInt) for layout in layouts):
+    layouts = [(t.dtype, *t.shape, *t.stride(), t.storage_offset()) for t in (base, view)]
+    if any(isinstance(x, torch.SymInt) for layout in layouts for x in layout):
         return False
     return layouts[0] == layouts[1]
 
