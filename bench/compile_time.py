@@ -3,9 +3,12 @@
     OMP_NUM_THREADS=1 python bench/compile_time.py                      # 4/16/32/64 layers, both compilers
     python bench/compile_time.py --layers 4 16 --compilers aot_eager     # a subset
     python bench/compile_time.py --smoke --out /tmp/ct                   # tiny, for the test suite
+    python bench/compile_time.py --device cuda --compilers inductor      # on a GPU machine
 
 The project's GPT (d_model 64, 4 heads, sequence 64, vocab 67, batch 2 per rank) at several
-depths, at world 2 (gloo, CPU). Every (depth, compiler, variant) runs in fresh processes
+depths, at world 2 (gloo, CPU), or with ``--device cuda`` one rank per GPU over NCCL (world 1
+on a one-GPU machine: the collectives move nothing, but Inductor generates and compiles Triton
+kernels, which is what a GPU user's compile pays). Every (depth, compiler, variant) runs in fresh processes
 (``torchrun``-style, one per rank, each with an empty Inductor cache directory of its own), so
 no cache leaks from one measurement into another. Variants:
 
@@ -84,13 +87,22 @@ def worker(args: argparse.Namespace) -> None:
     from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
 
-    # Imports and compiler start-up (Inductor's worker pool, the C++ toolchain probe) once,
-    # outside the measurement, with the same compiler.
+    def synchronize() -> None:
+        if cuda:  # a step's time includes its kernels, not only their launches
+            torch.cuda.synchronize(device)
+
+    # Imports and compiler start-up (Inductor's worker pool, the C++ toolchain probe, CUDA's
+    # context) once, outside the measurement, with the same compiler.
     probe = torch.compile(lambda t: (t.sin() * 2).sum(), backend=args.compiler)
-    probe(torch.randn(8, requires_grad=True)).backward()
+    probe(torch.randn(8, requires_grad=True, device=device)).backward()
+    synchronize()
     torch._dynamo.reset()
 
     cfg = GPTConfig(vocab_size=67, block_size=args.seq, n_layer=args.layers[0], n_head=4, d_model=args.d_model)
@@ -122,13 +134,15 @@ def worker(args: argparse.Namespace) -> None:
             keep_inference_input_mutations=True))
     elif args.variant in ("plain", "plain_regions"):
         compiled = torch.compile(model, backend=args.compiler)
+    if args.variant in ("plain", "plain_regions"):
+        model.to(device)
     else:
         options = {"compiler": args.compiler, "schedule": args.variant != "fsdp_nosched",
                    "regions": args.variant != "fsdp_no_regions"}
         if args.cache_dir:
             options["cache_dir"] = args.cache_dir
         backend = fsdp_compile.backend("FULL_SHARD", **options)
-        backend.shard(model)
+        backend.shard(model)  # moves a model built on the CPU to the group's device
         compiled = torch.compile(model, backend=backend)
 
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -137,11 +151,13 @@ def worker(args: argparse.Namespace) -> None:
     times, cpu_times = [], []
     first_metrics: dict[str, float] = {}
     for step in range(1 + args.steps):
-        idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=gen)
+        idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=gen).to(device)
+        synchronize()
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         loss = F.cross_entropy(compiled(idx[:, :-1]).reshape(-1, cfg.vocab_size), idx[:, 1:].reshape(-1))
         loss.backward()
+        synchronize()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - start_cpu)
         model.zero_grad(set_to_none=True)
@@ -197,7 +213,7 @@ def run_config(args: argparse.Namespace, layers: int, compiler: str, variant: st
                str(args.world), __file__, "--worker", "--layers", str(layers), "--compiler", compiler,
                "--variant", variant, "--result", str(result), "--inductor-cache", inductor_cache,
                "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps)]
+               "--steps", str(args.steps), "--device", args.device]
     if cache_dir:
         command += ["--cache-dir", cache_dir]
     started = time.perf_counter()
@@ -285,7 +301,7 @@ def markdown(report: dict) -> str:
         "",
         (f"GPT (d_model {report['config']['d_model']}, 4 heads, sequence {report['config']['seq']}, "
         f"vocab 67, batch {report['config']['batch']}/rank), FULL_SHARD, world {report['world']} "
-        f"(gloo, CPU), {report['machine']}, torch {report['torch']}. Compile time = first step "
+        f"({report.get('transport', 'gloo, CPU')}), {report['machine']}, torch {report['torch']}. Compile time = first step "
         f"(forward + backward) minus the median of the next {report['config']['steps']} steps, max "
         "over ranks; every (depth, compiler, variant) in fresh processes with empty caches, after a "
         "tiny warm-up compile that pays imports."
@@ -391,7 +407,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32, 64])
     parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=list(COMPILERS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one rank per GPU over NCCL (results named compile_time_cuda.*)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks (default: 2 on the CPU, every GPU with --device cuda)")
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
@@ -424,10 +443,53 @@ def main() -> None:
         args.variants = args.variants if "--variants" in sys.argv else ["plain", "fsdp"]
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device")
+    if args.world is None:
+        args.world = torch.cuda.device_count() if args.device == "cuda" else 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "compile_time_smoke" if args.smoke else "compile_time_cpu"
-    rows = []
+    name = "compile_time_smoke" if args.smoke else f"compile_time_{args.device}"
+    earlier = json.loads((out / f"{name}.json").read_text()) if args.append and (out / f"{name}.json").exists() else None
+    measured_layers, measured_compilers = list(args.layers), list(args.compilers)
+
+    def write(rows: list[dict]) -> str:
+        """The report of every row so far, written at once: a run stopped part way (a deadline on
+        a lent machine) keeps what it measured."""
+        rows = median_runs(rows)
+        layers, compilers = measured_layers, measured_compilers
+        if earlier:
+            # Keep the rows of an earlier run that this one did not measure again.
+            measured = {(r["compiler"], r["layers"], r["variant"]) for r in rows}
+            rows = [r for r in earlier["results"] if (r["compiler"], r["layers"], r["variant"]) not in measured] + rows
+            layers = sorted({*earlier["layers"], *layers})
+            compilers = [c for c in COMPILERS if c in {*earlier["compilers"], *compilers}]
+        report = {
+            "torch": torch.__version__,
+            "machine": (f"{platform.machine()}, {os.cpu_count()} cores"
+                        + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "")),
+            "world": args.world,
+            "transport": "NCCL, CUDA" if args.device == "cuda" else "gloo, CPU",
+            "layers": layers,
+            "compilers": compilers,
+            "config": {"d_model": args.d_model, "seq": args.seq, "batch": args.batch, "steps": args.steps},
+            "caveat": args.caveat,
+            "repeats": args.repeats,
+            "results": rows,
+        }
+        text = markdown(report)
+        (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+        (out / f"{name}.md").write_text(text)
+        return text
+
+    rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        write(rows)
+        print(f"{row['compiler']:9s} {row['layers']:3d} layers {row['variant']:16s} compile {row['compile_s']:7.2f} s "
+              f"(first step {row['first_step_s']:.2f} s)", flush=True)
+
     with tempfile.TemporaryDirectory(prefix="compile_time_") as tmp:
         workdir = Path(tmp)
         for compiler in args.compilers:
@@ -438,39 +500,12 @@ def main() -> None:
                             continue  # torch caches Inductor's output only
                         # A cold run that fills a fresh cache_dir, then a new run that reads it.
                         cache_dir = str(workdir / f"fsdp_cache_{compiler}_{layers}")
-                        cold = run_config(args, layers, compiler, "fsdp_cold_cached", workdir, cache_dir)
-                        rows.append(cold)
-                        print(f"{compiler:9s} {layers:3d} layers {'fsdp_cold_cached':16s} compile "
-                              f"{cold['compile_s']:7.2f} s (first step {cold['first_step_s']:.2f} s)", flush=True)
-                        row = run_config(args, layers, compiler, variant, workdir, cache_dir)
+                        record(run_config(args, layers, compiler, "fsdp_cold_cached", workdir, cache_dir))
+                        record(run_config(args, layers, compiler, variant, workdir, cache_dir))
                         shutil.rmtree(cache_dir, ignore_errors=True)
                     else:
-                        row = run_config(args, layers, compiler, variant, workdir, None)
-                    rows.append(row)
-                    print(f"{compiler:9s} {layers:3d} layers {variant:16s} compile {row['compile_s']:7.2f} s "
-                          f"(first step {row['first_step_s']:.2f} s)", flush=True)
-    rows = median_runs(rows)
-    if args.append and (out / f"{name}.json").exists():
-        # Keep the rows of an earlier run that this one did not measure again.
-        earlier = json.loads((out / f"{name}.json").read_text())
-        measured = {(r["compiler"], r["layers"], r["variant"]) for r in rows}
-        rows = [r for r in earlier["results"] if (r["compiler"], r["layers"], r["variant"]) not in measured] + rows
-        args.layers = sorted({*earlier["layers"], *args.layers})
-        args.compilers = [c for c in COMPILERS if c in {*earlier["compilers"], *args.compilers}]
-    report = {
-        "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "world": args.world,
-        "layers": args.layers,
-        "compilers": args.compilers,
-        "config": {"d_model": args.d_model, "seq": args.seq, "batch": args.batch, "steps": args.steps},
-        "caveat": args.caveat,
-        "repeats": args.repeats,
-        "results": rows,
-    }
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{name}.md").write_text(markdown(report))
-    print(markdown(report))
+                        record(run_config(args, layers, compiler, variant, workdir, None))
+    print(write(rows))
 
 
 if __name__ == "__main__":
