@@ -402,6 +402,31 @@ def where_the_time_goes(report: dict, find: dict) -> list[str]:
     return out
 
 
+def build_report(rows: list[dict], args: argparse.Namespace, earlier: dict | None, torch_version: str,
+                 machine: str) -> dict:
+    """The report of ``rows`` (the median run per configuration), merged into ``earlier`` (an
+    ``--append`` run's predecessor): rows measured again replace theirs, the others stay."""
+    rows = median_runs(rows)
+    layers, compilers = list(args.layers), list(args.compilers)
+    if earlier:
+        measured = {(r["compiler"], r["layers"], r["variant"]) for r in rows}
+        rows = [r for r in earlier["results"] if (r["compiler"], r["layers"], r["variant"]) not in measured] + rows
+        layers = sorted({*earlier["layers"], *layers})
+        compilers = [c for c in COMPILERS if c in {*earlier["compilers"], *compilers}]
+    return {
+        "torch": torch_version,
+        "machine": machine,
+        "world": args.world,
+        "transport": "NCCL, CUDA" if args.device == "cuda" else "gloo, CPU",
+        "layers": layers,
+        "compilers": compilers,
+        "config": {"d_model": args.d_model, "seq": args.seq, "batch": args.batch, "steps": args.steps},
+        "caveat": args.caveat,
+        "repeats": args.repeats,
+        "results": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32, 64])
@@ -451,32 +476,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = "compile_time_smoke" if args.smoke else f"compile_time_{args.device}"
     earlier = json.loads((out / f"{name}.json").read_text()) if args.append and (out / f"{name}.json").exists() else None
-    measured_layers, measured_compilers = list(args.layers), list(args.compilers)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    if args.device == "cuda":
+        machine += f", {torch.cuda.get_device_name(0)}"
 
     def write(rows: list[dict]) -> str:
-        """The report of every row so far, written at once: a run stopped part way (a deadline on
-        a lent machine) keeps what it measured."""
-        rows = median_runs(rows)
-        layers, compilers = measured_layers, measured_compilers
-        if earlier:
-            # Keep the rows of an earlier run that this one did not measure again.
-            measured = {(r["compiler"], r["layers"], r["variant"]) for r in rows}
-            rows = [r for r in earlier["results"] if (r["compiler"], r["layers"], r["variant"]) not in measured] + rows
-            layers = sorted({*earlier["layers"], *layers})
-            compilers = [c for c in COMPILERS if c in {*earlier["compilers"], *compilers}]
-        report = {
-            "torch": torch.__version__,
-            "machine": (f"{platform.machine()}, {os.cpu_count()} cores"
-                        + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "")),
-            "world": args.world,
-            "transport": "NCCL, CUDA" if args.device == "cuda" else "gloo, CPU",
-            "layers": layers,
-            "compilers": compilers,
-            "config": {"d_model": args.d_model, "seq": args.seq, "batch": args.batch, "steps": args.steps},
-            "caveat": args.caveat,
-            "repeats": args.repeats,
-            "results": rows,
-        }
+        """Every row so far, written at once: a run stopped part way (a deadline on a lent
+        machine) keeps what it measured."""
+        report = build_report(rows, args, earlier, torch.__version__, machine)
         text = markdown(report)
         (out / f"{name}.json").write_text(json.dumps(report, indent=1))
         (out / f"{name}.md").write_text(text)

@@ -78,6 +78,30 @@ def test_compile_time_benchmark_splits_depth_into_a_fixed_part_and_a_cost_per_bl
     assert bench.depth_fit(1, 1.0, 2, 1.5) is None
 
 
+def test_compile_time_benchmark_appends_to_an_earlier_report() -> None:
+    import argparse
+
+    bench = _compile_time_module()
+    args = argparse.Namespace(layers=[16], compilers=["inductor"], device="cuda", world=1, d_model=64, seq=64,
+                              batch=2, steps=3, caveat="c", repeats=1)
+    row = {"compiler": "inductor", "variant": "plain", "compile_s": 1.0}
+    earlier = bench.build_report([{**row, "layers": 4}, {**row, "layers": 16, "compile_s": 9.0}],
+                                 argparse.Namespace(**{**vars(args), "layers": [4, 16], "compilers": ["aot_eager"]}),
+                                 None, "2.11", "m")
+    report = bench.build_report([{**row, "layers": 16, "compile_s": 2.0}], args, earlier, "2.11", "m")
+    assert report["layers"] == [4, 16] and report["compilers"] == ["aot_eager", "inductor"]
+    assert sorted((r["layers"], r["compile_s"]) for r in report["results"]) == [(4, 1.0), (16, 2.0)]
+    assert report["transport"] == "NCCL, CUDA" and "(NCCL, CUDA)" in bench.markdown({**report, "results": []})
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_compile_time_benchmark_on_cuda_without_a_gpu_says_so(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_time.py"), "--device", "cuda", "--out",
+                           str(tmp_path)], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--device cuda: this machine has no CUDA device" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_compile_time_benchmark_warm_restart_under_inductor(tmp_path: Path) -> None:
     report = _run_compile_time(tmp_path, "--compilers", "inductor", "--variants", "fsdp_warm")
