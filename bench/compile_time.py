@@ -78,6 +78,9 @@ def worker(args: argparse.Namespace) -> None:
     # A cache directory per rank and run: ranks compiling the same graph must not reuse each
     # other's kernels, and no run may reuse an earlier run's.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(args.inductor_cache, f"rank{rank}")
+    # Triton's kernel cache follows Inductor's directory unless the environment names one of
+    # its own, which would carry kernels from one run to the next on a GPU machine.
+    os.environ.pop("TRITON_CACHE_DIR", None)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
