@@ -118,7 +118,10 @@ def worker(args: argparse.Namespace) -> None:
         from fsdp_compile.models.gpt import Block
 
         Block.forward = torch.compiler.nested_compile_region(Block.forward)
-    if args.variant in ("plain", "plain_regions") and args.compiler == "aot_eager":
+    plain = args.variant in ("plain", "plain_regions")
+    if plain:
+        model.to(device)  # fsdp_compile's shard() moves it instead
+    if plain and args.compiler == "aot_eager":
         # torch's aot_eager backend, with its partitioner timed (torch times it only inside
         # Inductor).
         from torch._dynamo.backends.common import aot_autograd
@@ -135,10 +138,8 @@ def worker(args: argparse.Namespace) -> None:
         compiled = torch.compile(model, backend=aot_autograd(
             fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=timed_partition,
             keep_inference_input_mutations=True))
-    elif args.variant in ("plain", "plain_regions"):
+    elif plain:
         compiled = torch.compile(model, backend=args.compiler)
-    if args.variant in ("plain", "plain_regions"):
-        model.to(device)
     else:
         options = {"compiler": args.compiler, "schedule": args.variant != "fsdp_nosched",
                    "regions": args.variant != "fsdp_no_regions"}

@@ -49,7 +49,13 @@ from .compile_cache import (
 )
 from .inspection.dump import Dumper, graph_code, manifest_for
 from .inspection.graphinfo import is_gathered
-from .inspection.memory import MemoryEstimate, estimate_memory, input_bytes, output_storage_keys
+from .inspection.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    input_bytes,
+    output_storage_keys,
+    storage_lifetimes,
+)
 from .inspection.report import graph_summary
 from .passes.bucketing import Bucket
 from .passes.context import PassContext
@@ -394,7 +400,8 @@ class Compiler:
         if phase == "backward":
             # The caller keeps every parameter resident; backward only receives some of them.
             held = {"param": max(0, record.forward_param_bytes - input_bytes(gm, "param"))}
-        memory = estimate_memory(gm, held)
+        lifetimes = storage_lifetimes(gm)  # the estimate's, and the saved inputs' keys below
+        memory = estimate_memory(gm, held, lifetimes)
         snapshot = gm if record.compiler == "aot_eager" else copy_graph_module(gm)
         buckets = values.get("lower_markers") or {}
         schedule = values.get("schedule_collectives")
@@ -404,7 +411,7 @@ class Compiler:
         if phase != "backward":
             record.inference = phase == "inference"
             record.forward_output_roles = _output_roles(gm)
-            record.forward_output_storages = output_storage_keys(gm)
+            record.forward_output_storages = output_storage_keys(lifetimes)
             record.forward_param_bytes = input_bytes(gm, "param")
         self._write_summary(record)
         record.stage_seconds[phase] = time.perf_counter() - started

@@ -179,7 +179,7 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from fsdp_compile.compiler import Compiler, _output_roles
-    from fsdp_compile.inspection.memory import output_storage_keys
+    from fsdp_compile.inspection.memory import output_storage_keys, storage_lifetimes
     from fsdp_compile.passes.graph import ROLE_META, SAVED_STORAGE_META
 
     size = ShapeEnv().create_unbacked_symint()
@@ -193,7 +193,7 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     sym.meta["val"] = size
     forward.output((mm, weight, x, sym))  # output, then saved: weight, x, then the saved size
     forward_gm = torch.fx.GraphModule(torch.nn.Module(), forward)
-    roles, storages = _output_roles(forward_gm), output_storage_keys(forward_gm)
+    roles, storages = _output_roles(forward_gm), output_storage_keys(storage_lifetimes(forward_gm))
 
     backward = torch.fx.Graph()
     nodes = [backward.placeholder(name) for name in ("sym_size_int", "primals_1", "primals_2", "tangents_1")]

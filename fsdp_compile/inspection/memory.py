@@ -185,13 +185,12 @@ def storage_lifetimes(gm: fx.GraphModule, symbolic: bool = False) -> StorageLife
     return StorageLifetimes(nodes, size, role, born, last_use, keys)
 
 
-def output_storage_keys(gm: fx.GraphModule) -> list[Any]:
+def output_storage_keys(lifetimes: StorageLifetimes) -> list[Any]:
     """The storage key of each of the graph's outputs (None where it is not a tensor node):
     what a backward graph's saved inputs carry as ``SAVED_STORAGE_META``."""
-    keys = storage_keys(gm)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output = next(n for n in reversed(lifetimes.nodes) if n.op == "output")
     values = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
-    return [keys[v][0][0] if isinstance(v, fx.Node) and keys.get(v) else None for v in values]
+    return [lifetimes.keys[v][0] if isinstance(v, fx.Node) and lifetimes.keys.get(v) else None for v in values]
 
 
 def input_bytes(gm: fx.GraphModule, role: str) -> int:
@@ -237,10 +236,12 @@ def _region_scratch_bytes(call: fx.Node, scratch: dict[int, int]) -> int:
     return scratch[id(body)]
 
 
-def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None) -> MemoryEstimate:
+def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None,
+                    lifetimes: StorageLifetimes | None = None) -> MemoryEstimate:
     """``held``: bytes per role the caller keeps alive during the graph without passing them
-    in (e.g. the parameters a backward graph does not read), counted at every node."""
-    lifetimes = storage_lifetimes(gm)
+    in (e.g. the parameters a backward graph does not read), counted at every node.
+    ``lifetimes``: ``storage_lifetimes(gm)``, where the caller needs them too."""
+    lifetimes = lifetimes or storage_lifetimes(gm)
     nodes, size, role, born, last_use = (lifetimes.nodes, lifetimes.size, lifetimes.role,
                                           lifetimes.born, lifetimes.last_use)
 
