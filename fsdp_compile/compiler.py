@@ -486,6 +486,14 @@ class Compiler:
         if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
             patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn,
                                                             self.backend.options.disable_passes, key)
+        o = self.backend.options
+        if o.schedule and "schedule_collectives" not in o.disable_passes:
+            # Inductor's peak-memory reordering (on by default) replaces the node order with
+            # whichever topological sort it estimates lowest in memory: it moves each backward
+            # all-gather to right before its wait and every reduce-scatter's wait to the end of
+            # the graph, undoing the prefetch and the in-flight budget schedule_collectives set.
+            # It runs after fusion, so without it the kernels, and the results, are the same.
+            patches["reorder_for_peak_memory"] = False
         if not self.cache_state.enabled and self.cache_state.directory is not None:
             patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
         # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_workers
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
@@ -191,8 +193,71 @@ def inflight_from_order(gm: torch.fx.GraphModule) -> tuple[int, int]:
     return peak, largest
 
 
-def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
-    """What the backend's (single) compiled graph pair communicates and keeps for backward."""
+def _collective_order(steps) -> tuple[list[str], list[bool]]:
+    """Issue and wait events ("I0", "W0", ... numbered in issue order) of ``(kind, key)`` steps,
+    kind one of issue, wait, compute; and per collective whether compute ran while it was in flight."""
+    issued: dict[Any, int] = {}
+    in_flight: set[int] = set()
+    events, overlapped = [], []
+    for kind, key in steps:
+        if kind == "issue":  # a key may come again: an in-place collective on a buffer waited before
+            issued[key] = len(overlapped)
+            in_flight.add(issued[key])
+            events.append(f"I{issued[key]}")
+            overlapped.append(False)
+        elif kind == "wait" and key in issued:
+            in_flight.discard(issued[key])
+            events.append(f"W{issued[key]}")
+        elif kind == "compute":
+            for i in in_flight:
+                overlapped[i] = True
+    return events, overlapped
+
+
+def collective_order_in_graph(gm: torch.fx.GraphModule) -> tuple[list[str], list[bool]]:
+    """The graph's collectives in node order (see :func:`_collective_order`)."""
+    from fsdp_compile.passes.graph import is_compute
+
+    def steps():
+        for node in gm.graph.nodes:
+            if node.target in COLLECTIVE_TARGETS:
+                yield "issue", node
+            elif node.target is _c10d.wait_tensor.default:
+                yield "wait", node.args[0]
+            elif is_compute(node):
+                yield "compute", None
+    return _collective_order(steps())
+
+
+_CODE_COLLECTIVE = re.compile(r"^(?:(\w+) = )?torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\((\w+)")
+_CODE_WAIT = re.compile(r"^torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
+# A kernel launch in Inductor's wrapper code: C++ and Triton kernels, extern kernels (mm),
+# ATen fallbacks, region bodies. Our copy-in and copy-out are communication, as in the graph.
+_CODE_KERNEL = re.compile(r"^(?:\w+ = )?(?:cpp_fused_\w+\(|extern_kernels\.|\w+\.run\(|torch\.ops\.aten\.|"
+                          r"partitioned_\w+\()")
+
+
+def collective_order_in_code(code: str) -> tuple[list[str], list[bool]]:
+    """The collectives in the ``call`` function of Inductor's wrapper code, the order the
+    compiled step really runs in after Inductor's own scheduling (see :func:`_collective_order`)."""
+    def steps():
+        for line in code[code.index("    def call(self, args):"):].splitlines():
+            line = line.strip()
+            if wait := _CODE_WAIT.match(line):
+                yield "wait", wait.group(1)
+            elif collective := _CODE_COLLECTIVE.match(line):
+                # Functional collectives return their output; in-place ones (all_reduce_) are
+                # waited on through their input.
+                yield "issue", collective.group(1) or collective.group(2)
+            elif _CODE_KERNEL.match(line):
+                yield "compute", None
+    return _collective_order(steps())
+
+
+def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module, inductor_code: list[str] | None = None) -> dict:
+    """What the backend's (single) compiled graph pair communicates and keeps for backward; with
+    Inductor's wrapper code of the pair (forward's first), the order of the collectives in our
+    graphs and in that code."""
     from fsdp_compile.inspection.graphinfo import (
         collective_counts,
         marker_counts,
@@ -221,6 +286,10 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module) -> dict:
         "reduce_buckets": [b.key for b in bw_buckets["reduce_grad"]],
         "reduce_specs": sorted({b.spec for b in bw_buckets["reduce_grad"]}, key=repr),
         "reduced_params": sum(len(b.markers) for b in bw_buckets["reduce_grad"]),
+        "inductor_order": None if inductor_code is None else {
+            "codes": len(inductor_code),
+            "graph": [collective_order_in_graph(g) for g in (record.forward, record.backward)],
+            "code": [collective_order_in_code(c) for c in inductor_code]},
     }
 
 
@@ -305,10 +374,11 @@ def parity_worker(rank: int, world: int, strategy: str, modes: list[str], steps:
         backend = fsdp_compile.backend(strategy, compiler=compiler, **hybrid_options(strategy))
         backend.shard(model)
         forward = model if mode == "eager" else torch.compile(model, backend=backend)
-        out[mode] = train(model, forward, data, rank)
+        # Inductor's wrapper code is the order its compiled step runs in (after its own scheduling).
+        out[mode], codes = run_and_get_code(train, model, forward, data, rank)
         out[mode]["graphs"] = len(backend.graphs)
         if mode != "eager":
-            out[mode]["facts"] = graph_facts(backend, model)
+            out[mode]["facts"] = graph_facts(backend, model, codes if mode == "inductor" else None)
             out[mode]["measured_memory"] = measured_step_memory(model, forward, data[0], rank)
     if rank == 0:
         out["initial"] = {n: p.detach().clone() for n, p in base.named_parameters()}

@@ -119,6 +119,23 @@ def test_no_wait_directly_after_its_collective_while_compute_could_run(strategy,
     assert facts(strategy, compiler)["missed_overlaps"] == []
 
 
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
+def test_inductor_runs_the_collectives_in_the_scheduled_order(strategy):
+    """Inductor orders the kernels of the graph we hand it once more; its peak-memory reordering
+    would move each backward all-gather to right before its wait and every reduce-scatter's
+    wait to the end of the graph. Read off its wrapper code, the compiled step issues and waits
+    for the collectives in the order of our scheduled graphs, and every collective our schedule
+    overlaps with compute still has a kernel running while it is in flight."""
+    order = facts(strategy, "inductor")["inductor_order"]
+    assert order["codes"] == 2, "expected one forward and one backward module"
+    for phase, (graph_events, graph_overlap), (code_events, code_overlap) in zip(
+            ("forward", "backward"), order["graph"], order["code"]):
+        assert code_events == graph_events, f"{phase}: ours {' '.join(graph_events)}; Inductor's {' '.join(code_events)}"
+        lost = [i for i, (ours, theirs) in enumerate(zip(graph_overlap, code_overlap)) if ours and not theirs]
+        assert lost == [], f"{phase}: collectives {lost} no longer overlap compute"
+    assert any(order["graph"][1][1]), "the scheduled backward overlaps nothing"
+
+
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_parameter_memory_orders_the_strategies(compiler):
     """Measured per rank on the real tensors of a training step: parameter storage, the gathered
