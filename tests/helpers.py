@@ -241,7 +241,11 @@ def collective_order_in_code(code: str) -> tuple[list[str], list[bool]]:
     """The collectives in the ``call`` function of Inductor's wrapper code, the order the
     compiled step really runs in after Inductor's own scheduling (see :func:`_collective_order`)."""
     def steps():
-        for line in code[code.index("    def call(self, args):"):].splitlines():
+        start = code.index("def call(")
+        indent = start - code.rfind("\n", 0, start) - 1
+        for line in code[start:].splitlines()[1:]:
+            if line.strip() and len(line) - len(line.lstrip()) <= indent:
+                return  # the end of call
             line = line.strip()
             if wait := _CODE_WAIT.match(line):
                 yield "wait", wait.group(1)
