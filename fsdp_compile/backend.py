@@ -65,8 +65,9 @@ class FSDPBackend:
     Options: ``compiler`` ("inductor", "aot_eager" or "eager"); ``mesh`` / ``process_groups`` /
     ``shard_size`` / ``timeout`` (see :func:`fsdp_compile.sharding.groups.resolve_topology`);
     ``bucket`` (see :mod:`fsdp_compile.passes.bucketing`); ``mixed_precision``
-    (:class:`fsdp_compile.MixedPrecision`); ``schedule`` (overlap collectives with compute),
-    ``prefetch``, ``max_inflight_bytes``, ``forward_prefetch`` / ``backward_prefetch``
+    (:class:`fsdp_compile.MixedPrecision`); ``schedule`` (overlap collectives with compute;
+    under Inductor it also turns off Inductor's own peak-memory reordering, which would undo
+    it), ``prefetch``, ``max_inflight_bytes``, ``forward_prefetch`` / ``backward_prefetch``
     (``{unit: [units to gather when it starts]}``, units by name or module) (see
     :mod:`fsdp_compile.passes.scheduling`); ``dump_dir`` (or ``FSDP_COMPILE_DUMP``): write
     every graph before and after each pass plus a JSON summary (see :mod:`fsdp_compile.inspection.dump`);
