@@ -14,6 +14,9 @@ only the stages move:
 * unsharded bytes in flight (collectives issued and not yet waited) never exceed
   ``max_inflight_bytes``: a prefetch is delayed, and a reduction waited earlier, rather than
   break it. The default is two buckets' worth (twice the largest bucket of the graph).
+
+The order this pass leaves is the order the step runs in: under Inductor the compiler turns
+off Inductor's peak-memory reordering while this pass runs (see ``Compiler._compile_inductor``).
 """
 
 from __future__ import annotations
