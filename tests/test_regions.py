@@ -178,13 +178,7 @@ def measured_peak_worker(rank: int, world: int) -> dict:
         model = GPT(config)
         backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions, strict=True)
         forward = torch.compile(backend.shard(model), backend=backend)
-
-        def step() -> None:
-            for p in model.parameters():
-                p.grad = None
-            forward(x).sum().backward()
-
-        step()
+        forward(x).sum().backward()  # compiles
         for p in model.parameters():
             p.grad = None
         allocated, _ = _allocated_peak(lambda: forward(x).sum().backward(), torch.device("cpu"))

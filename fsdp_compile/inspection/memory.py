@@ -241,7 +241,8 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None,
     """``held``: bytes per role the caller keeps alive during the graph without passing them
     in (e.g. the parameters a backward graph does not read), counted at every node.
     ``lifetimes``: ``storage_lifetimes(gm)``, where the caller needs them too."""
-    lifetimes = lifetimes or storage_lifetimes(gm)
+    if lifetimes is None:
+        lifetimes = storage_lifetimes(gm)
     nodes, size, role, born, last_use = (lifetimes.nodes, lifetimes.size, lifetimes.role,
                                           lifetimes.born, lifetimes.last_use)
 
