@@ -59,7 +59,7 @@ from .inspection.memory import (
 from .inspection.report import graph_summary
 from .passes.bucketing import Bucket
 from .passes.context import PassContext
-from .passes.graph import ROLE_META, SAVED_STORAGE_META, copy_graph_module
+from .passes.graph import ROLE_META, SAVED_STORAGE_META, copy_graph_module, is_collective
 from .passes.pipeline import PassFailure, run_stage
 from .passes.regions import PARAM_META, has_regions, inline_regions, is_region_body_joint, is_region_call
 from .passes.scheduling import Schedule, ScheduleOptions
@@ -472,13 +472,25 @@ class Compiler:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
 
+        o = self.backend.options
+        keep_order = o.schedule and "schedule_collectives" not in o.disable_passes
+
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
             if kwargs.get("is_backward"):
                 phase = "backward"
             else:
                 phase = "inference" if kwargs.get("is_inference") else "forward"
             lowered = self.graph_passes(g, phase, record, select_decomp_table())
-            return compile_fx_inner(lowered, inputs, **kwargs)
+            if not (keep_order and any(is_collective(n) for n in lowered.graph.nodes)):
+                return compile_fx_inner(lowered, inputs, **kwargs)
+            # Inductor's peak-memory reordering (on by default) replaces the node order with
+            # whichever topological sort it estimates lowest in memory: it moves each backward
+            # all-gather to right before its wait and every reduce-scatter's wait to the end of
+            # the graph, undoing the prefetch and the in-flight budget schedule_collectives set.
+            # It runs after fusion, so without it the kernels, and the results, are the same. A
+            # graph with no collective (world 1, NO_SHARD's forward) has no order to keep.
+            with torch._inductor.config.patch(reorder_for_peak_memory=False):
+                return compile_fx_inner(lowered, inputs, **kwargs)
 
         key, lookups, why_off = self.cache_key()
         joint_pass = _JointPass(self, record, torch._inductor.config.joint_custom_pre_pass, key)
@@ -486,14 +498,6 @@ class Compiler:
         if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
             patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn,
                                                             self.backend.options.disable_passes, key)
-        o = self.backend.options
-        if o.schedule and "schedule_collectives" not in o.disable_passes:
-            # Inductor's peak-memory reordering (on by default) replaces the node order with
-            # whichever topological sort it estimates lowest in memory: it moves each backward
-            # all-gather to right before its wait and every reduce-scatter's wait to the end of
-            # the graph, undoing the prefetch and the in-flight budget schedule_collectives set.
-            # It runs after fusion, so without it the kernels, and the results, are the same.
-            patches["reorder_for_peak_memory"] = False
         if not self.cache_state.enabled and self.cache_state.directory is not None:
             patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
         # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our

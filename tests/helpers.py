@@ -13,6 +13,7 @@ import copy
 import functools
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -256,6 +257,79 @@ def collective_order_in_code(code: str) -> tuple[list[str], list[bool]]:
             elif _CODE_KERNEL.match(line):
                 yield "compute", None
     return _collective_order(steps())
+
+
+
+def _fake_world_orders(strategy: str, device: str) -> None:
+    """Rank 0 of a fake world of two in this process (it issues nothing, but the graphs and
+    Inductor's code are those of two ranks): prints as JSON the collective order of our
+    scheduled graphs and of Inductor's wrapper code, and how many graphs Inductor reordered
+    for peak memory (read off its own log)."""
+    import json
+    import logging
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    reordered = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Reordering for peak memory"):
+                reordered.append(record)
+
+    log = logging.getLogger("torch._inductor.memory")
+    log.setLevel(logging.INFO)
+    log.addHandler(Count())
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=67, block_size=16, n_layer=4, n_head=2, d_model=32)).to(device)
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    backend = fsdp_compile.backend(strategy, compiler="inductor", mixed_precision=mp)
+    backend.shard(model)
+    compiled = torch.compile(model, backend=backend)
+    idx = torch.randint(0, 67, (2, 17), device=device)
+
+    def step() -> None:
+        lm_loss(compiled(idx[:, :-1]), idx[:, 1:]).backward()
+
+    _, codes = run_and_get_code(step)
+    (record,) = backend.graphs
+    print(json.dumps({"codes": len(codes), "reordered_for_memory": len(reordered),
+                      "graph": [collective_order_in_graph(g) for g in (record.forward, record.backward)],
+                      "code": [collective_order_in_code(c) for c in codes]}))
+    dist.destroy_process_group()
+
+
+def inductor_orders_in_a_fake_world(strategy: str, device: str, workdir: Path) -> dict:
+    """:func:`_fake_world_orders` in a fresh process with its own Inductor cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]),
+           "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"), "OMP_NUM_THREADS": "1"}
+    code = f"import helpers; helpers._fake_world_orders({strategy!r}, {device!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=workdir, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+
+def assert_inductor_keeps_the_order(order: dict) -> None:
+    """Inductor's wrapper code issues and waits for the collectives in our graphs' order, and
+    every collective our schedule overlaps with compute still has a kernel in flight with it."""
+    assert order["codes"] == 2, "expected one forward and one backward module"
+    for phase, (graph_events, graph_overlap), (code_events, code_overlap) in zip(
+            ("forward", "backward"), order["graph"], order["code"]):
+        assert code_events == graph_events, f"{phase}: ours {' '.join(graph_events)}; Inductor's {' '.join(code_events)}"
+        lost = [i for i, (ours, theirs) in enumerate(zip(graph_overlap, code_overlap)) if ours and not theirs]
+        assert lost == [], f"{phase}: collectives {lost} no longer overlap compute"
 
 
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module, inductor_code: list[str] | None = None) -> dict:

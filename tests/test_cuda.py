@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_inductor_keeps_the_order, inductor_orders_in_a_fake_world
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -58,3 +59,14 @@ def test_a_cpu_built_model_is_moved_to_the_mesh_device_and_trains(compiler: str,
     proc = subprocess.run([sys.executable, "-c", SCRIPT.format(compiler=compiler)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_inductor_runs_the_collectives_in_the_scheduled_order_on_cuda(tmp_path: Path) -> None:
+    """As tests/test_graphs.py checks on the CPU, with Triton's wrapper code (a fake world of two
+    ranks in one process: one GPU has no second rank): Inductor's peak-memory reordering stays
+    off for graphs with collectives, so the step issues and waits for them in our scheduled
+    order and keeps every overlap our schedule made."""
+    order = inductor_orders_in_a_fake_world("FULL_SHARD", "cuda", tmp_path)
+    assert order["reordered_for_memory"] == 0
+    assert_inductor_keeps_the_order(order)
+    assert any(order["graph"][1][1]), "the scheduled backward overlaps nothing"

@@ -16,7 +16,8 @@ only the stages move:
   break it. The default is two buckets' worth (twice the largest bucket of the graph).
 
 The order this pass leaves is the order the step runs in: under Inductor the compiler turns
-off Inductor's peak-memory reordering while this pass runs (see ``Compiler._compile_inductor``).
+off Inductor's peak-memory reordering for graphs with collectives while this pass runs (see
+``Compiler._compile_inductor``).
 """
 
 from __future__ import annotations
