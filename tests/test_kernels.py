@@ -136,3 +136,28 @@ def test_kernels_env_forces_the_torch_path(monkeypatch) -> None:
     for value in ("torch", "Torch"):
         monkeypatch.setenv("FSDP_COMPILE_KERNELS", value)
         assert not kernels._use_triton(cuda, torch.float32, torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_kernels_never_make_the_host_wait_for_the_gpu() -> None:
+    """A host sync per launch would stop the CPU running ahead of the GPU: every bucket's copy
+    would wait for all the work queued before it. torch's sync debug mode raises on one."""
+    shapes, world = [(33, 4), (7,), (100, 17)], 4
+    chunks = chunk_numels(shapes, world)
+    fulls = [torch.randn(s, device="cuda") for s in shapes]
+    shards = [f[start:start + length] for f in fulls for start, length in [shard_bounds(f.shape[0], world, 1)]]
+
+    def launches() -> None:
+        triton_kernels.copy_in(shards, chunks, torch.bfloat16)
+        triton_kernels.chunk_cat(fulls, world, chunks, torch.float32)
+        triton_kernels.copy_out(torch.randn(world * sum(chunks), device="cuda"), world, chunks, shapes)
+
+    launches()  # compiles the kernels
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            launches()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)

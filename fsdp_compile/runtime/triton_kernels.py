@@ -150,13 +150,12 @@ def segment_copy(segments: Segments) -> None:
         raise TypeError(f"segment_copy supports {SUPPORTED_DTYPES}, got {src_dtype} -> {dst_dtype}")
     device = targets[0].device
     # One int64 table, one column per field (pointers, starts, lengths, each segment's first
-    # block), sent to the device in one copy: small (7 numbers a segment), so a pageable copy
-    # costs less than pinning a buffer for it on every call.
+    # block), sent to the device in one copy.
     first_blocks = list(itertools.accumulate((-(-n // BLOCK) for n in segments.dst_len), initial=0))
     # array.array packs Python ints about twice as fast as torch.tensor(list) does.
     columns = array.array("q", segments.src_ptr + segments.src_start + segments.src_len + segments.dst_ptr
                           + segments.dst_start + segments.dst_len + first_blocks[:-1])
-    table = torch.frombuffer(columns, dtype=torch.int64).to(device)
+    table = _to_device(torch.frombuffer(columns, dtype=torch.int64), device)
     converts = src_dtype != dst_dtype
     _segment_copy_kernel[(first_blocks[-1],)](
         table, len(segments.dst_len),
@@ -165,6 +164,20 @@ def segment_copy(segments: Segments) -> None:
         ROUND_TO_BF16=converts and dst_dtype is torch.bfloat16, BLOCK_SIZE=BLOCK,
         SEARCH_STEPS=max(1, (len(segments.dst_len) - 1).bit_length()),
     )
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` (host memory) on ``device`` without making the host wait for the device.
+
+    torch copies pageable host memory to a GPU synchronously: the host would wait for every
+    kernel queued before the copy, once per launch, and could no longer run ahead of the GPU
+    (every bucket's copy-in, chunk-cat and copy-out would pay the whole queue's latency on the
+    critical path). Pinned memory from torch's caching host allocator is copied
+    asynchronously, and the allocator keeps the block until the copy has run.
+    """
+    if device.type == "cpu":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def copy_in(shards: Sequence[torch.Tensor], padded_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
