@@ -13,13 +13,22 @@ in the same process:
   plain        ``torch.compile(model)`` of the unsharded model under ``torch.autocast(bfloat16)``;
   fsdp2        torch's ``fully_shard`` per block and at the root (MixedPrecisionPolicy bf16 / fp32
                reduce, resharding after forward), then ``torch.compile`` (Inductor);
-  fsdp_compile ``fsdp_compile.backend("FULL_SHARD", mixed_precision=bf16 / fp32 reduce)``, Inductor.
+  fsdp_compile ``fsdp_compile.backend("FULL_SHARD", mixed_precision=bf16 / fp32 reduce)``, Inductor;
+  fsdp_compile_nosched  the same with ``schedule=False`` (not run unless named): our collective
+               schedule off, and with it Inductor's own peak-memory reordering back on, which the
+               scheduled compile turns off to keep our order.
 
 Step time: median of ``--steps`` steps after ``--warmup`` (the first compiles), each step timed
 with CUDA events around forward, backward and the optimizer step. Compile time: the first
 step's time minus the median step. Peak memory: ``torch.cuda.max_memory_allocated`` over the
 timed steps. (The planner plans worlds of 2 or more: none is set beside this one.) Writes JSON
 and a Markdown table to --out.
+
+``--fake-world N`` runs rank 0 of N in torch's fake process group instead: each rank's shards,
+gathered buffers and collectives are those of N ranks (a one-rank world has no collectives, so
+nothing for a schedule to order), but no collective moves data, so the losses are meaningless
+and the step time leaves out communication. What it measures is peak memory and the compute
+around the collectives as the graphs order them.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.sharding.groups import end_process_group
 
 VARIANTS = ("plain", "fsdp2", "fsdp_compile")
+ALL_VARIANTS = (*VARIANTS, "fsdp_compile_nosched")
 
 
 class Clock:
@@ -86,9 +96,10 @@ def build(variant: str, base: torch.nn.Module, device: torch.device, compiler: s
             fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
         return model, torch.compile(model, backend=compiler), None
-    if variant == "fsdp_compile":
+    if variant in ("fsdp_compile", "fsdp_compile_nosched"):
         backend = fsdp_compile.backend(
-            "FULL_SHARD", compiler=compiler, mixed_precision=fsdp_compile.MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32))
+            "FULL_SHARD", compiler=compiler, schedule=variant == "fsdp_compile",
+            mixed_precision=fsdp_compile.MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32))
         backend.shard(model)
         return model, torch.compile(model, backend=backend), None
     raise ValueError(variant)
@@ -135,23 +146,26 @@ def measure(variant: str, base: torch.nn.Module, cfg: GPTConfig, args: argparse.
 
 def markdown(report: dict) -> str:
     c = report["config"]
+    fake = c.get("fake_world")
+    world = (f"rank 0 of a fake world of {fake} (no collective moves data: losses of the sharded variants are "
+             "meaningless, step times leave out communication)" if fake else
+             f"world 1 ({report['backend']}): the collectives move nothing across a link")
     lines = [
         f"# One GPU: fsdp_compile vs FSDP2 + torch.compile vs plain torch.compile ({report['device']})", "",
         f"GPT {c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads, sequence {c['seq']}, batch "
-        f"{c['batch']}, vocab {c['vocab']}; AdamW; bf16 compute, fp32 parameters; world 1 "
-        f"({report['backend']}); {c.get('compiler', 'inductor')}; torch {report['torch']}, Triton {report['triton']}. Median of {c['steps']} "
-        f"steps after {c['warmup']} warm-up steps (the first compiles); compile = first step - median step. "
-        "World 1: the collectives move nothing across a link.", "",
+        f"{c['batch']}, vocab {c['vocab']}; AdamW; bf16 compute, fp32 parameters; {world}; "
+        f"{c.get('compiler', 'inductor')}; torch {report['torch']}, Triton {report['triton']}. Median of {c['steps']} "
+        f"steps after {c['warmup']} warm-up steps (the first compiles); compile = first step - median step.", "",
         "| variant | step ms (min-max) | vs plain | vs FSDP2 | tokens/s | peak GiB | compile s | loss first -> last |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = {r["variant"]: r for r in report["rows"]}
     for r in report["rows"]:
         lo, hi = r["step_ms_range"]
-        vs_plain = rows["plain"]["step_ms"] / r["step_ms"] if "plain" in rows else float("nan")
-        vs_fsdp2 = rows["fsdp2"]["step_ms"] / r["step_ms"] if "fsdp2" in rows else float("nan")
+        vs_plain, vs_fsdp2 = (f"{rows[peer]['step_ms'] / r['step_ms']:.2f}x" if peer in rows else "-"
+                              for peer in ("plain", "fsdp2"))
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} ({lo:.1f}-{hi:.1f}) | {vs_plain:.2f}x | {vs_fsdp2:.2f}x "
+        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} ({lo:.1f}-{hi:.1f}) | {vs_plain} | {vs_fsdp2} "
                      f"| {r['tokens_per_s']:.0f} | {peak} | {r['compile_s']:.1f} | "
                      f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
     lines.append("")
@@ -170,9 +184,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS)
     p.add_argument("--smoke", action="store_true", help="tiny model on whatever device, to check the script")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--fake-world", type=int, default=0,
+                   help="rank 0 of this many ranks in a fake process group (memory and compute only)")
+    p.add_argument("--name", help="stem of the JSON and Markdown files (default single_gpu_step_<device>)")
     args = p.parse_args()
     if args.smoke:
         args.layers, args.d_model, args.heads, args.seq, args.batch, args.vocab = 2, 32, 2, 16, 2, 67
@@ -180,7 +197,12 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -188,6 +210,8 @@ def main() -> None:
                     d_model=args.d_model)
     torch.manual_seed(0)
     base = GPT(cfg)
+    if args.fake_world:
+        base.to(device)  # a fake group names no device: the model's own says where to shard
     rows = []
     for variant in args.variants:
         rows.append(measure(variant, base, cfg, args, device))
@@ -198,13 +222,13 @@ def main() -> None:
         "triton": getattr(__import__("triton"), "__version__", "?"),
         "config": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
                    "batch": args.batch, "vocab": args.vocab, "warmup": args.warmup, "steps": args.steps,
-                   "compiler": args.compiler},
+                   "compiler": args.compiler, "fake_world": args.fake_world},
         "rows": rows,
     }
     table = markdown(report)
     print(table)
-    write_report(args.out, "single_gpu_step_smoke" if args.smoke else f"single_gpu_step_{'cuda' if cuda else 'cpu'}",
-                 report, table)
+    name = args.name or ("single_gpu_step_smoke" if args.smoke else f"single_gpu_step_{'cuda' if cuda else 'cpu'}")
+    write_report(args.out, name, report, table)
     end_process_group(exit_process=True)
 
 

@@ -157,12 +157,13 @@ def test_train_step_benchmark_runs_rounds_with_spread(tmp_path: Path) -> None:
 def test_single_gpu_benchmark_runs(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29600 + os.getpid() % 1000)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "single_gpu_step.py"), "--smoke", "--compiler",
-                           "aot_eager", "--out", str(tmp_path)],
+                           "aot_eager", "--out", str(tmp_path), "--variants", "plain", "fsdp2", "fsdp_compile",
+                           "fsdp_compile_nosched"],
                           check=False, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "single_gpu_step_smoke.json").read_text())
     rows = {r["variant"]: r for r in report["rows"]}
-    assert set(rows) == {"plain", "fsdp2", "fsdp_compile"}
+    assert set(rows) == {"plain", "fsdp2", "fsdp_compile", "fsdp_compile_nosched"}
     # The same weights and batches: every variant starts from the same loss.
     assert all(abs(r["first_loss"] - rows["plain"]["first_loss"]) < 1e-2 for r in rows.values())
     assert "| fsdp_compile |" in (tmp_path / "single_gpu_step_smoke.md").read_text()
