@@ -67,7 +67,8 @@ class FSDPBackend:
     ``bucket`` (see :mod:`fsdp_compile.passes.bucketing`); ``mixed_precision``
     (:class:`fsdp_compile.MixedPrecision`); ``schedule`` (overlap collectives with compute;
     under Inductor it also turns off Inductor's own peak-memory reordering for graphs with
-    collectives, which it would undo), ``prefetch``, ``max_inflight_bytes``, ``forward_prefetch`` / ``backward_prefetch``
+    collectives, which it would undo), ``prefetch``, ``max_inflight_bytes``,
+    ``forward_prefetch`` / ``backward_prefetch``
     (``{unit: [units to gather when it starts]}``, units by name or module) (see
     :mod:`fsdp_compile.passes.scheduling`); ``dump_dir`` (or ``FSDP_COMPILE_DUMP``): write
     every graph before and after each pass plus a JSON summary (see :mod:`fsdp_compile.inspection.dump`);

@@ -259,7 +259,6 @@ def collective_order_in_code(code: str) -> tuple[list[str], list[bool]]:
     return _collective_order(steps())
 
 
-
 def _fake_world_orders(strategy: str, device: str) -> None:
     """Rank 0 of a fake world of two in this process (it issues nothing, but the graphs and
     Inductor's code are those of two ranks): prints as JSON the collective order of our
@@ -318,7 +317,6 @@ def inductor_orders_in_a_fake_world(strategy: str, device: str, workdir: Path) -
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 
 def assert_inductor_keeps_the_order(order: dict) -> None:

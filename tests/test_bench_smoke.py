@@ -167,3 +167,15 @@ def test_single_gpu_benchmark_runs(tmp_path: Path) -> None:
     # The same weights and batches: every variant starts from the same loss.
     assert all(abs(r["first_loss"] - rows["plain"]["first_loss"]) < 1e-2 for r in rows.values())
     assert "| fsdp_compile |" in (tmp_path / "single_gpu_step_smoke.md").read_text()
+
+
+def test_single_gpu_benchmark_runs_as_one_rank_of_a_fake_world(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "single_gpu_step.py"), "--smoke", "--compiler",
+                           "aot_eager", "--out", str(tmp_path), "--fake-world", "4", "--variants", "fsdp_compile",
+                           "--name", "fake"],
+                          check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "fake.json").read_text())
+    assert report["backend"] == "fake" and report["config"]["fake_world"] == 4
+    assert "rank 0 of a fake world of 4" in (tmp_path / "fake.md").read_text()
