@@ -6,15 +6,7 @@
 # after it, never the results already written.
 #
 #     OUT=/tmp/gpu bash bench/gpu_compile_time.sh [seconds, default 520]
-set -u
-OUT=${OUT:?set OUT to a directory for the results}
-deadline=$((SECONDS + ${1:-520}))
-left() { echo $((deadline - SECONDS)); }
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-PY=$(command -v python3 || command -v python)
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_common.sh" "${1:-520}"
 
 caveat="one run each on a lent machine (16 CPU cores, one GPU, nothing else running); world 1: the collectives move nothing"
 common=(--device cuda --compilers inductor --variants plain fsdp fsdp_warm --out "$OUT" --caveat "$caveat")

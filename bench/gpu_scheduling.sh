@@ -6,15 +6,7 @@
 # step runs as rank 0 of a fake world (no collective moves data). Everything lands in $OUT.
 #
 #     OUT=/tmp/gpu bash bench/gpu_scheduling.sh [seconds, default 480]
-set -u
-OUT=${OUT:?set OUT to a directory for the results}
-deadline=$((SECONDS + ${1:-480}))
-left() { echo $((deadline - SECONDS)); }
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-PY=$(command -v python3 || command -v python)
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_common.sh" "${1:-480}"
 
 timeout $(( $(left) / 3 )) "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -15
 variants=(--variants plain fsdp2 fsdp_compile fsdp_compile_nosched)
