@@ -472,23 +472,22 @@ class Compiler:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
 
-        o = self.backend.options
-        keep_order = o.schedule and "schedule_collectives" not in o.disable_passes
-
         def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
             if kwargs.get("is_backward"):
                 phase = "backward"
             else:
                 phase = "inference" if kwargs.get("is_inference") else "forward"
             lowered = self.graph_passes(g, phase, record, select_decomp_table())
-            if not (keep_order and any(is_collective(n) for n in lowered.graph.nodes)):
+            scheduled = record.backward_schedule if phase == "backward" else record.forward_schedule
+            if scheduled is None or not any(is_collective(n) for n in lowered.graph.nodes):
                 return compile_fx_inner(lowered, inputs, **kwargs)
             # Inductor's peak-memory reordering (on by default) replaces the node order with
             # whichever topological sort it estimates lowest in memory: it moves each backward
             # all-gather to right before its wait and every reduce-scatter's wait to the end of
             # the graph, undoing the prefetch and the in-flight budget schedule_collectives set.
             # It runs after fusion, so without it the kernels, and the results, are the same. A
-            # graph with no collective (world 1, NO_SHARD's forward) has no order to keep.
+            # graph with no collective (world 1, NO_SHARD's forward), or one the scheduling pass
+            # did not order (schedule=False, disabled, failed), has no order of ours to keep.
             with torch._inductor.config.patch(reorder_for_peak_memory=False):
                 return compile_fx_inner(lowered, inputs, **kwargs)
 

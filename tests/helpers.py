@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+import logging
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -264,9 +269,6 @@ def _fake_world_orders(strategy: str, device: str) -> None:
     Inductor's code are those of two ranks): prints as JSON the collective order of our
     scheduled graphs and of Inductor's wrapper code, and how many graphs Inductor reordered
     for peak memory (read off its own log)."""
-    import json
-    import logging
-
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -296,19 +298,12 @@ def _fake_world_orders(strategy: str, device: str) -> None:
 
     _, codes = run_and_get_code(step)
     (record,) = backend.graphs
-    print(json.dumps({"codes": len(codes), "reordered_for_memory": len(reordered),
-                      "graph": [collective_order_in_graph(g) for g in (record.forward, record.backward)],
-                      "code": [collective_order_in_code(c) for c in codes]}))
+    print(json.dumps({**inductor_order(record, codes), "reordered_for_memory": len(reordered)}))
     dist.destroy_process_group()
 
 
 def inductor_orders_in_a_fake_world(strategy: str, device: str, workdir: Path) -> dict:
     """:func:`_fake_world_orders` in a fresh process with its own Inductor cache."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]),
            "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"), "OMP_NUM_THREADS": "1"}
@@ -317,6 +312,14 @@ def inductor_orders_in_a_fake_world(strategy: str, device: str, workdir: Path) -
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def inductor_order(record, codes: list[str]) -> dict:
+    """The collective order of a compiled graph pair and of Inductor's wrapper code for it
+    (forward's first), for :func:`assert_inductor_keeps_the_order`."""
+    return {"codes": len(codes),
+            "graph": [collective_order_in_graph(g) for g in (record.forward, record.backward)],
+            "code": [collective_order_in_code(c) for c in codes]}
 
 
 def assert_inductor_keeps_the_order(order: dict) -> None:
@@ -362,10 +365,7 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module, inductor_co
         "reduce_buckets": [b.key for b in bw_buckets["reduce_grad"]],
         "reduce_specs": sorted({b.spec for b in bw_buckets["reduce_grad"]}, key=repr),
         "reduced_params": sum(len(b.markers) for b in bw_buckets["reduce_grad"]),
-        "inductor_order": None if inductor_code is None else {
-            "codes": len(inductor_code),
-            "graph": [collective_order_in_graph(g) for g in (record.forward, record.backward)],
-            "code": [collective_order_in_code(c) for c in inductor_code]},
+        "inductor_order": None if inductor_code is None else inductor_order(record, inductor_code),
     }
 
 

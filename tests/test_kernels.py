@@ -145,7 +145,8 @@ def test_the_kernels_never_make_the_host_wait_for_the_gpu() -> None:
     shapes, world = [(33, 4), (7,), (100, 17)], 4
     chunks = chunk_numels(shapes, world)
     fulls = [torch.randn(s, device="cuda") for s in shapes]
-    shards = [f[start:start + length] for f in fulls for start, length in [shard_bounds(f.shape[0], world, 1)]]
+    bounds = [shard_bounds(f.shape[0], world, 1) for f in fulls]  # rank 1's shards
+    shards = [f[start:start + length] for f, (start, length) in zip(fulls, bounds)]
 
     def launches() -> None:
         triton_kernels.copy_in(shards, chunks, torch.bfloat16)
