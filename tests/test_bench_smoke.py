@@ -111,6 +111,54 @@ def test_compile_time_benchmark_warm_restart_under_inductor(tmp_path: Path) -> N
         assert rows[(layers, "fsdp_warm")]["cache"]["hits"] == 1
 
 
+def _region_call_cost_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("region_call_cost_bench", ROOT / "bench" / "region_call_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_region_call_cost_benchmark_splits_the_cost_per_block() -> None:
+    bench = _region_call_cost_module()
+
+    def row(variant: str, layers: int, first: float, schema: float) -> dict:
+        return {"variant": variant, "layers": layers, "first_step_s": first,
+                "timed": {"gen_schema": {"seconds": schema, "calls": 2 + 2 * layers},
+                          "incremental_update": {"seconds": 0.1 * layers, "calls": 16}}}
+
+    # plain: 10 s + 0.3 s a block, 0.1 s of it gen_schema; ours: 0.6 s a block.
+    rows = [row("plain_regions", 4, 11.2, 0.4), row("plain_regions", 64, 29.2, 6.4),
+            row("fsdp", 4, 12.4, 0.4), row("fsdp", 64, 48.4, 6.4)]
+    plain, ours = bench.per_block(rows, "plain_regions"), bench.per_block(rows, "fsdp")
+    assert plain["total_s"] == pytest.approx(0.3) and plain["gen_schema_s"] == pytest.approx(0.1)
+    assert plain["incremental_update_s"] == pytest.approx(0.1) and ours["total_s"] == pytest.approx(0.6)
+    assert bench.per_block(rows[:1], "plain_regions") is None  # one depth: no cost per block
+    report = {"config": {"compiler": "inductor", "d_model": 64, "seq": 64, "batch": 2}, "machine": "m", "torch": "t",
+              "caveat": "c", "rows": rows, "per_block": {"plain_regions": plain, "fsdp": ours}}
+    text = bench.markdown(report)
+    assert "| plain_regions | 4 -> 64 | 0.300 | 0.100 s (33%) |" in text
+    assert "| fsdp | 4 -> 64 | 0.600 | 0.100 s (17%) | 0.100 s (17%) | 2.00x |" in text
+
+
+@pytest.mark.slow  # four fresh processes, about 30 s
+def test_region_call_cost_benchmark_times_torchs_re_trace_of_every_region_call(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "region_call_cost.py"), "--smoke", "--out",
+                           str(tmp_path)], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "region_call_cost_smoke.json").read_text())
+    calls = {(r["variant"], r["layers"]): r["timed"]["gen_schema"]["calls"] for r in report["rows"]}
+    # torch re-traces the body for its mutation check at every region call, twice per call
+    # (AOTAutograd's metadata pass and its joint trace): one block more, two checks more. A
+    # torch that checks once per region would fail this, and the per-block costs in
+    # bench/results/compile_time_analysis.md would need measuring again.
+    for variant in ("plain_regions", "fsdp"):
+        assert calls[(variant, 3)] - calls[(variant, 2)] == 2, calls
+    assert "| variant | depths | per block s |" in (tmp_path / "region_call_cost_smoke.md").read_text()
+
+
 TRAIN_STEP_VARIANTS = ["fsdp_compile_scheduled", "fsdp_compile_unscheduled", "fsdp2_eager", "fsdp2_compile", "ddp"]
 
 
