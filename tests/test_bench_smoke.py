@@ -47,17 +47,18 @@ def test_compile_time_benchmark_runs(tmp_path: Path) -> None:
     assert "| layers | plain s | fsdp_compile s | ratio |" in text and "## Where the time goes" in text
 
 
-def _compile_time_module():
+def _bench_module(script: str):
+    """A benchmark script imported as a module (its helpers, without running it)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("compile_time_bench", ROOT / "bench" / "compile_time.py")
+    spec = importlib.util.spec_from_file_location(f"{script}_bench", ROOT / "bench" / f"{script}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
 
 
 def test_compile_time_benchmark_reports_the_median_of_repeated_runs() -> None:
-    bench = _compile_time_module()
+    bench = _bench_module("compile_time")
     runs = [{"compiler": "aot_eager", "layers": 4, "variant": "fsdp", "compile_s": t, "run": i}
             for i, t in enumerate([3.0, 9.0, 2.0])]
     runs.append({"compiler": "aot_eager", "layers": 4, "variant": "plain", "compile_s": 1.0, "run": 3})
@@ -69,7 +70,7 @@ def test_compile_time_benchmark_reports_the_median_of_repeated_runs() -> None:
 def test_compile_time_benchmark_splits_depth_into_a_fixed_part_and_a_cost_per_block() -> None:
     # 10 s + 0.5 s a block: 4 layers 12 s, 64 layers 42 s (3.5x); 2x of 4 layers at 64 would
     # need at most 10 / (64 - 8) s a block.
-    bench = _compile_time_module()
+    bench = _bench_module("compile_time")
     fixed, per_block, for_2x = bench.depth_fit(4, 12.0, 64, 42.0)
     assert fixed == pytest.approx(10.0) and per_block == pytest.approx(0.5)
     assert for_2x == pytest.approx(10.0 / 56)
@@ -81,7 +82,7 @@ def test_compile_time_benchmark_splits_depth_into_a_fixed_part_and_a_cost_per_bl
 def test_compile_time_benchmark_appends_to_an_earlier_report() -> None:
     import argparse
 
-    bench = _compile_time_module()
+    bench = _bench_module("compile_time")
     args = argparse.Namespace(layers=[16], compilers=["inductor"], device="cuda", world=1, d_model=64, seq=64,
                               batch=2, steps=3, caveat="c", repeats=1)
     row = {"compiler": "inductor", "variant": "plain", "compile_s": 1.0}
@@ -111,17 +112,8 @@ def test_compile_time_benchmark_warm_restart_under_inductor(tmp_path: Path) -> N
         assert rows[(layers, "fsdp_warm")]["cache"]["hits"] == 1
 
 
-def _region_call_cost_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("region_call_cost_bench", ROOT / "bench" / "region_call_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_region_call_cost_benchmark_splits_the_cost_per_block() -> None:
-    bench = _region_call_cost_module()
+    bench = _bench_module("region_call_cost")
 
     def row(variant: str, layers: int, first: float, schema: float) -> dict:
         return {"variant": variant, "layers": layers, "first_step_s": first,
