@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_files import write_report
 
 VARIANTS = ("plain_regions", "fsdp")
-# (class in torch, method): torch's per-call work the benchmark names.
+# name -> (module, class, method): the per-call work of torch's that the benchmark times.
 TIMED = {
     "gen_schema": ("torch._higher_order_ops.invoke_subgraph", "InvokeSubgraphHOP", "gen_schema"),
     "incremental_update": ("torch._inductor.fx_utils", "FakeTensorUpdater", "incremental_update"),
