@@ -21,8 +21,10 @@ in the same process:
 Step time: median of ``--steps`` steps after ``--warmup`` (the first compiles), each step timed
 with CUDA events around forward, backward and the optimizer step. Compile time: the first
 step's time minus the median step. Peak memory: ``torch.cuda.max_memory_allocated`` over the
-timed steps. (The planner plans worlds of 2 or more: none is set beside this one.) Writes JSON
-and a Markdown table to --out.
+timed steps, with what was allocated when the variant started in brackets; each step drops its
+logits once the loss is computed, and each variant is collected before the next starts, so
+neither counts in what runs after it. (The planner plans worlds of 2 or more: none is set
+beside this one.) Writes JSON and a Markdown table to --out.
 
 ``--fake-world N`` runs rank 0 of N in torch's fake process group instead: each rank's shards,
 gathered buffers and collectives are those of N ranks (a one-rank world has no collectives, so
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -107,6 +110,10 @@ def build(variant: str, base: torch.nn.Module, device: torch.device, compiler: s
 
 def measure(variant: str, base: torch.nn.Module, cfg: GPTConfig, args: argparse.Namespace,
             device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    # What is allocated before this variant builds anything (the base model in a fake world):
+    # part of its peak, the same for every variant.
+    start_gib = torch.cuda.memory_allocated(device) / 2**30 if cuda else None
     model, forward, autocast_dtype = build(variant, base, device, args.compiler)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     gen = torch.Generator().manual_seed(1234)
@@ -123,6 +130,10 @@ def measure(variant: str, base: torch.nn.Module, cfg: GPTConfig, args: argparse.
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 logits = forward(idx[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), idx[:, 1:].reshape(-1))
+            # Kept until the next step's forward returns, this step's logits (0.77 GiB at the
+            # default sizes) would count in that forward's memory, which a training loop that
+            # keeps only the loss does not pay.
+            del logits
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -134,12 +145,18 @@ def measure(variant: str, base: torch.nn.Module, cfg: GPTConfig, args: argparse.
         "variant": variant, "step_ms": steady * 1e3,
         "step_ms_range": [min(times[args.warmup:]) * 1e3, max(times[args.warmup:]) * 1e3],
         "compile_s": times[0] - steady, "tokens_per_s": tokens / steady,
-        "peak_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None),
+        "peak_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None),
+        "start_gib": start_gib,
         "first_loss": losses[0], "last_loss": losses[-1],
     }
-    del model, forward, opt
+    del model, forward, opt, batches, loss  # the last loss holds its autograd graph (FSDP2: its hooks)
     torch._dynamo.reset()
-    if device.type == "cuda":
+    # A sharded model lives in reference cycles (gradient hooks, shards and parameters refer
+    # to one another), which only the cycle collector frees: without a collection here its
+    # parameters and optimizer state can stay allocated into the next variant's timed steps,
+    # counted in that variant's peak, and be freed in the middle of one of them.
+    gc.collect()
+    if cuda:
         torch.cuda.empty_cache()
     return result
 
@@ -156,7 +173,8 @@ def markdown(report: dict) -> str:
         f"{c['batch']}, vocab {c['vocab']}; AdamW; bf16 compute, fp32 parameters; {world}; "
         f"{c.get('compiler', 'inductor')}; torch {report['torch']}, Triton {report['triton']}. Median of {c['steps']} "
         f"steps after {c['warmup']} warm-up steps (the first compiles); compile = first step - median step.", "",
-        "| variant | step ms (min-max) | vs plain | vs FSDP2 | tokens/s | peak GiB | compile s | loss first -> last |",
+        "| variant | step ms (min-max) | vs plain | vs FSDP2 | tokens/s | peak GiB (at start) | compile s "
+        "| loss first -> last |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = {r["variant"]: r for r in report["rows"]}
@@ -165,6 +183,8 @@ def markdown(report: dict) -> str:
         vs_plain, vs_fsdp2 = (f"{rows[peer]['step_ms'] / r['step_ms']:.2f}x" if peer in rows else "-"
                               for peer in ("plain", "fsdp2"))
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        if r.get("start_gib") is not None:
+            peak += f" ({r['start_gib']:.2f})"
         lines.append(f"| {r['variant']} | {r['step_ms']:.1f} ({lo:.1f}-{hi:.1f}) | {vs_plain} | {vs_fsdp2} "
                      f"| {r['tokens_per_s']:.0f} | {peak} | {r['compile_s']:.1f} | "
                      f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")

@@ -209,6 +209,62 @@ def test_single_gpu_benchmark_runs(tmp_path: Path) -> None:
     assert "| fsdp_compile |" in (tmp_path / "single_gpu_step_smoke.md").read_text()
 
 
+_FREED_SCRIPT = """
+import gc, json, os, sys, weakref
+sys.path.insert(0, os.path.join(sys.argv[1], "bench"))
+import argparse
+import torch
+import torch.distributed as dist
+import single_gpu_step as bench
+from fsdp_compile.models.gpt import GPT, GPTConfig
+
+gc.disable()  # the worst case: no automatic collection between variants
+dist.init_process_group("gloo", rank=0, world_size=1)
+models = []
+build = bench.build
+
+
+stale = []  # steps whose forward ran while an earlier step's output was still allocated
+
+
+def build_and_remember(*args, **kwargs):
+    model, forward, dtype = build(*args, **kwargs)
+    models.append(weakref.ref(model))
+    outputs = []
+
+    def watched_forward(*inputs):
+        stale.extend(1 for output in outputs if output() is not None)
+        output = forward(*inputs)
+        outputs.append(weakref.ref(output))
+        return output
+
+    return model, watched_forward, dtype
+
+
+bench.build = build_and_remember
+args = argparse.Namespace(warmup=1, steps=1, batch=2, compiler="aot_eager")
+cfg = GPTConfig(vocab_size=67, block_size=16, n_layer=2, n_head=2, d_model=32)
+alive = {}
+for variant in ("fsdp2", "fsdp_compile"):
+    bench.measure(variant, GPT(cfg), cfg, args, torch.device("cpu"))
+    alive[variant] = models[-1]() is not None
+print(json.dumps({**alive, "stale": len(stale)}))
+dist.destroy_process_group()
+"""
+
+
+def test_single_gpu_benchmark_frees_each_variant_and_step_before_the_next(tmp_path: Path) -> None:
+    # What is still allocated counts in the peak memory of what runs next: a variant's model
+    # (sharded models live in reference cycles) while the next variant runs, a step's logits
+    # while the next step's forward runs.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29600 + (os.getpid() + 500) % 1000), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _FREED_SCRIPT, str(ROOT)], check=False, env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"fsdp2": False, "fsdp_compile": False, "stale": 0}
+
+
 def test_single_gpu_benchmark_runs_as_one_rank_of_a_fake_world(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "single_gpu_step.py"), "--smoke", "--compiler",
