@@ -151,10 +151,10 @@ def measure(variant: str, base: torch.nn.Module, cfg: GPTConfig, args: argparse.
     }
     del model, forward, opt, batches, loss  # the last loss holds its autograd graph (FSDP2: its hooks)
     torch._dynamo.reset()
-    # A sharded model lives in reference cycles (gradient hooks, shards and parameters refer
-    # to one another), which only the cycle collector frees: without a collection here its
-    # parameters and optimizer state can stay allocated into the next variant's timed steps,
-    # counted in that variant's peak, and be freed in the middle of one of them.
+    # Sharded models (ours and FSDP2's) live in reference cycles, which only the cycle
+    # collector frees: without a collection here a model's parameters and optimizer state can
+    # stay allocated into the next variant's timed steps, counted in that variant's peak, and
+    # be freed in the middle of one of them.
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
