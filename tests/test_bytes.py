@@ -93,14 +93,16 @@ def bytes_worker(rank: int, world: int, strategy: str) -> dict:
         # all-gather's buffer is its output, the input times the group size.
         profiled = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         itemsize = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
-        for event in prof.events():
-            if event.name.startswith("_c10d_functional::") and "wait" not in event.name:
+        # The profiler's own events: torch 2.11's FunctionEvent has no input_dtypes.
+        for event in prof.profiler.kineto_results.events():
+            name = event.name()
+            if name.startswith("_c10d_functional::") and "wait" not in name:
                 kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-                        "all_reduce": "all_reduce"}[event.name.split("::")[1]]
+                        "all_reduce": "all_reduce"}[name.split("::")[1]]
                 numel = 1
-                for d in event.input_shapes[0]:
+                for d in event.shapes()[0]:
                     numel *= d
-                profiled[kind] += numel * itemsize[event.input_dtypes[0]] * (
+                profiled[kind] += numel * itemsize[event.dtypes()[0]] * (
                     topo.shard_size if kind == "all_gather" else 1)
         out[label] = {"theory": theory, "graph": graph, "profiled": profiled}
     return out

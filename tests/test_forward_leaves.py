@@ -93,13 +93,42 @@ def test_freezing_and_unfreezing_after_compile_reach_the_gradients(leaves_run) -
     assert any(n.startswith(FROZEN) for n in out["ours"][3]), "an unfrozen block got no gradients"
 
 
+class _FreezeProbe(nn.Module):
+    """A module of its own, so that its compiled code shares no cache entry with another test's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _plain_compile_recompiles_when_a_parameter_is_frozen() -> bool:
+    """Whether this torch's Dynamo guards on a parameter's ``requires_grad`` (2.13 does; 2.11
+    reuses the graph, and autograd still leaves the frozen parameter without a gradient)."""
+    graphs = []
+
+    def count(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graphs.append(gm)
+        return gm
+
+    probe = _FreezeProbe()
+    compiled = torch.compile(probe, backend=count)
+    compiled(torch.ones(2)).sum().backward()
+    probe.requires_grad_(False)
+    compiled(torch.ones(2))
+    return len(graphs) == 2
+
+
 def test_graphs_read_plain_tensors_not_dtensors(leaves_run) -> None:
     mode, out = leaves_run
     assert out["graph_inputs"] == []
     if mode == "compiled":
-        # One graph per requires_grad state: all trainable, blocks.0 frozen (all trainable
-        # again is the first graph's guards).
-        assert out["graphs"] == 2
+        # As many graphs as plain torch.compile makes for the same freezing: one per
+        # requires_grad state where torch guards on it (all trainable, blocks.0 frozen; all
+        # trainable again is the first graph's guards), else one.
+        assert out["graphs"] == (2 if _plain_compile_recompiles_when_a_parameter_is_frozen() else 1)
 
 
 def test_a_replaced_parameter_is_an_error_that_names_it(leaves_run) -> None:
