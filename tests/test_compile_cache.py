@@ -103,7 +103,9 @@ def cache_run(rank: int, world: int, cache_dir: str, change: str = "", steps: in
         losses, grads = [], []
         for _ in range(steps):
             x = torch.randn(4, 8, generator=gen)
-            loss = F.mse_loss(compiled(x), torch.zeros(4, 3))
+            # In fp32 whatever the compute dtype (torch 2.11's mse_loss backward rejects a bf16
+            # input beside an fp32 target).
+            loss = F.mse_loss(compiled(x).float(), torch.zeros(4, 3))
             loss.backward()
             grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
             opt.step()
