@@ -107,18 +107,15 @@ class _FreezeProbe(nn.Module):
 def _plain_compile_recompiles_when_a_parameter_is_frozen() -> bool:
     """Whether this torch's Dynamo guards on a parameter's ``requires_grad`` (2.13 does; 2.11
     reuses the graph, and autograd still leaves the frozen parameter without a gradient)."""
-    graphs = []
+    from torch._dynamo.testing import CompileCounter
 
-    def count(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        graphs.append(gm)
-        return gm
-
+    counter = CompileCounter()
     probe = _FreezeProbe()
-    compiled = torch.compile(probe, backend=count)
+    compiled = torch.compile(probe, backend=counter)
     compiled(torch.ones(2)).sum().backward()
     probe.requires_grad_(False)
     compiled(torch.ones(2))
-    return len(graphs) == 2
+    return counter.frame_count == 2
 
 
 def test_graphs_read_plain_tensors_not_dtensors(leaves_run) -> None:
