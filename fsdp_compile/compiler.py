@@ -505,7 +505,15 @@ class Compiler:
         # bypass its caches.
         counts = torch._dynamo.utils.counters["aot_autograd"]
         hits, bypasses = counts["autograd_cache_hit"], counts["autograd_cache_bypass"]
-        with torch._functorch.config.patch(enable_autograd_cache=lookups):
+        functorch_patches: dict[str, Any] = {"enable_autograd_cache": lookups}
+        if any(is_region_call(n) for n in gm.graph.nodes):
+            # Inductor lowers a region's backward body with the indices of the backward graph's
+            # donated buffers (saved tensors it may overwrite), applied to the body's own inputs:
+            # the body then writes its result over an input the caller still reads (the gradient
+            # arriving from the next block). Upstream torch fixes this after 2.13 (pytorch#193960);
+            # until then, graphs with regions donate nothing (see docs/design.md).
+            functorch_patches["donated_buffer"] = False
+        with torch._functorch.config.patch(**functorch_patches):
             compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
         if lookups and counts["autograd_cache_bypass"] > bypasses:
             lookups, why_off = False, "Inductor bypassed its cache for this graph (TORCH_LOGS=+aot_autograd says why)"

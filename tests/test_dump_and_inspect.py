@@ -72,15 +72,16 @@ def test_dump_has_every_graph_before_and_after_each_pass(dump: Path) -> None:
         graph = dump / f"rank{rank}" / "graph0"
         expected = ["dynamo.py", "joint_before.py", "joint_after.py", "summary.json"]
         for phase in ("forward", "backward"):
-            expected += [f"{phase}/00_partitioned.py", f"{phase}/01_elide_trivial_unshard.py",
-                         f"{phase}/02_lower_markers.py", f"{phase}/03_schedule_collectives.py"]
+            expected += [f"{phase}/00_partitioned.py", f"{phase}/01_unalias_region_outputs.py",
+                         f"{phase}/02_elide_trivial_unshard.py", f"{phase}/03_lower_markers.py",
+                         f"{phase}/04_schedule_collectives.py"]
         for name in expected:
             assert (graph / name).is_file(), name
         for source in graph.rglob("*.py"):
             compile(source.read_text(), str(source), "exec")  # readable, valid Python
         assert "MUST_RECOMPUTE" in (graph / "joint_after.py").read_text()
         assert "fsdp_compile.unshard" in (graph / "forward/00_partitioned.py").read_text()
-        assert "all_gather_into_tensor" in (graph / "forward/02_lower_markers.py").read_text()
+        assert "all_gather_into_tensor" in (graph / "forward/03_lower_markers.py").read_text()
         summary = json.loads((graph / "summary.json").read_text())
         forward, backward = summary["forward"], summary["backward"]
         assert [b["bucket"] for b in forward["buckets"]] == ["<root>", "blocks.0", "blocks.1"]
@@ -136,11 +137,11 @@ def test_plot_draws_the_memory_timeline(dump: Path, tmp_path: Path) -> None:
 def test_diff_shows_what_one_pass_changed(dump: Path) -> None:
     proc = inspect(str(dump), "--rank", "0", "--diff", "lower_markers")
     assert proc.returncode == 0
-    assert "--- rank0/graph0/forward/01_elide_trivial_unshard.py" in proc.stdout
-    assert "+++ rank0/graph0/forward/02_lower_markers.py" in proc.stdout
+    assert "--- rank0/graph0/forward/02_elide_trivial_unshard.py" in proc.stdout
+    assert "+++ rank0/graph0/forward/03_lower_markers.py" in proc.stdout
     assert "+" in proc.stdout and "all_gather_into_tensor" in proc.stdout
     bad = inspect(str(dump), "--diff", "no_such_pass")
-    assert bad.returncode == 2 and "no such pass in this dump; passes: elide_trivial_unshard" in bad.stderr
+    assert bad.returncode == 2 and "no such pass in this dump; passes: elide_trivial_unshard, lower_markers" in bad.stderr
 
 
 def test_dump_via_environment_variable(tmp_path: Path) -> None:
@@ -292,9 +293,9 @@ def test_user_passes_are_applied_and_dumped(tmp_path: Path) -> None:
         assert out["doubled"] and out["fallbacks"] == []
         assert out["first_output"] == "aten.mul.Tensor"
         graph = root / f"rank{rank}" / "graph0"
-        assert "torch.ops.aten.mul.Tensor" in (graph / "forward/04_double_output.py").read_text()
-        assert not (graph / "forward/03_double_output.py").exists()  # after ours: schedule is 03
-        assert (graph / "backward/04_rebuilt.py").is_file()
+        assert "torch.ops.aten.mul.Tensor" in (graph / "forward/05_double_output.py").read_text()
+        assert not (graph / "forward/04_double_output.py").exists()  # after ours: schedule is 04
+        assert (graph / "backward/05_rebuilt.py").is_file()
 
 
 def failing_pass(gm):

@@ -44,7 +44,7 @@ def test_the_pipeline_is_declared_in_stage_order_with_one_signature() -> None:
     assert stages == sorted(stages, key=["captured", "joint", "partitioned", "graph"].index)
     assert [p.name for p in PIPELINE if p.stage == "captured"] == ["hoist_region_markers", "inline_reordering_regions"]
     assert [p.name for p in PIPELINE if p.stage == "graph"] == [
-        "elide_trivial_unshard", "lower_markers", "schedule_collectives"]
+        "unalias_region_outputs", "elide_trivial_unshard", "lower_markers", "schedule_collectives"]
     for graph_pass in PIPELINE:
         assert list(graph_pass.fn.__code__.co_varnames[:2]) == ["gm", "ctx"], graph_pass.name
     assert set(OPTIONAL_PASSES) <= {p.name for p in PIPELINE}
@@ -55,8 +55,10 @@ def test_the_runner_runs_a_stage_in_order_and_keeps_each_result_by_name() -> Non
     ctx = graph_context()
     seen = []
     _, results = run_stage(gm, "graph", ctx, on_graph=lambda step, g: seen.append(step))
-    assert [r.name for r in results] == ["elide_trivial_unshard", "lower_markers", "schedule_collectives"]
-    assert seen == ["partitioned", "elide_trivial_unshard", "lower_markers", "schedule_collectives"]
+    assert [r.name for r in results] == ["unalias_region_outputs", "elide_trivial_unshard", "lower_markers",
+                                         "schedule_collectives"]
+    assert seen == ["partitioned", "unalias_region_outputs", "elide_trivial_unshard", "lower_markers",
+                    "schedule_collectives"]
     assert {b.key for b in ctx.results["lower_markers"]["unshard"]} == {"b0", "b1"}
     assert ctx.results["schedule_collectives"].collectives
     assert marker_counts(gm)["unshard"] == 0
@@ -66,7 +68,7 @@ def test_passes_are_switched_off_by_name_and_by_their_context() -> None:
     assert "schedule_collectives" not in [p.name for p in stage_passes("graph", graph_context(schedule=False))]
     gm = two_layers()
     _, results = run_stage(gm, "graph", graph_context(), disabled={"lower_markers", "schedule_collectives"})
-    assert [r.name for r in results] == ["elide_trivial_unshard"]
+    assert [r.name for r in results] == ["unalias_region_outputs", "elide_trivial_unshard"]
     assert marker_counts(gm)["unshard"] == 2  # nothing lowered
 
 
@@ -106,7 +108,7 @@ def _compiled_records(**options):
 def test_a_backend_without_scheduling_or_lowering_compiles_what_is_left() -> None:
     full = _compiled_records()[0]
     assert full.forward_schedule is not None and full.pass_seconds["forward"].keys() == {
-        "elide_trivial_unshard", "lower_markers", "schedule_collectives"}
+        "unalias_region_outputs", "elide_trivial_unshard", "lower_markers", "schedule_collectives"}
     unscheduled = _compiled_records(disable_passes=("schedule_collectives",))[0]
     assert unscheduled.forward_schedule is None and "schedule_collectives" not in unscheduled.pass_seconds["forward"]
     unlowered = _compiled_records(disable_passes=("lower_markers", "schedule_collectives"))[0]

@@ -24,6 +24,7 @@ import torch.fx as fx
 from ..api import ConfigError
 from .context import STAGES, GraphPass, PassContext
 from .lowering import lower_markers_pass
+from .region_outputs import unalias_region_outputs_pass
 from .regions import hoist_region_markers_pass, inline_reordering_regions_pass, route_region_inputs_pass
 from .reshard import elide_trivial_unshard_pass, tag_reshard_policy_pass
 from .rng_state_order import order_rng_states_pass
@@ -42,7 +43,10 @@ PIPELINE: tuple[GraphPass, ...] = (
     GraphPass("tag_reshard_policy", tag_reshard_policy_pass, "joint"),
     # The partitioned pair: saved RNG states ordered where the backward graph expects them.
     GraphPass("order_rng_states", order_rng_states_pass, "partitioned"),
-    # Each forward / backward graph: markers become bucketed collectives, then overlap.
+    # Each forward / backward graph: region outputs that share a storage are read through one
+    # owner (Inductor's memory planner cannot see the sharing); markers become bucketed
+    # collectives, then overlap.
+    GraphPass("unalias_region_outputs", unalias_region_outputs_pass, "graph"),
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "graph"),
     GraphPass("lower_markers", lower_markers_pass, "graph"),
     GraphPass("schedule_collectives", schedule_collectives_pass, "graph", when=lambda ctx: ctx.schedule is not None),

@@ -216,7 +216,7 @@ def _reorders_gradients(call: fx.Node, body: fx.GraphModule) -> bool:
     return False
 
 
-def _inline(call: fx.Node) -> None:
+def inline_call(call: fx.Node) -> None:
     """Replace a region call by a copy of its body's nodes."""
     graph, gm, body = call.graph, call.graph.owning_module, region_body(call)
     env: dict[fx.Node, object] = {}
@@ -264,7 +264,7 @@ def inline_regions(gm: fx.GraphModule, bodies: Collection[str] | None = None) ->
     inlined = [c for c in calls if bodies is None or c.args[0].target in bodies]
     for call in inlined:
         attr = call.args[0]
-        _inline(call)
+        inline_call(call)
         if not attr.users:
             gm.graph.erase_node(attr)
     if inlined:
