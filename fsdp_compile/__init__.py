@@ -15,6 +15,7 @@ from .agreement import AgreementError, GraphMismatchError
 from .api import ConfigError, CPUOffload, MixedPrecision, ShardingStrategy
 from .backend import FSDPBackend
 from .compiler import CompiledGraph
+from .gradient_check import GradientMismatch
 from .inspection.memory import MemoryEstimate, estimate_memory
 from .planning import Cluster, Plan, PlanError, plan
 from .planning.auto import AUTO_OPTIONS, AutoBackend
@@ -29,8 +30,8 @@ from .training.checkpoint import (
 from .training.clip import clip_grad_norm_
 
 __all__ = ["AgreementError", "CPUOffload", "CheckpointError", "Cluster", "CompiledGraph", "ConfigError",
-           "FSDPBackend", "GraphMismatchError", "MemoryEstimate", "MixedPrecision", "Plan", "PlanError",
-           "RankFailure", "ShardingStrategy", "backend", "clip_grad_norm_", "compile", "estimate_memory",
+           "FSDPBackend", "GradientMismatch", "GraphMismatchError", "MemoryEstimate", "MixedPrecision", "Plan",
+           "PlanError", "RankFailure", "ShardingStrategy", "backend", "clip_grad_norm_", "compile", "estimate_memory",
            "full_state_dict", "load_checkpoint", "load_full_state_dict", "plan", "save_checkpoint"]
 from .api import __version__ as __version__
 

@@ -171,6 +171,7 @@ class BackendOptions:
     disable_passes: tuple[str, ...]
     bucket_policy: Policy
     regions: bool | int = True
+    verify_gradients: bool | float = False
 
     @classmethod
     def validate(
@@ -197,6 +198,7 @@ class BackendOptions:
         cache_dir: str | os.PathLike | None,
         disable_passes: Sequence[str],
         regions: bool | int = True,
+        verify_gradients: bool | float = False,
     ) -> BackendOptions:
         """Every option of :func:`fsdp_compile.backend` checked, each once: a wrong one raises
         an error that names it and says what to use."""
@@ -231,6 +233,11 @@ class BackendOptions:
             raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify= takes a bool, got {type(verify).__name__}")
+        if isinstance(verify_gradients, bool):
+            pass
+        elif not isinstance(verify_gradients, (int, float)) or not 0 < verify_gradients < 1:
+            raise ValueError(f"verify_gradients={verify_gradients!r} takes True (the default tolerance), False, or a "
+                             "tolerance between 0 and 1 (relative to each gradient's largest entry)")
         if not isinstance(regions, int):
             raise TypeError(f"regions= takes a bool or a number of copies, got {type(regions).__name__}")
         if not isinstance(regions, bool) and regions < 2:
@@ -255,4 +262,4 @@ class BackendOptions:
                    prefetch, max_inflight_bytes, forward_prefetch, backward_prefetch,
                    os.fspath(dump_dir) if dump_dir is not None else None, strict, phases, offload, verify,
                    os.fspath(cache_dir) if cache_dir is not None else None, tuple(dict.fromkeys(disable_passes)),
-                   policy, regions)
+                   policy, regions, verify_gradients)

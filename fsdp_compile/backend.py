@@ -77,7 +77,11 @@ class FSDPBackend:
     ours; ``offload``: :class:`fsdp_compile.CPUOffload` keeps shards, gradients and the
     optimizer step in host memory; ``verify`` (default True): check at ``shard()`` and on the
     first run of every compiled graph that all ranks will communicate alike, and raise a named
-    error on every rank otherwise (see :mod:`fsdp_compile.agreement`); ``disable_passes``: names
+    error on every rank otherwise (see :mod:`fsdp_compile.agreement`); ``verify_gradients``
+    (or ``FSDP_COMPILE_VERIFY=1``; default off): on the first step of each compiled graph, run
+    it through the eager runtime too and raise :class:`fsdp_compile.GradientMismatch` naming the
+    first parameter whose gradient differs (``True``, or a tolerance; see
+    :mod:`fsdp_compile.gradient_check`), the first thing to try when training diverges; ``disable_passes``: names
     of our passes to skip (see ``fsdp_compile.passes.pipeline.PIPELINE``; e.g.
     ``("schedule_collectives",)``), for debugging a pass or measuring what it buys. ``cache_dir``: under
     Inductor, a process that
@@ -117,13 +121,15 @@ class FSDPBackend:
         cache_dir: str | os.PathLike | None = None,
         disable_passes: Sequence[str] = (),
         regions: bool | int = True,
+        verify_gradients: bool | float = False,
     ) -> None:
         self.options = BackendOptions.validate(
             strategy, compiler=compiler, mesh=mesh, process_groups=process_groups, shard_size=shard_size,
             timeout=timeout, bucket=bucket, mixed_precision=mixed_precision, schedule=schedule, prefetch=prefetch,
             max_inflight_bytes=max_inflight_bytes, forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch, dump_dir=dump_dir, strict=strict, passes=passes, offload=offload,
-            verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions)
+            verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions,
+            verify_gradients=verify_gradients)
         self.bucket_policy = self.options.bucket_policy
         self.units: set[str] = {ROOT_UNIT}
         self.explicit_prefetch: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}

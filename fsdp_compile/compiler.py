@@ -38,6 +38,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from . import gradient_check
 from .agreement import CollectiveCall, collective_calls
 from .compile_cache import (
     CacheState,
@@ -142,6 +143,8 @@ class Compiler:
         self._cache_warned = False
         self._dumper_instance: Dumper | None = None
         self._joint_captures: list[JointCapture] | None = None  # planning: joints seen by _partition
+        tolerance = gradient_check.requested(backend.options.verify_gradients)
+        self.gradient_check = gradient_check.GradientCheck(tolerance) if tolerance is not False else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """Dynamo's backend entry: compile one captured graph (see the module docstring)."""
@@ -173,9 +176,11 @@ class Compiler:
 
     def _guarded(self, compiled: Callable, record: CompiledGraph) -> Callable:
         """``compiled`` as Dynamo calls it: its collectives checked against the other ranks' on
-        its first run (``verify=True``), and a failed collective reported as the forward of this
+        its first run (``verify=True``), its gradients against the eager runtime's on its first
+        step (``verify_gradients``), and a failed collective reported as the forward of this
         graph having lost another rank."""
         verifier = self.backend.verifier if self.backend.options.verify else None
+        check = self.gradient_check if record.compiler != "eager" else None
         timeout = self.backend.options.timeout or world_timeout()
         first_run = [True]
 
@@ -190,6 +195,11 @@ class Compiler:
                     first_run[0] = False
                 verifier.calls += 1
             try:
+                if check is not None and check.wants(record.index):
+                    inputs = _flat_inputs(compiled, args)
+                    names = [self._input_name(value, node) for value, node in
+                             zip(inputs, (n for n in record.dynamo.graph.nodes if n.op == "placeholder"))]
+                    return check.run(record.index, names, self._as_python(record), inputs, lambda: compiled(*args))
                 return compiled(*args)
             except Exception as exc:
                 reraise_named(exc, f"the forward of compiled graph {record.index}", timeout)
@@ -210,18 +220,27 @@ class Compiler:
         """This call through the eager runtime: the compiled graph was traced for leaves that
         no longer match their parameters (a parameter frozen or unfrozen since), so its autograd
         would be wrong for them. Dynamo's guards on the leaves compile a new graph next call."""
-        boxed = getattr(compiled, "_boxed_call", False) and len(args) == 1 and isinstance(args[0], list)
-        flat = list(args[0]) if boxed else list(args)
-        if boxed:
+        flat = _flat_inputs(compiled, args)
+        if _boxed(compiled, args):
             args[0].clear()  # a boxed call hands its inputs over
         flat = [replaced.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in flat]
+        return self._as_python(record)(*flat)
+
+    @staticmethod
+    def _as_python(record: CompiledGraph) -> fx.GraphModule:
+        """The captured graph as Python, every marker run by the eager runtime. Regions run only
+        under AOTAutograd (their backward is traced on first use): a copy with them inlined is
+        made once and kept as the record's graph."""
         if any(is_region_call(n) for n in record.dynamo.graph.nodes):
-            # Regions run only under AOTAutograd (their backward is traced on first use): run
-            # a copy with them inlined, made once.
             record.dynamo = copy_graph_module(record.dynamo)
             inline_regions(record.dynamo)
             record.dynamo.recompile()
-        return record.dynamo(*flat)
+        return record.dynamo
+
+    @staticmethod
+    def _input_name(value: Any, node: fx.Node) -> str:
+        name = sharded_name(value) if isinstance(value, torch.Tensor) else None
+        return name or f"input {_parameter_name(node)}"
 
     def _collectives(self, record: CompiledGraph) -> list[CollectiveCall]:
         """What ``record`` issues, for the first-run agreement check. A graph loaded from the
@@ -497,6 +516,8 @@ class Compiler:
         if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
             patches["custom_partitioner_fn"] = _Partitioner(torch._inductor.config.custom_partitioner_fn,
                                                             self.backend.options.disable_passes, key)
+        if self.gradient_check is not None:
+            patches["fallback_random"] = True  # random ops draw what the eager runtime draws
         if not self.cache_state.enabled and self.cache_state.directory is not None:
             patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
         # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
@@ -778,6 +799,15 @@ class _Partitioner(getattr(torch._inductor.custom_graph_pass, "CustomPartitioner
 
     def uuid(self) -> Any:
         return _uuid(self.key, self.user_partitioner)
+
+
+def _boxed(compiled: Callable, args: tuple[Any, ...]) -> bool:
+    """Whether ``compiled`` takes its inputs as one list it consumes (AOTAutograd's boxed calls)."""
+    return getattr(compiled, "_boxed_call", False) and len(args) == 1 and isinstance(args[0], list)
+
+
+def _flat_inputs(compiled: Callable, args: tuple[Any, ...]) -> list[Any]:
+    return list(args[0]) if _boxed(compiled, args) else list(args)
 
 
 def _is_size(node: fx.Node) -> bool:
