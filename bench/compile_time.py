@@ -60,9 +60,10 @@ TORCH_REGIONS = {
     "dynamo_trace": ["bytecode_tracing"],
     "dynamo_guards": ["build_guards"],
     "aot_trace": ["aot_collect_metadata", "aot_trace_joint_graph"],
-    # Inductor times its partitioner under the partitioner's name (ours: _Partitioner);
+    # Inductor times its partitioner under the partitioner's name (ours: PartitionerHook, _Partitioner in older results);
     # under aot_eager the benchmark (plain) and the backend (stage_seconds) time it.
-    "partitioner": ["min_cut_rematerialization_partition", "_Partitioner", "partition (timed by the benchmark)"],
+    "partitioner": ["min_cut_rematerialization_partition", "PartitionerHook", "_Partitioner",
+                    "partition (timed by the benchmark)"],
     # Inductor's joint-graph passes (ours run among them and are subtracted) and its
     # compilation of each graph (lowering, code generation, C++ compilation, cache lookups).
     "inductor": ["_recursive_joint_graph_passes", "compile_fx_inner"],

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .agreement import AgreementError, GraphMismatchError
 from .api import ConfigError, CPUOffload, MixedPrecision, ShardingStrategy
-from .backend import FSDPBackend
-from .compiler import CompiledGraph
-from .gradient_check import GradientMismatch
+from .checks.agreement import AgreementError, GraphMismatchError
+from .checks.gradients import GradientMismatch
+from .compilation.records import CompiledGraph
+from .fsdp_backend import FSDPBackend
 from .inspection.memory import MemoryEstimate, estimate_memory
 from .planning import Cluster, Plan, PlanError, plan
 from .planning.auto import AUTO_OPTIONS, AutoBackend

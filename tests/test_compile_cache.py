@@ -1,4 +1,4 @@
-"""Warm restarts through the compile cache (fsdp_compile.compile_cache), both directions.
+"""Warm restarts through the compile cache (fsdp_compile.compilation.cache), both directions.
 
 A restarted job (new processes) with the same model, strategy, world, groups, options and
 package version loads its compiled graphs and trains bit for bit as the first job did; any

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile
-from fsdp_compile.backend import FSDPBackend
+from fsdp_compile.fsdp_backend import FSDPBackend
 from fsdp_compile.inspection.graphinfo import marker_counts
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.passes.context import OPTIONAL_PASSES, PassContext
@@ -180,7 +180,8 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     # parameter, and one parameter as an activation, before).
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from fsdp_compile.compiler import Compiler, _output_roles
+    from fsdp_compile.compilation.compiler import output_roles as _output_roles
+    from fsdp_compile.compilation.compiler import tag_saved_inputs
     from fsdp_compile.inspection.memory import output_storage_keys, storage_lifetimes
     from fsdp_compile.passes.graph import ROLE_META, SAVED_STORAGE_META
 
@@ -203,7 +204,7 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     for node in nodes[1:]:
         node.meta["val"] = torch.empty(4, 4, device="meta")
     backward.output((nodes[3],))
-    Compiler._tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles, storages)
+    tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles, storages)
     assert [n.meta.get(ROLE_META) for n in nodes] == [None, "param", "activation", None]
     # Each saved input counts on the storage its forward output had (weight's, x's).
     assert [n.meta.get(SAVED_STORAGE_META) for n in nodes] == [None, *storages[1:3], None]
@@ -211,5 +212,5 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     # Without storage keys (a forward whose keys were not recorded) the roles still go across.
     for node in nodes:
         node.meta.pop(ROLE_META, None)
-    Compiler._tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles, [])
+    tag_saved_inputs(torch.fx.GraphModule(torch.nn.Module(), backward), roles, [])
     assert [n.meta.get(ROLE_META) for n in nodes] == [None, "param", "activation", None]

@@ -21,7 +21,7 @@ from helpers import PER_RANK_BATCH, expect_error, lm_loss
 from model_shapes import MODEL_SHAPES, make_model
 
 import fsdp_compile
-from fsdp_compile.gradient_check import FULL_PRECISION_RTOL
+from fsdp_compile.checks.gradients import FULL_PRECISION_RTOL
 
 
 def double_first_gradient(gm: fx.GraphModule) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -79,3 +80,15 @@ def _advice(model: nn.Module, unit: str, units: Mapping[str, str], numel: Mappin
     return (f"{why}. Pass {fix}a bucket size in bytes, e.g. bucket={suggested} (about "
             f"1/{SUGGESTED_BUCKETS} of the model per bucket).")
 
+
+def oversized_in(model: nn.Module, infos: Mapping[str, Any], options: Any, topology: Any) -> OversizedBucket | None:
+    """:func:`oversized_bucket` where it defeats sharding: a bucket gathered whole, freed and
+    gathered again (FULL_SHARD, HYBRID_SHARD over a shard group of 2+), for the parameters
+    ``infos`` (name -> :class:`~fsdp_compile.sharding.params.ShardedParamInfo`) a backend with
+    ``options`` sharded over ``topology``; None elsewhere."""
+    policy = options.bucket_policy
+    if not (policy.uses_units and options.strategy.reshard_after_forward and topology.shard_size > 1):
+        return None
+    params = dict(model.named_parameters())
+    itemsize = {fqn: (info.comm.param_dtype or params[fqn].dtype).itemsize for fqn, info in infos.items()}
+    return oversized_bucket(model, {fqn: info.unit for fqn, info in infos.items()}, itemsize, policy)

@@ -90,26 +90,28 @@ def _phase_summary(gm, buckets, schedule, memory, seconds) -> dict[str, Any] | N
     return summary
 
 
-def graph_summary(record, backend) -> dict[str, Any]:
-    """Everything the report needs about one compiled graph, JSON-able."""
+def graph_summary(record, strategy, state) -> dict[str, Any]:
+    """Everything the report needs about one compiled graph (of a backend with ``strategy``,
+    whose ``shard()`` filled in ``state``, a :class:`~fsdp_compile.sharding.backend_state.ShardingState`),
+    JSON-able."""
     import torch.distributed as dist
 
-    topo = backend.topology
+    topo = state.topology
     return {
         "graph": record.index,
         "rank": dist.get_rank() if dist.is_initialized() else 0,
-        "strategy": backend.strategy.name,
-        "reshard_after_forward": backend.strategy.reshard_after_forward,
+        "strategy": strategy.name,
+        "reshard_after_forward": strategy.reshard_after_forward,
         "shard_size": topo.shard_size if topo else None,
         "replicate_size": topo.replicate_size if topo else None,
         "compiler": record.compiler,
         "inference": record.inference,
         "fallbacks": list(record.fallbacks),
-        "oversized_buckets": dict(getattr(backend, "oversized_buckets", {})),
+        "oversized_buckets": dict(state.oversized_buckets),
         "dynamo_nodes": len(record.dynamo.graph.nodes),
         "cache": getattr(record, "cache", ""),
-        **{name: _phase_summary(p.graph, p.buckets, p.schedule, p.memory, record.pass_seconds.get(name))
-           for name, p in record.phases.items()},
+        **{name: _phase_summary(*record.phase(name), record.pass_seconds.get(name))
+           for name in ("forward", "backward")},
     }
 
 

@@ -13,7 +13,6 @@ prefetch depth (and, for hybrid strategies, shard groups of one node).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import MixedPrecision, ShardingStrategy
-from ..backend import FSDPBackend
+from ..fsdp_backend import FSDPBackend
 from ..sharding.units import parse_policy
 from .cluster import Cluster
 from .numbers import ClusterError
@@ -142,7 +141,5 @@ class AutoBackend(FSDPBackend):
         chosen = candidate_options(self.plan, row)
         strategy = ShardingStrategy.parse(chosen["strategy"])
         shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
-        self.options = dataclasses.replace(self.options, strategy=strategy, bucket=chosen["bucket"],
-                                           prefetch=chosen["prefetch"], shard_size=shard_size,
-                                           bucket_policy=parse_policy(chosen["bucket"]))
-        self.bucket_policy = self.options.bucket_policy
+        self._set_options(strategy=strategy, bucket=chosen["bucket"], prefetch=chosen["prefetch"],
+                          shard_size=shard_size, bucket_policy=parse_policy(chosen["bucket"]))

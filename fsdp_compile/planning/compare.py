@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import ShardingStrategy
-from ..compiler import collector_paused
+from ..compilation.inner import collector_paused
 
 
 @dataclass

@@ -24,8 +24,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..api import MixedPrecision, ShardingStrategy
-from ..backend import FSDPBackend
-from ..compiler import CompiledGraph, JointCapture
+from ..compilation.records import CompiledGraph, JointCapture
+from ..fsdp_backend import FSDPBackend
 from ..passes.graph import ROLE_META
 from ..sharding.units import BucketPolicy
 from .attention import use_cuda_attention
@@ -171,7 +171,7 @@ def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devic
         for i, candidate in enumerate(group):
             start = time.perf_counter()
             backend = _make_backend(candidate, mixed_precision, devices_per_node, world)
-            sharded = backend._shard(fake_model(model, mode), materialize=False)
+            sharded = backend.shard(fake_model(model, mode), materialize=False)
             if i == 0:
                 def step(*args: Any, _model: nn.Module = sharded) -> torch.Tensor:
                     return loss_fn(_model(*args))

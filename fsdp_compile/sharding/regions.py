@@ -66,6 +66,17 @@ class RegionReads:
     sync: Any  # the backend's GradientSync: regions only while gradients are synchronized
 
 
+def region_copies(regions: bool | int, compiler: str) -> int | None:
+    """From how many copies a block class is compiled as a region, for the backend options
+    ``regions=`` and ``compiler=``; None: no regions (``regions=False``, a torch without region
+    reuse, the eager compiler)."""
+    if regions is False or not regions_supported():
+        return None
+    if regions is True:
+        return MIN_REGION_COPIES.get(compiler)
+    return regions
+
+
 def region_units(model: nn.Module, units: Iterable[str], tied_units: Iterable[str], min_copies: int = 2) -> set[str]:
     """The units compiled as regions: of a class that heads ``min_copies`` units or more, holding no tied
     parameter (a parameter registered under several names is gathered once, at the root), and

@@ -8,7 +8,7 @@ must, to build the guards of the new process).
 
 Our passes run inside Inductor's compilation, which the AOTAutograd key does not see, so the
 backend puts everything their result depends on into the key, as the ``uuid()`` of the joint
-pass and partitioner it installs in Inductor's configuration (:func:`cache_key`): this
+pass and partitioner it installs in Inductor's configuration (:func:`cache_key_parts`): this
 package's version and the hash of its sources, the strategy, world size and group layout, the
 bucket policy, scheduling options and prefetch orders, mixed precision, offload, and the uuids
 of the user's passes. Anything that changes one of them misses; the Dynamo graph itself
@@ -40,12 +40,19 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
-from . import api
-from .passes import pass_fingerprint
+from .. import api
+from ..passes import pass_fingerprint
+from ..sharding.params import sharded_name
+from ..sharding.regions import region_copies
+
+if TYPE_CHECKING:
+    from ..api import BackendOptions
+    from ..sharding.backend_state import ShardingState
 
 MANIFEST = "fsdp_compile_cache.json"
 
@@ -86,6 +93,59 @@ def cache_key(parts: dict[str, Any]) -> str:
     """A stable hash of ``parts`` (JSON-able, with reprs for anything else) plus the versions."""
     text = json.dumps({**parts, "versions": _versions()}, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_key_parts(options: BackendOptions, state: ShardingState) -> dict[str, Any]:
+    """Everything our passes' result depends on besides the Dynamo graph; the user's passes
+    are keyed by their uuids (:func:`user_pass_uuids`)."""
+    topo = state.topology
+    groups = {}
+    for name, group in (("shard", topo and topo.shard_group), ("replicate", topo and topo.replicate_group)):
+        groups[name] = dist.get_process_group_ranks(group) if group is not None else None
+    policy = options.bucket_policy
+    # AOTAutograd keys a DTensor input by its global metadata only, so with uneven shards
+    # ranks whose local shards differ would share an entry (a wrong graph, caught by a
+    # size assertion at best): the rank and every local shard's metadata are part of ours.
+    local = sorted((name, tuple(p.to_local().shape), tuple(p.to_local().stride()), str(p.dtype), str(p.device))
+                   for p in state.sharded_parameters() for name in [sharded_name(p) or ""])
+    return {
+        "strategy": options.strategy.name,
+        "compiler": options.compiler,
+        "world": dist.get_world_size() if dist.is_initialized() else 1,
+        "rank": dist.get_rank() if dist.is_initialized() else 0,
+        "local_shards": local,
+        "groups": groups,
+        "bucket": {"kind": policy.kind, "max_bytes": policy.max_bytes, "describe": policy.describe()},
+        "schedule": {"on": options.schedule, "prefetch": options.prefetch,
+                     "max_inflight_bytes": options.max_inflight_bytes, "explicit": state.explicit_prefetch},
+        "mixed_precision": repr(options.mixed_precision),
+        "offload": repr(options.offload),
+        "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
+        "disable_passes": list(options.disable_passes),
+        "region_copies": region_copies(options.regions, options.compiler),
+        "strict": options.strict,
+    }
+
+
+def compile_cache_key(cache: CacheState, options: BackendOptions, state: ShardingState,
+                      dumping: bool) -> tuple[str | None, bool, str]:
+    """(key for Inductor's caches, None to bypass them; whether AOTAutograd's cache may be read;
+    why it may not)."""
+    if not cache.enabled and cache.directory is not None:
+        return None, False, cache.reason  # an unusable cache_dir: everything cold
+    uuids, why = user_pass_uuids(options.passes)
+    # Inductor's FX graph cache keys on the graph our passes produced, so it stays right
+    # whatever the key; AOTAutograd's keys on the graph before them and needs all of it.
+    key = cache_key({**cache_key_parts(options, state), "user_passes": uuids if uuids is not None else "unkeyed"})
+    if not cache.enabled:
+        return key, False, cache.reason
+    if uuids is None:
+        return key, False, why
+    if dumping:
+        # A hit would skip the passes, and with them the dump: compile (an entry stored
+        # under the same key stays right for later runs without dumps).
+        return key, False, "dumping graphs (dump_dir / FSDP_COMPILE_DUMP) needs the passes to run"
+    return key, True, ""
 
 
 def prepare_directory(directory: str | os.PathLike) -> CacheState:

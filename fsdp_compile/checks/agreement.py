@@ -29,12 +29,21 @@ import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from .passes.graph import COMM_META, decode_collective
-from .runtime.markers import REDUCE_GRAD, UNSHARD_TARGETS, decode
+from .. import api
+from ..passes.graph import COMM_META, decode_collective
+from ..runtime.markers import REDUCE_GRAD, UNSHARD_TARGETS, decode
+from ..sharding.groups import world_timeout
+from ..sharding.units import unit_modules, unit_of
+
+if TYPE_CHECKING:
+    from ..api import BackendOptions
+    from ..sharding.groups import Topology
 
 _PREFIX = "fsdp_compile"
 _POLL_SECONDS = 0.02
@@ -303,7 +312,7 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
     mesh each rank's shard group is another process group, yet the same role.
     """
     calls: list[CollectiveCall] = []
-    graphs = [(name, p.graph, p.buckets) for name, p in record.phases.items()]
+    graphs = [(name, record.phase(name).graph, record.phase(name).buckets) for name in ("forward", "backward")]
     if record.forward is None:  # not lowered at all: the Dynamo graph's markers
         graphs = [("forward", record.dynamo, {})]
     for phase, gm, buckets in graphs:
@@ -330,3 +339,59 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
                                             int(value.numel() * value.element_size()), marker.unit or "<root>",
                                             (marker.fqn,)))
     return calls
+
+
+# shard() calls per mesh on this process: the agreement key of the n-th call is the same on every rank.
+_SHARD_CALLS: dict[str, int] = {}
+
+
+def agree_on_model(options: BackendOptions, topology: Topology, model: nn.Module) -> GraphVerifier:
+    """Every rank of the mesh must shard the same model with the same options (one exchange
+    through the rendezvous store; a mismatch raises on every rank before anything is sharded).
+    Returns the verifier for the graphs this model will compile to."""
+    ranks = [int(r) for r in topology.mesh.mesh.flatten().tolist()]
+    timeout = options.timeout or world_timeout()
+    mesh_key = hashlib.sha256(repr(ranks).encode()).hexdigest()[:12]
+    count = _SHARD_CALLS[mesh_key] = _SHARD_CALLS.get(mesh_key, 0) + 1
+    key = f"{mesh_key}/{count}"
+    agree_on_sharding(sharding_items(options, topology, model), ranks, timeout, key)
+    return GraphVerifier(key, ranks, timeout)
+
+
+def _unique_parameters(model: nn.Module):
+    """(module name, local name, parameter) for each distinct parameter, at its first owner."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                yield module_name, name, param
+
+
+def sharding_items(options: BackendOptions, topology: Topology, model: nn.Module) -> list[tuple[str, Any]]:
+    """What must be equal on every rank for the ranks to communicate alike, in a fixed order."""
+    o = options
+    items: list[tuple[str, Any]] = [
+        ("the fsdp_compile version", api.__version__),
+        ("the torch version", torch.__version__),
+        ("strategy=", o.strategy.name),
+        ("compiler=", o.compiler),
+        ("bucket=", o.bucket_policy.describe()),
+        ("mixed_precision=", repr(o.mixed_precision)),
+        ("offload=", repr(o.offload)),
+        ("schedule=", o.schedule),
+        ("prefetch=", o.prefetch),
+        ("max_inflight_bytes=", o.max_inflight_bytes),
+        ("disable_passes=", list(o.disable_passes)),
+        ("the world size", dist.get_world_size()),
+        ("the mesh (replicate x shard ranks)", topology.mesh.mesh.tolist()),
+    ]
+    units = unit_modules(model, o.bucket_policy)
+    for module_name, name, param in _unique_parameters(model):
+        fqn = f"{module_name}.{name}" if module_name else name
+        items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit)",
+                      [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
+                       unit_of(module_name, units) or "<root>"]))
+    # After the parameters: a missing or extra parameter is named before the count differs.
+    items.append(("the number of parameters", sum(1 for _ in _unique_parameters(model))))
+    return items

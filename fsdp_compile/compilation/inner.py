@@ -1,0 +1,221 @@
+"""The inner compilers our passes run inside: AOTAutograd with ``aot_eager``, or Inductor.
+
+Both hand every joint graph to the compiler's joint passes before the min-cut partitioner, the
+partitioned pair to the partition fix-ups, and every forward / backward graph to the graph
+passes before compiling it. Inductor is reached through its public hooks: its joint-graph
+custom pass and partitioner (:class:`JointPassHook`, :class:`PartitionerHook`, whose uuids carry
+our cache key) and ``compile_fx``'s ``inner_compile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from ..checks.agreement import collective_calls
+from ..passes.context import PassContext
+from ..passes.graph import is_collective
+from ..passes.pipeline import PassFailure, run_stage
+from ..passes.regions import is_region_call
+from ..runtime.faults import reraise_named
+from .cache import save_collectives
+from .records import CompiledGraph
+
+if TYPE_CHECKING:
+    from .compiler import Compiler
+
+
+def compile_aot_eager(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                      record: CompiledGraph) -> Callable:
+    """AOTAutograd with our passes and no code generation: graphs run as Python."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    timeout = compiler.guard.timeout
+
+    def phase_compiler(phase: str):
+        def compile_graph(g: fx.GraphModule, inputs: Sequence[Any]):
+            run = compiler.graph_passes(g, phase, record).forward
+            if phase != "backward":
+                return make_boxed_func(run)
+
+            def backward(args: list) -> Any:
+                try:
+                    return run(*args)
+                except Exception as exc:
+                    reraise_named(exc, f"the backward of compiled graph {record.index}", timeout)
+
+            backward._boxed_call = True  # type: ignore[attr-defined]
+            return backward
+        return compile_graph
+
+    return aot_autograd(
+        fw_compiler=phase_compiler("forward"),
+        bw_compiler=phase_compiler("backward"),
+        inference_compiler=phase_compiler("inference"),
+        partition_fn=functools.partial(compiler.partition, record=record),
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
+
+
+def compile_inductor(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     record: CompiledGraph) -> Callable:
+    """Inductor with our passes in its joint-graph, partitioner and inner-compile hooks."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
+        if kwargs.get("is_backward"):
+            phase = "backward"
+        else:
+            phase = "inference" if kwargs.get("is_inference") else "forward"
+        lowered = compiler.graph_passes(g, phase, record, select_decomp_table())
+        scheduled = record.backward_schedule if phase == "backward" else record.forward_schedule
+        if scheduled is None or not any(is_collective(n) for n in lowered.graph.nodes):
+            return compile_fx_inner(lowered, inputs, **kwargs)
+        # Inductor's peak-memory reordering (on by default) replaces the node order with
+        # whichever topological sort it estimates lowest in memory: it moves each backward
+        # all-gather to right before its wait and every reduce-scatter's wait to the end of
+        # the graph, undoing the prefetch and the in-flight budget schedule_collectives set.
+        # It runs after fusion, so without it the kernels, and the results, are the same. A
+        # graph with no collective (world 1, NO_SHARD's forward), or one the scheduling pass
+        # did not order (schedule=False, disabled, failed), has no order of ours to keep.
+        with torch._inductor.config.patch(reorder_for_peak_memory=False):
+            return compile_fx_inner(lowered, inputs, **kwargs)
+
+    options = compiler.options
+    key, lookups, why_off = compiler.cache_key()
+    joint_pass = JointPassHook(compiler, record, torch._inductor.config.joint_custom_pre_pass, key)
+    patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pass}
+    if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
+        patches["custom_partitioner_fn"] = PartitionerHook(torch._inductor.config.custom_partitioner_fn,
+                                                           options.disable_passes, key)
+    if compiler.gradient_check is not None:
+        patches["fallback_random"] = True  # random ops draw what the eager runtime draws
+    cache_state = compiler.cache_state
+    if not cache_state.enabled and cache_state.directory is not None:
+        patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
+    # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
+    # key travels as the uuid of the joint pass and partitioner above: a hit is exactly what
+    # our passes would produce again. A key of None (a pass we cannot key) makes Inductor
+    # bypass its caches.
+    counts = torch._dynamo.utils.counters["aot_autograd"]
+    hits, bypasses = counts["autograd_cache_hit"], counts["autograd_cache_bypass"]
+    functorch_patches: dict[str, Any] = {"enable_autograd_cache": lookups}
+    if any(is_region_call(n) for n in gm.graph.nodes):
+        # Inductor lowers a region's backward body with the indices of the backward graph's
+        # donated buffers (saved tensors it may overwrite), applied to the body's own inputs:
+        # the body then writes its result over an input the caller still reads (the gradient
+        # arriving from the next block). Upstream torch fixes this after 2.13 (pytorch#193960);
+        # until then, graphs with regions donate nothing (see docs/design.md).
+        functorch_patches["donated_buffer"] = False
+    with torch._functorch.config.patch(**functorch_patches):
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    if lookups and counts["autograd_cache_bypass"] > bypasses:
+        lookups, why_off = False, "Inductor bypassed its cache for this graph (TORCH_LOGS=+aot_autograd says why)"
+    stats = compiler.cache_stats
+    if not lookups:
+        record.cache = f"off: {why_off}"
+        stats["off"] += 1
+    elif counts["autograd_cache_hit"] > hits:
+        record.cache = "hit"
+        stats["hits"] += 1
+    else:
+        record.cache = "miss"
+        stats["misses"] += 1
+        calls = collective_calls(record, compiler.state.topology.group_roles())
+        save_collectives(cache_state.directory, key, gm.code, [dataclasses.asdict(c) for c in calls])
+    record.cache_key = key
+    return compiled
+
+
+def partition_fixups(forward: fx.GraphModule, backward: fx.GraphModule, disabled: Sequence[str] = ()) -> None:
+    """The repairs a partitioned pair needs (stage "partitioned"). A failure is a real error:
+    the pair would not run as partitioned. Needs nothing of a compilation but the disabled
+    pass names, so Inductor's copy of its partitioner hook stays a plain object."""
+    ctx = PassContext("partitioned", forward=forward)
+    try:
+        run_stage(backward, "partitioned", ctx, disabled=disabled, rollback=False, regenerate=False)
+    except PassFailure as failure:
+        raise failure.__cause__ from None
+
+
+class JointPassHook(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """Our joint-graph passes, run by Inductor's partition step before it partitions.
+
+    A joint pass the user already configured still runs, after ours.
+    """
+
+    def __init__(self, compiler: Compiler, record: CompiledGraph,
+                 user_pass: Callable[[fx.Graph], None] | None, key: str | None = None) -> None:
+        self.compiler = compiler
+        self.record = record
+        self.user_pass = user_pass
+        self.key = key
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.compiler.joint_passes(graph.owning_module, self.record)
+        if self.user_pass is not None:
+            self.user_pass(graph)
+
+    def uuid(self) -> Any:
+        return _uuid(self.key, self.user_pass)
+
+
+def _uuid(key: str | None, user_pass: Any) -> Any:
+    """Our key, plus the uuid of the user's pass we wrap; None (Inductor then bypasses its
+    caches) when either is unknown."""
+    if key is None:
+        return None
+    if user_pass is None:
+        return key
+    user_uuid = getattr(user_pass, "uuid", None)
+    user_uuid = user_uuid() if callable(user_uuid) else None
+    return None if user_uuid is None else (key, user_uuid)
+
+
+class PartitionerHook(getattr(torch._inductor.custom_graph_pass, "CustomPartitionerFn", object)):
+    """Inductor's partitioner (or the user's) followed by the RNG-state reordering fix."""
+
+    def __init__(self, user_partitioner: Callable[..., Any] | None, disabled: Sequence[str] = (),
+                 key: str | None = None) -> None:
+        self.user_partitioner = user_partitioner
+        self.disabled = tuple(disabled)
+        self.key = key
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        partition = self.user_partitioner or min_cut_rematerialization_partition
+        forward, backward = partition(gm, joint_inputs, **kwargs)
+        partition_fixups(forward, backward, self.disabled)
+        return forward, backward
+
+    def uuid(self) -> Any:
+        return _uuid(self.key, self.user_partitioner)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a graph compiles.
+
+    Compiling allocates millions of long-lived objects (graphs, nodes, fake tensors); the
+    automatic collector then walks the whole growing heap again and again: at 64 layers about
+    16% of a compile, plain torch.compile's included. Paused, objects still die by reference
+    count; cyclic garbage waits for the next automatic collection after the compile, one
+    walk instead of many. The caller's collector state is restored.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -1,0 +1,388 @@
+"""The user-facing backend: options, ``shard``, gradient-sync control, reports.
+
+:class:`FSDPBackend` shards a model over its process groups (:mod:`fsdp_compile.sharding`),
+checks that every rank shards alike (:mod:`fsdp_compile.checks.agreement`), and, as the object
+``torch.compile`` is given, hands every graph Dynamo captures to its
+:class:`~fsdp_compile.compilation.compiler.Compiler`, which runs the pipeline (joint passes,
+partition, graph passes, inner compiler). ``backend.graphs`` keeps what the compiler produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .api import BackendOptions, ConfigError, CPUOffload, MixedPrecision, ShardingStrategy
+from .checks.agreement import GraphVerifier, agree_on_model
+from .compilation.cache import CacheState, cache_key_parts
+from .compilation.compiler import Compiler
+from .compilation.records import CompiledGraph
+from .inspection.bucket_advice import oversized_in
+from .inspection.report import graph_summary, render_report
+from .runtime import markers  # noqa: F401  (registers the marker ops)
+from .sharding.backend_state import ShardingState
+from .sharding.grad_sync import GradientSync
+from .sharding.groups import Topology, current_device, group_device_type, resolve_topology
+from .sharding.params import ShardedParamInfo, is_sharded, shard_module
+from .sharding.regions import region_copies
+from .sharding.units import ROOT_UNIT, BucketPolicy
+
+log = logging.getLogger("fsdp_compile")
+
+
+class FSDPBackend:
+    """A ``torch.compile`` backend that trains a sharded model with FSDP semantics.
+
+    Use :meth:`shard` on the model first (parameters become DTensor shards, so build the
+    optimizer afterwards), then ``torch.compile(model, backend=this)``. A sharded model also
+    runs without ``torch.compile`` (the eager runtime), with the same results.
+    ``fsdp_compile.backend("auto", ...)`` returns the subclass that plans the strategy at
+    :meth:`shard` time (:class:`fsdp_compile.planning.auto.AutoBackend`).
+
+    Args:
+        strategy: a :class:`fsdp_compile.ShardingStrategy` or its name, in any case.
+        compiler: ``"inductor"`` (default), ``"aot_eager"`` (no code generation; bitwise equal
+            to the eager runtime) or ``"eager"`` (the captured graph as Python, every marker run
+            by the eager runtime). ``FSDP_COMPILE_EAGER=1`` forces ``"eager"``.
+        mesh: a ``DeviceMesh``: 1-D, or for hybrid strategies 2-D with dims (replicate, shard).
+        process_groups: instead of ``mesh``: one group, or ``(shard_pg, replicate_pg)`` for
+            hybrid strategies (any layout that tiles the world).
+        shard_size: hybrid strategies without ``mesh``/``process_groups``: ranks per shard
+            group (default ``LOCAL_WORLD_SIZE``, one node).
+        timeout: the timeout of groups the backend creates (default: the default group's).
+        bucket: ``"module"`` (default: one bucket per repeated block, plus the root's
+            parameters), a set of module classes or a callable ``module -> bool`` (FSDP1's
+            ``auto_wrap_policy``), an int (bytes of consecutive parameters), or ``"param"``.
+        mixed_precision: a :class:`fsdp_compile.MixedPrecision` (parameter, reduce and output
+            dtypes).
+        schedule: reorder collectives to overlap compute (default True); under Inductor it also
+            turns off Inductor's own peak-memory reordering for graphs with collectives, which
+            would undo it.
+        prefetch: how many buckets ahead a gather is issued (default 1; 0: right before use).
+        max_inflight_bytes: most bytes of collectives issued and not yet waited (default: twice
+            the largest bucket).
+        forward_prefetch: explicit orders ``{unit: [units to gather when it starts]}`` (units by
+            name or module), as FSDP2's ``set_modules_to_forward_prefetch``.
+        backward_prefetch: the same for backward.
+        dump_dir: write every graph before and after each pass, and a JSON summary per graph
+            (or ``FSDP_COMPILE_DUMP=<dir>``); read with ``python -m fsdp_compile inspect``.
+        strict: raise when a pass fails, instead of running that graph's markers through the
+            eager runtime with a warning.
+        passes: extra passes ``{"forward" | "backward": [fn(GraphModule)]}``, run after ours.
+        offload: a :class:`fsdp_compile.CPUOffload`: shards, gradients and the optimizer step in
+            host memory.
+        verify: check at ``shard()`` and on the first run of every compiled graph that all ranks
+            will communicate alike, raising a named error on every rank otherwise (default True).
+        cache_dir: under Inductor, a process that compiles what an earlier one compiled with
+            the same directory loads it from there (warm restarts).
+        disable_passes: names of our optional passes to skip (see
+            ``fsdp_compile.passes.context.OPTIONAL_PASSES``), to debug a pass or measure it.
+        regions: compile each repeated block once (``torch.compiler.nested_compile_region``):
+            True (default: from as many copies as pays under the compiler), False, or the
+            number of copies from which to.
+        verify_gradients: on the first step of each compiled graph, also run it through the
+            eager runtime and raise :class:`fsdp_compile.GradientMismatch` on every rank naming
+            the first parameter whose gradient differs: True (default tolerance), or a
+            tolerance relative to each gradient's largest entry (or ``FSDP_COMPILE_VERIFY=1``).
+            The first thing to try when training diverges.
+
+    Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
+    accumulation without communication); see also :mod:`fsdp_compile.training.checkpoint` and
+    :func:`fsdp_compile.clip_grad_norm_`.
+    """
+
+    def __init__(
+        self,
+        strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+        *,
+        compiler: str = "inductor",
+        mesh: DeviceMesh | None = None,
+        process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
+        shard_size: int | None = None,
+        timeout: datetime.timedelta | None = None,
+        bucket: BucketPolicy = "module",
+        mixed_precision: MixedPrecision | None = None,
+        schedule: bool = True,
+        prefetch: int = 1,
+        max_inflight_bytes: int | None = None,
+        forward_prefetch: dict | None = None,
+        backward_prefetch: dict | None = None,
+        dump_dir: str | os.PathLike | None = None,
+        strict: bool = False,
+        passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
+        offload: CPUOffload | None = None,
+        verify: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        disable_passes: Sequence[str] = (),
+        regions: bool | int = True,
+        verify_gradients: bool | float = False,
+    ) -> None:
+        self.options = BackendOptions.validate(
+            strategy, compiler=compiler, mesh=mesh, process_groups=process_groups, shard_size=shard_size,
+            timeout=timeout, bucket=bucket, mixed_precision=mixed_precision, schedule=schedule, prefetch=prefetch,
+            max_inflight_bytes=max_inflight_bytes, forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch, dump_dir=dump_dir, strict=strict, passes=passes, offload=offload,
+            verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions,
+            verify_gradients=verify_gradients)
+        self.graphs: list[CompiledGraph] = []
+        self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
+        self._state = ShardingState()
+        self._gradient_sync = GradientSync()
+        self._warned_oversized = False
+        self.compiler = Compiler(self.options, self._state, self.graphs)
+
+    def _set_options(self, **changes: Any) -> None:
+        """Replace options before anything is sharded (``strategy="auto"`` applies its plan)."""
+        self.options = dataclasses.replace(self.options, **changes)
+        self.compiler.options = self.compiler.guard.options = self.options
+
+    @property
+    def strategy(self) -> ShardingStrategy:
+        return self.options.strategy
+
+    @property
+    def bucket_policy(self):
+        return self.options.bucket_policy
+
+    @property
+    def topology(self) -> Topology | None:
+        """The mesh and groups this backend shards over; None before the first ``shard()``."""
+        return self._state.topology
+
+    @property
+    def params(self) -> dict[str, ShardedParamInfo]:
+        """Every sharded parameter, by name: its bucket unit, full shape and communication."""
+        return self._state.params
+
+    @property
+    def units(self) -> set[str]:
+        """The bucket units of the sharded models (``""`` is the root)."""
+        return self._state.units
+
+    @property
+    def verifier(self) -> GraphVerifier | None:
+        """The cross-rank check of compiled graphs (``verify=True``), once a model is sharded."""
+        return self._state.verifier
+
+    @property
+    def init_peak_bytes(self) -> int | None:
+        """Meta-device initialization: the most full parameter bytes one rank held at once."""
+        return self._state.init_peak_bytes
+
+    def __repr__(self) -> str:
+        strategy = self.strategy.name
+        return f"fsdp_compile.backend(strategy={strategy!r}, compiler={self.options.compiler!r})"
+
+    def region_copies(self) -> int | None:
+        """From how many copies a block class is compiled as a region (sharding/regions.py);
+        None: no regions (``regions=False``, a torch without region reuse, the eager compiler)."""
+        return region_copies(self.options.regions, self.options.compiler)
+
+    # ---------------------------------------------------------------- compiling
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        """``torch.compile(model, backend=self)``: the compile pipeline (see :mod:`fsdp_compile.compilation`)."""
+        return self.compiler(gm, example_inputs)
+
+    @property
+    def cache_state(self) -> CacheState:
+        return self.compiler.cache_state
+
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        """Compile-cache lookups of this backend's graphs: hits, misses, off (see ``cache_dir=``)."""
+        return self.compiler.cache_stats
+
+    def cache_key_parts(self) -> dict[str, Any]:
+        return cache_key_parts(self.options, self._state)
+
+    # ---------------------------------------------------------------- sharding
+    def shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
+              device: torch.device | str | None = None, materialize: bool = True) -> nn.Module:
+        """Shard ``model``'s parameters in place over this backend's groups; returns ``model``.
+
+        A model built on the meta device is materialized on ``device`` (default: the current
+        accelerator, else the CPU) one bucket unit at a time, each module initialized by
+        ``init_fn(module)`` or its own ``reset_parameters()`` in post-order (as
+        ``model.apply``), and sharded as soon as its unit is done: no rank holds the whole
+        model, and the values equal the unsharded initialization with the same seed. With
+        ``materialize=False`` a meta-device model keeps meta shards: every shape, group and
+        marker is what a real run gets and no byte is allocated (what the planner traces).
+        """
+        return self._shard(model, init_fn=init_fn, device=device, materialize=materialize)
+
+    def _shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
+               device: torch.device | str | None = None, materialize: bool = True) -> nn.Module:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            raise TypeError(
+                "shard() got a model that torch.compile already wrapped; shard the plain module "
+                "first, then compile it: torch.compile(backend.shard(model), backend=backend)"
+            )
+        if is_sharded(model):
+            raise ValueError(
+                "this model is already sharded (by fsdp_compile); shard a model once and reuse "
+                "the backend that sharded it"
+            )
+        self._before_sharding(model)
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn= must be a callable taking a module, got {type(init_fn).__name__}")
+        init_device = torch.device(device) if device is not None else None
+        device_type = self._device_type(model, init_device)
+        state = self._state
+        if state.topology is None:
+            state.topology = resolve_topology(
+                self.strategy,
+                device_type,
+                mesh=self.options.mesh,
+                process_groups=self.options.process_groups,
+                shard_size=self.options.shard_size,
+                timeout=self.options.timeout,
+            )
+        elif state.topology.mesh.device_type != device_type:
+            raise ValueError(
+                f"this backend shards over a {state.topology.mesh.device_type!r} mesh but the model's "
+                f"parameters are on {device_type!r}; use one backend per device type"
+            )
+        if self.options.verify:
+            verifier = agree_on_model(self.options, state.topology, model)
+            if state.verifier is None:
+                state.verifier = verifier
+        result = shard_module(model, state.topology, self.bucket_policy, self.options.mixed_precision,
+                              sync=self._gradient_sync, offload=self.options.offload, init_fn=init_fn,
+                              init_device=init_device or current_device(state.topology.mesh.device_type),
+                              materialize=materialize, region_copies=self.region_copies())
+        infos = result.infos
+        state.local_shards.add(result.shards)
+        if result.peak_full_bytes is not None:
+            state.init_peak_bytes = max(state.init_peak_bytes or 0, result.peak_full_bytes)
+        state.units.update(info.unit for info in infos.values())
+        found = oversized_in(model, infos, self.options, state.topology)
+        if found is not None:
+            state.oversized_buckets[found.label] = {"share": found.share, "advice": found.advice}
+            if not self._warned_oversized and not (dist.is_initialized() and dist.get_rank() != 0):
+                # Once per backend, on rank 0; the report marks the bucket on every rank.
+                self._warned_oversized = True
+                message = found.message(self.strategy.name)
+                warnings.warn(message, UserWarning, stacklevel=2)
+                log.warning(message)
+        state.explicit_prefetch = _resolve_prefetch_orders(model, state.units, self.options)
+        state.params.update(infos)
+        state.add_parameters(model.parameters())
+        return model
+
+    def _before_sharding(self, model: nn.Module) -> None:
+        """A hook for subclasses that decide options from the model (``strategy="auto"``:
+        :class:`fsdp_compile.planning.auto.AutoBackend`)."""
+
+    def _device_type(self, model: nn.Module, init_device: torch.device | None = None) -> str:
+        return model_device_type(model, init_device, mesh_given=self.options.mesh is not None)
+
+    # ---------------------------------------------------------------- reports
+    def summaries(self) -> list[dict[str, Any]]:
+        """One JSON-able summary per graph compiled so far on this rank (see inspection/report.py)."""
+        return [graph_summary(record, self.strategy, self._state) for record in self.graphs]
+
+    def report(self) -> str:
+        """Buckets, collectives and bytes per step against the theory, memory estimate and
+        schedule of every graph compiled so far on this rank: the same report as
+        ``python -m fsdp_compile inspect DUMP_DIR``, without files."""
+        return render_report(self.summaries())
+
+    # ---------------------------------------------------------------- gradient sync
+    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        """Whether backward reduces gradients (default True), for every model this backend sharded.
+
+        With False, backward communicates nothing and sums full, unreduced gradients locally
+        (FSDP's ``no_sync``); the first backward after turning it back on adds its own and
+        reduces them all into ``param.grad``. A compiled model gets one extra graph for this.
+        """
+        if not self.params:
+            raise RuntimeError("set_requires_gradient_sync() before backend.shard(model): shard the model first")
+        if self.options.offload is not None and not requires_sync:
+            raise ConfigError(
+                "gradient accumulation without sync keeps full-size gradients on the compute device, "
+                "which CPU offload exists to avoid; accumulate with sync on instead (backward adds "
+                "each micro-batch's reduced shard gradients into param.grad in host memory)"
+            )
+        self._gradient_sync.set_requires_sync(requires_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context manager: gradient accumulation without communication (see
+        :meth:`set_requires_gradient_sync`). Run the last micro-batch's backward outside it."""
+        previous = self._gradient_sync.requires_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._gradient_sync.set_requires_sync(previous)
+
+    def reduce_accumulated_gradients(self) -> None:
+        """Reduce gradients accumulated under :meth:`no_sync` into ``param.grad`` now.
+
+        Only needed when an accumulation window ends without a backward outside ``no_sync``
+        (that backward reduces them itself)."""
+        if self._gradient_sync.accumulating:
+            self._gradient_sync.reduce_accumulated()
+
+
+def _resolve_prefetch_orders(model: nn.Module, units: set[str],
+                             options: BackendOptions) -> dict[str, dict[str, list[str]]]:
+    """forward_prefetch / backward_prefetch as bucket names; unknown units are refused by name."""
+    names = {module: name for name, module in model.named_modules()}
+    labels = {unit: unit or "<root>" for unit in units}
+
+    def label(item: Any, option: str) -> str:
+        unit = names.get(item) if isinstance(item, nn.Module) else item
+        if unit == "<root>":
+            unit = ROOT_UNIT
+        if not isinstance(unit, str) or unit not in units:
+            shown = unit if isinstance(unit, str) else type(item).__name__
+            known = ", ".join(sorted(labels.values()))
+            raise ValueError(
+                f"{option}= names {shown!r}, which is not a bucket unit of the sharded model; "
+                f"units are: {known}"
+            )
+        return labels[unit]
+
+    orders: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
+    for phase, option in (("forward", "forward_prefetch"), ("backward", "backward_prefetch")):
+        for trigger, targets in (getattr(options, option) or {}).items():
+            if isinstance(targets, (str, nn.Module)):
+                targets = [targets]
+            orders[phase][label(trigger, option)] = [label(t, option) for t in targets]
+    return orders
+
+
+def model_device_type(model: nn.Module, init_device: torch.device | None = None, mesh_given: bool = False) -> str:
+    """The device type a model's parameters will be sharded on."""
+    types = {p.device.type for p in model.parameters()}
+    types.discard("meta")
+    if init_device is not None:
+        types.add(init_device.type)
+    if len(types) > 1:
+        raise ValueError(
+            f"the model's parameters are on several device types {sorted(types)}; move the "
+            "model to one device before sharding"
+        )
+    if types == {"cpu"} and init_device is None and not mesh_given and group_device_type() != "cpu":
+        # Built on the CPU for an accelerator's group (NCCL): sharding moves the parameters
+        # there, as FSDP2's fully_shard moves a module to its mesh's device. A mesh the
+        # user gave says the device itself.
+        return group_device_type()
+    if types:
+        return types.pop()
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,52 @@
+"""What a backend's ``shard()`` calls leave for the compile pipeline to read.
+
+The backend owns it and fills it in as it shards models; the compiler is handed it at
+construction and reads only this, never the backend object: the topology the collectives run
+on, every sharded parameter's marker arguments, the leaves that stand for them in forward, and
+the cross-rank verifier.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .groups import Topology
+from .params import LocalShards, ShardedParamInfo
+from .units import ROOT_UNIT
+
+if TYPE_CHECKING:
+    from ..checks.agreement import GraphVerifier
+
+
+@dataclass
+class ShardingState:
+    topology: Topology | None = None  # resolved at the first shard()
+    params: dict[str, ShardedParamInfo] = field(default_factory=dict)  # fqn -> what a read needs
+    units: set[str] = field(default_factory=lambda: {ROOT_UNIT})  # bucket units ("" is the root)
+    # One LocalShards per model sharded: the leaves each model's forward reads.
+    local_shards: weakref.WeakSet[LocalShards] = field(default_factory=weakref.WeakSet)
+    # {"forward" | "backward": {bucket: [buckets to gather when it starts]}}, from the options.
+    explicit_prefetch: dict[str, dict[str, list[str]]] = field(
+        default_factory=lambda: {"forward": {}, "backward": {}})
+    verifier: GraphVerifier | None = None  # set by the first shard() with verify=True
+    # Buckets over half of a model's parameters under a resharding strategy, by label: what
+    # the report marks (see inspection/bucket_advice.py).
+    oversized_buckets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
+    _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
+
+    def add_parameters(self, params: Any) -> None:
+        for param in params:
+            self._owned[param] = True
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a parameter this backend sharded."""
+        return param in self._owned
+
+    def sharded_parameters(self) -> list[torch.Tensor]:
+        return list(self._owned.keys())
