@@ -259,7 +259,7 @@ def part_attribution(smoke: bool = False, repeats: int = 5) -> dict:
     node's predicted roofline time, summed by kind of operator. (The optimizer step is not here:
     ``Cluster.measure()`` times a real one over DTensor shards, which needs a process group.)
     """
-    from fsdp_compile.planning import measure as measuring
+    from fsdp_compile.planning.calibration import compute as measuring
     from fsdp_compile.planning.cost import graph_costs
     from fsdp_compile.planning.world import fake_world
 

@@ -190,7 +190,7 @@ def test_runtime_work_per_parameter_is_added_outside_the_graphs():
 
 
 def test_compute_calibrations_take_turns_when_ranks_outnumber_cores(monkeypatch):
-    from fsdp_compile.planning import measure
+    from fsdp_compile.planning.calibration import calibrate as measure
 
     cpu = torch.device("cpu")
     barriers: list = []
@@ -216,7 +216,7 @@ def test_compute_calibrations_take_turns_when_ranks_outnumber_cores(monkeypatch)
 
 
 def test_cpu_communication_hides_fully_with_a_core_to_spare(monkeypatch):
-    from fsdp_compile.planning import measure
+    from fsdp_compile.planning.calibration import calibrate as measure
 
     monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
@@ -225,7 +225,7 @@ def test_cpu_communication_hides_fully_with_a_core_to_spare(monkeypatch):
 
 
 def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
-    from fsdp_compile.planning import measure
+    from fsdp_compile.planning.calibration import compute as measure
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
@@ -241,7 +241,7 @@ def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
 
 
 def test_matmul_calibration_is_the_median_pass_over_every_shape(monkeypatch):
-    from fsdp_compile.planning import measure
+    from fsdp_compile.planning.calibration import compute as measure
 
     monkeypatch.setattr(measure, "_CPU_MATMULS", ((8, 8, 8), (16, 8, 4)))
     monkeypatch.setattr(measure, "_cpu_share", lambda device: 1.0)
@@ -255,7 +255,7 @@ def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatc
     import time
     from types import SimpleNamespace
 
-    from fsdp_compile.planning import measure
+    from fsdp_compile.planning.calibration import collectives as measure
 
     monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(measure.dist, "barrier", lambda group=None: None)
@@ -281,7 +281,7 @@ def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatc
 
 
 def test_allocator_peak_counts_a_reused_address_once():
-    from fsdp_compile.planning.measure import allocator_peak
+    from fsdp_compile.planning.calibration.memory import allocator_peak
 
     MiB = 1 << 20
     records = [

@@ -167,7 +167,7 @@ def test_memory_estimate_of_region_graphs_stays_that_of_the_flat_graphs(full_sha
 def measured_peak_worker(rank: int, world: int) -> dict:
     """The estimated and the allocator's peak of one training step, with regions and without,
     on blocks big enough that activations dominate (4 x d_model 128, 4 x 128 tokens a rank)."""
-    from fsdp_compile.planning.measure import _allocated_peak
+    from fsdp_compile.planning.calibration.memory import _allocated_peak
 
     config = GPTConfig(n_layer=4, d_model=128, n_head=4, block_size=128)
     x = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(rank))

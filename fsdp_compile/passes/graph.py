@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..runtime import ring
+
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
@@ -85,9 +87,7 @@ class Collective:
     @property
     def wire_bytes(self) -> float:
         """Bytes each rank sends (= receives) with ring algorithms."""
-        n = self.resolved_group_size()
-        share = (n - 1) / n
-        return self.buffer_bytes * (2 * share if self.kind == "all_reduce" else share)
+        return ring.wire_bytes(self.kind, self.buffer_bytes, self.resolved_group_size())
 
 
 def is_collective(node: fx.Node) -> bool:

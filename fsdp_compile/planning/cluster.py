@@ -5,12 +5,12 @@ device; bandwidths are bytes per second in one direction. Presets carry vendor d
 figures with their source beside each; :meth:`Cluster.measure` calibrates the machine it runs
 on instead (matmul FLOP/s, memory bandwidth, collectives on the current process groups).
 
-Collectives are modelled as rings (what NCCL and gloo use for large messages): a ring of
-``n`` ranks takes ``n - 1`` steps (``2 (n - 1)`` for all-reduce), each rank sends
-``(n - 1) / n`` of the buffer per pass, and the ring runs at the speed of its slowest link: a
-group whose ranks are all on one node uses the intra-node link, a group that spans nodes is
-bound by the inter-node link. Latency is a fixed start-up cost plus a per-step cost for each
-intra- and inter-node step (NCCL's tuning model, ``src/graph/tuning.cc``).
+Collectives are modelled as rings (what NCCL and gloo use for large messages; the steps
+and the bytes each rank sends are :mod:`fsdp_compile.runtime.ring`'s), and a ring runs at the
+speed of its slowest link: a group whose ranks are all on one node uses the intra-node link,
+a group that spans nodes is bound by the inter-node link. Latency is a fixed start-up cost
+plus a per-step cost for each intra- and inter-node step (NCCL's tuning model,
+``src/graph/tuning.cc``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import measure as measuring
+from .calibration.calibrate import measure_cluster
 from .numbers import (
     COLLECTIVE_KINDS,
     GB,
@@ -246,20 +246,79 @@ class Cluster:
                 dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
                 nodes: int = 1, device: torch.device | str | None = None,
                 device_memory: float | None = None) -> Cluster:
-        """Calibrate a cluster from the machine this runs on, on the current process groups.
+        """Calibrate a cluster on the machine it is called on, over the process group ``group``.
 
-        Collective over ``group`` (default: the world): every rank must call it. Measures
-        matmul FLOP/s per dtype (over the shapes and layouts of a training step's matmuls),
-        fused attention FLOP/s per dtype, memory bandwidth (on a CPU: a step's memory-bound
-        operators on cold inputs), the per-operator overhead of running a graph as Python, one
-        optimizer step over sharded (DTensor) parameters, the runtime's work per sharded
-        parameter, all-gather / reduce-scatter / all-reduce over ``sizes`` (buffer bytes, the
-        median run) fitted to the ring model, what the backend allocates beside each, and how
-        much of a collective can hide under compute (``comm_overlap``). ``device_memory``
-        defaults to the device's capacity (on a CPU: pass the budget to plan against).
+        Collective over ``group``: every rank of it must call this with the same arguments, at
+        the same point, with no other collective in flight on the group. Each rank runs the
+        same calibrations in the same order (barriers between them) and every number is the
+        slowest rank's, so all ranks return the same cluster. In order, it measures:
+
+        * matmul FLOP/s per dtype: the matmuls of a transformer's linear layers in their
+          forward and both backward layouts, the median pass over all of them (two rounds,
+          the faster kept);
+        * fused causal attention FLOP/s per dtype, forward and backward;
+        * memory bandwidth: on a GPU one large copy, on a CPU the median over a step's
+          memory-bound operators (elementwise, normalization, softmax, ...) on cold inputs;
+        * on a CPU, the per-operator overhead of a graph run as Python (0 on a GPU);
+        * one AdamW and one SGD step over sharded (DTensor) parameters, as seconds per tensor
+          and per shard byte, and the runtime's work per sharded parameter outside the graphs;
+        * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run),
+          fitted to the ring model (:mod:`fsdp_compile.runtime.ring`) as a latency per ring
+          step and a bandwidth;
+        * the bytes the communication backend allocates beside each collective's result;
+        * how much of a collective's time can hide under compute (``comm_overlap``): on a CPU
+          the share of its time that takes no CPU from compute, on a GPU a race of an
+          all-reduce against matmuls.
+
+        Compute is timed by the fastest repeat (the matmul and attention passes by the median);
+        on a CPU with one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's default for several
+        ranks per node) by the thread's CPU time, so other jobs on the machine do not slow it.
+        When this node's ranks outnumber its cores the compute calibrations run in turns, a
+        core per rank, and compute is stretched by the share of a core each rank gets.
+
+        It costs seconds to tens of seconds: about 16 s with the defaults at world 2 on a busy
+        2-core CPU, longer with more ``repeats``, larger ``sizes`` or ranks taking turns on
+        shared cores. Its largest buffers: on a CPU 256 MB (the bandwidth operators' inputs),
+        on a GPU about 3 GB of float32 matmul operands and 2 GiB for the copy. On a CPU it runs
+        :mod:`torch.profiler` briefly, for the collectives' allocations.
+
+        Args:
+            group: the process group to calibrate (default: the world). Its size is the
+                cluster's world size; its collectives are the ones timed.
+            sizes: buffer bytes to time each collective at (an all-gather's output, the
+                others' input), each rounded down to a whole number of float32 elements per
+                rank, at least one. The fit is a line through them: give two sizes or more.
+                Default: 64 KiB, 256 KiB, 1 MiB, 4 MiB on a CPU; 1, 16, 128 MiB on a GPU.
+            repeats: timings per compute calibration and per ``comm_overlap`` measurement;
+                the collectives' timings take at least 9 for their median.
+            dtypes: the compute dtypes whose matmul and attention FLOP/s are measured (the
+                keys of ``peak_flops`` and ``attention_flops``).
+            nodes: how many nodes ``group`` spans; it must divide the group's size, which
+                gives ``devices_per_node``. The links are not told apart: intra- and
+                inter-node bandwidth and latency are all the all-gather's fit on ``group``.
+            device: the device to calibrate (default: the current CUDA device where CUDA is
+                available, else the CPU).
+            device_memory: bytes of memory each rank may plan against. Default: the CUDA
+                device's capacity; on a CPU this node's ``MemTotal`` split evenly between its
+                ranks (``LOCAL_WORLD_SIZE``, else the world's size), which on a CPU is rarely
+                the budget to plan against: pass it.
+
+        Returns:
+            A :class:`Cluster` named ``"measured-cpu"`` or ``"measured-cuda"`` of ``nodes`` x
+            (group size / ``nodes``) devices, with ``measured_collectives``,
+            ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``) and
+            ``runtime_per_tensor`` filled in, ``collective_latency`` and
+            ``reserved_memory`` 0, and ``sources`` saying when, at what world size and on
+            which device type each number was measured.
+
+        Raises:
+            ClusterError: ``torch.distributed`` is not initialized; ``nodes`` does not divide
+                the group's size; on a CPU without ``device_memory``, the node's memory size
+                cannot be read (no ``/proc/meminfo``); or a measured number is impossible (the
+                cluster's own validation).
         """
-        return measuring.measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
-                                         nodes=nodes, device=device, device_memory=device_memory)
+        return measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
+                               nodes=nodes, device=device, device_memory=device_memory)
 
 
 def _timed(fn, repeats: int) -> float:

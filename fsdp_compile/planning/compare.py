@@ -51,6 +51,7 @@ from torch import nn
 
 from ..api import ShardingStrategy
 from ..compilation.inner import collector_paused
+from ..runtime.ring import wire_bytes
 
 
 @dataclass
@@ -88,7 +89,7 @@ def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[flo
                        cpu_share: float = 1.0) -> float | None:
     """The median of the steps whose ranks waited for a core at most ``QUIET_WAIT`` of the step
     beyond ``1 - cpu_share`` (a rank sharing a core with the job's other ranks waits for it by
-    itself; see ``measure._cpu_share``); None when fewer than two steps qualify."""
+    itself; see ``calibration.compute._cpu_share``); None when fewer than two steps qualify."""
     limit = QUIET_WAIT + (1.0 - cpu_share)
     quiet = [t for t, w in zip(step_times, wait_fractions) if w <= limit]
     return statistics.median(quiet) if len(quiet) >= 2 else None
@@ -171,10 +172,6 @@ def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, flo
     backend_bytes = 0.0
     counts: dict[str, int] = {}
 
-    def ring(kind: str, buffer: float, n: int) -> float:
-        share = (n - 1) / n if n > 1 else 0.0
-        return buffer * share * (2 if kind == "all_reduce" else 1)
-
     def nbytes(event) -> float:
         shapes, dtypes = event.shapes(), event.dtypes()
         numel = 1
@@ -188,11 +185,11 @@ def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, flo
             kind = name.split("::", 1)[1]
             if kind == "all_gather_into_tensor":
                 n = int(event.concrete_inputs()[1])
-                issued["intra"] += ring("all_gather", nbytes(event) * n, n)
+                issued["intra"] += wire_bytes("all_gather", nbytes(event) * n, n)
             elif kind == "reduce_scatter_tensor":
-                issued["intra"] += ring("reduce_scatter", nbytes(event), int(event.concrete_inputs()[2]))
+                issued["intra"] += wire_bytes("reduce_scatter", nbytes(event), int(event.concrete_inputs()[2]))
             elif kind == "all_reduce":
-                issued["intra"] += ring("all_reduce", nbytes(event), all_reduce_size)
+                issued["intra"] += wire_bytes("all_reduce", nbytes(event), all_reduce_size)
         elif name.startswith(("gloo:", "nccl:")):
             kind = name.split(":", 1)[1]
             counts[kind] = counts.get(kind, 0) + 1
@@ -200,9 +197,9 @@ def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, flo
             if "all_gather" in kind:
                 backend_bytes += nbytes(event) * (n - 1)
             elif "reduce_scatter" in kind:
-                backend_bytes += ring("reduce_scatter", nbytes(event), n)
+                backend_bytes += wire_bytes("reduce_scatter", nbytes(event), n)
             elif "all_reduce" in kind or "allreduce" in kind:
-                backend_bytes += ring("all_reduce", nbytes(event), n)
+                backend_bytes += wire_bytes("all_reduce", nbytes(event), n)
     return issued, backend_bytes, counts
 
 
@@ -216,7 +213,7 @@ def _profiled_step(step: Callable[[], None], device: torch.device) -> tuple[floa
     """The largest running sum of allocator events during one step, and the profiler's events."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .measure import allocation_records, allocator_peak
+    from .calibration.memory import allocation_records, allocator_peak
 
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -297,7 +294,7 @@ def measure_strategy(
     cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
     steady_waits = (waits[warmup:] or waits[-1:]) if waits else []
     wait_fraction = statistics.median(steady_waits) if steady_waits else None
-    from .measure import _cpu_share
+    from .calibration.compute import _cpu_share
 
     quiet_step = quiet_step_seconds(steady, steady_waits, _cpu_share(device))
     gc.collect()

@@ -6,9 +6,9 @@
   the device's peak for the operands' dtype (fused attention: the cluster's attention rate)
   and bytes over memory bandwidth, plus the cluster's per-operator overhead. Views and other
   metadata-only nodes cost only that overhead (0 on GPUs).
-* Collectives: the ring model of :mod:`.cluster`, per link: a group inside one node runs at
-  the intra-node bandwidth, a group spanning nodes at the inter-node one, and the latency
-  counts each intra- and inter-node ring step.
+* Collectives: the ring model (:mod:`fsdp_compile.runtime.ring`) on the links of
+  :mod:`.cluster`: a group inside one node runs at the intra-node bandwidth, a group spanning
+  nodes at the inter-node one, and the latency counts each intra- and inter-node ring step.
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.
@@ -32,8 +32,8 @@ from torch.utils.flop_counter import (
 
 from ..inspection.memory import size_hint
 from ..passes.graph import ALL_GATHER, COLLECTIVES, PURE_VIEWS, WAIT
+from ..runtime.ring import ring_steps, wire_bytes
 from .cluster import Cluster
-from .measure import ring_steps
 
 aten = torch.ops.aten
 COLLECTIVE_KIND = COLLECTIVES  # functional collective -> its kind (the graph vocabulary's table)
@@ -140,8 +140,7 @@ class NodeCost:
 def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster) -> NodeCost:
     """Ring model of one collective on ``group`` (see the module docstring)."""
     n = group.size
-    share = (n - 1) / n if n > 1 else 0.0
-    wire = buffer_bytes * share * (2 if kind == "all_reduce" else 1)
+    wire = wire_bytes(kind, buffer_bytes, n)
     link = "intra" if group.nodes <= 1 else "inter"
     if n <= 1:
         return NodeCost("collective", 0.0, link=link, wire_bytes=0)

@@ -1,6 +1,6 @@
 """The planner's base vocabulary: units, collective kinds, optimizer states, its errors, and a
-measured collective's fitted line (what :mod:`.cluster`, :mod:`.measure`, :mod:`.plan` and the
-modules around them share, so none of them imports another in a circle)."""
+measured collective's fitted line (what :mod:`.cluster`, :mod:`.calibration`, :mod:`.plan` and
+the modules around them share, so none of them imports another in a circle)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class ClusterError(ConfigError):
 class MeasuredCollective:
     """A fitted ring model of one collective kind, from :meth:`Cluster.measure`.
 
-    time = ``step_latency`` x ring steps + wire bytes / ``bandwidth`` (wire bytes: what each
-    rank sends, ``(n - 1) / n`` of the buffer, twice that for all-reduce).
+    time = ``step_latency`` x ring steps + wire bytes / ``bandwidth`` (steps and wire bytes:
+    :mod:`fsdp_compile.runtime.ring`).
     """
 
     step_latency: float  # seconds per ring step

@@ -1,0 +1,131 @@
+"""``Cluster.measure()``: calibrate the planner's numbers on the machine it runs on.
+
+Collective over the group: every rank runs the same measurements in the same order, at the
+same time (a barrier before each: in training the ranks compute side by side and share the
+machine's caches and memory), and each timing is the slowest rank's (a step waits for the
+slowest rank), so all ranks get the same cluster.
+
+Each compute timing is the fastest of several repeats: noise (other processes, interrupts)
+only ever adds time, so the fastest repeat is the closest to what the machine does. Matmuls
+and attention are the exception: a step runs each of them once, after other operators, so
+they are timed as a pass over every shape and the median pass counts
+(:func:`.compute._matmul_flops`). A collective's time is the median: its spread is the
+collective's own (the backend's threads waking on every rank, fresh buffers), a step pays the
+typical one, and on a shared 2-core CPU machine the median 1-16 MB gloo collective took
+1.2-4x the fastest. On a CPU whose ops run on one thread, compute is timed by the thread's
+CPU time, not the wall clock: on a shared machine a rank waits for a core whenever other jobs
+hold it, and that wait belongs to the other jobs, not to the operator
+(``bench/plan_accuracy.py`` measures it separately). When the job's own ranks outnumber the
+cores (a 2 x 2 hybrid world on 2 cores), each rank gets a share of a core: the compute
+calibrations run in turns, a core per rank (:func:`_in_turns`), and compute times, and the
+CPU time communication takes from compute, are stretched by that share
+(:func:`.compute._cpu_share`).
+
+The calibrations themselves: :mod:`.compute` (FLOP/s, memory bandwidth, operator overhead,
+and the clocks), :mod:`.outside_graphs` (optimizer step, runtime work per parameter),
+:mod:`.collectives` (ring fits, workspace, overlap) and :mod:`.memory` (allocator peaks, a
+CPU rank's memory).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..numbers import ClusterError
+from .collectives import _collective_workspace, _collectives, _cpu_overlap, _gpu_overlap
+from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwidth, _op_overhead, _slowest
+from .memory import _cpu_memory_per_rank
+from .outside_graphs import _optimizer_step, _runtime_per_tensor
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+
+
+def _in_turns(calibrate, group: Any, device: torch.device):
+    """Run a compute calibration ``calibrate(sync)`` on every rank of ``group`` and return this
+    rank's result.
+
+    Side by side (``sync=True``: the calibration barriers before each timing) when every rank
+    has a core, as ranks compute in training. When this node's ranks outnumber its cores (a
+    2 x 2 hybrid world on 2 cores) they take turns, as many at a time as there are cores:
+    ranks time-slicing one core evict each other's caches within a single short timing, which
+    a training step's long operators do not suffer, so each calibration sees a core of its
+    own and the sharing is modelled once, by stretching compute with :func:`.compute._cpu_share`."""
+    share = _cpu_share(device)
+    if share >= 1.0 or not dist.is_initialized():
+        return calibrate(True)
+    turns = math.ceil(1.0 / share)
+    local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else dist.get_rank()
+    result = None
+    for turn in range(turns):
+        if local_rank % turns == turn:
+            result = calibrate(False)
+        dist.barrier(group=group)
+    return result
+
+
+def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | None, repeats: int,
+                    dtypes: tuple[torch.dtype, ...], nodes: int, device: torch.device | str | None,
+                    device_memory: float | None) -> Cluster:
+    """Run every calibration on every rank of ``group`` and build a ``cls`` from the results
+    (see :meth:`Cluster.measure` for the arguments)."""
+    if not dist.is_initialized():
+        raise ClusterError("Cluster.measure() measures the current process groups: call "
+                           "torch.distributed.init_process_group() first (torchrun sets it up)")
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    world = dist.get_world_size(group)
+    if world % nodes:
+        raise ClusterError(f"nodes={nodes} does not divide the group's {world} ranks")
+    if sizes is None:
+        sizes = (1 << 16, 1 << 18, 1 << 20, 1 << 22) if device.type == "cpu" else (1 << 20, 1 << 24, 1 << 27)
+    # _slowest takes the largest value: negated, it gives the slowest rank's rate
+    # Two rounds over the dtypes, the faster kept: a slowdown of the machine lasting seconds
+    # (another tenant, frequency scaling) can outlast all repeats of one round, not both rounds.
+    flops: dict[torch.dtype, float] = {}
+    for _ in range(2):
+        for dtype in dtypes:
+            rate = -_slowest(-_in_turns(lambda sync, dtype=dtype: _matmul_flops(dtype, device, repeats, group, sync),
+                                        group, device), group)
+            flops[dtype] = max(flops.get(dtype, 0.0), rate)
+    attention = {dtype: -_slowest(-_in_turns(
+        lambda sync, dtype=dtype: _attention_flops(dtype, device, repeats, group, sync), group, device), group)
+        for dtype in dtypes}
+    bandwidth = -_slowest(-_in_turns(lambda sync: _memory_bandwidth(device, repeats, group, sync), group, device),
+                          group)
+    overhead = (_slowest(_in_turns(lambda sync: _op_overhead(device, repeats), group, device), group)
+                if device.type == "cpu" else 0.0)
+    optimizer_step = {
+        name: tuple(_slowest(v, group) for v in _in_turns(
+            lambda sync, name=name: _optimizer_step(name, group, device, repeats, sync), group, device))
+        for name in ("adamw", "sgd")}
+    runtime_per_tensor = _slowest(_in_turns(lambda sync: _runtime_per_tensor(group, device, repeats, sync),
+                                            group, device), group)
+    collectives = _collectives(group, device, sizes, repeats)
+    workspace = _collective_workspace(group, device)
+    # A CPU's communication threads take compute's cores: read from clocks, not from a race.
+    overlap = (_cpu_overlap(group, device, repeats) if device.type == "cpu"
+               else _gpu_overlap(group, device, repeats))
+    if device_memory is None:
+        device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                         else _cpu_memory_per_rank())
+    ring = collectives["all_gather"]
+    where = f"measured on this machine ({time.strftime('%Y-%m-%d %H:%M')}, world {world}, {device.type})"
+    return cls(
+        name=f"measured-{device.type}", nodes=nodes, devices_per_node=world // nodes,
+        device_memory=float(device_memory), peak_flops=flops, memory_bandwidth=bandwidth,
+        intra_node_bandwidth=ring.bandwidth, inter_node_bandwidth=ring.bandwidth,
+        intra_node_latency=ring.step_latency, inter_node_latency=ring.step_latency,
+        collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
+        runtime_per_tensor=runtime_per_tensor, attention_flops=attention,
+        device_type=device.type, measured_collectives=collectives, optimizer_step=optimizer_step,
+        collective_workspace=workspace,
+        sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
+                                         "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
+                                         "collective_workspace", "device_memory")})

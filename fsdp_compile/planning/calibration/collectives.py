@@ -1,0 +1,136 @@
+"""Collectives on the current process group: their timing fitted to the ring model, what the
+backend allocates beside each, and how much of their time can hide under compute.
+
+A collective's timing is the median run's, not the fastest (why: :mod:`.calibrate`), fitted to
+a line over the bytes each rank sends (:func:`fsdp_compile.runtime.ring.wire_bytes`): the slope
+is the bandwidth, the intercept spread over the ring's steps the latency per step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...runtime.ring import ring_steps, wire_bytes
+from ..numbers import COLLECTIVE_KINDS, MeasuredCollective, fit_line
+from .compute import _cores_per_thread, _cpu_share, _fastest_time, _slowest, _typical_time
+from .memory import _allocated_peak
+
+_c10d = torch.ops._c10d_functional
+
+
+def _run_collective(kind: str, buffer: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    if kind == "all_gather":
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(buffer, n, group_name))
+    if kind == "reduce_scatter":
+        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, "sum", n, group_name))
+    return _c10d.wait_tensor(_c10d.all_reduce(buffer, "sum", group_name))
+
+
+_COLLECTIVE_REPEATS = 9  # a median needs more samples than a minimum
+
+
+def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
+                 repeats: int) -> dict[str, MeasuredCollective]:
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    fits = {}
+    for kind in COLLECTIVE_KINDS:
+        samples = []
+        for size in sizes:
+            # all-gather's buffer is its output; each rank contributes 1/n of it
+            numel = max(n, size // 4 // n * n)
+            local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+            dist.barrier(group=group)
+            seconds = _slowest(_typical_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
+                                             max(repeats, _COLLECTIVE_REPEATS), device), group)
+            samples.append((numel * 4, seconds))
+        latency, per_byte = fit_line([(wire_bytes(kind, b, n), s) for b, s in samples])
+        fits[kind] = MeasuredCollective(step_latency=latency / max(ring_steps(kind, n), 1),
+                                        bandwidth=1.0 / per_byte, group_size=n, samples=tuple(samples))
+    return fits
+
+
+def _collective_workspace(group: Any, device: torch.device) -> dict[str, float]:
+    """Bytes the backend allocates beside each collective's result, per byte of its buffer
+    (the all-gather's output; the input of the others), by the allocator."""
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    numel = (1 << 20) // n * n
+    shares = {}
+    for kind in COLLECTIVE_KINDS:
+        local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+        buffer_bytes = numel * local.element_size()
+        _run_collective(kind, local, n, name)  # warm-up: first-call allocations are not per collective
+        dist.barrier(group=group)
+        peak, result = _allocated_peak(lambda kind=kind, local=local: _run_collective(kind, local, n, name), device)
+        extra = max(peak - result.numel() * result.element_size(), 0.0) / buffer_bytes
+        shares[kind] = _slowest(round(extra, 2), group)
+    return shares
+
+
+def _gpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
+    """Fraction of a collective's time hidden when it runs beside compute (1: fully hidden),
+    from racing an all-reduce against matmuls on a device whose communication runs on an
+    engine of its own."""
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    a = torch.randn(384, 384, device=device)
+    buffer = torch.ones(4 << 20, device=device)
+
+    def compute() -> None:
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def comm() -> None:
+        _run_collective("all_reduce", buffer, n, name)
+
+    def both() -> None:
+        work = _c10d.all_reduce(buffer, "sum", name)
+        compute()
+        _c10d.wait_tensor(work)
+
+    dist.barrier(group=group)
+    t_compute = _slowest(_fastest_time(compute, repeats, device), group)
+    dist.barrier(group=group)
+    t_comm = _slowest(_fastest_time(comm, repeats, device), group)
+    dist.barrier(group=group)
+    t_both = _slowest(_fastest_time(both, repeats, device), group)
+    hidden = t_compute + t_comm - t_both
+    return min(max(hidden / min(t_compute, t_comm), 0.0), 1.0)
+
+
+def _cpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
+    """``comm_overlap`` on a CPU: the share of a collective's time that costs no CPU.
+
+    A CPU backend (gloo) moves and reduces bytes with CPU threads of its own, plus copies on
+    the issuing thread. When this node's ranks already occupy every core with compute, that
+    CPU time is taken from compute however the schedule hides the collective, so only the
+    rest of its time (waiting on the peers, the loopback) can hide. Measured from clocks, not
+    from a race between compute and a collective (whose outcome the scheduler decides
+    differently from run to run): this process's CPU time over all its threads during
+    collectives of each kind, over their wall time, for the slowest rank. With a core to
+    spare per rank, communication threads do not take compute's cores: 1.
+    """
+    if _cores_per_thread() > 1.0:
+        return 1.0
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    cpu = wall = 0.0
+    for kind in COLLECTIVE_KINDS:
+        for numel in (1 << 20, 1 << 22):  # 4 and 16 MB: the buckets of a training step
+            local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+            _run_collective(kind, local, n, name)
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                start_wall, start_cpu = time.perf_counter(), time.process_time()
+                _run_collective(kind, local, n, name)
+                cpu += time.process_time() - start_cpu
+                wall += time.perf_counter() - start_wall
+    busy = _slowest(cpu / wall if wall > 0 else 0.0, group)
+    # Where ranks share cores (2 x 2 on 2 cores), communication threads get a rank's share of
+    # a core like compute does: the compute they displace is stretched by the same share.
+    return min(max(1.0 - busy / _cpu_share(device), 0.0), 1.0)

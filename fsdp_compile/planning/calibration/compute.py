@@ -1,0 +1,220 @@
+"""What a rank's compute does per second, timed the way a training step runs it.
+
+Matmul and fused-attention FLOP/s, the bytes per second of a step's memory-bound operators,
+the per-operator overhead of a graph run as Python, and what every timing goes through: the
+clock compute is timed by, the share of a core each rank's compute gets, and the slowest
+rank's value, which every rank takes. The reasons for fastest repeats, medians and thread CPU
+time are in :mod:`.calibrate`, where the calibrations are run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _compute_clock(device: torch.device):
+    """The clock compute is timed by: the thread's CPU time where an op runs on this thread
+    alone (a CPU with one intra-op thread), else the wall clock."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _node_ranks() -> int:
+    """The job's ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``, else the world's size)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+
+
+def _cpu_share(device: torch.device) -> float:
+    """The share of a core each rank's compute gets from its own job: below 1 when this node's
+    ranks (times their intra-op threads) outnumber the cores they may run on, e.g. a 2 x 2
+    hybrid world on 2 cores. The thread's CPU time does not see that sharing; the wall clock
+    of the training step does."""
+    return 1.0 if device.type != "cpu" else min(1.0, _cores_per_thread())
+
+
+def _cores_per_thread() -> float:
+    """This node's cores over the compute threads its ranks run (ranks x intra-op threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores / (max(_node_ranks(), 1) * torch.get_num_threads())
+
+
+def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = False) -> float:
+    """How long ``fn`` keeps this rank's compute busy: the fastest repeat on the compute clock
+    (the median with ``typical``), stretched by the rank's share of a core when that clock is
+    the thread's."""
+    clock = _compute_clock(device)
+    samples = _samples(fn, repeats, device, clock)
+    seconds = statistics.median(samples) if typical else min(samples)
+    return seconds / _cpu_share(device) if clock is time.thread_time else seconds
+
+
+def _samples(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> list[float]:
+    """``repeats`` timings of ``fn`` on ``clock`` after one warm-up run."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = clock()
+        fn()
+        _sync(device)
+        samples.append(clock() - start)
+    return samples
+
+
+def _fastest_time(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> float:
+    """The fastest of ``repeats`` runs of ``fn`` (why: :mod:`.calibrate`)."""
+    return min(_samples(fn, repeats, device, clock))
+
+
+def _typical_time(fn, repeats: int, device: torch.device) -> float:
+    """The median wall time of ``repeats`` runs of ``fn`` (why: :mod:`.calibrate`)."""
+    return statistics.median(_samples(fn, repeats, device))
+
+
+def _slowest(value: float, group: Any) -> float:
+    """The largest of every rank's ``value`` (all ranks get the same number)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _sync_ranks(group: Any, sync: bool) -> None:
+    if sync and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+# (m, k, n) of the matmuls a transformer's linear layers run: tokens x d_model against a
+# d_model x (1..4 d_model) weight, and the backward's transposed layouts of the same sizes.
+_CPU_MATMULS = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (512, 256, 1024), (512, 1024, 256),
+                (2048, 512, 1536))
+# (tokens, features) of a transformer step's activations on a CPU: d_model and 4 d_model wide.
+_CPU_ACTIVATIONS = ((512, 256), (512, 1024), (1024, 512), (1024, 2048))
+_GPU_MATMULS = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 16384), (8192, 16384, 4096))
+
+
+def _matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
+                  sync: bool = True) -> float:
+    """FLOP/s of the matmuls a training step runs, run the way a step runs them.
+
+    Each shape runs in three layouts: ``x @ w.T`` (forward), ``g @ w`` (input gradient),
+    ``g.T @ x`` (weight gradient). A step runs each of its matmuls once, after other operators
+    have filled the caches with other data, so the calibration runs all of them in sequence,
+    every operand distinct, and takes the median pass: total FLOPs over its time, which weighs
+    each shape by its share of the work as a step's time does. (Timing each shape in a loop
+    and keeping the fastest repeat read 98 GFLOP/s on a 2-core Xeon where the matmuls of a
+    training step ran at 84-94.)
+    """
+    pairs = []
+    flops = 0
+    for m, k, n in _CPU_MATMULS if device.type == "cpu" else _GPU_MATMULS:
+        x = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
+        g = torch.randn(m, n, device=device).to(dtype)
+        pairs += [(x, w.t()), (g, w), (g.t(), x)]
+        flops += 3 * 2 * m * k * n
+
+    def sequence() -> None:
+        for a, b in pairs:
+            torch.mm(a, b)
+
+    _sync_ranks(group, sync)
+    return flops / _compute_seconds(sequence, repeats, device, typical=True)
+
+
+# (batch, heads, sequence, head dim) of the attention the calibration runs: a CPU demo's GPT
+# block (4 x 256 tokens, 8 heads of 64) and a GPU training run's (4 x 2048 tokens, 32 of 128).
+_CPU_ATTENTION = (4, 8, 256, 64)
+_GPU_ATTENTION = (4, 32, 2048, 128)
+
+
+def _attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
+                     sync: bool = True) -> float:
+    """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts
+    them (the formulas the cost model applies): attention kernels run softmax and masking
+    beside their matmuls and reach a rate of their own (on a 2-core Xeon, about 70 GFLOP/s
+    where the matmuls reach 90-98)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = _CPU_ATTENTION if device.type == "cpu" else _GPU_ATTENTION
+    q, k, v = (torch.randn(shape, device=device).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(shape, device=device).to(dtype)
+    flops = sdpa_flop_count(q.shape, k.shape, v.shape) + sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+
+    def forward_backward() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    _sync_ranks(group, sync)
+    return flops / _compute_seconds(forward_backward, repeats, device, typical=True)
+
+
+def _memory_bandwidth(device: torch.device, repeats: int, group: Any = None, sync: bool = True) -> float:
+    """Bytes per second the memory-bound operators of a training step move.
+
+    On a GPU: one large copy (what the data sheets quote). On a CPU: the median over the
+    non-matmul operators a transformer step runs (elementwise, activation, normalization,
+    softmax, reductions, concatenation, transposing copies) at the sizes of its activations,
+    each on *cold* inputs. In a graph an operator reads what others wrote long before, and
+    writes a freshly allocated output; a loop over one hot buffer would time the caches, not
+    the memory (about twice as fast on a 2-core Xeon), and a single large copy misses that
+    many of these operators are bound by the CPU's vector units, not by memory.
+    """
+    if device.type != "cpu":
+        src = torch.ones(256 << 20, device=device)
+        dst = torch.empty_like(src)
+        _sync_ranks(group, sync)
+        seconds = _compute_seconds(lambda: dst.copy_(src), repeats, device)
+        return 2 * src.numel() * src.element_size() / seconds  # read + write
+    aten = torch.ops.aten
+    pool = torch.empty(64 << 20, device=device).uniform_()  # 256 MB: beyond any last-level cache
+    rates = []
+    for rows, cols in _CPU_ACTIVATIONS:
+        numel = rows * cols
+        starts = range(0, pool.numel() - 2 * numel + 1, 2 * numel)  # each timing reads its own slice
+        weight, bias = torch.ones(cols, device=device), torch.zeros(cols, device=device)
+        ops = (  # (operator, number of inputs, passes over one activation's bytes)
+            (lambda x, y: x + y, 2, 3), (lambda x, y: x * y, 2, 3), (aten.gelu, 1, 2),
+            (aten.gelu_backward, 2, 3),
+            (lambda x, w=weight, b=bias: aten.native_layer_norm(x, [w.numel()], w, b, 1e-5), 1, 2),
+            (lambda x: aten._softmax(x, -1, False), 1, 2), (lambda x: aten.sum(x, [0]), 1, 1),
+            (lambda x, y: torch.cat([x, y]), 2, 4), (lambda x: x.t().contiguous(), 1, 2))
+        for op, inputs, passes in ops:
+            cold = iter(starts)
+
+            def run(op=op, inputs=inputs, cold=cold, numel=numel, rows=rows, cols=cols) -> None:
+                start = next(cold, None)
+                if start is None:  # the pool is used up: start over (long evicted by now)
+                    start = 0
+                op(*(pool[start + i * numel: start + (i + 1) * numel].view(rows, cols) for i in range(inputs)))
+
+            _sync_ranks(group, sync)
+            rates.append(passes * numel * pool.element_size() / _compute_seconds(run, repeats, device))
+    return statistics.median(rates)
+
+
+def _op_overhead(device: torch.device, repeats: int) -> float:
+    """Seconds per operator of a graph run as Python (aot_eager), on tiny tensors."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    value = x
+    count = 200
+    for _ in range(count):
+        value = graph.call_function(torch.ops.aten.add.Tensor, (value, x))
+    graph.output(value)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    tiny = torch.ones(1, device=device)
+    return _compute_seconds(lambda: gm(tiny), repeats, device) / count
