@@ -17,6 +17,7 @@ from .checks.gradients import GradientMismatch
 from .compilation.records import CompiledGraph
 from .fsdp_backend import FSDPBackend
 from .inspection.memory import MemoryEstimate, estimate_memory
+from .network import EmulatedNetwork
 from .planning import Cluster, Plan, PlanError, plan
 from .planning.auto import AUTO_OPTIONS, AutoBackend
 from .runtime.faults import RankFailure
@@ -30,9 +31,10 @@ from .training.checkpoint import (
 from .training.clip import clip_grad_norm_
 
 __all__ = ["AgreementError", "CPUOffload", "CheckpointError", "Cluster", "CompiledGraph", "ConfigError",
-           "FSDPBackend", "GradientMismatch", "GraphMismatchError", "MemoryEstimate", "MixedPrecision", "Plan",
-           "PlanError", "RankFailure", "ShardingStrategy", "backend", "clip_grad_norm_", "compile", "estimate_memory",
-           "full_state_dict", "load_checkpoint", "load_full_state_dict", "plan", "save_checkpoint"]
+           "EmulatedNetwork", "FSDPBackend", "GradientMismatch", "GraphMismatchError", "MemoryEstimate",
+           "MixedPrecision", "Plan", "PlanError", "RankFailure", "ShardingStrategy", "backend", "clip_grad_norm_",
+           "compile", "estimate_memory", "full_state_dict", "load_checkpoint", "load_full_state_dict", "plan",
+           "save_checkpoint"]
 from .api import __version__ as __version__
 
 

@@ -12,6 +12,12 @@ another: starting a rank and importing torch costs seconds, paid by dozens of te
 starts from the same state a fresh process would have: the environment as it was at start-up
 (plus ``env``), Dynamo's caches cleared, torch's default RNG seed. After a failure or a timeout
 the processes are killed and the next call starts new ones.
+
+``default_group=False`` runs ``fn`` on ranks (kept apart from the others) that have no process
+group: ``fn`` makes its own default group, as a script that sets up the process group its own
+way (an emulated network) does, from the usual environment (``MASTER_ADDR``, a fresh
+``MASTER_PORT`` per call, ``RANK``, ``WORLD_SIZE``). A group ``fn`` leaves behind is ended
+after it.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_group: bool) -> None:
     """A rank's loop: run each task ``(id, fn, args, env)`` until told to stop (``None``)."""
     # A rank killed by a signal (a heap corruption in native code aborts) prints every
     # thread's Python stack first, so the failure names where it happened.
@@ -69,7 +75,8 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
     fresh_environment = dict(os.environ)
     fresh_seed = torch.initial_seed()
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
+        if default_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
         while (task := tasks.get()) is not None:
             task_id, fn, args, env = task
             os.environ.clear()
@@ -78,7 +85,10 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
             torch.manual_seed(fresh_seed)
             try:
                 value = fn(rank, world, *args)
-                dist.barrier()
+                if default_group:
+                    dist.barrier()
+                else:
+                    end_process_group()
                 results.put((task_id, rank, "ok", pickle.dumps(value)))
             except BaseException:  # report anything, including KeyboardInterrupt, to the parent
                 results.put((task_id, rank, "error", traceback.format_exc()))
@@ -94,14 +104,15 @@ class _Pool:
 
     _ids = itertools.count()
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, default_group: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
+        self.default_group = default_group
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.tasks[r], self.results, default_group),
+                                  daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
 
@@ -110,6 +121,8 @@ class _Pool:
 
     def run(self, fn: Callable, args: tuple, env: dict, timeout_s: float) -> list[Any]:
         task_id = next(self._ids)
+        if not self.default_group:
+            env = {"MASTER_PORT": str(_free_port()), **env}
         for q in self.tasks:
             q.put((task_id, fn, args, env))
         values: dict[int, Any] = {}
@@ -147,7 +160,7 @@ class _Pool:
             p.join()
 
 
-_POOLS: dict[int, _Pool] = {}
+_POOLS: dict[tuple[int, bool], _Pool] = {}
 
 
 def run_workers(
@@ -157,25 +170,28 @@ def run_workers(
     env: dict | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     fresh: bool = False,
+    default_group: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns values by rank.
 
     ``fn`` must be importable by name (a module-level function of a module on ``sys.path``).
     ``fresh=True`` runs it on new processes (nothing in memory from earlier calls), as a
-    restarted job would.
+    restarted job would. ``default_group=False``: the ranks have no process group and ``fn``
+    makes its own (see the module docstring).
     """
-    pool = _POOLS.get(world_size)
+    key = (world_size, default_group)
+    pool = _POOLS.get(key)
     if fresh and pool is not None:
         pool.close()
         pool = None
     if pool is None or not pool.alive():
         if pool is not None:
             pool.kill()
-        pool = _POOLS[world_size] = _Pool(world_size)
+        pool = _POOLS[key] = _Pool(world_size, default_group)
     try:
         return pool.run(fn, args, dict(env or {}), timeout_s)
     except BaseException:
-        del _POOLS[world_size]
+        del _POOLS[key]
         pool.kill()
         raise
 

@@ -74,6 +74,10 @@ class Topology:
 
 def world_timeout() -> datetime.timedelta:
     """The default group's timeout, so groups we create fail as fast as the user asked."""
+    from ..network.emulated import EmulatedProcessGroup
+
+    if isinstance(dist.group.WORLD, EmulatedProcessGroup):
+        return dist.group.WORLD.timeout
     try:
         backend = dist.group.WORLD._get_backend(torch.device(_default_device_type()))
         return backend.options._timeout
@@ -95,12 +99,16 @@ def end_process_group(*, exit_process: bool = False) -> None:
     Not ``dist.barrier()`` on gloo: its work keeps every collective still in flight when it
     starts alive until a gloo thread frees the barrier, after it returned: the late free above,
     made likelier. ``monitored_barrier()`` synchronizes with messages sent from the calling
-    thread and holds no earlier work.
+    thread and holds no earlier work (an emulated network's groups run on gloo and offer it too).
     """
+    from ..network.emulated import EmulatedProcessGroup
+
     if dist.is_initialized():
         try:
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=world_timeout())
+            elif isinstance(dist.group.WORLD, EmulatedProcessGroup):
+                dist.group.WORLD.monitored_barrier(world_timeout())
             else:
                 dist.barrier()
         finally:

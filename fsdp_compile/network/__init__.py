@@ -1,0 +1,13 @@
+"""An emulated cluster network on one machine: :class:`EmulatedNetwork`.
+
+``links``: units, the link model and the ring model of wire bytes; ``emulated``: the
+process-group backend and its work; ``stats``: what the links carried and where gloo overran
+the model.
+"""
+
+from .emulated import EmulatedNetwork, EmulatedProcessGroup, EmulatedWork
+from .links import Link, parse_bandwidth, parse_latency, wire_bytes
+from .stats import LinkUsage, NetworkStats, Overruns
+
+__all__ = ["EmulatedNetwork", "EmulatedProcessGroup", "EmulatedWork", "Link", "LinkUsage", "NetworkStats",
+           "Overruns", "parse_bandwidth", "parse_latency", "wire_bytes"]

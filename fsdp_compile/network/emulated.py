@@ -1,0 +1,538 @@
+"""An emulated cluster network: a process-group backend that moves data through gloo and completes
+each collective when a link of a chosen bandwidth and latency would have finished it.
+
+Every process group of the run (the default group and every group made after it: ``new_group``,
+``DeviceMesh``, fsdp_compile's hybrid shard / replicate groups) is an
+:class:`EmulatedProcessGroup`: a Python ``dist.ProcessGroup`` that hands each collective to a
+plain gloo process group built on the same store (so results are bit for bit gloo's) and returns
+an :class:`EmulatedWork` that completes at the modeled time, sleeping until then.
+
+The model, per rank:
+
+* Two links, each a separate resource: the **intra-node** link (NVLink-like) and the
+  **inter-node** link (the NIC). A group whose ranks all sit on this rank's node uses the
+  intra-node link; a group whose ranks span nodes uses the inter-node link, its bottleneck (the
+  intra-node hops of such a ring are taken as free). So HSDP's intra-node reduce-scatter and
+  inter-node all-reduce overlap, as they do on real hardware; collectives on one link serialize.
+* A collective starts when it is issued or when its link is free, whichever is later (one
+  collective at a time per link, like one NCCL stream), and lasts ``latency + wire bytes /
+  bandwidth`` (:mod:`fsdp_compile.network.links`: ring all-gather / reduce-scatter send
+  ``(n-1)/n`` of the buffer, all-reduce twice that, broadcast / reduce the buffer once, a barrier
+  pays the latency only). A coalesced call is one collective over the summed buffers (one
+  latency), as NCCL runs a coalesced group as one launch. A group of one rank uses no link and
+  takes no time.
+* The start is fixed when the collective is issued, before gloo is called, from this rank's
+  clock only: a peer that issues later does not move it. Gloo does make the collective wait
+  for every rank, so a late peer, like gloo being slower than the link, shows up as an
+  *overrun* in :meth:`EmulatedNetwork.stats`.
+
+Nodes are consecutive blocks of ``devices_per_node`` global ranks. The emulation holds only
+where the modeled time exceeds gloo's own time for the transfer; ``stats()`` says where it did
+not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .links import Link, format_bandwidth, format_seconds, parse_bandwidth, parse_latency, wire_bytes
+from .stats import NetworkStats, StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "emulated"
+_LOCAL = "local"  # the "link" of a group of one rank, which communicates with nobody
+_NO_TIMEOUT = datetime.timedelta(0)  # c10d's "no timeout" for Work.wait
+
+_active: EmulatedNetwork | None = None
+
+
+def _sleep_until(deadline: float) -> None:
+    # time.sleep can wake a little early on some clocks; loop, but never spin.
+    while (remaining := deadline - time.monotonic()) > 0:
+        time.sleep(remaining)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+class _Alarm:
+    """One daemon thread that runs callbacks at given times (completes futures at their modeled
+    end); it sleeps on a condition until the earliest one is due."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Callable, tuple]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def at(self, when: float, fn: Callable, *args: Any) -> None:
+        if when <= time.monotonic():
+            fn(*args)
+            return
+        with self._cond:
+            heapq.heappush(self._due, (when, next(self._order), fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="emulated-network-alarm", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due or (wait := self._due[0][0] - time.monotonic()) > 0:
+                    self._cond.wait(None if not self._due else wait)
+                _, _, fn, args = heapq.heappop(self._due)
+            try:
+                fn(*args)
+            except Exception:  # keep the thread: later futures still have to complete
+                logger.exception("emulated network: completing a future failed")
+
+
+class _Watchers:
+    """Daemon threads that each wait for one gloo work and report when it finished.
+
+    Gloo's reduce-scatters have no future to hang a callback on, and a caller may wait long
+    after the modeled end (a compiled graph waits late on purpose), so completion is observed
+    off the caller's thread. Threads are reused; a new one starts only when all are busy, so
+    each in-flight collective has its own. Not for gloo's send and receive: each wait on those
+    consumes a completion, so a second waiter would leave the caller's wait hanging.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def watch(self, work: dist.Work, done: Callable[[float, BaseException | None], None]) -> None:
+        with self._lock:
+            if self._idle == 0:
+                threading.Thread(target=self._run, name="emulated-network-watch", daemon=True).start()
+            else:
+                self._idle -= 1
+        self._queue.put((work, done))
+
+    def _run(self) -> None:
+        while True:
+            work, done = self._queue.get()
+            try:
+                try:
+                    work.wait()
+                    error = None
+                except BaseException as exc:  # the caller's own wait raises it; here it ends the watch
+                    error = exc
+                done(time.monotonic(), error)
+            finally:
+                del work, done
+                with self._lock:
+                    self._idle += 1
+
+
+class EmulatedWork(dist.Work):
+    """A collective in flight on an emulated link: completes when gloo has finished it and the
+    modeled end has come, whichever is later. ``wait()`` before the modeled end sleeps.
+
+    ``issued_at``, ``modeled_start`` and ``modeled_end`` are ``time.monotonic()`` seconds;
+    ``kind``, ``link`` and ``seconds`` (the modeled duration) say what the model made of it;
+    ``gloo_done_at`` when gloo was seen to finish (``None`` while in flight). A send or receive
+    is seen to finish only by its own ``wait()`` (see :class:`_Watchers`), so a late wait on one
+    can report an overrun that was not.
+    """
+
+    def __init__(self, inner: dist.Work, network: EmulatedNetwork, kind: str, link: str,
+                 issued_at: float, start: float, seconds: float) -> None:
+        super().__init__()
+        self._inner = inner
+        self._network = network
+        self._future: torch.futures.Future | None = None
+        self.kind, self.link = kind, link
+        self.issued_at, self.modeled_start, self.seconds = issued_at, start, seconds
+        self.modeled_end = start + seconds
+        self.gloo_done_at: float | None = None
+        self._watched = kind not in ("send", "recv")
+        if self._watched:
+            network._watchers.watch(inner, self._gloo_done)
+
+    def _gloo_done(self, when: float, error: BaseException | None) -> None:
+        self.gloo_done_at = when
+        if error is None:
+            self._network._recorder.completed(self.kind, self.link, when - self.modeled_end)
+
+    def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
+        if self._watched:
+            self._inner.wait(timeout)
+        elif self.gloo_done_at is None:  # gloo's send / receive may be waited on once only
+            self._inner.wait(timeout)
+            self._gloo_done(time.monotonic(), None)
+        _sleep_until(self.modeled_end)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed() and time.monotonic() >= self.modeled_end
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._inner.result()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        """A future holding gloo's result from the modeled end on (DDP's reducer waits on it).
+        Where gloo's work has no future (reduce-scatter, send, recv) this raises gloo's error."""
+        if self._future is None:
+            inner = self._inner.get_future()
+            future: torch.futures.Future = torch.futures.Future()
+            alarm, end = self._network._alarm, self.modeled_end
+
+            def forward(done: torch.futures.Future) -> None:
+                try:
+                    value = done.value()
+                except Exception as exc:  # gloo failed: the caller sees its error at once
+                    future.set_exception(exc)
+                    return
+                alarm.at(end, future.set_result, value)
+
+            inner.add_done_callback(forward)
+            self._future = future
+        return self._future
+
+    def __repr__(self) -> str:
+        return (f"EmulatedWork({self.kind} on {self.link}, {format_seconds(self.seconds)} modeled, "
+                f"ends at {self.modeled_end:.6f})")
+
+
+def _collective(name: str, kind: str, buffer: Callable[..., int]) -> Callable:
+    """A process-group method that issues ``kind`` on the emulated link and the same call on gloo.
+
+    The arguments go to gloo's method of the same name unchanged, so every overload and option
+    behaves as on plain gloo; ``buffer(*args)`` says how many bytes the collective's buffer holds.
+    """
+
+    def method(self: EmulatedProcessGroup, *args: Any, **kwargs: Any) -> EmulatedWork:
+        return self._issue(kind, self.link, buffer(*args, **kwargs), getattr(self._gloo, name), args, kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``{name}`` through gloo, completed at the modeled end of a {kind}."
+    return method
+
+
+def _first(*args: Any, **_: Any) -> int:
+    return _nbytes(args[0])
+
+
+def _second(*args: Any, **_: Any) -> int:
+    return _nbytes(args[1])
+
+
+def _nothing(*_: Any, **__: Any) -> int:
+    return 0
+
+
+class EmulatedProcessGroup(dist.ProcessGroup):
+    """A process group of an :class:`EmulatedNetwork`: gloo's results at the link's pace.
+
+    ``link`` is "intra" (all ranks on one node), "inter" (ranks on several nodes) or "local" (a
+    group of one rank); ``global_ranks`` its members; ``timeout`` the gloo group's timeout.
+    """
+
+    def __init__(self, network: EmulatedNetwork, store: dist.Store, rank: int, size: int,
+                 timeout: datetime.timedelta, global_ranks: list[int], gloo_ranks: list[int], name: str) -> None:
+        # A Python subclass must use the (rank, size) constructor: pybind refuses the one taking
+        # a store for a class it has to wrap in its trampoline.
+        super().__init__(rank, size)
+        self.network = network
+        self.global_ranks = global_ranks
+        self.timeout = timeout
+        self.link = network.link_of(global_ranks)
+        self._name = name
+        self._desc = "undefined"
+        self._gloo = _gloo_group(store, rank, size, timeout, gloo_ranks, name)
+
+    def _issue(self, kind: str, link: str, buffer_bytes: int, call: Callable, args: tuple,
+               kwargs: dict) -> EmulatedWork:
+        # The issue time is taken before gloo is called: its reduce-scatter clones its input
+        # before it returns, which is compute on this rank, not time on the link. The link is
+        # booked after, so a call gloo refuses books nothing.
+        issued_at = time.monotonic()
+        inner = call(*args, **kwargs)
+        start, seconds = self.network._reserve(kind, link, buffer_bytes, self.size(), issued_at)
+        return EmulatedWork(inner, self.network, kind, link, issued_at, start, seconds)
+
+    # ---- the names torch sets and reads; a Python group must hold them itself
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+        self._gloo._set_group_name(name)
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+        self._gloo._set_group_desc(desc)
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    # ---- collectives: the names torch 2.13 calls, from C++ (DDP, functional collectives) and
+    # from torch.distributed's Python functions; old names kept where torch still falls back.
+    allreduce = _collective("allreduce", "all_reduce", _first)
+    allreduce_coalesced = _collective("allreduce_coalesced", "all_reduce", _first)
+    broadcast = _collective("broadcast", "broadcast", _first)
+    reduce = _collective("reduce", "reduce", _first)
+    allgather = _collective("allgather", "all_gather", _first)
+    allgather_coalesced = _collective("allgather_coalesced", "all_gather", _first)
+    _allgather_base = _collective("_allgather_base", "all_gather", _first)
+    all_gather_single = _collective("all_gather_single", "all_gather", _first)
+    all_gather_single_coalesced = _collective("all_gather_single_coalesced", "all_gather", _first)
+    allgather_into_tensor_coalesced = _collective("allgather_into_tensor_coalesced", "all_gather", _first)
+    reduce_scatter = _collective("reduce_scatter", "reduce_scatter", _second)
+    _reduce_scatter_base = _collective("_reduce_scatter_base", "reduce_scatter", _second)
+    reduce_scatter_single = _collective("reduce_scatter_single", "reduce_scatter", _second)
+    reduce_scatter_single_coalesced = _collective("reduce_scatter_single_coalesced", "reduce_scatter", _second)
+    reduce_scatter_tensor_coalesced = _collective("reduce_scatter_tensor_coalesced", "reduce_scatter", _second)
+    all_to_all_single = _collective("all_to_all_single", "all_to_all", _second)
+    alltoall_base = _collective("alltoall_base", "all_to_all", _second)
+    alltoall = _collective("alltoall", "all_to_all", _second)
+    barrier = _collective("barrier", "barrier", _nothing)
+
+    def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> EmulatedWork:
+        """``gather`` through gloo; the buffer is the gathered whole (every rank's input)."""
+        return self._issue("gather", self.link, _nbytes(inputs) * self.size(), self._gloo.gather,
+                           (outputs, inputs, *args), kwargs)
+
+    def scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> EmulatedWork:
+        """``scatter`` through gloo; the buffer is the scattered whole (every rank's output)."""
+        return self._issue("scatter", self.link, _nbytes(outputs) * self.size(), self._gloo.scatter,
+                           (outputs, inputs, *args), kwargs)
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> EmulatedWork:
+        """``send`` through gloo, on the link to the peer's node."""
+        link = self.network.link_of([self.global_ranks[self.rank()], self.global_ranks[dst]])
+        return self._issue("send", link, _nbytes(tensors), self._gloo.send, (tensors, dst, tag), {})
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int = 0) -> EmulatedWork:
+        """``recv`` through gloo, on the link to the peer's node."""
+        link = self.network.link_of([self.global_ranks[self.rank()], self.global_ranks[src]])
+        return self._issue("recv", link, _nbytes(tensors), self._gloo.recv, (tensors, src, tag), {})
+
+    def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int = 0) -> EmulatedWork:
+        """``recv`` from any rank: the peer is unknown when it is issued, so the group's link."""
+        return self._issue("recv", self.link, _nbytes(tensors), self._gloo.recv_anysource, (tensors, tag), {})
+
+    def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier (``dist.monitored_barrier`` accepts gloo groups only; call
+        this on the group): names the ranks that did not arrive. Not modeled: it is a check."""
+        backend = self._gloo._get_backend(torch.device("cpu"))
+        backend.monitored_barrier(self.timeout if timeout is None else timeout, wait_all_ranks)
+
+    def shutdown(self) -> None:
+        self._gloo.shutdown()
+
+    def abort(self) -> None:
+        self._gloo.abort()
+
+    def __repr__(self) -> str:
+        return f"EmulatedProcessGroup({self._name!r}, ranks {self.global_ranks}, {self.link} link)"
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, global_ranks: list[int],
+                name: str) -> dist.ProcessGroup:
+    """A plain gloo process group, built as ``init_process_group("gloo")`` / ``new_group`` build
+    one, but registered nowhere: only its emulated group calls it."""
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+    gloo.options.global_ranks_in_group = global_ranks
+    gloo.options.group_name = name
+    gloo._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    group._set_group_name(name)
+    return group
+
+
+def _create_group(options: Any, backend_options: Any) -> EmulatedProcessGroup:
+    """The backend's creator (``register_backend(..., extended_api=True)``): it receives the
+    group's global ranks, which decide its link."""
+    if _active is None:
+        raise RuntimeError(f"the {BACKEND_NAME!r} process-group backend is set up by "
+                           "fsdp_compile.EmulatedNetwork(...).init_process_group(); call that instead of "
+                           f"torch.distributed.init_process_group({BACKEND_NAME!r})")
+    return _active._create_group(options)
+
+
+class EmulatedNetwork:
+    """A cluster network emulated on one machine, for every process group of the run.
+
+    ``intra_node`` / ``inter_node``: bandwidth of a rank's link within its node and to other
+    nodes (bytes per second, or a string such as "2GB/s", "200MB/s", "10Gbit/s", "1.5GiB/s";
+    ``inter_node`` defaults to ``intra_node``); ``latency``: paid once per collective (seconds,
+    or "20us", "0.5ms"); ``devices_per_node``: ranks per node (default: ``LOCAL_WORLD_SIZE``,
+    else the world size: one node). Use :meth:`init_process_group` instead of
+    ``torch.distributed.init_process_group("gloo")``; every group made afterwards (``new_group``,
+    ``init_device_mesh("cpu", ...)``, fsdp_compile's hybrid groups, FSDP2's and DDP's) then runs
+    on this network. See :mod:`fsdp_compile.network.emulated` for the model.
+
+        net = fsdp_compile.EmulatedNetwork(intra_node="2GB/s", inter_node="200MB/s", latency="20us",
+                                           devices_per_node=2)
+        net.init_process_group()
+        ...  # train
+        print(net.stats())
+    """
+
+    def __init__(self, intra_node: float | str, inter_node: float | str | None = None,
+                 latency: float | str = 0.0, devices_per_node: int | None = None) -> None:
+        seconds = parse_latency(latency, "latency")
+        self.intra = Link("intra", parse_bandwidth(intra_node, "intra_node"), seconds)
+        self.inter = Link("inter", parse_bandwidth(intra_node if inter_node is None else inter_node,
+                                                   "inter_node"), seconds)
+        if devices_per_node is not None and (isinstance(devices_per_node, bool)
+                                             or not isinstance(devices_per_node, int) or devices_per_node < 1):
+            raise ValueError(f"devices_per_node={devices_per_node!r} must be a positive int (ranks per node), "
+                             "or None to read LOCAL_WORLD_SIZE")
+        self._devices_per_node = devices_per_node
+        self._lock = threading.Lock()
+        self._free_at = {"intra": 0.0, "inter": 0.0}
+        self._recorder = StatsRecorder()
+        self._alarm = _Alarm()
+        self._watchers = _Watchers()
+
+    @property
+    def devices_per_node(self) -> int | None:
+        """Ranks per node; ``None`` until :meth:`init_process_group` resolved the default."""
+        return self._devices_per_node
+
+    def links(self) -> dict[str, Link]:
+        return {"intra": self.intra, "inter": self.inter}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        """``torch.distributed.init_process_group`` on this network: the keyword arguments
+        (``init_method``, ``store``, ``rank``, ``world_size``, ``timeout``, ...) pass through."""
+        global _active
+        if "backend" in kwargs:
+            raise TypeError("EmulatedNetwork.init_process_group() chooses the backend itself; drop backend= "
+                            "(collectives run through gloo underneath)")
+        if dist.is_initialized():
+            raise RuntimeError(
+                f"EmulatedNetwork.init_process_group(): a default process group already exists (backend "
+                f"{dist.get_backend()!r}); groups made before the network would bypass it. Call it instead of "
+                "torch.distributed.init_process_group(), or call torch.distributed.destroy_process_group() first")
+        world = kwargs.get("world_size", -1)
+        if world == -1 and "store" not in kwargs and os.environ.get("WORLD_SIZE", "").isdigit():
+            world = int(os.environ["WORLD_SIZE"])
+        if world > 0:  # else the creator checks it, once the rendezvous has told the world size
+            self._resolve_devices_per_node(world)
+        _register_backend()
+        _active = self
+        dist.init_process_group(backend=BACKEND_NAME, **kwargs)
+
+    def _create_group(self, options: Any) -> EmulatedProcessGroup:
+        gloo_ranks = list(options.global_ranks_in_group)
+        size = options.group_size
+        if not gloo_ranks:  # the default group: its ranks are the world's
+            self._devices_per_node = self._resolve_devices_per_node(size)
+        global_ranks = gloo_ranks or list(range(size))
+        return EmulatedProcessGroup(self, options.store, options.group_rank, size, options.timeout,
+                                    global_ranks, gloo_ranks, str(options.group_id))
+
+    def _resolve_devices_per_node(self, world: int) -> int:
+        per_node = self._devices_per_node
+        if per_node is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None:
+                return world
+            try:
+                per_node = int(env)
+            except ValueError:
+                per_node = 0
+            if per_node < 1:
+                raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not a positive int; fix it or pass "
+                                 "EmulatedNetwork(devices_per_node=...)")
+        if world % per_node:
+            raise ValueError(f"devices_per_node={per_node} does not divide the world size {world}: nodes must "
+                             "hold equal numbers of ranks; pass a devices_per_node that divides it")
+        return per_node
+
+    def link_of(self, global_ranks: Sequence[int]) -> str:
+        """The link a group of these global ranks uses from here: "local" for one rank, "intra"
+        when they share a node, "inter" when they span nodes."""
+        if len(set(global_ranks)) <= 1:
+            return _LOCAL
+        per_node = self._devices_per_node
+        if per_node is None:
+            raise RuntimeError("EmulatedNetwork: the network has no world yet; call init_process_group() first")
+        return "inter" if len({r // per_node for r in global_ranks}) > 1 else "intra"
+
+    def seconds(self, kind: str, buffer_bytes: float, group_size: int, link: str = "intra") -> float:
+        """The modeled duration of one collective (without waiting for a busy link)."""
+        if link == _LOCAL:
+            return 0.0
+        return self.links()[link].seconds(kind, buffer_bytes, group_size)
+
+    def _reserve(self, kind: str, link: str, buffer_bytes: int, group_size: int,
+                 issued_at: float) -> tuple[float, float]:
+        """Book the link for one collective issued at ``issued_at``: (modeled start, seconds)."""
+        seconds = self.seconds(kind, buffer_bytes, group_size, link)
+        with self._lock:
+            start = issued_at if link == _LOCAL else max(issued_at, self._free_at[link])
+            if link != _LOCAL:
+                self._free_at[link] = start + seconds
+        self._recorder.issued(kind, link, wire_bytes(kind, buffer_bytes, group_size), buffer_bytes, seconds)
+        return start, seconds
+
+    def stats(self) -> NetworkStats:
+        """What this rank's links carried since the start (or :meth:`reset_stats`): per collective
+        kind and link, count, wire and buffer bytes, modeled busy seconds, and the overruns (gloo
+        finishing after the modeled end: how often, the largest and the total lateness)."""
+        return self._recorder.snapshot()
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (e.g. after warm-up steps); collectives in flight are counted
+        at completion in the new window."""
+        self._recorder.reset()
+
+    def __repr__(self) -> str:
+        latency = format_seconds(self.intra.latency)
+        return (f"EmulatedNetwork(intra_node={format_bandwidth(self.intra.bandwidth)}, "
+                f"inter_node={format_bandwidth(self.inter.bandwidth)}, latency={latency}, "
+                f"devices_per_node={self._devices_per_node})")
+
+
+def _register_backend() -> None:
+    if BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND_NAME, _create_group, extended_api=True, devices=["cpu"])

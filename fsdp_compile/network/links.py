@@ -1,0 +1,138 @@
+"""The link model of an emulated network: units, links and the ring model of wire bytes.
+
+A link moves a collective in ``latency + wire_bytes / bandwidth`` seconds, one collective at a
+time. Wire bytes are what each rank sends, as NCCL's bus bandwidth counts them: for all-gather,
+reduce-scatter and all-reduce the ring model every part shares (:mod:`fsdp_compile.runtime.ring`,
+also the planner's and the graph inspection's), extended here to the other collectives a process
+group carries.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..runtime import ring
+
+RING_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# The kinds a process group can issue; "barrier" moves no data.
+KINDS = (*RING_KINDS, "broadcast", "reduce", "gather", "scatter", "all_to_all", "send", "recv", "barrier")
+LINKS = ("intra", "inter")
+
+_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+             "ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30, "ti": 2.0 ** 40}
+_NUMBER = r"^\s*(?P<number>[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*"
+_BANDWIDTH = re.compile(_NUMBER + r"(?P<prefix>[kmgt]i?)?(?P<unit>B|b|bit|bits)(?:/s|ps)\s*$", re.IGNORECASE)
+_LATENCY = re.compile(_NUMBER + r"(?P<unit>s|ms|us|µs|ns)\s*$", re.IGNORECASE)
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+BANDWIDTH_FORMS = ('a number of bytes per second (2e9, float("inf") for an unlimited link) or a string such as '
+                   '"2GB/s", "200MB/s", "1.5GiB/s" (bytes; k, M, G, T decimal, Ki, Mi, Gi, Ti binary) or '
+                   '"10Gbit/s", "100Gb/s", "25Gbps" (bits)')
+LATENCY_FORMS = 'a number of seconds (2e-5, 0 for none) or a string such as "20us", "0.5ms", "1e-5s", "800ns"'
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):  # True is an int to Python, but never a bandwidth
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def parse_bandwidth(value: Any, argument: str = "bandwidth") -> float:
+    """Bytes per second from a number (bytes/s) or a string with a unit; ``argument`` names the
+    parameter in errors."""
+    number = _number(value)
+    if number is None:
+        if not isinstance(value, str):
+            raise TypeError(f"{argument}= must be {BANDWIDTH_FORMS}; got {type(value).__name__} {value!r}")
+        match = _BANDWIDTH.match(value)
+        if match is None:
+            raise ValueError(f"{argument}={value!r} is not a bandwidth this understands; pass {BANDWIDTH_FORMS}")
+        unit = match["unit"]
+        bits = unit.lower().startswith("bit") or unit == "b"
+        number = float(match["number"]) * _PREFIXES[(match["prefix"] or "").lower()] / (8 if bits else 1)
+    if math.isnan(number) or number <= 0:
+        raise ValueError(f"{argument}={value!r}: a bandwidth must be positive; pass {BANDWIDTH_FORMS}")
+    return number
+
+
+def parse_latency(value: Any, argument: str = "latency") -> float:
+    """Seconds from a number (seconds) or a string with a unit; ``argument`` names the parameter
+    in errors."""
+    number = _number(value)
+    if number is None:
+        if not isinstance(value, str):
+            raise TypeError(f"{argument}= must be {LATENCY_FORMS}; got {type(value).__name__} {value!r}")
+        match = _LATENCY.match(value)
+        if match is None:
+            raise ValueError(f"{argument}={value!r} is not a latency this understands; pass {LATENCY_FORMS}")
+        number = float(match["number"]) * _SECONDS[match["unit"].lower()]
+    # Zero is a real choice (an ideal network that costs bandwidth only); negative time is not.
+    if math.isnan(number) or math.isinf(number) or number < 0:
+        raise ValueError(f"{argument}={value!r}: a latency must be a finite number of seconds >= 0; "
+                         f"pass {LATENCY_FORMS}")
+    return number
+
+
+def wire_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
+    """Bytes each rank sends for one collective on ``group_size`` ranks.
+
+    ``buffer_bytes`` is the all-gather's output, the reduce-scatter's input, the all-reduce's
+    buffer, the broadcast's / reduce's tensor, the gathered or scattered whole, an all-to-all's
+    input, a point-to-point message. All-gather, reduce-scatter and all-reduce follow
+    :func:`fsdp_compile.runtime.ring.wire_bytes` (``(n-1)/n`` of the buffer, twice that for
+    all-reduce). Gather, scatter and all-to-all send ``(n-1)/n`` too (all but one's own share);
+    a pipelined broadcast or reduce passes the whole buffer along the chain once; a send or
+    receive moves it once; a barrier moves nothing. A group of one rank sends nothing.
+    """
+    if kind in RING_KINDS:
+        return ring.wire_bytes(kind, buffer_bytes, group_size)
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(KINDS)}")
+    n = group_size
+    if kind in ("send", "recv"):
+        return float(buffer_bytes)
+    if n <= 1 or kind == "barrier":
+        return 0.0
+    if kind in ("broadcast", "reduce"):
+        return float(buffer_bytes)
+    return (n - 1) / n * buffer_bytes
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's link of a kind ("intra": within a node, "inter": between nodes)."""
+
+    name: str
+    bandwidth: float  # bytes per second (inf: unlimited)
+    latency: float  # seconds per collective
+
+    def seconds(self, kind: str, buffer_bytes: float, group_size: int) -> float:
+        """Modeled duration: ``latency + wire bytes / bandwidth``; 0 for a group of one rank, which
+        communicates with nobody (a point-to-point message always pays)."""
+        if group_size <= 1 and kind not in ("send", "recv"):
+            return 0.0
+        wire = wire_bytes(kind, buffer_bytes, group_size)
+        return self.latency + (wire / self.bandwidth if wire else 0.0)
+
+
+def format_bandwidth(bytes_per_second: float) -> str:
+    if math.isinf(bytes_per_second):
+        return "unlimited"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_second >= scale:
+            return f"{bytes_per_second / scale:.4g}{unit}"
+    return f"{bytes_per_second:.4g}B/s"
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds == 0:
+        return "0s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.4g}{unit}"
+    return f"{seconds / 1e-9:.4g}ns"
