@@ -31,7 +31,7 @@ def test_bandwidth_forms(text, bytes_per_second) -> None:
 
 @pytest.mark.parametrize("text, seconds", [
     ("20us", 2e-5), ("20µs", 2e-5), ("0.5ms", 5e-4), ("1e-5s", 1e-5), ("800ns", 8e-7), ("2 ms", 2e-3),
-    (2e-5, 2e-5), (0, 0.0),
+    (2e-5, 2e-5),
 ])
 def test_latency_forms(text, seconds) -> None:
     assert parse_latency(text) == pytest.approx(seconds, rel=1e-12)
@@ -46,7 +46,8 @@ def test_latency_forms(text, seconds) -> None:
     ({"intra_node": None}, TypeError, "intra_node= must be a number of bytes per second"),
     ({"intra_node": True}, TypeError, "intra_node= must be a number of bytes per second"),
     ({"intra_node": "1GB/s", "latency": "20"}, ValueError, "latency='20' is not a latency this understands; pass a number of seconds"),
-    ({"intra_node": "1GB/s", "latency": "-1us"}, ValueError, "latency='-1us': a latency must be a finite number of seconds >= 0"),
+    ({"intra_node": "1GB/s", "latency": "-1us"}, ValueError, "latency='-1us': a latency must be a positive, finite number of seconds"),
+    ({"intra_node": "1GB/s", "latency": "0us"}, ValueError, "latency='0us': a latency must be a positive, finite number of seconds"),
     ({"intra_node": "1GB/s", "latency": -1e-6}, ValueError, "latency=-1e-06: a latency must be"),
     ({"intra_node": "1GB/s", "devices_per_node": 0}, ValueError, "devices_per_node=0 must be a positive int"),
     ({"intra_node": "1GB/s", "devices_per_node": 1.5}, ValueError, "devices_per_node=1.5 must be a positive int"),
@@ -88,8 +89,8 @@ def test_link_time_is_latency_plus_wire_bytes_over_bandwidth() -> None:
     assert net.seconds("all_gather", 10 ** 8, 2, "inter") == pytest.approx(2e-5 + 0.5)
     assert net.seconds("all_gather", 10 ** 8, 2, "intra") == pytest.approx(2e-5 + 0.05)
     assert net.seconds("all_gather", 10 ** 8, 1, "local") == 0.0
-    unlimited = fsdp_compile.EmulatedNetwork(math.inf)
-    assert unlimited.seconds("all_reduce", 10 ** 9, 8) == 0.0
+    unlimited = fsdp_compile.EmulatedNetwork(math.inf, latency="1ns")
+    assert unlimited.seconds("all_reduce", 10 ** 9, 8) == 1e-9
 
 
 def test_stats_sum_by_kind_and_link_and_say_how_gloo_overran() -> None:

@@ -401,9 +401,10 @@ class EmulatedNetwork:
 
     ``intra_node`` / ``inter_node``: bandwidth of a rank's link within its node and to other
     nodes (bytes per second, or a string such as "2GB/s", "200MB/s", "10Gbit/s", "1.5GiB/s";
-    ``inter_node`` defaults to ``intra_node``); ``latency``: paid once per collective (seconds,
-    or "20us", "0.5ms"); ``devices_per_node``: ranks per node (default: ``LOCAL_WORLD_SIZE``,
-    else the world size: one node). Use :meth:`init_process_group` instead of
+    ``inter_node`` defaults to ``intra_node``; ``float("inf")`` is a link without a bandwidth
+    limit); ``latency``: paid once per collective (seconds, or "20us", "0.5ms"; default 10 us,
+    about what NCCL pays per collective on NVLink or InfiniBand); ``devices_per_node``: ranks
+    per node (default: ``LOCAL_WORLD_SIZE``, else the world size: one node). Use :meth:`init_process_group` instead of
     ``torch.distributed.init_process_group("gloo")``; every group made afterwards (``new_group``,
     ``init_device_mesh("cpu", ...)``, fsdp_compile's hybrid groups, FSDP2's and DDP's) then runs
     on this network. See :mod:`fsdp_compile.network.emulated` for the model.
@@ -416,7 +417,7 @@ class EmulatedNetwork:
     """
 
     def __init__(self, intra_node: float | str, inter_node: float | str | None = None,
-                 latency: float | str = 0.0, devices_per_node: int | None = None) -> None:
+                 latency: float | str = "10us", devices_per_node: int | None = None) -> None:
         seconds = parse_latency(latency, "latency")
         self.intra = Link("intra", parse_bandwidth(intra_node, "intra_node"), seconds)
         self.inter = Link("inter", parse_bandwidth(intra_node if inter_node is None else inter_node,

@@ -31,7 +31,7 @@ _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 BANDWIDTH_FORMS = ('a number of bytes per second (2e9, float("inf") for an unlimited link) or a string such as '
                    '"2GB/s", "200MB/s", "1.5GiB/s" (bytes; k, M, G, T decimal, Ki, Mi, Gi, Ti binary) or '
                    '"10Gbit/s", "100Gb/s", "25Gbps" (bits)')
-LATENCY_FORMS = 'a number of seconds (2e-5, 0 for none) or a string such as "20us", "0.5ms", "1e-5s", "800ns"'
+LATENCY_FORMS = 'a number of seconds (2e-5) or a string such as "20us", "0.5ms", "1e-5s", "800ns"'
 
 
 def _number(value: Any) -> float | None:
@@ -71,9 +71,9 @@ def parse_latency(value: Any, argument: str = "latency") -> float:
         if match is None:
             raise ValueError(f"{argument}={value!r} is not a latency this understands; pass {LATENCY_FORMS}")
         number = float(match["number"]) * _SECONDS[match["unit"].lower()]
-    # Zero is a real choice (an ideal network that costs bandwidth only); negative time is not.
-    if math.isnan(number) or math.isinf(number) or number < 0:
-        raise ValueError(f"{argument}={value!r}: a latency must be a finite number of seconds >= 0; "
+    # No real link answers in no time: a latency of 0 is a mistake for a unit (20 with no "us").
+    if math.isnan(number) or math.isinf(number) or number <= 0:
+        raise ValueError(f"{argument}={value!r}: a latency must be a positive, finite number of seconds; "
                          f"pass {LATENCY_FORMS}")
     return number
 
