@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile.planning import Cluster, ClusterError
 from fsdp_compile.planning.cost import Group, collective_cost, graph_costs, node_cost
+from fsdp_compile.planning.numbers import MeasuredCollective
 from fsdp_compile.planning.simulate import simulate_events
 
 H100 = Cluster.preset("h100-sxm", nodes=2)
@@ -102,6 +103,20 @@ def test_flat_group_spanning_nodes_is_bound_by_the_inter_node_link():
     # 7 ring steps, one of which crosses nodes
     assert cost.link == "inter"
     assert cost.seconds == pytest.approx(6 * 1e-6 + 1 * 1e-5 + wire / 1e9)
+
+
+def test_a_group_spanning_nodes_uses_the_inter_node_fit_where_one_was_measured():
+    intra = MeasuredCollective(step_latency=1e-6, bandwidth=1e9, group_size=2)
+    inter = MeasuredCollective(step_latency=1e-5, bandwidth=1e8, group_size=2)
+    cluster = small_cluster().replace(measured_collectives={"all_reduce": intra},
+                                      measured_inter_collectives={"all_reduce": inter})
+    across = collective_cost("all_reduce", 10**6, Group(2, 2), cluster)
+    within = collective_cost("all_reduce", 10**6, Group(2, 1), cluster)
+    assert across.seconds == pytest.approx(2 * 1e-5 + 10**6 / 1e8)
+    assert within.seconds == pytest.approx(2 * 1e-6 + 10**6 / 1e9)
+    # Without an inter-node fit, the intra-node one serves both (one node measured).
+    flat = cluster.replace(measured_inter_collectives={})
+    assert collective_cost("all_reduce", 10**6, Group(2, 2), flat).seconds == pytest.approx(within.seconds)
 
 
 def test_all_reduce_moves_twice_the_bytes():
@@ -331,12 +346,24 @@ def test_collective_waited_at_once_is_fully_exposed():
     assert t.seconds == 4.5 and t.exposed_comm_seconds == 1.5 and t.wire_bytes["inter"] == 7
 
 
-def test_collectives_share_one_stream_in_issue_order():
+def test_collectives_on_one_link_take_turns_in_issue_order():
     # two collectives issued together: the second starts when the first ends
     events = [("issue", "a", 2.0, "intra", 0), ("issue", "b", 2.0, "intra", 0), ("compute", 3.0),
               ("wait", "a"), ("wait", "b")]
     t = simulate_events(events)
     assert t.seconds == 4.0 and t.exposed_comm_seconds == 1.0
+
+
+def test_each_link_runs_its_own_collectives():
+    # A hybrid step's reduce-scatter in the node and all-reduce across nodes: separate links
+    # (FSDP2 runs the all-reduce on a stream of its own; the emulated network has one link of
+    # each kind per rank), so they overlap; two on one link still take turns.
+    events = [("issue", "rs", 2.0, "intra", 0), ("issue", "ar", 2.0, "inter", 0), ("compute", 1.0),
+              ("wait", "rs"), ("wait", "ar")]
+    assert simulate_events(events).seconds == 2.0
+    events = [("issue", "ar0", 2.0, "inter", 0), ("issue", "ar1", 2.0, "inter", 0), ("compute", 1.0),
+              ("wait", "ar0"), ("wait", "ar1")]
+    assert simulate_events(events).seconds == 4.0
 
 
 def test_partial_overlap_and_contention():

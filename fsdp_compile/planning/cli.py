@@ -173,6 +173,11 @@ def add_compare_parser(sub: Any) -> None:
     p.add_argument("--gc-during-steps", action="store_true",
                    help="leave Python's garbage collector on inside the timed steps (default: it runs between "
                    "them, as torchtitan's trainer does)")
+    p.add_argument("--emulate", metavar="INTRA[,INTER]",
+                   help="run on an emulated network: the intra-node and inter-node link bandwidths, e.g. "
+                        "1GB/s,100MB/s (fsdp_compile.EmulatedNetwork; ranks per node: --shard-size, else "
+                        "LOCAL_WORLD_SIZE); the cluster is measured on it, so the plan predicts for it")
+    p.add_argument("--emulate-latency", default="10us", help="the emulated links' latency per collective")
     p.add_argument("--out", type=Path, default=Path("compare_out"), help="directory for compare.json and compare.png")
 
 
@@ -185,11 +190,19 @@ def run_compare(args: argparse.Namespace) -> int:
     from .plan import plan
 
     owns_group = not dist.is_initialized()
+    network = None
+    if args.emulate and not owns_group:
+        raise SystemExit("--emulate sets up the process group itself: run compare as a torchrun script, before "
+                         "any torch.distributed.init_process_group()")
     if owns_group:
         if "RANK" not in os.environ:
             raise SystemExit("compare runs strategies on the current processes: start it with torchrun, e.g. "
                              "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m fsdp_compile compare")
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        if args.emulate:
+            network = _emulated_network(args.emulate, args.emulate_latency, args.shard_size)
+            network.init_process_group()
+        else:
+            dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     world, rank = dist.get_world_size(), dist.get_rank()
     shard_size = args.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     names = _strategies(args.strategies) or [
@@ -226,9 +239,11 @@ def run_compare(args: argparse.Namespace) -> int:
             row = predicted.row(name)
             rows.append({"strategy": name, "measured": measured[name].as_dict(), "predicted": row.as_dict()})
         args.out.mkdir(parents=True, exist_ok=True)
+        stats = network.stats() if network is not None else None
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
              "gc_between_steps": not args.gc_during_steps,
+             "network": None if network is None else {"description": repr(network), **stats.to_dict()},
              "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
             indent=2, default=str))
         print(f"{'strategy':<20}{'step ms':>10}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}{'pred MiB':>10}"
@@ -239,6 +254,8 @@ def run_compare(args: argparse.Namespace) -> int:
                   f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
                   f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
                   f"{m['compile_seconds']:>11.1f}")
+        if stats is not None:
+            print(f"on {network!r}: {stats.overrun_summary()}")
         try:
             bar_chart(rows, str(args.out / "compare.png"), f"{args.model}, world {world}: measured vs predicted")
         except ImportError:
@@ -251,6 +268,21 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emulated_network(links: str, latency: str, devices_per_node: int | None) -> Any:
+    """The ``--emulate INTRA[,INTER]`` network (its errors name the option)."""
+    from ..network import EmulatedNetwork
+
+    parts = [part.strip() for part in links.split(",")]
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise SystemExit(f"--emulate {links!r}: give the intra-node bandwidth, and optionally the inter-node one "
+                         "after a comma, e.g. --emulate 1GB/s,100MB/s")
+    try:
+        return EmulatedNetwork(intra_node=parts[0], inter_node=parts[-1], latency=latency,
+                               devices_per_node=devices_per_node)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"--emulate {links!r}: {exc}") from None
+
+
 def _cluster_numbers(cluster: Any) -> dict[str, Any]:
     """Every number of a (measured) cluster, JSON-ready, so a run can be planned again later."""
     return {"peak_flops": {str(k).replace("torch.", ""): v for k, v in cluster.peak_flops.items()},
@@ -259,8 +291,10 @@ def _cluster_numbers(cluster: Any) -> dict[str, Any]:
             "comm_overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
             "runtime_per_tensor": cluster.runtime_per_tensor,
             "collective_workspace": cluster.collective_workspace,
-            "collectives": {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
-                            for k, v in cluster.measured_collectives.items()}}
+            **{name: {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
+                      for k, v in fits.items()}
+               for name, fits in (("collectives", cluster.measured_collectives),
+                                  ("inter_node_collectives", cluster.measured_inter_collectives))}}
 
 
 def _cross_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,10 @@ class Cluster:
     (each shard's leaf checked against its parameter before a graph runs, the gradient
     accumulated into the leaf and wrapped into a DTensor ``.grad`` in backward; measured by
     :meth:`measure`, 0 in presets, where the CPU runs ahead of the GPU).
+    ``measured_collectives`` maps a collective kind to its fitted ring model on the intra-node
+    link (:meth:`measure`; a collective without one is priced from the bandwidths and
+    latencies), ``measured_inter_collectives`` the same on the inter-node link (measured over
+    several nodes; a group spanning nodes without it uses ``measured_collectives``).
     ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
     (forward and backward, FLOPs as torch's flop counter counts them; measured by
     :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.
@@ -83,6 +87,7 @@ class Cluster:
     comm_overlap: float = 1.0
     device_type: str = "cuda"
     measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+    measured_inter_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
@@ -149,12 +154,13 @@ class Cluster:
                             f"device_memory={self.device_memory:.3g}")
         if self.device_type not in ("cuda", "cpu"):
             problems.append(f"device_type={self.device_type!r} must be 'cuda' or 'cpu'")
-        for kind, fit in self.measured_collectives.items():
-            if kind not in COLLECTIVE_KINDS:
-                problems.append(f"measured_collectives[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
-            elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
-                problems.append(f"measured_collectives[{kind!r}] has bandwidth {fit.bandwidth} and latency "
-                                f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
+        for field_name in ("measured_collectives", "measured_inter_collectives"):
+            for kind, fit in getattr(self, field_name).items():
+                if kind not in COLLECTIVE_KINDS:
+                    problems.append(f"{field_name}[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
+                elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
+                    problems.append(f"{field_name}[{kind!r}] has bandwidth {fit.bandwidth} and latency "
+                                    f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
         for kind, share in self.collective_workspace.items():
             if kind not in COLLECTIVE_KINDS:
                 problems.append(f"collective_workspace[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
@@ -294,8 +300,12 @@ class Cluster:
             dtypes: the compute dtypes whose matmul and attention FLOP/s are measured (the
                 keys of ``peak_flops`` and ``attention_flops``).
             nodes: how many nodes ``group`` spans; it must divide the group's size, which
-                gives ``devices_per_node``. The links are not told apart: intra- and
-                inter-node bandwidth and latency are all the all-gather's fit on ``group``.
+                gives ``devices_per_node`` (consecutive ranks share a node, as torchrun places
+                them). On one node every collective is timed on ``group``; over several, the
+                intra-node link on groups of one node's ranks and the inter-node link on groups
+                of one rank per node (``measured_inter_collectives``), all groups of a kind at
+                once. The intra- and inter-node bandwidth and latency are each link's
+                all-gather fit.
             device: the device to calibrate (default: the current CUDA device where CUDA is
                 available, else the CPU).
             device_memory: bytes of memory each rank may plan against. Default: the CUDA
@@ -305,7 +315,8 @@ class Cluster:
 
         Returns:
             A :class:`Cluster` named ``"measured-cpu"`` or ``"measured-cuda"`` of ``nodes`` x
-            (group size / ``nodes``) devices, with ``measured_collectives``,
+            (group size / ``nodes``) devices, with ``measured_collectives`` (and, over several
+            nodes, ``measured_inter_collectives``),
             ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``) and
             ``runtime_per_tensor`` filled in, ``collective_latency`` and
             ``reserved_memory`` 0, and ``sources`` saying when, at what world size and on

@@ -145,7 +145,8 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
     if n <= 1:
         return NodeCost("collective", 0.0, link=link, wire_bytes=0)
     steps = ring_steps(kind, n)
-    measured = cluster.measured_collectives.get(kind)
+    fits = cluster.measured_inter_collectives if link == "inter" else {}
+    measured = fits.get(kind) or cluster.measured_collectives.get(kind)
     if measured is not None:
         seconds = steps * measured.step_latency + wire / measured.bandwidth
         return NodeCost("collective", seconds, link=link, wire_bytes=wire)

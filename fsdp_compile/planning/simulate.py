@@ -1,8 +1,11 @@
 """Play a lowered, scheduled graph on two streams, and walk its memory along the same order.
 
-Time: one compute stream runs the graph's compute nodes in graph order; one communication
-stream runs collectives in the order they are issued, each starting when it is issued (the
-compute stream reaches it) and the previous collective is done. A ``wait_tensor`` blocks the
+Time: one compute stream runs the graph's compute nodes in graph order; each link (intra-node,
+inter-node) runs its collectives in the order they are issued, each starting when it is issued
+(the compute stream reaches it) and the link's previous collective is done. The links are
+separate resources (NVLink and the NIC; FSDP2 runs a hybrid strategy's all-reduce across nodes
+on a stream of its own, and the emulated network gives each rank one link of each kind), so a
+hybrid step's reduce-scatter in the node and all-reduce across nodes can overlap. A ``wait_tensor`` blocks the
 compute stream until its collective has finished: the time it blocks is *exposed*
 communication. Collective time spent while compute runs is *hidden*; on a machine where
 communication takes time from compute (``comm_overlap`` < 1, e.g. gloo on a CPU), that share
@@ -57,7 +60,7 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
     when it returns).
     """
     now = 0.0  # the compute stream's clock
-    comm_free = 0.0  # when the communication stream is next idle
+    comm_free: dict[str, Any] = {}  # link -> when it is next idle
     busy = 0.0
     comm = 0.0
     exposed = 0.0
@@ -71,9 +74,9 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
             busy = busy + event[1]
         elif kind == "issue":
             _, key, seconds, link, wire_bytes = event
-            start = maximum(now, comm_free)
-            comm_free = start + seconds
-            finish[key] = comm_free
+            start = maximum(now, comm_free.get(link, 0.0))
+            comm_free[link] = start + seconds
+            finish[key] = comm_free[link]
             comm = comm + seconds
             wire[link] = wire[link] + wire_bytes
             count += 1

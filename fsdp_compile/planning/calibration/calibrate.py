@@ -70,6 +70,34 @@ def _in_turns(calibrate, group: Any, device: torch.device):
     return result
 
 
+def _collectives_per_link(group: Any, device: torch.device, sizes: tuple[int, ...], repeats: int,
+                          nodes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The collectives' fits on each link: (intra-node, inter-node).
+
+    On one node every collective runs on the intra-node link: ``group`` is timed. Over several
+    nodes the two links differ (NVLink and InfiniBand; an emulated network's two rates), and a
+    group is bound by the slowest link it spans: the intra-node fits come from the groups of
+    one node's ranks, the inter-node fits from the groups of one rank per node (what a hybrid
+    strategy's replicate groups are), each set timed with all its groups at once, as a
+    training step runs them.
+    """
+    if nodes <= 1:
+        return _collectives(group, device, sizes, repeats), {}
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    per_node = len(ranks) // nodes
+    me = dist.get_rank()
+    fits = []
+    for layout in ([ranks[i * per_node:(i + 1) * per_node] for i in range(nodes)],  # one node each
+                   [ranks[i::per_node] for i in range(per_node)]):  # one rank per node each
+        mine = None
+        for members in layout:  # every rank creates every group, in the same order
+            created = dist.new_group(members)
+            if me in members:
+                mine = created
+        fits.append(_collectives(mine, device, sizes, repeats))
+    return fits[0], fits[1]
+
+
 def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | None, repeats: int,
                     dtypes: tuple[torch.dtype, ...], nodes: int, device: torch.device | str | None,
                     device_memory: float | None) -> Cluster:
@@ -107,7 +135,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         for name in ("adamw", "sgd")}
     runtime_per_tensor = _slowest(_in_turns(lambda sync: _runtime_per_tensor(group, device, repeats, sync),
                                             group, device), group)
-    collectives = _collectives(group, device, sizes, repeats)
+    collectives, inter_collectives = _collectives_per_link(group, device, sizes, repeats, nodes)
     workspace = _collective_workspace(group, device)
     # A CPU's communication threads take compute's cores: read from clocks, not from a race.
     overlap = (_cpu_overlap(group, device, repeats) if device.type == "cpu"
@@ -116,15 +144,17 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                          else _cpu_memory_per_rank())
     ring = collectives["all_gather"]
+    inter_ring = inter_collectives.get("all_gather", ring)
     where = f"measured on this machine ({time.strftime('%Y-%m-%d %H:%M')}, world {world}, {device.type})"
     return cls(
         name=f"measured-{device.type}", nodes=nodes, devices_per_node=world // nodes,
         device_memory=float(device_memory), peak_flops=flops, memory_bandwidth=bandwidth,
-        intra_node_bandwidth=ring.bandwidth, inter_node_bandwidth=ring.bandwidth,
-        intra_node_latency=ring.step_latency, inter_node_latency=ring.step_latency,
+        intra_node_bandwidth=ring.bandwidth, inter_node_bandwidth=inter_ring.bandwidth,
+        intra_node_latency=ring.step_latency, inter_node_latency=inter_ring.step_latency,
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
         runtime_per_tensor=runtime_per_tensor, attention_flops=attention,
-        device_type=device.type, measured_collectives=collectives, optimizer_step=optimizer_step,
+        device_type=device.type, measured_collectives=collectives, measured_inter_collectives=inter_collectives,
+        optimizer_step=optimizer_step,
         collective_workspace=workspace,
         sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
                                          "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
