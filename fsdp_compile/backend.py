@@ -36,8 +36,11 @@ from .inspection.report import graph_summary, render_report
 from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.grad_sync import GradientSync
 from .sharding.groups import Topology, current_device, group_device_type, resolve_topology, world_timeout
-from .sharding.params import LocalShards, ShardedParamInfo, is_sharded, shard_module
+from .sharding.local_shards import LocalShards
+from .sharding.module_state import is_sharded
 from .sharding.regions import MIN_REGION_COPIES, regions_supported
+from .sharding.shard import shard_module
+from .sharding.sharded_param import ShardedParamInfo
 from .sharding.units import ROOT_UNIT, BucketPolicy, unit_modules, unit_of
 
 log = logging.getLogger("fsdp_compile")

@@ -67,7 +67,7 @@ from .passes.scheduling import Schedule, ScheduleOptions
 from .runtime.faults import reraise_named
 from .runtime.markers import REDUCE_GRAD, UNSHARD, decode
 from .sharding.groups import world_timeout
-from .sharding.params import leaf_owner, sharded_name
+from .sharding.sharded_param import leaf_owner, sharded_name
 
 if TYPE_CHECKING:
     from .backend import FSDPBackend
