@@ -19,8 +19,8 @@ for them and does not define them again.
   parameter itself: :class:`~.local_shards.LocalShards`.
 * Gathered parameter: the full tensor that ``module.<name>`` returns in forward,
   ``unshard(leaf, ...)`` (see :mod:`.sharded_class`): every rank's local shard all-gathered, in
-  the mixed-precision parameter dtype if there is one; backward reduces its gradient into the
-  leaf's.
+  the mixed-precision parameter dtype if there is one. Backward reduces its gradient into the
+  leaf's (under ``no_sync`` it accumulates unreduced instead: :mod:`.grad_sync`).
 
 An optimizer step on the DTensor parameter, a ``copy_`` into it or a checkpoint load writes the
 local shard's storage, which the leaf shares: the next forward sees it without a copy.
