@@ -35,8 +35,10 @@ from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.backend_state import ShardingState
 from .sharding.grad_sync import GradientSync
 from .sharding.groups import Topology, current_device, group_device_type, resolve_topology
-from .sharding.params import ShardedParamInfo, is_sharded, shard_module
+from .sharding.module_state import is_sharded
 from .sharding.regions import region_copies
+from .sharding.shard import shard_module
+from .sharding.sharded_param import ShardedParamInfo
 from .sharding.units import ROOT_UNIT, BucketPolicy
 
 log = logging.getLogger("fsdp_compile")

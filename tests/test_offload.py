@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fsdp_compile
 from fsdp_compile.api import CPUOffload
 from fsdp_compile.runtime.collectives import CommSpec
-from fsdp_compile.sharding.params import _place
+from fsdp_compile.sharding.sharded_param import _place
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default

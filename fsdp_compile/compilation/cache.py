@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from .. import api
 from ..passes import pass_fingerprint
-from ..sharding.params import sharded_name
 from ..sharding.regions import region_copies
+from ..sharding.sharded_param import sharded_name
 
 if TYPE_CHECKING:
     from ..api import BackendOptions

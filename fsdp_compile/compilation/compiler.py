@@ -47,7 +47,7 @@ from ..passes.pipeline import PassFailure, run_stage
 from ..passes.regions import PARAM_META, has_regions, inline_regions, is_region_body_joint
 from ..passes.scheduling import ScheduleOptions
 from ..sharding.backend_state import ShardingState
-from ..sharding.params import leaf_owner, sharded_name
+from ..sharding.sharded_param import leaf_owner, sharded_name
 from . import planning_seam
 from .cache import CacheState, compile_cache_key, prepare_directory, user_pass_uuids
 from .guard import StepGuard, parameter_name

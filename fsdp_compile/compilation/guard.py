@@ -31,7 +31,7 @@ from ..passes.regions import inline_regions, is_region_call
 from ..runtime.faults import reraise_named
 from ..sharding.backend_state import ShardingState
 from ..sharding.groups import world_timeout
-from ..sharding.params import sharded_name
+from ..sharding.sharded_param import sharded_name
 from .cache import CacheState, load_collectives
 from .records import CompiledGraph
 

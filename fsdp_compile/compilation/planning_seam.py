@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..passes.graph import copy_graph_module
 from ..runtime.markers import REDUCE_GRAD, UNSHARD, decode
-from ..sharding.params import ShardedParamInfo
+from ..sharding.sharded_param import ShardedParamInfo
 from .records import CompiledGraph, JointCapture
 
 if TYPE_CHECKING:

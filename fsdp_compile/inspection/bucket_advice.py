@@ -84,7 +84,7 @@ def _advice(model: nn.Module, unit: str, units: Mapping[str, str], numel: Mappin
 def oversized_in(model: nn.Module, infos: Mapping[str, Any], options: Any, topology: Any) -> OversizedBucket | None:
     """:func:`oversized_bucket` where it defeats sharding: a bucket gathered whole, freed and
     gathered again (FULL_SHARD, HYBRID_SHARD over a shard group of 2+), for the parameters
-    ``infos`` (name -> :class:`~fsdp_compile.sharding.params.ShardedParamInfo`) a backend with
+    ``infos`` (name -> :class:`~fsdp_compile.sharding.sharded_param.ShardedParamInfo`) a backend with
     ``options`` sharded over ``topology``; None elsewhere."""
     policy = options.bucket_policy
     if not (policy.uses_units and options.strategy.reshard_after_forward and topology.shard_size > 1):

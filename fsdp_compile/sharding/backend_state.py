@@ -16,7 +16,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .groups import Topology
-from .params import LocalShards, ShardedParamInfo
+from .local_shards import LocalShards
+from .sharded_param import ShardedParamInfo
 from .units import ROOT_UNIT
 
 if TYPE_CHECKING:

@@ -26,8 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.collectives import CommSpec, reduce_grads
 
-SYNC_ATTR = "_fsdp_gradient_sync"
-
 
 @dataclass
 class _Entry:

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-REGION_ATTR = "_fsdp_region"
 # From how many copies of a block a region pays for its fixed cost (one more trace of the body,
 # torch's per-call schema for the region), by compiler, measured on this project's GPT
 # (bench/results/compile_time_cpu_regions_*.md): under Inductor, which compiles the body once,
@@ -56,10 +55,10 @@ def regions_supported() -> bool:
 
 @dataclass
 class RegionReads:
-    """What a sharded module inside a region reads, keyed by the parameter's local name: the
-    leaf that stands for it and the marker's arguments relative to the unit. Identical in every
-    block but for the leaves, which Dynamo reaches through the module (``self``), so a trace of
-    one block is valid for the next."""
+    """What a sharded module inside a region reads, keyed by the parameter's local name: its
+    leaf ([Note: sharded tensors] in :mod:`.sharded_param`) and the marker's arguments relative
+    to the unit. Identical in every block but for the leaves, which Dynamo reaches through the
+    module (``self._fsdp_state.region``), so a trace of one block is valid for the next."""
 
     leaves: dict[str, nn.Parameter]
     args: dict[str, tuple]
@@ -113,7 +112,7 @@ def make_region_forward(cls: type):
     region = torch.compiler.nested_compile_region(original_forward, max_reuse_entries=_MAX_REUSE_ENTRIES)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_gradient_sync.accumulating:
+        if self._fsdp_state.sync.accumulating:
             return original_forward(self, *args, **kwargs)
         # torch.compile must capture a region whole: a graph break inside the block raises, and
         # Dynamo's message quotes the line below, so it says what to do.

@@ -56,11 +56,11 @@ def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: i
 def _runtime_per_tensor(group: Any, device: torch.device, repeats: int, sync: bool = True) -> float:
     """Seconds per sharded parameter per training step spent outside the compiled graphs: each
     graph call first checks every leaf against its DTensor parameter
-    (:meth:`~fsdp_compile.sharding.params.LocalShards.refresh`), and backward accumulates each
+    (:meth:`~fsdp_compile.sharding.local_shards.LocalShards.refresh`), and backward accumulates each
     reduced gradient into its leaf, whose hook wraps it into a DTensor ``.grad``. Timed as a
     real autograd round trip through :class:`LocalShards` at two parameter counts (the slope:
     per tensor), like the optimizer step, so the graphs' own work is not counted twice."""
-    from ...sharding.params import LocalShards
+    from ...sharding.local_shards import LocalShards
 
     def round_trip_seconds(count: int) -> float:
         params = _sharded_params(count, 64, group, device)

@@ -1,0 +1,139 @@
+"""The leaves one model's forward reads, kept in line with their DTensor parameters.
+
+Tensor kinds (DTensor parameter, local shard, leaf, gathered parameter): [Note: sharded tensors]
+in :mod:`.sharded_param`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import attrgetter, is_
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .grad_sync import GradientSync
+from .sharded_param import ShardedParam
+
+
+@dataclass
+class _Registration:
+    """One name a sharded parameter is registered under: where to look for replacements."""
+
+    parameters: dict  # the owning module's _parameters
+    name: str
+    fqn: str
+    param: nn.Parameter
+
+
+class LocalShards:
+    """The leaves that stand for one model's sharded parameters in its forward, and the state
+    of that forward. One per model, shared by the states of all its modules.
+
+    Why leaves and not the DTensor parameters themselves: every DTensor a graph reads costs Dynamo
+    a subclass input with spec guards and an unwrapping (``to_local``) per parameter, and
+    AOTAutograd a subclass input to flatten and a DTensor gradient to rebuild: together more
+    than doubling the compile time of a deep model against plain ``torch.compile``. The graphs
+    read one leaf per parameter instead (see :class:`~.sharded_param.ShardedParam`), and the
+    DTensor parameters stay what the optimizer, ``state_dict`` and checkpoints see.
+
+    Plain tensors also keep activation-checkpointed regions clean: ``DTensor.to_local()``
+    inside a ``tag_activation_checkpoint`` region made AOTAutograd save the DeviceMesh for
+    backward, which it cannot.
+
+    The leaves follow their parameters (``requires_grad``, replaced storage) through
+    :meth:`refresh`, which runs eagerly before every forward: at the root's forward in the
+    eager runtime, and before every compiled graph runs (a graph traced with a leaf that no
+    longer matches runs through the eager runtime once; Dynamo's guards on the leaf then
+    compile a new graph).
+
+    Parameters registered under several names (tied input/output embeddings) are gathered once
+    per forward, at the root, and every read returns that one tensor: autograd then sums the
+    gradients of all uses before the single reduction, as FSDP2 does (it gathers a unit once
+    and reduces its accumulated gradient once). One marker per read would reduce each use's
+    gradient separately and add the reduced shards: twice the bytes, and a different rounding.
+    At the root rather than on first read: a first read inside an activation-checkpointed
+    region would mutate state outside that region, which Dynamo refuses.
+    """
+
+    def __init__(self, sync: GradientSync | None = None) -> None:
+        self.sync = sync
+        self.shards: list[ShardedParam] = []
+        self.registrations: list[_Registration] = []
+        # What the graphs read: fqn -> leaf (the dict is kept, entries are replaced).
+        self.leaves: dict[str, nn.Parameter] = {}
+        # Tied parameters (registered under several names): (fqn, marker arguments).
+        self.shared: list[tuple[str, tuple]] = []
+        # Set by the root's forward for its duration: whether gradients accumulate without
+        # synchronization (read once per forward, one guard under Dynamo), and the tied
+        # parameters' gathered values.
+        self.in_forward = False
+        self.accumulating = False
+        self.shared_gathered: dict[str, torch.Tensor] | None = None
+        self.plain_reads = False  # in_forward, not accumulating, no tied parameters
+        # fqn -> the (dict, key) places besides ``leaves`` that hold its leaf (region reads).
+        self.mirrors: dict[str, list[tuple[dict, str]]] = {}
+        self._snapshot: tuple[list, ...] | None = None  # what _unchanged compares, in parallel lists
+
+    def add(self, fqn: str, param: nn.Parameter) -> None:
+        shard = ShardedParam(fqn, param, self)
+        self.shards.append(shard)
+        self.leaves[fqn] = shard.leaf
+        self._snapshot = None
+
+    def mirror(self, fqn: str, where: dict, key: str) -> None:
+        """``where[key]`` holds ``fqn``'s leaf too: keep it current when the leaf changes."""
+        self.mirrors.setdefault(fqn, []).append((where, key))
+
+    def register(self, module: nn.Module, name: str, fqn: str) -> None:
+        """``module.<name>`` is (one registration of) the sharded parameter ``fqn``."""
+        self.registrations.append(_Registration(module._parameters, name, fqn, module._parameters[name]))
+        self._snapshot = None
+
+    def refresh(self) -> dict[int, nn.Parameter]:
+        """Bring every leaf in line with its parameter; returns ``{id(old leaf): new leaf}`` for
+        the leaves that changed (empty when none did).
+
+        Raises if a sharded parameter was replaced by another tensor after sharding: its leaf
+        would go on reading the old values.
+        """
+        if self._unchanged():
+            return {}
+        for reg in self.registrations:
+            current = reg.parameters.get(reg.name)
+            if current is not reg.param:
+                what = ("None" if current is None else "another DTensor" if isinstance(current, DTensor)
+                        else "a plain tensor")
+                raise RuntimeError(
+                    f"parameter {reg.fqn!r} was replaced by {what} after the model was sharded; load "
+                    "new values with load_state_dict() or copy_() into the existing parameter"
+                )
+        changed = {}
+        for shard in self.shards:
+            old = shard.leaf
+            if shard.refresh():
+                changed[id(old)] = shard.leaf
+                self.leaves[shard.fqn] = shard.leaf
+                for where, key in self.mirrors.get(shard.fqn, ()):
+                    where[key] = shard.leaf
+        self._snapshot = None
+        return changed
+
+    def _unchanged(self) -> bool:
+        # Runs before every graph call, for every parameter: compared with C-level iteration
+        # (map over parallel lists), a few times faster than a loop over the objects.
+        if self._snapshot is None:
+            regs, shards = self.registrations, self.shards
+            self._snapshot = ([r.parameters for r in regs], [r.name for r in regs], [r.param for r in regs],
+                              [s.param for s in shards], [s.local for s in shards], [s.leaf for s in shards])
+        dicts, names, registered, params, locals_, leaves = self._snapshot
+        if not (all(map(is_, map(dict.get, dicts, names), registered))
+                and all(map(is_, map(_LOCAL_TENSOR, params), locals_))):
+            return False
+        with torch._C.DisableTorchFunctionSubclass():  # a DTensor's attributes, without its dispatch
+            return all(map(is_, map(_REQUIRES_GRAD, params), map(_REQUIRES_GRAD, leaves)))
+
+
+_LOCAL_TENSOR = attrgetter("_local_tensor")
+_REQUIRES_GRAD = attrgetter("requires_grad")

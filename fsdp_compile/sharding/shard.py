@@ -1,0 +1,175 @@
+"""Shard a model in place: DTensor parameters, and reads that gather them.
+
+After :func:`shard_module` (tensor kinds: [Note: sharded tensors] in :mod:`.sharded_param`):
+
+* ``module._parameters[name]`` (and so ``named_parameters()``, ``state_dict()``, an optimizer
+  built afterwards, ``clip_grad_norm_``, distributed checkpointing) holds the DTensor parameter.
+* ``module.<name>`` (what ``forward`` reads) returns the gathered parameter: a property of a
+  generated subclass of the module's class (:mod:`.sharded_class`).
+* Every sharded module carries its :class:`~.module_state.ModuleState`; the model's leaves are in
+  one :class:`~.local_shards.LocalShards`, which the states share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..api import CPUOffload, MixedPrecision
+from ..runtime.collectives import CommSpec
+from .grad_sync import GradientSync
+from .groups import Topology, current_device
+from .local_shards import LocalShards
+from .materialize import InitFn, has_meta
+from .materialize import materialize as materialize_units
+from .module_state import ModuleState, set_module_state
+from .regions import RegionReads, region_units, relative_marker_args
+from .sharded_class import sharded_class
+from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
+from .units import Policy, parse_policy, unit_modules, unit_of
+
+
+@dataclass
+class ShardResult:
+    infos: dict[str, ShardedParamInfo]
+    shards: LocalShards
+    peak_full_bytes: int | None = None  # meta-device models: most full parameter bytes held
+
+
+def shard_module(
+    model: nn.Module,
+    topology: Topology,
+    policy: Policy,
+    mixed_precision: MixedPrecision | None = None,
+    *,
+    sync: GradientSync | None = None,
+    offload: CPUOffload | None = None,
+    init_fn: InitFn | None = None,
+    init_device: torch.device | None = None,
+    materialize: bool = True,
+    region_copies: int | None = None,
+) -> ShardResult:
+    """Shard every parameter of ``model`` in place; returns the info of each, by name.
+
+    Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`),
+    on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
+    with ``materialize=False`` they become meta shards instead (planning: shapes only).
+    ``region_copies``: compile the units of a class with that many copies or more as regions
+    (see :mod:`.regions`; needs ``sync``); None: no regions.
+    """
+    units = unit_modules(model, policy)
+    presharded: dict[int, tuple[torch.Tensor, bool]] = {}
+    peak = None
+    if has_meta(model) and materialize:
+        # Without units of its own (bytes / param policies) a model still materializes block by block.
+        init_units = units if policy.uses_units else unit_modules(model, parse_policy("module"))
+        result = materialize_units(model, init_units, init_device or current_device(topology.mesh.device_type),
+                                   lambda full: shard_tensor(full, topology, offload), init_fn)
+        presharded, peak = result.shards, result.peak_full_bytes
+    elif init_fn is not None and materialize:
+        raise ValueError("init_fn= initializes parameters on the meta device, and this model has none; "
+                         "drop init_fn or build the model under torch.device('meta')")
+    device = current_device(topology.mesh.device_type)
+    _move_buffers(model, device)
+    compute_device = str(device) if offload is not None else None
+    seen: dict[int, tuple[nn.Parameter, ShardedParamInfo]] = {}
+    registrations: dict[int, int] = {}
+    per_module: dict[nn.Module, dict[str, ShardedParamInfo]] = {}
+    infos: dict[str, ShardedParamInfo] = {}
+    for module, module_name, name, fqn, param in list(_owners(model)):
+        if id(param) not in seen:
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {fqn!r} is already a DTensor (placements {param.placements}); "
+                    "fsdp_compile shards plain parameters, pass the model before any other "
+                    "parallelism is applied"
+                )
+            if id(param) in presharded:
+                dtensor, dim0_sharded = presharded[id(param)]
+            else:
+                dtensor, dim0_sharded = shard_tensor(param, topology, offload)
+            sharded = sharded_parameter(dtensor, fqn, param.requires_grad)
+            mp = mixed_precision if mixed_precision and mixed_precision.applies_to(param) else None
+            comm = CommSpec(
+                shard_group=topology.shard_group_name,
+                shard_size=topology.shard_size,
+                dim0_sharded=dim0_sharded,
+                replicate_group=topology.replicate_group_name,
+                replicate_size=topology.replicate_size,
+                param_dtype=mp.param_dtype if mp else None,
+                reduce_dtype=mp.reduce_dtype if mp else None,
+                reshard_after_forward=topology.strategy.reshard_after_forward,
+                compute_device=compute_device,
+            )
+            info = ShardedParamInfo(fqn, unit_of(module_name, units), tuple(param.shape), comm)
+            seen[id(param)] = (sharded, info)
+            infos[fqn] = info
+            if sync is not None:
+                sync.add(sharded, fqn, info.unit, info.full_shape, comm)
+        sharded, info = seen[id(param)]
+        registrations[id(param)] = registrations.get(id(param), 0) + 1
+        module._parameters[name] = sharded
+        per_module.setdefault(module, {})[name] = info
+    casts = mixed_precision is not None and (
+        mixed_precision.output_dtype is not None
+        or (mixed_precision.cast_forward_inputs and mixed_precision.param_dtype is not None))
+    per_module.setdefault(model, {})
+    shards = LocalShards(sync)
+    for sharded, info in seen.values():
+        shards.add(info.fqn, sharded)
+    shards.shared = [(info.fqn, info.unshard_args) for key, (sharded, info) in seen.items() if registrations[key] > 1]
+    module_names = {module: name for name, module in model.named_modules()}
+    tied = {fqn for fqn, _ in shards.shared}
+    tied_units = {unit_of(module_names[m], units) for m, specs in per_module.items()
+                  if any(info.fqn in tied for info in specs.values())}
+    regional = (region_units(model, units, tied_units, region_copies)
+                if region_copies is not None and sync is not None else set())
+    for module, specs in per_module.items():
+        unit = unit_of(module_names[module], units)
+        region = _region_reads(specs, unit, shards, sync) if unit in regional else None
+        for name, info in specs.items():
+            shards.register(module, name, info.fqn)
+        root = module is model
+        set_module_state(module, ModuleState(specs, shards, sync, region,
+                                             mixed_precision if root and casts else None))
+        module.__class__ = sharded_class(type(module), tuple(sorted(specs)), root,
+                                         region_forward=not root and module_names[module] in regional,
+                                         in_region=region is not None)
+    for unit in sorted(regional):
+        module = model.get_submodule(unit)
+        if module not in per_module:  # a block whose parameters all live in its submodules
+            set_module_state(module, ModuleState({}, shards, sync))
+            module.__class__ = sharded_class(type(module), (), region_forward=True)
+    return ShardResult(infos, shards, peak)
+
+
+def _region_reads(specs: dict[str, ShardedParamInfo], unit: str, shards: LocalShards,
+                  sync: GradientSync | None) -> RegionReads:
+    """A module's reads inside the region ``unit``, named relative to the unit, their leaves
+    kept current by ``shards``."""
+    reads = RegionReads({name: shards.leaves[info.fqn] for name, info in specs.items()},
+                        {name: relative_marker_args(info.fqn, unit, info.unshard_args)
+                         for name, info in specs.items()}, sync)
+    for name, info in specs.items():
+        shards.mirror(info.fqn, reads.leaves, name)
+    return reads
+
+
+def _owners(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, str, nn.Parameter]]:
+    """(module, module name, local name, fully qualified name, parameter) per registration."""
+    for mod_name, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield module, mod_name, name, f"{mod_name}.{name}" if mod_name else name, param
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (not meta ones: materializing places those) go to the parameters' device."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)

@@ -1,0 +1,164 @@
+"""The generated subclass of every sharded module: ``module.<name>`` gathers the parameter.
+
+:func:`sharded_class` gives each sharded module a subclass of its class with one property per
+parameter name. Reading it returns the gathered parameter, ``unshard(leaf, ...)`` ([Note: sharded
+tensors] in :mod:`.sharded_param`): one marker per read, which Dynamo inlines into the graph and
+the eager runtime executes directly. The root's subclass also wraps ``forward`` to set the
+per-forward state the reads use (and to apply mixed precision casts); a unit compiled as a
+region gets the region's forward (:mod:`.regions`).
+
+Everything a read needs is in the module's state (:mod:`.module_state`), never in the class:
+one class serves every instance of the same class, parameter names and role (the root, a module
+inside a region).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+from ..api import MixedPrecision
+from .local_shards import LocalShards
+from .regions import make_region_forward
+
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool], type] = {}
+
+
+def sharded_class(cls: type, names: tuple[str, ...], root: bool = False, region_forward: bool = False,
+                  in_region: bool = False) -> type:
+    """The generated subclass: a gathering property per parameter (``in_region``: for a module
+    inside a unit compiled as a region), for the root a forward that sets up the reads (and
+    applies mixed precision casts), for a unit compiled as a region (``region_forward``) a
+    forward that runs as one (see :mod:`.regions`)."""
+    key = (cls, names, root, region_forward, in_region)
+    if key not in _CLASS_CACHE:
+        namespace: dict[str, Any] = {name: _make_property(name, in_region) for name in names}
+        namespace["_fsdp_region"] = _REGION_READS
+        if root:
+            namespace["forward"] = _make_root_forward(cls)
+        elif region_forward:
+            namespace["forward"] = make_region_forward(cls)
+        namespace["__module__"] = cls.__module__
+        namespace["_fsdp_original_class"] = cls
+        _CLASS_CACHE[key] = type(f"Sharded{cls.__name__}", (cls,), namespace)
+    return _CLASS_CACHE[key]
+
+
+# Which modules run inside a compile region, for whoever inspects a sharded model (the tests
+# count them): a view of the state, which is what the reads use.
+_REGION_READS = property(lambda self: self._fsdp_state.region,
+                         doc="This module's RegionReads inside a compile region, else None.")
+
+
+def _make_property(name: str, in_region: bool) -> property:
+    # Dynamo inlines a read once per parameter read, and its cost grows with every call,
+    # attribute and constant it meets (reads through helper calls cost it ~100 bytecode steps
+    # each more than plain parameter reads): everything is precomputed at shard time, the
+    # marker's arguments included (one tuple, one guard), and the plain case -- inside the
+    # forward, no tied parameter, no accumulation, which the traced root forward decided once --
+    # is one marker on the leaf. The DTensor parameter itself is never touched (see
+    # LocalShards). Plain attribute reads, not getattr() calls or module.__dict__[...] (Dynamo
+    # wraps a whole __dict__ it is asked for). Modules outside compile regions get a read without
+    # the region's test, and the two reads repeat their common part rather than call it.
+    def read(self: nn.Module) -> torch.Tensor:
+        state = self._fsdp_state
+        fqn, marker_args = state.reads[name]
+        shards = state.shards
+        if shards.plain_reads:
+            return torch.ops.fsdp_compile.unshard(shards.leaves[fqn], *marker_args)
+        return _gathered_parameter(fqn, marker_args, shards)
+
+    def read_in_region(self: nn.Module) -> torch.Tensor:
+        region = self._fsdp_state.region
+        if not region.sync.accumulating and torch.compiler.is_compiling():
+            # Inside a compile region (sharding/regions.py): nothing here may name the block,
+            # or the next block could not reuse this trace, nor read the root's per-forward
+            # state (Dynamo does not reuse a region that read what the outer frame wrote).
+            return torch.ops.fsdp_compile.unshard(region.leaves[name], *region.args[name])
+        state = self._fsdp_state
+        fqn, marker_args = state.reads[name]
+        shards = state.shards
+        if shards.plain_reads:
+            return torch.ops.fsdp_compile.unshard(shards.leaves[fqn], *marker_args)
+        return _gathered_parameter(fqn, marker_args, shards)
+
+    def write(self: nn.Module, value: object) -> None:
+        info = self._fsdp_state.specs.get(name)
+        fqn = info.fqn if info else name
+        raise AttributeError(
+            f"cannot assign to sharded parameter {fqn!r}; load new values with load_state_dict() "
+            "or copy_() into the existing parameter"
+        )
+
+    return property(read_in_region if in_region else read, write,
+                    doc=f"Full value of sharded parameter {name!r} (gathers it).")
+
+
+def _gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
+    """A read that is not the plain case of :func:`_make_property`: a tied parameter, gradient
+    accumulation without synchronization, or a read outside the model's forward."""
+    shared = shards.shared_gathered
+    if shared is not None and fqn in shared:  # a tied parameter: gathered once at the root
+        return shared[fqn]
+    return _gather(fqn, marker_args, shards)
+
+
+def _gather(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
+    """One marker: the gathered parameter (its gradient reduced, or accumulated under no_sync)."""
+    local = shards.leaves[fqn]
+    if shards.in_forward:
+        accumulating = shards.accumulating
+    else:  # a read outside the model's forward (eager runtime)
+        accumulating = shards.sync is not None and shards.sync.accumulating
+    if accumulating and local.requires_grad:
+        return torch.ops.fsdp_compile.unshard_no_sync(local, shards.sync.accumulators[fqn], *marker_args)
+    return torch.ops.fsdp_compile.unshard(local, *marker_args)
+
+
+def _make_root_forward(cls: type) -> Callable[..., Any]:
+    original_forward = cls.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
+        # own, so hooks would add graphs; this way all of it is part of the model's graph.
+        state = self._fsdp_state
+        shards = state.shards
+        if not torch.compiler.is_compiling():
+            # The eager runtime; compiled graphs refresh before they run (Compiler._guarded).
+            shards.refresh()
+        shards.accumulating = shards.sync is not None and shards.sync.accumulating
+        shards.in_forward = True
+        shards.plain_reads = not shards.accumulating and not shards.shared
+        try:
+            shards.shared_gathered = {fqn: _gather(fqn, args_, shards) for fqn, args_ in shards.shared}
+            policy = state.mixed_precision
+            if policy is None:
+                return original_forward(self, *args, **kwargs)
+            args, kwargs = cast_inputs(policy, args, kwargs)
+            return cast_output(policy, original_forward(self, *args, **kwargs))
+        finally:
+            shards.in_forward = False
+            shards.plain_reads = False
+            shards.shared_gathered = None
+
+    return forward
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def cast_inputs(policy: MixedPrecision, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The root module's forward inputs as ``policy`` wants them."""
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        return _cast(args, policy.param_dtype), _cast(kwargs, policy.param_dtype)
+    return args, kwargs
+
+
+def cast_output(policy: MixedPrecision, output: Any) -> Any:
+    """The root module's forward output as ``policy`` wants it."""
+    return output if policy.output_dtype is None else _cast(output, policy.output_dtype)
