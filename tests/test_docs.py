@@ -55,7 +55,7 @@ SKIPPED = {
 # Blocks that run only with -m slow.
 SLOW = {
     "docs/planning.md#strategyauto": "calibrates the CPU with Cluster.measure() before planning: about a minute",
-    "docs/planning.md#the-command-line-2": "traces a 6.7B-parameter GPT several times",
+    "docs/planning.md#the-command-line-2": "plans a 6.7B-parameter GPT: about two minutes on a CPU",
     "docs/planning.md#the-command-line-3":
         "a fresh process that plans: tests/test_planning_cli.py runs the command line in the default run",
     "docs/planning.md#the-command-line-4": "compiles and runs every strategy, after calibrating the CPU",
@@ -272,13 +272,18 @@ def run_in_job(blocks: list[Block], workdir: Path) -> tuple[dict, str]:
     return results, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-def run_alone(blocks: list[Block], workdir: Path) -> tuple[dict, str]:
+def start_alone(blocks: list[Block], workdir: Path) -> subprocess.Popen:
+    """Start running ``blocks`` one after another in a plain process (see :func:`finish_alone`)."""
     (workdir / "alone.json").write_text(json.dumps(_payload(blocks)))
     (workdir / "alone.py").write_text(ALONE)
-    proc = subprocess.run([sys.executable, "alone.py", "alone.json", "alone_results.json"], cwd=workdir,
-                          env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False)
+    return subprocess.Popen([sys.executable, "alone.py", "alone.json", "alone_results.json"], cwd=workdir,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_alone(proc: subprocess.Popen, workdir: Path) -> tuple[dict, str]:
+    output, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
     path = workdir / "alone_results.json"
-    return (json.loads(path.read_text()) if path.exists() else {}), proc.stdout[-4000:] + proc.stderr[-4000:]
+    return (json.loads(path.read_text()) if path.exists() else {}), output[-8000:]
 
 
 def run_shell(block: Block, workdir: Path) -> subprocess.CompletedProcess:
@@ -288,15 +293,18 @@ def run_shell(block: Block, workdir: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict[str, dict]:
-    """Every block of the default run, run once: Python in the job, then alone, then shell."""
+    """Every block of the default run, run once: the one-process blocks beside the job's (the
+    job's two ranks leave a core idle whenever they wait on each other), then the shell blocks,
+    which may read what the job wrote."""
     workdir = tmp_path_factory.mktemp("docs")
     results: dict[str, dict] = {}
+    alone = [b for b in BLOCKS if _runs_alone(b)]
+    running_alone = start_alone(alone, workdir)
     in_job = [b for b in BLOCKS if b.name != SETUP and _runs_in_job(b)]
     job, output = run_in_job(in_job, workdir)
     for b in in_job:
         results[b.name] = job.get(b.name, {"ok": False, "error": f"no result; the job's output:\n{output}"})
-    alone = [b for b in BLOCKS if _runs_alone(b)]
-    ran_alone, output = run_alone(alone, workdir)
+    ran_alone, output = finish_alone(running_alone, workdir)
     for b in alone:
         results[b.name] = ran_alone.get(b.name, {"ok": False, "error": f"no result; the output:\n{output}"})
     for b in (b for b in BLOCKS if _runs_in_shell(b)):
