@@ -314,8 +314,7 @@ def markdown(report: dict) -> str:
            "depth; the table shows the run with the median compile time (every run's compile time "
            "is in the JSON, `compile_s_runs`)." if report.get("repeats", 1) > 1 else "")),
         "",
-        f"**Caveat:** {report['caveat']}",
-        "",
+        *([f"**Caveat:** {report['caveat']}", ""] if report.get("caveat") else []),
     ]
     for compiler in report["compilers"]:
         lines += [f"## {compiler}", "",
@@ -452,8 +451,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, aot_eager, for the tests")
     parser.add_argument("--append", action="store_true",
                         help="merge into the results already in --out (rows measured now replace theirs)")
-    parser.add_argument("--caveat", default="measured on a shared 2-core machine while other jobs ran; "
-                        "absolute seconds are inflated and noisy, compare within a row")
+    parser.add_argument("--caveat", default="",
+                        help="what the reader should know about the conditions (say, other jobs on the machine)")
     # worker-only
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compiler", help=argparse.SUPPRESS)
@@ -474,7 +473,7 @@ def main() -> None:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: this machine has no CUDA device")
+        parser.error("--device cuda: torch sees no CUDA device")
     if args.world is None:
         args.world = torch.cuda.device_count() if args.device == "cuda" else 2
     out = Path(args.out)
@@ -486,8 +485,8 @@ def main() -> None:
         machine += f", {torch.cuda.get_device_name(0)}"
 
     def write(rows: list[dict]) -> str:
-        """Every row so far, written at once: a run stopped part way (a deadline on a lent
-        machine) keeps what it measured."""
+        """Every row so far, written at once: a run stopped part way (by a deadline) keeps what
+        it measured."""
         report = build_report(rows, args, earlier, torch.__version__, machine)
         text = markdown(report)
         (out / f"{name}.json").write_text(json.dumps(report, indent=1))

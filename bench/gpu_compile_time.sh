@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (one GPU, torch and Triton preinstalled, no network), in the repository
+# On a machine with one GPU (torch and Triton installed; no network needed), in the repository
 # root: compile time on CUDA under Inductor (Triton kernels generated and compiled), cold and
 # warm, against plain torch.compile in the same run; then the CUDA and offload tests. Everything
 # lands in $OUT. Each step has its own share of one deadline, so a slow step costs the steps
@@ -8,7 +8,7 @@
 #     OUT=/tmp/gpu bash bench/gpu_compile_time.sh [seconds, default 520]
 source "$(dirname "$0")/gpu_common.sh" "${1:-520}"
 
-caveat="one run each on a lent machine (16 CPU cores, one GPU, nothing else running); world 1: the collectives move nothing"
+caveat="one run each (one GPU, nothing else running); world 1: the collectives move nothing"
 common=(--device cuda --compilers inductor --variants plain fsdp fsdp_warm --out "$OUT" --caveat "$caveat")
 # The shallow depth first, on its own: its rows are written even if the deeper one runs out of time.
 timeout $(( $(left) * 2 / 5 )) "$PY" bench/compile_time.py "${common[@]}" --layers 4 --timeout 200 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (one GPU, torch and Triton preinstalled, no network), in the repository
+# On a machine with one GPU (torch and Triton installed; no network needed), in the repository
 # root: does Inductor's Triton code keep our collective schedule, and what does keeping it
 # (Inductor's peak-memory reordering off for graphs with collectives) cost in peak memory and
 # step time against the same compile without our schedule? One GPU has no second rank, so the

@@ -1,6 +1,6 @@
 """On a CUDA machine: a model built on the CPU trains on the GPU once sharded over an NCCL group.
 
-Skipped without a GPU (CI has none); run where one is lent. Each case runs in a fresh process
+Skipped without a GPU (CI has none); run them on a GPU machine. Each case runs in a fresh process
 with a one-rank NCCL group, so nothing of it stays in the test session.
 """
 

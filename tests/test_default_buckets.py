@@ -32,7 +32,7 @@ from fsdp_compile.sharding.units import parse_policy, repeated_classes, unit_mod
 WORLD = 2
 STEPS = 3
 FITTING = [name for name in LAYOUTS if name != "no_repeats"]
-# Every layout the issue names trains by default; T5's twin stacks (the same blocks as the
+# Every layout of docs/buckets.md's table trains by default; T5's twin stacks (the same blocks as the
 # encoder-decoder's, found through another rule that test_default_units covers) with -m slow.
 DEFAULT_RUN = [name for name in LAYOUTS if name != "twin_stacks"]
 TRAINED = [name if name in DEFAULT_RUN else pytest.param(name, marks=pytest.mark.slow) for name in LAYOUTS]

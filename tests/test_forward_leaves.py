@@ -1,7 +1,7 @@
 """The plain tensors that stand for the sharded parameters in forward (``LocalShards``).
 
 Graphs read one plain leaf per parameter, not the DTensor (a DTensor input costs Dynamo and
-AOTAutograd a subclass input per parameter: see bench/results/compile_time_analysis.md). What
+AOTAutograd a subclass input per parameter: see docs/design.md, "Leaves"). What
 users do to the DTensor parameters must still reach the graphs: freezing and unfreezing after
 the model was compiled, in-place updates, replacing a parameter (an error that names it).
 """

@@ -1,4 +1,4 @@
-"""CPU offload where this machine can check it: on a CPU-only machine the compute device is the
+"""CPU offload where a CPU-only machine can check it: there the compute device is the
 CPU, where every host/device copy is a no-op, so the copies themselves are checked in graphs
 compiled for a compute device the machine lacks, traced with fake tensors.
 
@@ -8,7 +8,7 @@ meta device can: it stands for "some device other than the host" here. The multi
 (shards, gradients and optimizer state in host memory after compiled steps, the markers
 declaring the compute device, training equal to the reference) is in
 tests/test_training_loop.py. Only a GPU can show that pinned copies overlap compute and what
-the PCIe traffic costs: the README lists that as unmeasured.
+the PCIe traffic costs: docs/results.md lists that as unmeasured.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def test_offloaded_shards_are_placed_in_host_memory(source: str) -> None:
     when there is none (meta shards while planning)."""
     with FakeTensorMode():
         storage = torch.empty(4, 3, device=source)
-        # Not pinned here: on a machine with CUDA, pinning a fake tensor fails (the lent GPU ran
-        # this test red); the tests below pin real tensors.
+        # Not pinned here: on a machine with CUDA, pinning a fake tensor fails (aten._pin_memory
+        # has no fake-tensor kernel); the tests below pin real tensors.
         assert _place(storage, CPUOffload(pin_memory=False), torch.device("cuda", 0)).device.type == "cpu"
         assert _place(storage, None).device == storage.device
         if source != "meta":

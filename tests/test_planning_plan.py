@@ -206,7 +206,7 @@ def test_max_seq_len_respects_the_models_own_bound():
 
 
 def test_no_shard_with_mixed_precision_schedules_without_falling_back():
-    """A bucket lowered to a cast only (no collective) used to make the scheduling pass fail."""
+    """A bucket lowered to a cast only (no collective) is scheduled, not dropped to the eager runtime."""
     with torch.device("meta"):
         model = GPT(CFG)
     mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""plan() of Llama-3-70B-shaped models never allocates their parameters (item 4 of the planner issue).
+"""plan() of Llama-3-70B-shaped models never allocates their parameters.
 
 Each plan runs in a fresh subprocess that reports its peak resident memory before and after
 ``plan()``: the parameters the model describes are several times that budget, so a planner that

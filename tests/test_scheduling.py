@@ -126,8 +126,8 @@ def test_memory_estimate_counts_live_storages() -> None:
 
 
 def test_a_bucket_without_a_collective_stays_in_place() -> None:
-    """NO_SHARD with mixed precision: the marker only casts (no collective). The pass used to
-    fail on such a graph (max() of no collective sizes), dropping it to the eager runtime."""
+    """NO_SHARD with mixed precision: the marker only casts (no collective). The pass must not
+    fail on such a graph (max() of no collective sizes), which would drop it to the eager runtime."""
     cast = CommSpec("", 1, False, "r", 2, torch.bfloat16, None, False)
 
     def f(x, whole, shard):

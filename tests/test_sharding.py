@@ -286,7 +286,7 @@ def test_tied_embeddings_and_a_frozen_block_are_bitwise_equal_to_fsdp2(strategy:
     else:
         expected = sum(4 * size * -(-s[0] // size) * math.prod(s[1:]) for s in out["trainable_shapes"])
     assert reduced == expected
-    # Where it does not hold (README, Correctness): a block applied twice in one forward. Each
+    # Where it does not hold (docs/strategies.md, "What training computes"): a block applied twice in one forward. Each
     # call's gradient is reduced separately and the shards added; FSDP2 reduces the sum once.
     ours, theirs = out["block_twice"], out["block_twice_fsdp2"]
     assert any(not torch.equal(ours[n], theirs[n]) for n in ours if n.startswith("blocks.1."))

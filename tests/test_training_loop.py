@@ -525,7 +525,7 @@ def offload_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, b
 
 @pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
 def test_cpu_offload_keeps_shards_gradients_and_optimizer_on_the_host(strategy: str, mode: str) -> None:
-    """Read after a compiled step in compiled mode. On this CPU-only machine host and compute
+    """Read after a compiled step in compiled mode. On a CPU-only machine host and compute
     device are one, so "cpu" alone would hold with offload= ignored: what shows offload here is
     that every gather declares the compute device its copies go to (absent without offload=);
     tests/test_offload.py compiles the same markers for a device other than the host and checks
