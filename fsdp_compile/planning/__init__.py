@@ -2,7 +2,7 @@
 
 ``plan()`` traces the backend's own pipeline on fake tensors in a fake world of the target
 size, costs every node against a :class:`Cluster` and simulates the schedule; see
-:mod:`.plan` and the README's "Choosing a strategy".
+:mod:`.plan` and docs/planning.md.
 """
 
 from .cluster import Cluster

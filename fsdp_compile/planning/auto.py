@@ -112,8 +112,7 @@ class AutoBackend(FSDPBackend):
     ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default: the GPU's
     preset, or ``Cluster.measure()`` on a CPU), ``memory_budget`` (bytes per device; needed on a
     CPU) and ``plan_options`` (passed to :func:`fsdp_compile.plan`); the plan is
-    ``backend.plan``. Every other option is the backend's. See the README's "Choosing a
-    strategy".
+    ``backend.plan``. Every other option is the backend's. See docs/planning.md.
     """
 
     def __init__(self, *, example_inputs: Any = None, loss_fn: Callable[[Any], Any] | None = None,

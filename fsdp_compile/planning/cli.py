@@ -20,7 +20,7 @@ GPT_SIZES = {
     "gpt-125m": (12, 768, 12), "gpt-350m": (24, 1024, 16), "gpt-760m": (24, 1536, 16),
     "gpt-1.3b": (24, 2048, 16), "gpt-2.7b": (32, 2560, 32), "gpt-6.7b": (32, 4096, 32),
     "gpt-13b": (40, 5120, 40), "gpt-175b": (96, 12288, 96),
-    "gpt-tiny": (2, 64, 2),  # for smoke tests and this machine
+    "gpt-tiny": (2, 64, 2),  # for smoke tests and runs on a CPU
     "gpt-demo": (2, 64, 4),  # the demo's GPT (python -m fsdp_compile.demo)
 }
 LLAMA_SIZES = ("llama3-8b", "llama3-70b", "llama-tiny")

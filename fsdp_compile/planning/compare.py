@@ -8,8 +8,8 @@ few steps with AdamW and measures:
   collector runs between steps, not inside them (``gc_between_steps``, the default; what
   torchtitan's trainer does with ``gc_freq``): a collection pauses whichever step allocates
   past its threshold, for a time set by everything the process holds (the compiled graphs'
-  objects included), not by the strategy. Measured here: the median gpt_medium FULL_SHARD
-  step at world 2 took 8% longer with automatic collection inside the steps;
+  objects included), not by the strategy. On a 2-core x86_64 CPU (torch 2.13) the median
+  gpt_medium FULL_SHARD step at world 2 took 8% longer with automatic collection inside the steps;
 * compile time: the first step's time minus a steady step's;
 * peak memory per rank, by the allocator: the bytes of every storage alive before a profiled
   step (shards, optimizer state, buffers: storages the allocator handed out, counted once
@@ -21,7 +21,7 @@ few steps with AdamW and measures:
   for a core (``cpu_wait_fraction``: their run-queue wait summed over threads, over the step's
   wall time -- above 1 when several threads wait at once -- the largest over ranks), and the
   load average. On a dedicated machine the wait is near
-  0; on a shared one it is how far the measured wall time is from this machine's speed.
+  0; on a shared one it is how far the measured wall time is from the machine's speed without other jobs.
   ``quiet_step_seconds`` is the median over the steps in which no rank waited for a core more
   than 5% of the step beyond what the job's own ranks make it wait when they outnumber the cores
   (:func:`quiet_step_seconds`; None when fewer than two such steps);
@@ -30,7 +30,7 @@ few steps with AdamW and measures:
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
   it moves more bytes than a ring reduce-scatter would: the difference is gloo's, and shown.
 
-:func:`compare` returns the measured rows and the plan made for this machine, for the
+:func:`compare` returns the measured rows and the plan made for the machine it runs on, for the
 ``compare`` subcommand and ``bench/plan_accuracy.py``.
 """
 

@@ -264,8 +264,7 @@ def plan(
     trace_all: bool = False,
     verbose: bool = False,
 ) -> Plan:
-    """Predict every strategy's memory and step time for ``model`` on ``cluster``; see the
-    README's "Choosing a strategy".
+    """Predict every strategy's memory and step time for ``model`` on ``cluster``; see docs/planning.md.
 
     ``model`` may live on any device (meta included); nothing is allocated or copied:
     parameters become fake tensors and the world a fake process group of ``world_size``

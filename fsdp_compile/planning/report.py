@@ -8,7 +8,7 @@ from .numbers import GiB
 
 
 def _unit(plan: Any) -> tuple[str, float]:
-    """GiB for real models; MiB for small ones (tests, this machine's models)."""
+    """GiB for real models; MiB for small ones (tests, the models of CPU runs)."""
     largest = max(r.peak_bytes for r in plan.rows)
     return ("GiB", GiB) if largest >= GiB else ("MiB", float(1 << 20))
 

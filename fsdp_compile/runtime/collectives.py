@@ -139,7 +139,7 @@ def _to_compute_device(shard: torch.Tensor, device: str) -> torch.Tensor:
 
     From pinned host memory the copy is asynchronous and ordered before the gather. The aten op
     rather than ``Tensor.to``: ``Tensor.to`` first initializes the device's runtime, which
-    tracing with fake tensors of a device this machine lacks cannot do (tests/test_offload.py
+    tracing with fake tensors of a device the host lacks cannot do (tests/test_offload.py
     compiles for a CUDA compute device on a CPU-only machine that way).
     """
     target = torch.device(device)

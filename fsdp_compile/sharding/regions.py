@@ -36,10 +36,11 @@ import torch
 import torch.nn as nn
 
 # From how many copies of a block a region pays for its fixed cost (one more trace of the body,
-# torch's per-call schema for the region), by compiler, measured on this project's GPT
-# (bench/results/compile_time_cpu_regions_*.md): under Inductor, which compiles the body once,
-# 4 blocks compile 28% faster as regions; under aot_eager, which compiles nothing, regions cost
-# at 4 blocks (the plain model: +12%) and save from 16 (fsdp_compile: -20%), so 8 sits between.
+# torch's per-call schema for the region), by compiler, measured for bench/compile_time.py's GPT
+# on a 2-core CPU with torch 2.13 (bench/results/compile_time_cpu_regions_*.md): under
+# Inductor, which compiles the body once, 4 blocks compile 28% faster as regions; under
+# aot_eager, which compiles nothing, regions cost at 4 blocks (the plain model: +12%) and save
+# from 16 (fsdp_compile: -20%), so 8 sits between.
 # The eager compiler runs every region inline: none there.
 MIN_REGION_COPIES = {"inductor": 2, "aot_eager": 8}
 # The unit a marker inside a region names: hoisting replaces it with the call site's unit.

@@ -145,7 +145,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
                          else _cpu_memory_per_rank())
     ring = collectives["all_gather"]
     inter_ring = inter_collectives.get("all_gather", ring)
-    where = f"measured on this machine ({time.strftime('%Y-%m-%d %H:%M')}, world {world}, {device.type})"
+    where = f"measured by Cluster.measure() ({time.strftime('%Y-%m-%d %H:%M')}, world {world}, {device.type})"
     return cls(
         name=f"measured-{device.type}", nodes=nodes, devices_per_node=world // nodes,
         device_memory=float(device_memory), peak_flops=flops, memory_bandwidth=bandwidth,

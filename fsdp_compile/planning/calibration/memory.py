@@ -79,5 +79,5 @@ def _cpu_memory_per_rank() -> float:
         with open("/proc/meminfo") as f:
             total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
     except (OSError, StopIteration):
-        raise ClusterError("cannot read this machine's memory size; pass device_memory= to Cluster.measure()") from None
+        raise ClusterError("cannot read the host's memory size; pass device_memory= to Cluster.measure()") from None
     return total_kib * 1024 / max(_node_ranks(), 1)
