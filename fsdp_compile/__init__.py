@@ -6,6 +6,7 @@
     print(fsdp_compile.plan(model, inputs, cluster=fsdp_compile.Cluster.preset("h100-sxm", nodes=4)))
 """
 
+import inspect
 from typing import Any
 
 import torch
@@ -39,8 +40,7 @@ from .api import __version__ as __version__
 
 
 def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> FSDPBackend:
-    """Create a backend; see :class:`FSDPBackend` for the options (``strategy="auto"``: see
-    :class:`fsdp_compile.planning.auto.AutoBackend`)."""
+    # The docstring is FSDPBackend's (set below): the options are documented once, there.
     if isinstance(strategy, str) and strategy.strip().lower() == "auto":
         return AutoBackend(**options)
     given = [name for name in AUTO_OPTIONS if options.get(name) is not None]
@@ -48,6 +48,12 @@ def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **op
         raise ValueError(f"{', '.join(f'{name}=' for name in AUTO_OPTIONS)} are for strategy='auto' "
                          f"(got {', '.join(f'{name}=' for name in given)}); to plan by hand call fsdp_compile.plan()")
     return FSDPBackend(strategy, **{k: v for k, v in options.items() if k not in AUTO_OPTIONS})
+
+
+backend.__doc__ = (
+    "Create a backend: ``FSDPBackend(strategy, **options)``; ``strategy=\"auto\"`` returns\n"
+    ":class:`fsdp_compile.planning.auto.AutoBackend`, which plans the strategy at ``shard()``.\n\n"
+    + inspect.cleandoc(FSDPBackend.__doc__ or ""))
 
 
 def compile(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,

@@ -383,3 +383,17 @@ def test_the_design_notes_list_the_pipeline_as_declared() -> None:
 def test_the_readme_is_a_front_page() -> None:
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; the manual (docs/) takes the rest"
+
+
+def test_every_backend_option_is_documented_once_in_the_docstring_help_shows() -> None:
+    # The manual points to help(fsdp_compile.backend) instead of copying the option list; that
+    # docstring is FSDPBackend's, whose Args: must name every parameter the backend takes.
+    import inspect
+
+    import fsdp_compile
+
+    doc = fsdp_compile.backend.__doc__
+    assert doc.count("Args:") == 1
+    options = [name for name in inspect.signature(fsdp_compile.FSDPBackend).parameters if name != "strategy"]
+    missing = [name for name in options if f"\n    {name}: " not in doc and f"\n        {name}: " not in doc]
+    assert not missing, f"options without an Args: entry: {missing}"
