@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +33,75 @@ def test_plan_command_prints_rows_and_writes_json(tmp_path: Path, capsys) -> Non
     data = json.loads(out.read_text())
     assert {r["strategy"] for r in data["rows"]} == {"FULL_SHARD", "HYBRID_SHARD"}
     assert data["best"]["chosen"] and data["max_batch"] == {}
+
+
+class TokenStack(nn.Module):
+    """A model the CLI builds from ``test_planning_cli:token_stack`` (``module:factory``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(128, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                    for _ in range(3))
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def token_stack() -> nn.Module:
+    return TokenStack()
+
+
+def _plan_json(tmp_path: Path, name: str, *args: str) -> dict:
+    from fsdp_compile.__main__ import main
+
+    out = tmp_path / f"{name}.json"
+    assert main(["plan", "--seq", "32", "--batch", "2", "--cluster", "a10g", "--strategies", "FULL_SHARD",
+                 "--prefetch", "1", *args, "--json", str(out)]) in (0, 1)
+    return json.loads(out.read_text())
+
+
+def test_plan_command_flags_reach_the_plan(tmp_path: Path) -> None:
+    data = _plan_json(tmp_path, "factory", "--model", "test_planning_cli:token_stack", "--bucket", "module",
+                      "--bucket", "0.25", "--memory-budget", "0.5", "--optimizer", "sgd", "--world-size", "4")
+    assert data["model"] == "test_planning_cli:token_stack"
+    assert data["parameters"] == sum(p.numel() for p in TokenStack().parameters())
+    assert data["world_size"] == 4 and data["budget_bytes"] == 0.5 * (1 << 30)
+    assert sorted(r["bucket"] for r in data["rows"]) == ["0.25MiB", "module"]
+    for row in data["rows"]:
+        assert row["model_states"]["optimizer"] == 0  # SGD keeps no state
+        assert row["model_states"]["params"] == pytest.approx(data["parameters"] * 4 / 4, rel=0.05)  # world 4
+
+
+def test_plan_command_layers_and_activation_checkpointing(tmp_path: Path) -> None:
+    from fsdp_compile.planning.cli import build_model
+
+    plain = _plan_json(tmp_path, "plain", "--model", "llama-tiny", "--layers", "3")
+    checkpointed = _plan_json(tmp_path, "checkpointed", "--model", "llama-tiny", "--layers", "3",
+                              "--activation-checkpointing")
+    assert plain["parameters"] == sum(p.numel() for p in build_model("llama-tiny", layers=3, seq=32).parameters())
+    assert plain["parameters"] > sum(p.numel() for p in build_model("llama-tiny", seq=32).parameters())
+    (row,), (recomputed,) = plain["rows"], checkpointed["rows"]
+    # Recomputing each block in backward keeps fewer activations and costs more compute.
+    assert recomputed["memory"]["activations"] < row["memory"]["activations"]
+    assert recomputed["compute_seconds"] > row["compute_seconds"]
+
+
+def test_plan_command_names_a_factory_it_cannot_use() -> None:
+    from fsdp_compile.__main__ import main
+
+    with pytest.raises(SystemExit, match="--model test_planning_cli:nowhere: cannot import 'nowhere'"):
+        main(["plan", "--model", "test_planning_cli:nowhere"])
+    with pytest.raises(SystemExit, match="the factory returned int, not an nn.Module"):
+        main(["plan", "--model", "test_planning_cli:_not_a_model"])
+
+
+def _not_a_model() -> int:
+    return 3
 
 
 def test_plan_command_rejects_unknown_model_and_cluster(capsys) -> None:
