@@ -15,8 +15,13 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(args: list[str], timeout: int = 900, **kwargs) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: int = 900, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key, value in (env_extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, check=False, **kwargs)
 
@@ -119,6 +124,73 @@ def test_compare_needs_torchrun(monkeypatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit, match="start it with torchrun"):
         main(["compare"])
+
+
+PROFILER_LINES = ("USDT:", "profiler_start", "profiler_stop", "SyncActivityProfilerHandler")
+
+
+def test_compare_prints_its_table_without_the_profilers_logging(tmp_path: Path) -> None:
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_compile",
+                 "compare", "--model", "gpt-tiny", "--steps", "3", "--batch", "2", "--seq", "16",
+                 "--strategies", "FULL_SHARD", "--gc-during-steps", "--out", str(tmp_path)], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step ms" in proc.stdout and "FULL_SHARD" in proc.stdout
+    noise = [line for line in proc.stderr.splitlines() if any(word in line for word in PROFILER_LINES)]
+    assert noise == [], noise[:4]
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert data["gc_between_steps"] is False
+
+
+def test_the_profiler_speaks_only_when_asked() -> None:
+    # The control for the test above: the same profile prints kineto's lines when the user asks
+    # for them (KINETO_LOG_LEVEL), so their absence there is the tools' doing.
+    code = ("import torch\n"
+            "from fsdp_compile.planning.calibration.memory import _allocated_peak\n"
+            "_allocated_peak(lambda: torch.ones(8).sum(), torch.device('cpu'))\n")
+    quiet = _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": None})
+    asked = _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": "5"})
+    assert quiet.returncode == asked.returncode == 0, (quiet.stderr, asked.stderr)
+    assert not any(word in quiet.stderr for word in PROFILER_LINES), quiet.stderr
+    assert "profiler_start" in asked.stderr
+
+
+def gc_worker(rank: int, world: int) -> dict:
+    """Whether Python's collector was on while each step's loss was computed, with the collector
+    kept to the gaps between steps (compare's default) and left on (--gc-during-steps)."""
+    import gc
+
+    import torch.nn.functional as F
+
+    from fsdp_compile.planning.cli import build_model
+    from fsdp_compile.planning.compare import measure_strategy
+
+    seen: dict[bool, list[bool]] = {}
+    for between in (True, False):
+        torch._dynamo.reset()
+        seen[between] = []
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor, log: list = seen[between]) -> torch.Tensor:
+            log.append(gc.isenabled())
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return build_model("gpt-tiny", seq=8, device="cpu")
+
+        data = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
+        batches = [((data[:, :-1],), data[:, 1:])] * 3
+        measure_strategy("FULL_SHARD", build, batches, loss_fn, gc_between_steps=between)
+    return {"enabled": gc.isenabled(), "seen": seen}
+
+
+def test_compare_keeps_the_collector_out_of_the_timed_steps_unless_asked() -> None:
+    from distributed import run_workers
+
+    for out in run_workers(gc_worker, 2):
+        assert out["enabled"]  # the caller's collector state comes back
+        # 3 timed steps and the profiled one
+        assert out["seen"][True] == [False, False, False, True]
+        assert out["seen"][False] == [True] * 4
 
 
 @pytest.mark.slow

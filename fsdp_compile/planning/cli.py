@@ -213,10 +213,11 @@ def run_compare(args: argparse.Namespace) -> int:
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30)
     measured = {}
+    gc_between_steps = not args.gc_during_steps
     for name in names:
         options = {"shard_size": shard_size} if name.startswith("HYBRID") else {}
         measured[name] = measure_strategy(name, build, batches, loss_fn, compiler=args.compiler,
-                                          backend_options=options, gc_between_steps=not args.gc_during_steps)
+                                          backend_options=options, gc_between_steps=gc_between_steps)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
@@ -228,7 +229,7 @@ def run_compare(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
-             "gc_between_steps": not args.gc_during_steps,
+             "gc_between_steps": gc_between_steps,
              "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
             indent=2, default=str))
         print(f"{'strategy':<20}{'step ms':>10}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}{'pred MiB':>10}"
