@@ -2,7 +2,8 @@
 
 Each layout holds the same kind of transformer block in a different place: an ``nn.ModuleList``
 (GPT-2, Llama), an ``nn.ModuleDict`` keyed "0", "1", ... (torchtitan), plain attributes
-(``self.block0``), blocks of experts in a list (mixture of experts), stages of blocks in an
+(``self.block0``), blocks of experts in a list (mixture of experts; with attention beside the
+experts, and with only a norm and a router beside them), stages of blocks in an
 ``nn.Sequential``, an encoder and a decoder with blocks of two classes (BART), stacks of one
 class for encoder and decoder that share the embedding (T5), and no repeated block at all.
 ``EXPECTED_UNITS`` is what ``bucket="module"`` must choose for each.
@@ -83,6 +84,22 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ln2(x))
 
 
+class RoutedExperts(nn.Module):
+    """A block that is a mixture of experts and nothing else: beside its list of experts only
+    leaf layers (a norm and a router), as a stack's blocks sit beside an embedding and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.router = nn.Linear(DIM, EXPERTS)
+        self.experts = nn.ModuleList(FeedForward() for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        weights = F.softmax(self.router(h), dim=-1)
+        return x + sum(weights[..., i:i + 1] * expert(h) for i, expert in enumerate(self.experts))
+
+
 class DecoderLayer(nn.Module):
     """Self- and cross-attention of one class side by side, and beside them only leaf layers
     (BART's and Whisper's layers hold fc1/fc2 directly): the layer is the block, not them."""
@@ -152,6 +169,17 @@ class MoELM(LM):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(MoEBlock() for _ in range(2))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class ExpertBlocksLM(LM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(RoutedExperts() for _ in range(4))
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -239,7 +267,7 @@ def _blocks(prefix: str, count: int) -> list[str]:
 
 LAYOUTS: dict[str, type[LM]] = {
     "module_list": ListLM, "module_dict": DictLM, "attributes": AttributeLM, "nested_moe": MoELM,
-    "staged_sequential": StagedLM, "encoder_decoder": EncoderDecoderLM, "twin_stacks": TwinStackLM,
+    "expert_blocks": ExpertBlocksLM, "staged_sequential": StagedLM, "encoder_decoder": EncoderDecoderLM, "twin_stacks": TwinStackLM,
     "no_repeats": NoRepeatLM,
 }
 EXPECTED_UNITS: dict[str, list[str]] = {
@@ -247,6 +275,7 @@ EXPECTED_UNITS: dict[str, list[str]] = {
     "module_dict": _blocks("layers", 3),
     "attributes": ["block0", "block1", "block2"],
     "nested_moe": _blocks("layers", 2),
+    "expert_blocks": _blocks("layers", 4),
     "staged_sequential": _blocks("stages.0", 2) + _blocks("stages.1", 2),
     "encoder_decoder": _blocks("encoder.layers", 2) + _blocks("decoder.layers", 2),
     "twin_stacks": _blocks("encoder.layers", 2) + _blocks("decoder.layers", 2),

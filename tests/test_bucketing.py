@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from typing import Any
 
 import pytest
@@ -73,6 +74,12 @@ def policy_worker(rank: int, world: int, strategy: str, policies: list[str], ste
                                          if c.kind == "all_gather"]
         result["gather_bucket_sizes"] = [len({m.fqn for m in b.markers})
                                          for b in record.forward_buckets["unshard"]]
+        result["gather_bucket_members"] = [[(m.fqn, m.full_bytes) for m in b.markers]
+                                           for b in record.forward_buckets["unshard"]]
+        # The order forward reads the parameters in (each gather marker of the captured graph).
+        result["read_order"] = list(dict.fromkeys(
+            n.args[1] for n in record.dynamo.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("fsdp_compile.unshard")))
         out[name] = result
     return out if rank == 0 else {}
 
@@ -115,10 +122,19 @@ def test_one_collective_per_bucket(strategy: str, policy: str) -> None:
 
 def test_byte_policy_fills_buckets_up_to_the_limit() -> None:
     out = policy_run("FULL_SHARD")["bytes"]
-    limit = 4096
+    limit = bucket_policies()["bytes"]
     for size, members in zip(out["gather_bucket_bytes"], out["gather_bucket_sizes"]):
         assert size <= limit or members == 1  # a larger tensor is a bucket of its own
     assert 1 < len(out["gather_bucket_bytes"]) < N_PARAMS
+    buckets = out["gather_bucket_members"]
+    # Consecutive parameters in the order forward reads them: the buckets, one after another,
+    # are that order (every parameter once).
+    assert [fqn for bucket in buckets for fqn, _ in bucket] == out["read_order"]
+    assert len(out["read_order"]) == N_PARAMS
+    # Filled up to the limit: each bucket closed only because the next parameter would not fit.
+    for bucket, following in itertools.pairwise(buckets):
+        held = sum(nbytes for _, nbytes in bucket)
+        assert held + following[0][1] > limit, (bucket, following[0])
 
 
 class Tower(nn.Module):

@@ -25,6 +25,9 @@ import fsdp_compile
 from fsdp_compile.sharding.regions import regions_supported
 
 CHANGES = ["strategy", "bucket", "mixed_precision", "schedule", "regions", "version", "user_pass"]
+# Options that change what the passes produce and are checked through the key alone (no compile).
+KEY_CHANGES = ["offload", "prefetch", "max_inflight_bytes", "forward_prefetch", "backward_prefetch",
+               "disable_passes"]
 # regions=False changes what the passes produce only on a torch that compiles regions at all
 # (regions_supported(): torch >= 2.13); on an older one every block is inlined either way.
 REGIONS_CHANGE_THE_PASSES = regions_supported()
@@ -76,6 +79,18 @@ def backend_options(change: str) -> tuple[str, dict[str, Any]]:
         options["schedule"] = False
     elif change == "regions":
         options["regions"] = False
+    elif change == "offload":
+        options["offload"] = fsdp_compile.CPUOffload()
+    elif change == "prefetch":
+        options["prefetch"] = 2
+    elif change == "max_inflight_bytes":
+        options["max_inflight_bytes"] = 1 << 20
+    elif change == "forward_prefetch":
+        options["forward_prefetch"] = {"blocks.0": ["blocks.1"]}
+    elif change == "backward_prefetch":
+        options["backward_prefetch"] = {"blocks.1": ["blocks.0"]}
+    elif change == "disable_passes":
+        options["disable_passes"] = ["schedule_collectives"]
     elif change == "user_pass":
         options["passes"] = {"backward": [UuidPass("a")]}
     elif change == "user_pass_changed":
@@ -171,7 +186,8 @@ def test_restart_loads_the_compilation_and_trains_bitwise_equal(cold_and_warm) -
 
 
 def test_every_change_that_changes_the_passes_changes_the_key() -> None:
-    keys = run_workers(cache_keys, 2, ["", "", *CHANGES, "user_pass_changed", "user_pass_without_uuid"])
+    keys = run_workers(cache_keys, 2, ["", "", *CHANGES, *KEY_CHANGES, "user_pass_changed",
+                                       "user_pass_without_uuid"])
     for rank_keys in keys:
         baseline = rank_keys["baseline"]
         assert baseline is not None
@@ -184,6 +200,34 @@ def test_every_change_that_changes_the_passes_changes_the_key() -> None:
         assert baseline not in others
     # The ranks hold different (uneven) shards: their keys differ.
     assert keys[0]["baseline"] != keys[1]["baseline"]
+
+
+def group_keys(rank: int, world: int) -> dict[str, str]:
+    """The key of rank 0's FULL_SHARD over a group of two, at world 4: paired with rank 1, and
+    paired with rank 2 (every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    keys = {}
+    for layout, pairs in (("pairs_01", ([0, 1], [2, 3])), ("pairs_02", ([0, 2], [1, 3]))):
+        groups = [dist.new_group(ranks) for ranks in pairs]
+        mine = next(g for g, ranks in zip(groups, pairs) if rank in ranks)
+        torch.manual_seed(0)
+        model = TinyNet()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            backend = fsdp_compile.backend("FULL_SHARD", compiler="inductor", process_groups=mine)
+            backend.shard(model)
+            keys[layout], _, _ = backend.compiler.cache_key()
+    return keys
+
+
+def test_group_layout_and_world_size_change_the_key() -> None:
+    # Rank 0 holds the same shards (TinyNet over a group of two) in all three runs: only the
+    # group's members or the world size differ.
+    at_4 = run_workers(group_keys, 4)[0]
+    at_2 = run_workers(cache_keys, 2, [""])[0]["baseline"]
+    assert at_4["pairs_01"] != at_4["pairs_02"]
+    assert at_4["pairs_01"] != at_2
 
 
 def test_same_configuration_gives_the_same_key_in_another_process() -> None:

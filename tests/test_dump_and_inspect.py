@@ -116,6 +116,31 @@ def test_report_from_python_matches_inspect(dump: Path) -> None:
     assert "rank 1, graph 0" in python_report
 
 
+def test_inspect_graph_selects_one_graph(dump: Path, tmp_path: Path) -> None:
+    import shutil
+
+    # A second graph of rank 0: graph 0's dump again, under the next graph number.
+    two = tmp_path / "two_graphs"
+    shutil.copytree(dump, two)
+    second = two / "rank0" / "graph1"
+    shutil.copytree(two / "rank0" / "graph0", second)
+    summary = json.loads((second / "summary.json").read_text())
+    summary["graph"] = 1
+    (second / "summary.json").write_text(json.dumps(summary))
+
+    both = inspect(str(two), "--rank", "0")
+    assert both.returncode == 0, both.stderr
+    assert "rank 0, graph 0" in both.stdout and "rank 0, graph 1" in both.stdout
+    only = inspect(str(two), "--rank", "0", "--graph", "1")
+    assert only.returncode == 0, only.stderr
+    assert "rank 0, graph 1" in only.stdout and "graph 0" not in only.stdout
+    first = inspect(str(two), "--graph", "0")
+    assert "rank 0, graph 0" in first.stdout and "rank 1, graph 0" in first.stdout
+    assert "graph 1" not in first.stdout
+    missing = inspect(str(two), "--graph", "7")
+    assert missing.returncode == 2 and "no graph summaries graph 7" in missing.stderr
+
+
 def test_timeline_is_a_chrome_trace(dump: Path, tmp_path: Path) -> None:
     trace = tmp_path / "timeline.json"
     assert inspect(str(dump), "--timeline", str(trace)).returncode == 0

@@ -72,10 +72,46 @@ def leaves_worker(rank: int, world: int, mode: str) -> dict:
         and isinstance(n.meta["example_value"], DTensor)
     ]
     out["graphs"] = len(backend.graphs)
+    out["parameters"] = sorted(n for n, _ in model.named_parameters())
+    out["gather_inputs"] = gather_inputs(backend, forward, data[0], rank)
     model.blocks[1].mlp.fc._parameters["weight"] = nn.Parameter(torch.zeros(3))
     x, y = (local_slice(t, rank) for t in data[0])
     out["replaced"] = expect_error(lambda: lm_loss(forward(x), y).backward())
     return out
+
+
+def gather_inputs(backend: Any, forward: Any, batch: tuple, rank: int) -> dict[str, list[str]]:
+    """What each gather marker reads, by parameter: the type of its input. Compiled, from the
+    graphs Dynamo captured (a graph input, or something the graph computed, as a DTensor's
+    ``to_local()``); in the eager runtime, from the markers one forward runs."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def is_gather(target: Any) -> bool:
+        return str(target).startswith("fsdp_compile.unshard")
+
+    seen: dict[str, set[str]] = {}
+    if backend.graphs:
+        for record in backend.graphs:
+            for n in record.dynamo.graph.nodes:
+                if n.op == "call_function" and is_gather(n.target):
+                    source = n.args[0]
+                    value = source.meta.get("example_value")
+                    kind = "DTensor" if isinstance(value, DTensor) else (
+                        "graph input" if source.op == "placeholder" else f"computed ({source.target})")
+                    seen.setdefault(n.args[1], set()).add(kind)
+        return {fqn: sorted(kinds) for fqn, kinds in seen.items()}
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if is_gather(func):
+                seen.setdefault(args[1], set()).add("DTensor" if isinstance(args[0], DTensor) else "plain tensor")
+            return func(*args, **(kwargs or {}))
+
+    x, _ = (local_slice(t, rank) for t in batch)
+    with torch.no_grad(), Log():
+        forward(x)
+    return {fqn: sorted(kinds) for fqn, kinds in seen.items()}
 
 
 @pytest.fixture(scope="module", params=["eager", "compiled"])
@@ -118,8 +154,13 @@ def _plain_compile_recompiles_when_a_parameter_is_frozen() -> bool:
     return counter.frame_count == 2
 
 
-def test_graphs_read_plain_tensors_not_dtensors(leaves_run) -> None:
+def test_forward_reads_plain_tensors_not_dtensors(leaves_run) -> None:
     mode, out = leaves_run
+    # Every parameter is gathered, each from a plain tensor: compiled, a graph input of its
+    # own (not a DTensor input, nor a to_local() the graph computes); in the eager runtime,
+    # a plain tensor handed to the marker.
+    plain = ["graph input"] if mode == "compiled" else ["plain tensor"]
+    assert out["gather_inputs"] == {name: plain for name in out["parameters"]}
     assert out["graph_inputs"] == []
     if mode == "compiled":
         # As many graphs as plain torch.compile makes for the same freezing: one per

@@ -280,3 +280,19 @@ def test_end_process_group_destroys_the_group_and_exits_without_finalizing(tmp_p
     assert proc.returncode == 0, proc.stderr
     # Unflushed output is written; neither atexit handlers nor anything after the call run.
     assert proc.stdout == "trained"
+
+
+def test_error_classes_are_instances_of_their_documented_bases() -> None:
+    # Users catch the documented bases (a configuration error as ValueError, a lost rank as
+    # RuntimeError): an error class that moved to another base would slip past their handlers.
+    documented = {
+        fsdp_compile.AgreementError: ValueError,
+        fsdp_compile.GraphMismatchError: fsdp_compile.AgreementError,
+        fsdp_compile.RankFailure: RuntimeError,
+        fsdp_compile.CheckpointError: ValueError,
+        fsdp_compile.ConfigError: ValueError,
+        fsdp_compile.PlanError: fsdp_compile.ConfigError,
+        fsdp_compile.GradientMismatch: RuntimeError,
+    }
+    for error, base in documented.items():
+        assert isinstance(error("message"), base), (error.__name__, base.__name__)

@@ -9,12 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(args: list[str], timeout: int = 900, **kwargs) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: int = 900, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key, value in (env_extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, check=False, **kwargs)
 
@@ -33,6 +40,75 @@ def test_plan_command_prints_rows_and_writes_json(tmp_path: Path, capsys) -> Non
     assert data["best"]["chosen"] and data["max_batch"] == {}
 
 
+class TokenStack(nn.Module):
+    """A model the CLI builds from ``test_planning_cli:token_stack`` (``module:factory``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(128, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                    for _ in range(3))
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def token_stack() -> nn.Module:
+    return TokenStack()
+
+
+def _plan_json(tmp_path: Path, name: str, *args: str) -> dict:
+    from fsdp_compile.__main__ import main
+
+    out = tmp_path / f"{name}.json"
+    assert main(["plan", "--seq", "32", "--batch", "2", "--cluster", "a10g", "--strategies", "FULL_SHARD",
+                 "--prefetch", "1", *args, "--json", str(out)]) in (0, 1)
+    return json.loads(out.read_text())
+
+
+def test_plan_command_flags_reach_the_plan(tmp_path: Path) -> None:
+    data = _plan_json(tmp_path, "factory", "--model", "test_planning_cli:token_stack", "--bucket", "module",
+                      "--bucket", "0.25", "--memory-budget", "0.5", "--optimizer", "sgd", "--world-size", "4")
+    assert data["model"] == "test_planning_cli:token_stack"
+    assert data["parameters"] == sum(p.numel() for p in TokenStack().parameters())
+    assert data["world_size"] == 4 and data["budget_bytes"] == 0.5 * (1 << 30)
+    assert sorted(r["bucket"] for r in data["rows"]) == ["0.25MiB", "module"]
+    for row in data["rows"]:
+        assert row["model_states"]["optimizer"] == 0  # SGD keeps no state
+        assert row["model_states"]["params"] == pytest.approx(data["parameters"] * 4 / 4, rel=0.05)  # world 4
+
+
+def test_plan_command_layers_and_activation_checkpointing(tmp_path: Path) -> None:
+    from fsdp_compile.planning.cli import build_model
+
+    plain = _plan_json(tmp_path, "plain", "--model", "llama-tiny", "--layers", "3")
+    checkpointed = _plan_json(tmp_path, "checkpointed", "--model", "llama-tiny", "--layers", "3",
+                              "--activation-checkpointing")
+    assert plain["parameters"] == sum(p.numel() for p in build_model("llama-tiny", layers=3, seq=32).parameters())
+    assert plain["parameters"] > sum(p.numel() for p in build_model("llama-tiny", seq=32).parameters())
+    (row,), (recomputed,) = plain["rows"], checkpointed["rows"]
+    # Recomputing each block in backward keeps fewer activations and costs more compute.
+    assert recomputed["memory"]["activations"] < row["memory"]["activations"]
+    assert recomputed["compute_seconds"] > row["compute_seconds"]
+
+
+def test_plan_command_names_a_factory_it_cannot_use() -> None:
+    from fsdp_compile.__main__ import main
+
+    with pytest.raises(SystemExit, match="--model test_planning_cli:nowhere: cannot import 'nowhere'"):
+        main(["plan", "--model", "test_planning_cli:nowhere"])
+    with pytest.raises(SystemExit, match="the factory returned int, not an nn.Module"):
+        main(["plan", "--model", "test_planning_cli:_not_a_model"])
+
+
+def _not_a_model() -> int:
+    return 3
+
+
 def test_plan_command_rejects_unknown_model_and_cluster(capsys) -> None:
     from fsdp_compile.__main__ import main
 
@@ -48,6 +124,73 @@ def test_compare_needs_torchrun(monkeypatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit, match="start it with torchrun"):
         main(["compare"])
+
+
+PROFILER_LINES = ("USDT:", "profiler_start", "profiler_stop", "SyncActivityProfilerHandler")
+
+
+def test_compare_prints_its_table_without_the_profilers_logging(tmp_path: Path) -> None:
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_compile",
+                 "compare", "--model", "gpt-tiny", "--steps", "3", "--batch", "2", "--seq", "16",
+                 "--strategies", "FULL_SHARD", "--gc-during-steps", "--out", str(tmp_path)], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step ms" in proc.stdout and "FULL_SHARD" in proc.stdout
+    noise = [line for line in proc.stderr.splitlines() if any(word in line for word in PROFILER_LINES)]
+    assert noise == [], noise[:4]
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert data["gc_between_steps"] is False
+
+
+def test_the_profiler_speaks_only_when_asked() -> None:
+    # The control for the test above: the same profile prints kineto's lines when the user asks
+    # for them (KINETO_LOG_LEVEL), so their absence there is the tools' doing.
+    code = ("import torch\n"
+            "from fsdp_compile.planning.calibration.memory import _allocated_peak\n"
+            "_allocated_peak(lambda: torch.ones(8).sum(), torch.device('cpu'))\n")
+    quiet = _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": None})
+    asked = _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": "5"})
+    assert quiet.returncode == asked.returncode == 0, (quiet.stderr, asked.stderr)
+    assert not any(word in quiet.stderr for word in PROFILER_LINES), quiet.stderr
+    assert "profiler_start" in asked.stderr
+
+
+def gc_worker(rank: int, world: int) -> dict:
+    """Whether Python's collector was on while each step's loss was computed, with the collector
+    kept to the gaps between steps (compare's default) and left on (--gc-during-steps)."""
+    import gc
+
+    import torch.nn.functional as F
+
+    from fsdp_compile.planning.cli import build_model
+    from fsdp_compile.planning.compare import measure_strategy
+
+    seen: dict[bool, list[bool]] = {}
+    for between in (True, False):
+        torch._dynamo.reset()
+        seen[between] = []
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor, log: list = seen[between]) -> torch.Tensor:
+            log.append(gc.isenabled())
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return build_model("gpt-tiny", seq=8, device="cpu")
+
+        data = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
+        batches = [((data[:, :-1],), data[:, 1:])] * 3
+        measure_strategy("FULL_SHARD", build, batches, loss_fn, gc_between_steps=between)
+    return {"enabled": gc.isenabled(), "seen": seen}
+
+
+def test_compare_keeps_the_collector_out_of_the_timed_steps_unless_asked() -> None:
+    from distributed import run_workers
+
+    for out in run_workers(gc_worker, 2):
+        assert out["enabled"]  # the caller's collector state comes back
+        # 3 timed steps and the profiled one
+        assert out["seen"][True] == [False, False, False, True]
+        assert out["seen"][False] == [True] * 4
 
 
 @pytest.mark.slow

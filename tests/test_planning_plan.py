@@ -76,6 +76,77 @@ def test_model_states_follow_the_zero_formula(small_plan):
     assert hybrid["params"] == pytest.approx(4 * P / 4, rel=0.1)
 
 
+def test_rows_hold_the_resident_model_states_of_the_zero_formulas():
+    # ZeRO's setting: mixed precision (bf16 compute, fp32 reduction) and Adam, 16 bytes per
+    # parameter in all. Our shards are the fp32 master parameters (4P), their gradients (4P)
+    # and the two moments (8P); ZeRO counts fp16 parameters and gradients (2P + 2P) and 12P of
+    # fp32 state instead: the same 16P, split otherwise.
+    with torch.device("meta"):
+        model = GPT(CFG)
+    P = sum(p.numel() for p in model.parameters())
+    n, per_node = 8, 4
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    p = plan(model, (torch.zeros(2, 32, dtype=torch.long),), cluster=cpu_cluster(), loss_fn=gpt_loss,
+             mixed_precision=mp, prefetch=(1,))
+
+    def total(row) -> float:
+        return row.model_states["params"] + row.model_states["grads"] + row.model_states["optimizer"]
+
+    # CFG's dimensions split evenly over 8 and 4 ranks: no padding, the formulas hold exactly.
+    assert total(p.row("NO_SHARD")) == 16 * P  # DDP: 16P
+    assert total(p.row("FULL_SHARD")) == 16 * P / n  # ZeRO-3: 16P/N
+    assert total(p.row("HYBRID_SHARD")) == 16 * P / per_node  # ZeRO-3 within a node
+    # ZeRO-2 keeps a bf16 copy of every parameter resident (2P + 14P/N); SHARD_GRAD_OP keeps only
+    # the shards between steps (16P/N) and holds the gathered bf16 parameters from forward to
+    # backward: at its peak, at most those 2P come on top. (ZeRO-1's 4P + 12P/N, whole gradients
+    # with sharded optimizer state, is no strategy here.)
+    zero2 = p.row("SHARD_GRAD_OP")
+    assert total(zero2) == 16 * P / n
+    assert p.row("FULL_SHARD").memory["gathered"] < zero2.memory["gathered"] <= 2 * P
+    for row in p.rows:
+        assert row.model_states["buffers"] == row.memory["buffers"] == 0
+        assert row.model_states["optimizer"] == 2 * row.model_states["grads"]  # AdamW's two moments
+        # At the backward peak, the grads also hold the full, unreduced gradients of a bucket.
+        assert row.phase == "backward" and row.memory["grads"] > row.model_states["grads"]
+        assert row.as_dict()["model_states"] == row.model_states
+
+
+def test_the_optimizer_sets_the_optimizer_state_and_step():
+    with torch.device("meta"):
+        model = GPT(CFG)
+    rows = {name: plan(model, (torch.zeros(2, 32, dtype=torch.long),), cluster=cpu_cluster(), loss_fn=gpt_loss,
+                       strategies=["FULL_SHARD"], prefetch=(1,), optimizer=name).row("FULL_SHARD")
+            for name in ("adamw", "sgd", "none")}
+    adamw, sgd, none = rows["adamw"], rows["sgd"], rows["none"]
+    assert adamw.model_states["optimizer"] == 2 * adamw.model_states["grads"] > 0
+    assert sgd.model_states["optimizer"] == none.model_states["optimizer"] == 0
+    assert sgd.memory["optimizer"] == none.memory["optimizer"] == 0
+    # The graphs are the same; the step outside them is not: AdamW's update is dearer than
+    # SGD's, and "none" has no optimizer step at all.
+    assert adamw.comm_seconds == sgd.comm_seconds == none.comm_seconds
+    assert adamw.step_seconds > sgd.step_seconds > none.step_seconds
+
+
+def test_every_bucket_policy_given_is_planned():
+    from fsdp_compile.inspection.graphinfo import collective_counts
+
+    with torch.device("meta"):
+        model = GPT(CFG)
+    p = plan(model, (torch.zeros(2, 32, dtype=torch.long),), cluster=cpu_cluster(), loss_fn=gpt_loss,
+             strategies=["FULL_SHARD"], prefetch=(1,), buckets=("module", "param", 1 << 16))
+    rows = {r.bucket: r for r in p.rows}
+    assert sorted(rows) == ["0.0625MiB", "module", "param"]
+    assert p.bucket_policies == {"module": "module", "param": "param", "0.0625MiB": 1 << 16}
+    gathers = {c.bucket_label(): collective_counts(t.records[0].forward)["all_gather"]
+               for c, t in p._context.traced.items()}
+    params = len(list(model.parameters()))
+    # One forward gather per block and the root's; per parameter; per 64 KiB of full parameters.
+    assert gathers["module"] == CFG.n_layer + 1 and gathers["param"] == params
+    assert gathers["module"] < gathers["0.0625MiB"] < params
+    # Each collective pays its latency: one per parameter is the slowest.
+    assert rows["param"].step_seconds > rows["module"].step_seconds
+
+
 def test_memory_by_role_separates_the_strategies(small_plan):
     _, p = small_plan
     full, zero2, ddp = (p.row(s) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"))
@@ -137,7 +208,14 @@ def test_strategies_whose_model_states_cannot_fit_are_not_traced():
              strategies=["NO_SHARD", "FULL_SHARD"])
     ddp = p.row("NO_SHARD")
     assert not ddp.traced and not ddp.fits and "not traced" in ddp.note
+    assert ddp.step_seconds is None and ddp.model_states["optimizer"] == 8 * P
     assert p.row("FULL_SHARD").traced
+    # trace_all=True traces it anyway: a prediction of its own, which still does not fit.
+    everything = plan(model, (tokens,), cluster=cpu_cluster(memory=8 * P), loss_fn=gpt_loss, prefetch=(1,),
+                      strategies=["NO_SHARD", "FULL_SHARD"], trace_all=True)
+    ddp = everything.row("NO_SHARD")
+    assert ddp.traced and not ddp.fits and ddp.note == "" and ddp.step_seconds > 0
+    assert ddp.peak_bytes > ddp.model_states["params"] + ddp.model_states["grads"] + ddp.model_states["optimizer"]
 
 
 def test_bad_arguments_are_named():

@@ -179,9 +179,12 @@ def measured_peak_worker(rank: int, world: int) -> dict:
         backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions, strict=True)
         forward = torch.compile(backend.shard(model), backend=backend)
         forward(x).sum().backward()  # compiles
-        for p in model.parameters():
-            p.grad = None
-        allocated, _ = _allocated_peak(lambda: forward(x).sum().backward(), torch.device("cpu"))
+        peaks = []
+        for _ in range(3):  # gloo's threads allocate with their own timing: noise only adds
+            for p in model.parameters():
+                p.grad = None
+            peaks.append(_allocated_peak(lambda: forward(x).sum().backward(), torch.device("cpu"))[0])
+        allocated = min(peaks)
         (record,) = backend.graphs
         # The estimate counts the parameter shards, allocated before the step.
         out[mode] = {"measured": allocated + record.forward_memory.peak_by_role["param"],
@@ -192,12 +195,14 @@ def measured_peak_worker(rank: int, world: int) -> dict:
 def test_memory_estimate_of_region_graphs_matches_the_allocator() -> None:
     # The allocator's peak of a step (the profiler's CPU allocation events) also holds what the
     # graphs do not show (gloo's buffers beside each collective, autograd's bookkeeping): the
-    # estimates come out a few percent under it, with regions as without. Counting storages by
-    # fake values alone put the region graphs' estimate at half of it.
+    # estimates come out 3-8% under it, with regions as without (observed: 2.8% to 7.9%; the
+    # allocator's peak moves by about 1 MiB, 4%, with the timing of gloo's threads), allowed here
+    # 2% to 9% under. Counting storages by fake values alone put the region graphs' estimate at
+    # half of it.
     out = run_workers(measured_peak_worker, 2)[0]
     for mode in ("regions", "no_regions"):
         measured, estimate = out[mode]["measured"], out[mode]["estimate"]
-        assert 0.85 * measured <= estimate <= 1.05 * measured, (mode, estimate, measured)
+        assert 0.91 * measured <= estimate <= 0.98 * measured, (mode, estimate, measured, estimate / measured)
 
 
 def test_prefetch_crosses_block_boundaries(full_shard) -> None:

@@ -112,6 +112,34 @@ def test_reduction_is_issued_when_its_gradients_exist_and_waited_late() -> None:
     assert names.index("wait_tensor") > names.index("tanh_3")
 
 
+def test_a_reduction_waits_for_an_older_one_rather_than_issuing_late() -> None:
+    # Three reductions, each issued as its gradient exists, under a budget of one bucket: the
+    # budget is kept by waiting for the older reduction where the next one issues, not by
+    # delaying the next one until its use.
+    def f(x, g0, g1, g2):
+        a = torch.tanh(x) * g0
+        r0 = torch.ops.fsdp_compile.reduce_grad(a, "p0", "b0", 4, torch.float32, *SPEC.op_args())
+        b = torch.tanh(a) * g1
+        r1 = torch.ops.fsdp_compile.reduce_grad(b, "p1", "b1", 4, torch.float32, *SPEC.op_args())
+        c = torch.tanh(b) * g2
+        r2 = torch.ops.fsdp_compile.reduce_grad(c, "p2", "b2", 4, torch.float32, *SPEC.op_args())
+        return r0, r1, r2, torch.tanh(c) @ torch.tanh(c).t()
+    gm = make_fx(f, tracing_mode="fake")(*[torch.randn(8, 8) for _ in range(4)])
+    lower_markers(gm, parse_policy("module"))
+    reduction_bytes = 8 * 8 * 4
+    sched = by_bucket(schedule_collectives(gm, ScheduleOptions(max_inflight_bytes=reduction_bytes)))
+    assert inflight_from_order(gm) == (reduction_bytes, reduction_bytes)
+    # Each issued before the compute right after its gradient, as without a budget ...
+    assert [sched[b].issued_before for b in ("b0", "b1", "b2")] == ["tanh_1", "tanh_2", "tanh_3"]
+    # ... and the older one waited there; the last stays in flight to the graph's end.
+    assert sched["b0"].waited_before == sched["b1"].issued_before
+    assert sched["b1"].waited_before == sched["b2"].issued_before
+    assert sched["b2"].waited_before == "output"
+    names = order(gm)
+    assert names.index("wait_tensor") < names.index("reduce_scatter_tensor_1")
+    assert names.index("wait_tensor_1") < names.index("reduce_scatter_tensor_2")
+
+
 def test_memory_estimate_counts_live_storages() -> None:
     def f(x):
         y = x * 2          # 64 bytes while x (held by the caller) is live

@@ -226,10 +226,11 @@ def run_compare(args: argparse.Namespace) -> int:
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30)
     measured = {}
+    gc_between_steps = not args.gc_during_steps
     for name in names:
         options = {"shard_size": shard_size} if name.startswith("HYBRID") else {}
         measured[name] = measure_strategy(name, build, batches, loss_fn, compiler=args.compiler,
-                                          backend_options=options, gc_between_steps=not args.gc_during_steps)
+                                          backend_options=options, gc_between_steps=gc_between_steps)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
@@ -242,7 +243,7 @@ def run_compare(args: argparse.Namespace) -> int:
         stats = network.stats() if network is not None else None
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
-             "gc_between_steps": not args.gc_during_steps,
+             "gc_between_steps": gc_between_steps,
              "network": None if network is None else {"description": repr(network), **stats.to_dict()},
              "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
             indent=2, default=str))

@@ -213,8 +213,9 @@ def _profiled_step(step: Callable[[], None], device: torch.device) -> tuple[floa
     """The largest running sum of allocator events during one step, and the profiler's events."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .calibration.memory import allocation_records, allocator_peak
+    from .calibration.memory import allocation_records, allocator_peak, quiet_profiler
 
+    quiet_profiler()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -6,12 +6,14 @@ forward and backward graphs on a compute and a communication stream (:mod:`.simu
 walks their memory in the same order, then adds what lives outside the graphs: the optimizer
 state, gradients kept for the optimizer step, buffers the graphs do not read.
 
-Memory per device, by role: ``params`` (this rank's shards; whole parameters for NO_SHARD),
-``grads`` (gradient shards and reduction buffers), ``optimizer`` (AdamW: two fp32 moments per
-parameter of the shard, plus one shard-sized temporary during the step), ``gathered``
-(unsharded parameters and gather buffers), ``activations`` (everything the graphs compute and
-keep), ``buffers`` (module buffers). The peak is the largest of three moments: during
-forward, during backward, and at the optimizer step.
+Memory per device, by role, at the peak (``row.memory``): ``params`` (this rank's shards; whole
+parameters for NO_SHARD), ``grads`` (gradient shards and reduction buffers), ``optimizer``
+(AdamW: two fp32 moments per parameter of the shard, plus one shard-sized temporary during the
+step), ``gathered`` (unsharded parameters and gather buffers), ``activations`` (everything the
+graphs compute and keep), ``buffers`` (module buffers). The peak is the largest of three
+moments: during forward, during backward, and at the optimizer step. Beside it, the model states
+a rank holds between steps (``row.model_states``: its parameters, gradients and optimizer state,
+and buffers), what ZeRO's memory formulas count.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class PlanRow:
     note: str = ""
     phase: str = ""  # where the peak is: "forward", "backward" or "optimizer step"
     chosen: bool = False
+    # Resident between steps, per device: "params", "grads", "optimizer" (exact, from the
+    # parameters' shapes and the strategy's shard layout) and "buffers". ``memory`` is the
+    # breakdown at the peak instead, whose grads include the unreduced full gradients of the
+    # bucket being reduced, and whose gathered parameters come on top.
+    model_states: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -194,7 +201,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
         compute_seconds=float(timeline.compute_seconds + outside_seconds), comm_seconds=float(timeline.comm_seconds),
         tokens_per_second=tokens / step if step > 0 else None,
         mfu=float(timeline.flops) / (step * cluster.flops_for(compute_dtype)) if step > 0 else None,
-        phase=phase, note=note)
+        phase=phase, note=note, model_states={k: float(v) for k, v in states.items()})
 
 
 def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float) -> PlanRow:
@@ -205,7 +212,7 @@ def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float)
         memory={"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
                 "gathered": 0.0, "activations": 0.0, "buffers": states["buffers"]},
         step_seconds=None, exposed_comm_seconds=None, bytes_per_step={"intra": 0.0, "inter": 0.0},
-        traced=False, phase="optimizer step",
+        traced=False, phase="optimizer step", model_states={k: float(v) for k, v in states.items()},
         note=f"not traced: parameters, gradients and optimizer state alone need {at_step / GiB:.1f} GiB "
              f"> {budget / GiB:.1f} GiB (a lower bound: activations come on top)")
 

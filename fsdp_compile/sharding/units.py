@@ -9,8 +9,9 @@ Policies (``fsdp_compile.backend(bucket=...)``):
   ``nn.ModuleDict`` (torchtitan's ``layers``), or composite attributes (``self.block0``,
   ``self.block1``; leaf layers such as two ``nn.Embedding`` are not blocks). The outermost
   repeat wins (a block's experts stay in the block), except that a stage holding blocks (a
-  container of them, or a module with nothing but leaf layers beside them) gives way to its
-  blocks; an encoder and a decoder each contribute their own blocks;
+  container of them, or a stack: a module with nothing but leaf layers beside them, too large
+  to be one bucket) gives way to its blocks; an encoder and a decoder each contribute their
+  own blocks;
 * a set of module classes, or a callable ``module -> bool`` (as FSDP1's ``auto_wrap_policy``):
   each selected module is a unit; a parameter belongs to its nearest selected ancestor, else to
   the root;
@@ -88,6 +89,10 @@ def parse_policy(bucket: BucketPolicy) -> Policy:
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# A rank holds two buckets gathered at once (the one in use and the one prefetched); two
+# stacks holding more than this share of the model's parameters between them would keep most
+# of the model whole, so their blocks are the units instead.
+_MAX_SHARE_OF_TWO = 0.5
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -113,6 +118,13 @@ class _BlockFinder:
     composite blocks: a container of them, or a stack (a module holding them in containers, and
     beside them only leaf layers: T5's encoder and decoder are one class, each an embedding, a
     list of blocks and a norm). A stage's blocks are the units then.
+
+    Structure alone cannot tell a stack from a block of experts whose only other layers are
+    leaves (a norm and a router beside the list of experts): the sizes do. T5 has two stacks,
+    each near half of the model, and taking them whole would gather most of the model at once;
+    a mixture of experts has many blocks, each a small share, and one bucket per block keeps
+    buckets of comparable size that each leave the rest sharded. So repeated stacks are stages
+    only when two of them hold more than half of the model's parameters.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -121,6 +133,14 @@ class _BlockFinder:
         for name, module in model.named_modules():
             self.name_of.setdefault(id(module), name)
         self.modules = dict(model.named_modules())
+        # Parameter elements under each module name, each parameter counted once (where
+        # named_parameters() names it), for the size of a stack.
+        self.numel: dict[str, int] = {}
+        for name, param in model.named_parameters():
+            parts = name.split(".")[:-1]
+            for end in range(len(parts) + 1):
+                prefix = ".".join(parts[:end])
+                self.numel[prefix] = self.numel.get(prefix, 0) + param.numel()
 
     def blocks(self, module: nn.Module, prefix: str) -> list[str]:
         children = []
@@ -133,21 +153,24 @@ class _BlockFinder:
         for path, child in children:
             if in_container or (_is_composite(child) and not isinstance(child, _CONTAINERS)):
                 by_class.setdefault(type(child), []).append(path)
-        repeated = {path for paths in by_class.values() if len(paths) >= 2 for path in paths}
+        siblings = {path: paths for paths in by_class.values() if len(paths) >= 2 for path in paths}
         found = []
         for path, child in children:
             inner = self.blocks(child, path)
-            if path in repeated and not self._is_stage(child, path, inner):
+            if path in siblings and not self._is_stage(child, path, inner, siblings[path]):
                 found.append(path)
             else:
                 found += inner
         return found
 
-    def _is_stage(self, module: nn.Module, path: str, inner: list[str]) -> bool:
+    def _is_stage(self, module: nn.Module, path: str, inner: list[str], siblings: list[str]) -> bool:
         if not inner or not all(_is_composite(self.modules[name]) for name in inner):
             return False
         if isinstance(module, _CONTAINERS):
             return True
+        largest = sorted((self.numel.get(name, 0) for name in siblings), reverse=True)[:2]
+        if sum(largest) <= _MAX_SHARE_OF_TWO * self.numel.get("", 0):
+            return False  # small enough to be one bucket each: a block (of experts)
         # Two attentions side by side (a decoder layer's self- and cross-attention) are not a
         # stack, and neither is a block whose experts sit beside its attention.
         if not all(isinstance(self.modules[name.rpartition(".")[0]], _CONTAINERS) for name in inner):

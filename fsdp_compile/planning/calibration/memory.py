@@ -8,12 +8,27 @@ training-step benchmark read a step's peak with the same records.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from ..numbers import ClusterError
 from .compute import _node_ranks
+
+# Above every level kineto logs at: on torch 2.13 its "USDT: ... profiler_start" and
+# "profiler_stop" lines go to stderr at every level up to 5.
+_KINETO_QUIET = "6"
+
+
+def quiet_profiler() -> None:
+    """Keep the profiler's own C++ logging out of the tools' output (a tool's output is its
+    table), unless the user asked for it by setting ``KINETO_LOG_LEVEL``.
+
+    Kineto reads the level once, when the process starts its first profile: call this before
+    profiling. A process that profiled before keeps the level it started with.
+    """
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
 
 
 def allocation_records(prof: Any) -> list[tuple[int, int, int]]:
@@ -68,6 +83,7 @@ def _allocated_peak(fn, device: torch.device) -> tuple[float, Any]:
         return float(torch.cuda.max_memory_allocated(device) - before), result
     from torch.profiler import ProfilerActivity, profile
 
+    quiet_profiler()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     return float(allocator_peak(allocation_records(prof))), result
