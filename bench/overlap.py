@@ -104,6 +104,17 @@ def fsdp2_mesh(strategy: str, world: int):
     return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
 
 
+def plain_groups(strategy: str, world: int, plain):
+    """Plain gloo groups for the strategy: the world, or (shard group, replicate group) of 2 x 2."""
+    if strategy not in HYBRID:
+        return plain
+    rank = dist.get_rank()
+    # Every rank takes part in creating every group, its own or not.
+    shards = [dist.new_group(ranks, backend="gloo") for ranks in ([0, 1], [2, 3])]
+    replicas = [dist.new_group(ranks, backend="gloo") for ranks in ([0, 2], [1, 3])]
+    return shards[rank // 2], replicas[rank % 2]
+
+
 def build(variant: str, strategy: str, base: torch.nn.Module, world: int, compiler: str, plain) -> tuple:
     """(model whose parameters the optimizer steps, callable for the forward)."""
     model = copy.deepcopy(base)
@@ -111,10 +122,10 @@ def build(variant: str, strategy: str, base: torch.nn.Module, world: int, compil
         return model, torch.compile(model, backend=compiler)
     if variant.startswith("fsdp_compile"):
         options: dict[str, Any] = {"compiler": compiler, "schedule": variant != "fsdp_compile_unscheduled"}
-        if strategy in HYBRID:
-            options["shard_size"] = 2
         if variant == "fsdp_compile_gloo":
-            options["process_groups"] = plain
+            options["process_groups"] = plain_groups(strategy, world, plain)
+        elif strategy in HYBRID:
+            options["shard_size"] = 2
         backend = fsdp_compile.backend(strategy, **options)
         backend.shard(model)
         return model, torch.compile(model, backend=backend)
