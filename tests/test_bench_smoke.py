@@ -278,3 +278,61 @@ def test_single_gpu_benchmark_runs_as_one_rank_of_a_fake_world(tmp_path: Path) -
     report = json.loads((tmp_path / "fake.json").read_text())
     assert report["backend"] == "fake" and report["config"]["fake_world"] == 4
     assert "rank 0 of a fake world of 4" in (tmp_path / "fake.md").read_text()
+
+
+OVERLAP_VARIANTS = ["fsdp_compile_scheduled", "fsdp_compile_unscheduled", "fsdp2_eager", "fsdp2_compile"]
+
+
+def _run_overlap(tmp_path: Path, strategies: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "overlap.py"), "--smoke", "--strategies", *strategies,
+                           "--out", str(tmp_path)], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Emulation per row" in proc.stdout  # every run prints how far the emulation held
+    return json.loads((tmp_path / "overlap_smoke.json").read_text())
+
+
+def _check_overlap_report(report: dict, tmp_path: Path, strategy: str, variants: list[str]) -> None:
+    rows = [r for r in report["rows"] if r["strategy"] == strategy]
+    ratios = [0.0, *report["ratios"]]
+    assert report["ratios"] == [0.25, 0.5, 1.0, 2.0]
+    assert {(r["ratio"], r["variant"]) for r in rows} == {(p, v) for p in ratios for v in variants}
+    for row in rows:
+        assert len(row["step_ms"]["rounds"]) == report["rounds"] == 1, row
+        for key in ("compute_ms", "exposed_ms", "limit_ms", "over_limit"):
+            assert set(row[key]) >= {"median", "min", "max", "rounds"}, key
+        assert row["limit_ms"]["median"] == max(row["compute_ms"]["median"], row["communication_ms"])
+        assert set(row["overruns"]) == {"count", "observed", "max_ms", "per_step_ms"}
+        assert isinstance(row["emulation_held"], bool)
+        # Modeled communication comes from the network's counts: a nanosecond a collective on the
+        # unlimited link.
+        assert (row["communication_ms"] > 1e-3) == (row["ratio"] > 0), row
+    # The points are set by fsdp_compile scheduled's own communication: ratio x its compute.
+    strategy_report = next(s for s in report["strategies"] if s["strategy"] == strategy)
+    assert [p["ratio"] for p in strategy_report["points"]] == ratios
+    kinds = {t["target"] for t in report["targets"] if t["strategy"] == strategy}
+    assert kinds == {"within 15% of the limit", "faster than unscheduled", "no slower than fsdp2_eager",
+                     "no slower than fsdp2_compile"}
+    assert all(isinstance(t["held"], bool) for t in report["targets"])
+    traced = {(t["ratio"], t["variant"]) for t in report["traces"] if t["strategy"] == strategy}
+    assert (1.0, "fsdp_compile_scheduled") in traced
+    text = (tmp_path / "overlap_smoke.md").read_text()
+    assert f"## {strategy} (world " in text and "| step/limit |" in text and "## Targets" in text
+    assert (tmp_path / report["plots"][strategy]).stat().st_size > 0
+
+
+def test_overlap_benchmark_reports_rows_targets_and_overruns(tmp_path: Path) -> None:
+    report = _run_overlap(tmp_path, ["NO_SHARD"])
+    _check_overlap_report(report, tmp_path, "NO_SHARD", [*OVERLAP_VARIANTS, "ddp"])
+    assert "DDP is compared with NO_SHARD" in (tmp_path / "overlap_smoke.md").read_text()
+
+
+@pytest.mark.slow  # world 4: twice the processes of the fast case
+def test_overlap_benchmark_runs_the_hybrid_strategies_on_two_nodes(tmp_path: Path) -> None:
+    report = _run_overlap(tmp_path, ["HYBRID_SHARD_ZERO2"])
+    _check_overlap_report(report, tmp_path, "HYBRID_SHARD_ZERO2", OVERLAP_VARIANTS)
+    strategy = report["strategies"][0]
+    assert strategy["world"] == 4 and strategy["per_step_links"]["inter"]["collectives"] > 0
+    # The inter-node link runs 10x slower than the intra-node one at every swept point.
+    for point in strategy["points"][1:]:
+        assert point["inter_node"] * 10 == pytest.approx(point["intra_node"])

@@ -93,6 +93,25 @@ def test_link_time_is_latency_plus_wire_bytes_over_bandwidth() -> None:
     assert unlimited.seconds("all_reduce", 10 ** 9, 8) == 1e-9
 
 
+def test_links_of_a_running_network_can_be_changed_and_bad_values_change_nothing() -> None:
+    # A sweep over link speeds reuses the compiled models of one process, so the speed has to
+    # change after the default group exists.
+    net = fsdp_compile.EmulatedNetwork(intra_node="1GB/s", inter_node="100MB/s", latency="20us")
+    net.set_links(intra_node="500MB/s")
+    assert (net.intra.bandwidth, net.inter.bandwidth) == (5e8, 1e8) and net.intra.latency == pytest.approx(2e-5)
+    assert net.seconds("all_gather", 10 ** 8, 2, "intra") == pytest.approx(2e-5 + 0.1)
+    net.set_links(inter_node=math.inf, latency="1ms")
+    assert net.inter.bandwidth == math.inf and net.intra.bandwidth == 5e8
+    assert net.intra.latency == net.inter.latency == 1e-3
+    assert net.seconds("all_reduce", 10 ** 9, 2, "inter") == 1e-3
+    before = net.links()
+    with pytest.raises(ValueError, match="inter_node='fast' is not a bandwidth"):
+        net.set_links(intra_node="2GB/s", inter_node="fast")
+    with pytest.raises(ValueError, match="latency=0: a latency must be a positive"):
+        net.set_links(intra_node="2GB/s", latency=0)
+    assert net.links() == before
+
+
 def test_stats_sum_by_kind_and_link_and_say_how_gloo_overran() -> None:
     recorder = StatsRecorder()
     recorder.issued("all_gather", "intra", 75.0, 100, 0.5)

@@ -33,6 +33,7 @@ PG_TIMEOUT = datetime.timedelta(seconds=120)
 # Slow enough that a 256 KiB collective is modeled at 15-60 ms, far above gloo's own time for it
 # on loopback (about 1 ms): a wait that did not sleep would end well before the model.
 SLOW = {"intra_node": "10MB/s", "inter_node": "2MB/s", "latency": "2ms"}
+SLOW_LATENCY = 2e-3
 _c10d = torch.ops._c10d_functional
 
 
@@ -227,6 +228,15 @@ def eager_worker(rank: int, world: int) -> dict:
     stats = net.stats()
     out["overrun"] = {"modeled": work.seconds, "total": stats.overruns(), "summary": stats.overrun_summary(),
                       "table": str(stats)}
+
+    # A running network at a new speed: the groups made before it use the new link at once.
+    dist.barrier(group=plain)
+    net.set_links(intra_node="5MB/s")
+    start = time.monotonic()
+    work = dist.all_reduce(x.clone(), async_op=True)
+    work.wait()
+    out["set_links"] = {"elapsed": time.monotonic() - start, "seconds": work.seconds,
+                        "expected": SLOW_LATENCY + 2 * (world - 1) / world * x.nbytes / 5e6}
     _end()
     return out
 
@@ -286,6 +296,13 @@ def test_stats_report_overruns() -> None:
     # Rank 1 came 0.3 s late; rank 0's gloo could not finish before it.
     assert 0.2 <= total.max_seconds == total.total_seconds, late_peer_waited_for["table"]
     assert late_peer_waited_for["summary"].startswith("emulation overran in 1 of 1 observed collectives")
+
+
+def test_a_running_network_takes_new_link_speeds() -> None:
+    for rank, r in enumerate(eager_run()):
+        changed = r["set_links"]
+        assert changed["seconds"] == pytest.approx(changed["expected"], rel=1e-9), rank
+        assert changed["elapsed"] >= changed["seconds"], rank
 
 
 def test_bad_set_up_is_refused_with_a_way_out() -> None:

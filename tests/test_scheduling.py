@@ -140,6 +140,47 @@ def test_a_reduction_waits_for_an_older_one_rather_than_issuing_late() -> None:
     assert names.index("wait_tensor_1") < names.index("reduce_scatter_tensor_2")
 
 
+def test_a_prefetch_is_issued_before_the_wait_it_follows_where_the_budget_allows() -> None:
+    # A link carries one collective at a time: issued after b1's wait returns, b2's gather would
+    # leave the link idle for the return and the issue.
+    gm = chain()
+    schedule_collectives(gm, ScheduleOptions(prefetch=1))
+    names = order(gm)
+    assert names.index("all_gather_into_tensor_2") < names.index("wait_tensor_1")
+    # b0 is issued where it is waited (nothing computes before it): it goes first on the link.
+    assert names.index("all_gather_into_tensor") < names.index("wait_tensor") < names.index("all_gather_into_tensor_1")
+    assert inflight_from_order(gm)[0] <= 2 * BUCKET_BYTES
+    # A budget of one bucket has no room for both: the wait comes first.
+    tight = chain()
+    schedule_collectives(tight, ScheduleOptions(prefetch=1, max_inflight_bytes=BUCKET_BYTES))
+    names = order(tight)
+    assert names.index("wait_tensor_1") < names.index("all_gather_into_tensor_2")
+    assert inflight_from_order(tight)[0] <= BUCKET_BYTES
+
+
+def test_a_reduction_lets_the_next_prefetch_onto_the_link_first() -> None:
+    # Backward's shape: b2's layer, its gradient reduced, more compute, then b1's and b0's layers.
+    # Issued as soon as its gradient exists, the reduce-scatter would go out before b0's prefetch,
+    # and b0's gather would queue behind it on the link.
+    def f(x, g, s0, s1, s2):
+        w2 = torch.ops.fsdp_compile.unshard(s2, "b2.w", "b2", 8, *SPEC.op_args())
+        x = torch.tanh(x @ w2.t())
+        r = torch.ops.fsdp_compile.reduce_grad(x * g, "p", "r", 4, torch.float32, *SPEC.op_args())
+        y = torch.tanh(torch.tanh(x))
+        w1 = torch.ops.fsdp_compile.unshard(s1, "b1.w", "b1", 8, *SPEC.op_args())
+        x = torch.tanh(y @ w1.t())
+        w0 = torch.ops.fsdp_compile.unshard(s0, "b0.w", "b0", 8, *SPEC.op_args())
+        return torch.tanh(x @ w0.t()), r
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8), *[torch.randn(4, 8) for _ in range(3)])
+    lower_markers(gm, parse_policy("module"))
+    sched = by_bucket(schedule_collectives(gm, ScheduleOptions()))
+    names = order(gm)
+    b0_gather = names.index("all_gather_into_tensor_2")
+    assert b0_gather < names.index("reduce_scatter_tensor") < names.index("mm_1")
+    assert names.index("tanh_2") < b0_gather
+    assert sched["r"].waited_before == "output" and sched["r"].overlapped_nodes > 0
+
+
 def test_memory_estimate_counts_live_storages() -> None:
     def f(x):
         y = x * 2          # 64 bytes while x (held by the caller) is live

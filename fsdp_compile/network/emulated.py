@@ -441,6 +441,25 @@ class EmulatedNetwork:
     def links(self) -> dict[str, Link]:
         return {"intra": self.intra, "inter": self.inter}
 
+    def set_links(self, intra_node: float | str | None = None, inter_node: float | str | None = None,
+                  latency: float | str | None = None) -> None:
+        """Change the links of a running network; ``None`` keeps a value as it is.
+
+        For sweeping link speeds over the same compiled models in one process (the default group
+        exists only once per process, and compiling again per speed would take longer than the
+        measurement). Collectives issued before keep their modeled times, and a link stays busy
+        until the last of them ends; later ones run at the new speed. Call it on every rank with
+        the same values between steps: ranks modeling one collective differently finish it at
+        different times, which ``stats()`` then reports as overruns. Bad values are refused as
+        by the constructor, and leave the links as they were.
+        """
+        seconds = self.intra.latency if latency is None else parse_latency(latency, "latency")
+        intra = self.intra.bandwidth if intra_node is None else parse_bandwidth(intra_node, "intra_node")
+        inter = self.inter.bandwidth if inter_node is None else parse_bandwidth(inter_node, "inter_node")
+        with self._lock:  # _reserve reads both links' durations; never a mix of old and new
+            self.intra = Link("intra", intra, seconds)
+            self.inter = Link("inter", inter, seconds)
+
     def init_process_group(self, **kwargs: Any) -> None:
         """``torch.distributed.init_process_group`` on this network: the keyword arguments
         (``init_method``, ``store``, ``rank``, ``world_size``, ``timeout``, ...) pass through."""
@@ -508,8 +527,8 @@ class EmulatedNetwork:
     def _reserve(self, kind: str, link: str, buffer_bytes: int, group_size: int,
                  issued_at: float) -> tuple[float, float]:
         """Book the link for one collective issued at ``issued_at``: (modeled start, seconds)."""
-        seconds = self.seconds(kind, buffer_bytes, group_size, link)
         with self._lock:
+            seconds = self.seconds(kind, buffer_bytes, group_size, link)
             start = issued_at if link == _LOCAL else max(issued_at, self._free_at[link])
             if link != _LOCAL:
                 self._free_at[link] = start + seconds

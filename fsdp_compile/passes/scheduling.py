@@ -22,6 +22,7 @@ off Inductor's peak-memory reordering for graphs with collectives while this pas
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -88,6 +89,7 @@ class _Group:
     first_use: int = 0  # position of the first compute node using the results
     pinned: bool = False
     delayed: bool = False
+    issue_first: bool = False  # issued before the waits laid out at its position
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -260,10 +262,22 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
 
     # Reductions: issued when their gradients exist (earlier reductions still in flight are
     # waited first, oldest first, when the budget asks), each collective waited as late as fits.
+    # A link carries one collective at a time, first come first served, and a gather is waited
+    # sooner than a reduction, which waits for the graph's end or the budget: a reduction issued
+    # right before the next prefetch would make that gather queue behind it, and compute wait
+    # for it. So a reduction goes out after the gathers issued before the next gather is waited.
+    gather_issues = sorted(g.at[0] for g in gathers)
+    gather_waits = sorted(g.at[-1] for g in gathers)
     placed: list[_Group] = []
     for group in sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned),
                         key=lambda g: g.ready):
         start = min(group.ready, group.first_use)
+        next_wait = gather_waits[bisect_left(gather_waits, start)] if gather_waits and \
+            gather_waits[-1] >= start else None
+        if next_wait is not None:
+            before = [p for p in gather_issues[bisect_left(gather_issues, start):] if p <= next_wait]
+            if before:
+                start = min(before[-1], group.first_use)
         size = group.sizes[0]
         while inflight[start] + size > budget:
             older = [q for q in placed if q.at[0] < start < q.at[-1]]
@@ -286,6 +300,18 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
                 inflight.add(wait, wait + 1, size)  # waited where it is issued: in flight for that moment
             group.at.append(wait)
         placed.append(group)
+
+    # Where a gather is waited at another's issue position, issue that one first: a link carries
+    # one collective at a time, and a gather issued after the wait returns leaves the link idle
+    # for the return and the issue, every bucket. Both are then in flight at that moment: only
+    # where the budget has room, once the reductions have theirs (a reduction waited earlier to
+    # make room would block compute longer than the idle link does).
+    for group in gathers:
+        start = group.at[0]
+        waited_here = sum(g.sizes[-1] for g in gathers if g.at[-1] == start and g.at[0] < start)
+        if waited_here and start < group.first_use and inflight[start] + waited_here <= budget:
+            group.issue_first = True
+            inflight.add(start, start + 1, waited_here)
 
     _emit(graph, compute, groups.values())
     stable_topological_sort(graph)
@@ -343,21 +369,22 @@ def _next_compute_position(order: list[fx.Node], node: fx.Node, position: dict, 
 def _emit(graph: fx.Graph, compute: list[fx.Node], groups) -> None:
     """Lay the graph out: before each compute node, the stages scheduled at its position.
 
-    At one position: stages that wait for a collective issued earlier (freeing memory first),
-    then collectives issued and waited right there, then stages that issue a collective
-    waited later; then the compute node itself.
+    At one position: gathers issued ahead of the waits there (``issue_first``), stages that wait
+    for a collective issued earlier (freeing memory first), then collectives issued and waited
+    right there, then stages that issue a collective waited later, gathers before reductions
+    (the link serves them in issue order, and a gather is needed sooner); then the compute node.
     """
     entries = []
     for g in groups:
         for k, stage in enumerate(g.stages):
             if k == 0:
                 waits_here = len(g.at) > 1 and g.at[1] == g.at[0]
-                rank = 1 if waits_here else 2
+                rank = -1 if g.issue_first else 1 if waits_here else 2
             else:
                 rank = 0 if g.at[k] > g.at[k - 1] else 1
-            entries.append((g.at[k], rank, g.tag.group, k, stage))
+            entries.append((g.at[k], rank, g.tag.kind != "gather", g.tag.group, k, stage))
     at: dict[int, list[list[fx.Node]]] = {}
-    for pos, _, _, _, nodes in sorted(entries, key=lambda e: e[:4]):
+    for pos, _, _, _, _, nodes in sorted(entries, key=lambda e: e[:5]):
         at.setdefault(pos, []).append(nodes)
     order: list[fx.Node] = []
     for i, node in enumerate(compute):
