@@ -61,7 +61,11 @@ SLOW = {
     "docs/planning.md#the-command-line-4": "compiles and runs every strategy, after calibrating the CPU",
 }
 # Blocks that are not whole examples: only parsed.
-FRAGMENTS: dict[str, str] = {}
+FRAGMENTS = {
+    "docs/overlap.md#an-emulated-network": "the network must exist before the job's default process group, which the "
+                                           "docs job already has; tests/test_network_distributed.py runs this under "
+                                           "torchrun",
+}
 # Blocks that run only where the named attribute exists.
 NEEDS = {
     "docs/troubleshooting.md#training-diverges-or-the-loss-looks-wrong": "fsdp_compile.GradientMismatch",

@@ -193,6 +193,85 @@ def test_compare_keeps_the_collector_out_of_the_timed_steps_unless_asked() -> No
         assert out["seen"][False] == [True] * 4
 
 
+def network_window_worker(rank: int, world: int) -> list[str]:
+    """The order of compare's steps and its calls on the network: its statistics must cover the
+    timed steps alone (warm-up steps compile, and ranks drift apart by seconds there, which the
+    emulation would count as gloo overrunning the link)."""
+    import torch.nn.functional as F
+
+    from fsdp_compile.planning.cli import build_model
+    from fsdp_compile.planning.compare import measure_strategy
+
+    log: list[str] = []
+
+    class Stats:
+        def to_dict(self) -> dict:
+            return {"overruns": {}}
+
+        def overrun_summary(self) -> str:
+            return "held"
+
+    class Network:
+        def reset_stats(self) -> None:
+            log.append("reset")
+
+        def stats(self) -> Stats:
+            log.append("stats")
+            return Stats()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log.append("step")
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return build_model("gpt-tiny", seq=8, device="cpu")
+
+    data = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
+    measured = measure_strategy("FULL_SHARD", build, [((data[:, :-1],), data[:, 1:])] * 5, loss_fn,
+                                warmup=2, network=Network())
+    assert measured.network == {"overruns": {}, "summary": "held"}
+    assert len(measured.steady_step_times) == 3
+    return log
+
+
+def test_compare_reads_the_network_over_the_timed_steps_alone() -> None:
+    from distributed import run_workers
+
+    for log in run_workers(network_window_worker, 2):
+        # two warm-up steps, the window, three timed steps, the statistics, the profiled step
+        assert log == ["step", "step", "reset", "step", "step", "step", "stats", "step"], log
+
+
+def _measured(name: str, steps_ms: list[float]):
+    from fsdp_compile.planning.compare import Measured
+
+    times = [1.0, 1.0] + [t / 1e3 for t in steps_ms]  # two warm-up steps first
+    return Measured(name, sorted(times[2:])[len(steps_ms) // 2], times, 0.0, 1.0, 1.0, 1.0, {})
+
+
+def test_compare_says_which_strategies_are_within_noise() -> None:
+    from fsdp_compile.planning.compare import step_range, within_noise
+
+    a = _measured("FULL_SHARD", [10, 11, 12, 13, 30])
+    b = _measured("NO_SHARD", [12.5, 13, 14, 15, 16])
+    c = _measured("SHARD_GRAD_OP", [20, 21, 22, 23, 24])
+    assert step_range(a) == pytest.approx((0.011, 0.013))  # the middle half: the warm-up and the outlier left out
+    lines = within_noise({"FULL_SHARD": a, "NO_SHARD": b, "SHARD_GRAD_OP": c})
+    assert len(lines) == 1 and lines[0].startswith("FULL_SHARD and NO_SHARD are within noise"), lines
+
+
+def test_compare_defaults_to_enough_steps_for_a_median() -> None:
+    import argparse
+
+    from fsdp_compile.planning.cli import add_compare_parser
+
+    parser = argparse.ArgumentParser()
+    add_compare_parser(parser.add_subparsers())
+    steps = parser.parse_args(["compare"]).steps
+    assert steps - 2 >= 10, steps  # two warm up; a median of at least ten steps
+
+
 @pytest.mark.slow
 def test_plan_command_solves_the_largest_batch(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"

@@ -166,7 +166,8 @@ def add_compare_parser(sub: Any) -> None:
     p.add_argument("--layers", type=int)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--steps", type=int, default=5, help="steps per strategy (the first two warm up)")
+    p.add_argument("--steps", type=int, default=12,
+                   help="steps per strategy (the first two warm up; the median of the rest is reported)")
     p.add_argument("--strategies", help="comma-separated (default: all that apply at this world size)")
     p.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor"])
     p.add_argument("--shard-size", type=int, help="hybrid strategies: ranks per shard group (default LOCAL_WORLD_SIZE)")
@@ -186,7 +187,7 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from .cluster import Cluster
-    from .compare import bar_chart, measure_strategy
+    from .compare import bar_chart, measure_strategy, step_range, within_noise
     from .plan import plan
 
     owns_group = not dist.is_initialized()
@@ -230,7 +231,8 @@ def run_compare(args: argparse.Namespace) -> int:
     for name in names:
         options = {"shard_size": shard_size} if name.startswith("HYBRID") else {}
         measured[name] = measure_strategy(name, build, batches, loss_fn, compiler=args.compiler,
-                                          backend_options=options, gc_between_steps=gc_between_steps)
+                                          backend_options=options, gc_between_steps=gc_between_steps,
+                                          network=network)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
@@ -240,23 +242,28 @@ def run_compare(args: argparse.Namespace) -> int:
             row = predicted.row(name)
             rows.append({"strategy": name, "measured": measured[name].as_dict(), "predicted": row.as_dict()})
         args.out.mkdir(parents=True, exist_ok=True)
-        stats = network.stats() if network is not None else None
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
              "gc_between_steps": gc_between_steps,
-             "network": None if network is None else {"description": repr(network), **stats.to_dict()},
+             "network": None if network is None else repr(network),
              "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
             indent=2, default=str))
-        print(f"{'strategy':<20}{'step ms':>10}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}{'pred MiB':>10}"
-              f"{'wire MB':>10}{'pred MB':>10}{'compile s':>11}")
+        print(f"{'strategy':<20}{'step ms':>10}{'range ms':>15}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}"
+              f"{'pred MiB':>10}{'wire MB':>10}{'pred MB':>10}{'compile s':>11}")
         for r in rows:
             m, p = r["measured"], r["predicted"]
-            print(f"{r['strategy']:<20}{m['step_seconds'] * 1e3:>10.1f}{p['step_seconds'] * 1e3:>10.1f}"
+            low, high = step_range(measured[r["strategy"]])
+            print(f"{r['strategy']:<20}{m['step_seconds'] * 1e3:>10.1f}{f'{low * 1e3:.1f}-{high * 1e3:.1f}':>15}"
+                  f"{p['step_seconds'] * 1e3:>10.1f}"
                   f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
                   f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
                   f"{m['compile_seconds']:>11.1f}")
-        if stats is not None:
-            print(f"on {network!r}: {stats.overrun_summary()}")
+        for line in within_noise(measured):
+            print(line)
+        if network is not None:
+            print(f"on {network!r}, over the timed steps:")
+            for name in names:
+                print(f"  {name}: {measured[name].network['summary']}")
         try:
             bar_chart(rows, str(args.out / "compare.png"), f"{args.model}, world {world}: measured vs predicted")
         except ImportError:

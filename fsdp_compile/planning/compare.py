@@ -71,6 +71,15 @@ class Measured:
     load_average: float | None = None  # the machine's 1-minute load average after the steps
     quiet_step_seconds: float | None = None  # median over steps no rank waited > 5% for a core
     wait_fractions: list[float] = field(default_factory=list)  # per step, the largest rank's
+    # On an emulated network: what the links did in the timed steps alone (warm-up and
+    # compilation, where ranks drift apart by seconds, are left out), as NetworkStats.to_dict().
+    network: dict[str, Any] | None = None
+    warmup_steps: int = 2
+
+    @property
+    def steady_step_times(self) -> list[float]:
+        """The timed steps (after warm-up), whose median is ``step_seconds``."""
+        return self.step_times[self.warmup_steps:] or self.step_times[-1:]
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -244,12 +253,13 @@ def _collector_between_steps(enabled: bool) -> Iterator[None]:
 def measure_strategy(
     strategy: ShardingStrategy | str, build: Callable[[], nn.Module], batches: Sequence[tuple],
     loss_fn: Callable, *, compiler: str = "aot_eager", warmup: int = 2, backend_options: dict | None = None,
-    tokens_per_step: int | None = None, gc_between_steps: bool = True,
+    tokens_per_step: int | None = None, gc_between_steps: bool = True, network: Any = None,
 ) -> Measured:
     """Train ``len(batches)`` steps of ``strategy``; see the module docstring for what is measured.
 
     ``build()`` returns the model (same on every rank); each batch is ``(inputs, targets)`` of
-    this rank; ``loss_fn(output, targets)``.
+    this rank; ``loss_fn(output, targets)``. ``network``: the :class:`~fsdp_compile.EmulatedNetwork`
+    the process group runs on, if any; its statistics are read over the timed steps alone.
     """
     import fsdp_compile
 
@@ -272,7 +282,11 @@ def measure_strategy(
         optimizer.zero_grad(set_to_none=True)
 
     times, cpu, waits = [], [], []
+    network_stats = None
     for i, (inputs, targets) in enumerate(batches):
+        if network is not None and i == warmup:
+            dist.barrier()
+            network.reset_stats()
         with _collector_between_steps(gc_between_steps):
             dist.barrier()
             if device.type == "cuda":
@@ -290,6 +304,9 @@ def measure_strategy(
             waits.append(_largest((after[1] - before[1]) / wall))
         if i == 0:
             gc.collect()
+    if network is not None:
+        stats = network.stats()
+        network_stats = {**stats.to_dict(), "summary": stats.overrun_summary()}
     steady = times[warmup:] or times[-1:]
     step_seconds = statistics.median(steady)
     cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
@@ -308,7 +325,31 @@ def measure_strategy(
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
-                    cpu_seconds, wait_fraction, _load_average(), quiet_step, steady_waits)
+                    cpu_seconds, wait_fraction, _load_average(), quiet_step, steady_waits, network_stats, warmup)
+
+
+def step_range(measured: Measured) -> tuple[float, float]:
+    """The middle half of the timed steps (first to third quartile): how much a step varies."""
+    steps = sorted(measured.steady_step_times)
+    if len(steps) < 4:
+        return steps[0], steps[-1]
+    q1, _, q3 = statistics.quantiles(steps, n=4, method="inclusive")
+    return q1, q3
+
+
+def within_noise(measured: dict[str, Measured]) -> list[str]:
+    """A line for each pair of strategies whose step times cannot be told apart: the middle
+    halves of their timed steps overlap, so which one is faster is not measured by this run."""
+    names = list(measured)
+    lines = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            (a_low, a_high), (b_low, b_high) = step_range(measured[a]), step_range(measured[b])
+            if a_low <= b_high and b_low <= a_high:
+                lines.append(f"{a} and {b} are within noise of each other: the middle halves of their steps "
+                             f"overlap ({a_low * 1e3:.1f}-{a_high * 1e3:.1f} ms and "
+                             f"{b_low * 1e3:.1f}-{b_high * 1e3:.1f} ms)")
+    return lines
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
