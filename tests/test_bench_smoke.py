@@ -336,3 +336,23 @@ def test_overlap_benchmark_runs_the_hybrid_strategies_on_two_nodes(tmp_path: Pat
     # The inter-node link runs 10x slower than the intra-node one at every swept point.
     for point in strategy["points"][1:]:
         assert point["inter_node"] * 10 == pytest.approx(point["intra_node"])
+
+
+@pytest.mark.slow
+def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_emulated.py"), "--smoke", "--quiet-load", "100",
+                           "--out", str(tmp_path)], check=False, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "plan_emulated_smoke.json").read_text())
+    points = {(r["ratio"], r["strategy"]) for r in report["rows"]}
+    assert points == {(p, s) for p in (0.0, 1.0) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    emulated = [r for r in report["rows"] if r["ratio"] == 1.0]
+    # each emulated row says whether the emulation held over its timed steps, and is predicted for that network
+    assert all(r["emulation"].startswith("emulation") for r in emulated), [r["emulation"] for r in emulated]
+    assert all(r["predicted_step_s"] > 0 and r["predicted_comm_s"] > 0 for r in emulated)
+    intra, inter = report["links"]["2/1.0"]
+    assert intra == inter > 0  # one node: one link speed
+    text = (tmp_path / "plan_emulated_smoke.md").read_text()
+    assert "## Targets" in text and "ranking kept" in text
+    assert (tmp_path / "plan_emulated_smoke_w2.png").stat().st_size > 1000
