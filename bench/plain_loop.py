@@ -1,0 +1,207 @@
+"""A user's own training loop against the plan: where the time the planner does not predict goes.
+
+    python bench/plain_loop.py                 # 4 runs (fresh jobs), world 2, plain gloo
+    python bench/plain_loop.py --runs 2 --smoke
+
+The loop is what a user writes, not ``compare``: a GPT (d_model 256, 6 layers, vocab 1024),
+batch 4 x 128 per rank, AdamW, ``fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")``, the
+median of 6 steps after 2 warm-up steps, Python's garbage collector left as it is. Each run is a
+fresh torchrun job that first calls ``Cluster.measure()`` and ``plan()`` for the same step, so
+the spread of the calibration from run to run is part of what is measured.
+
+Per step, each rank records: wall time, split into forward (with the loss), backward and the
+optimizer step; the time Python's collector spent in collections (``gc.callbacks``) and which
+generations ran; and the main thread's CPU time. The report sets, per run, the measured median
+against the prediction beside that split and the run's calibration (matmul FLOP/s, per-operator
+overhead, all-gather bandwidth), so the spread from run to run can be put on the collector, on
+the calibration, or on neither. Writes ``<out>/plain_loop.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import fsdp_compile
+    from fsdp_compile.models.gpt import GPT, GPTConfig
+    from fsdp_compile.planning.cli import _cluster_numbers, _cross_entropy
+    from fsdp_compile.sharding.groups import end_process_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = (GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, d_model=64) if args.smoke else
+           GPTConfig(vocab_size=1024, block_size=128, n_layer=6, n_head=4, d_model=256))
+    batch = 2 if args.smoke else 4
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT(cfg)
+
+    cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30)
+    predicted = None
+    if rank == 0:
+        example = (torch.zeros(batch, cfg.block_size, dtype=torch.long),)
+        row = fsdp_compile.plan(build(), example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
+                                strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=8 << 30).row("FULL_SHARD")
+        predicted = {"step_s": row.step_seconds, "compute_s": row.compute_seconds, "comm_s": row.comm_seconds,
+                     "exposed_s": row.exposed_comm_seconds}
+    dist.barrier()
+
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    model = backend.shard(build())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=backend)
+    gen = torch.Generator().manual_seed(1 + rank)
+
+    collections: list[tuple[int, float]] = []
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            collections.append((info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(on_gc)
+    steps = []
+    for _ in range(args.warmup + args.steps):
+        data = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen)
+        x, y = data[:, :-1], data[:, 1:]
+        dist.barrier()
+        collections.clear()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        logits = compiled(x)
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        steps.append({"wall_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+                      "cpu_s": time.thread_time() - c0, "gc_s": sum(d for _, d in collections),
+                      "gc_generations": [g for g, _ in collections]})
+    gc.callbacks.remove(on_gc)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, steps)
+    if rank == 0:
+        timed = list(range(args.warmup, args.warmup + args.steps))
+        # a step ends when its slowest rank ends
+        per_step = [max(everyone[r][i]["wall_s"] for r in range(world)) for i in timed]
+        result = {"predicted": predicted, "cluster": _cluster_numbers(cluster), "steps": everyone,
+                  "measured_step_s": statistics.median(per_step), "timed_steps_s": per_step,
+                  "load": os.getloadavg()[0]}
+        Path(args.part).write_text(json.dumps(result, default=str))
+    end_process_group(exit_process=True)
+
+
+def attribution(run: dict, warmup: int) -> dict:
+    """Medians over the timed steps of rank 0 and the largest rank."""
+    def med(key: str) -> float:
+        return statistics.median(max(rank[i][key] for rank in run["steps"]) for i in range(warmup, len(run["steps"][0])))
+
+    gc_steps = sum(any(rank[i]["gc_s"] > 0 for rank in run["steps"]) for i in range(warmup, len(run["steps"][0])))
+    gc_max = max(max(rank[i]["gc_s"] for rank in run["steps"]) for i in range(warmup, len(run["steps"][0])))
+    return {"forward_s": med("forward_s"), "backward_s": med("backward_s"), "optimizer_s": med("optimizer_s"),
+            "cpu_s": med("cpu_s"), "gc_s_median": med("gc_s"), "gc_s_max": gc_max, "steps_with_gc": gc_steps}
+
+
+def render(report: dict) -> str:
+    lines = ["# A plain training loop against the plan", "",
+             (f"Run {report['when']} on {report['machine']}, torch {report['torch']}, commit {report['commit']}. "
+              f"{report['model']}; FULL_SHARD, aot_eager, plain gloo at world 2; the median of {report['steps']} "
+              f"steps after {report['warmup']} warm-up steps, Python's collector left as it is. Each run is a fresh "
+              "job: `Cluster.measure()`, `plan()`, then the loop. Produced by `python bench/plain_loop.py`."), "",
+             "| run | load | predicted step | measured | measured / predicted | steps with a collection | "
+             "collector per step (median / max) | forward / backward / optimizer | main-thread CPU | "
+             "matmul GFLOP/s | op overhead | all-gather MB/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, run in enumerate(report["runs"], 1):
+        a, c, p = run["attribution"], run["cluster"], run["predicted"]
+        flops = c["peak_flops"].get("float32", 0) / 1e9
+        ag = c["collectives"].get("all_gather", {}).get("bandwidth", 0) / 1e6
+        lines.append(
+            f"| {i} | {run['load']:.1f} | {p['step_s'] * 1e3:.0f} ms | {run['measured_step_s'] * 1e3:.0f} ms | "
+            f"{run['measured_step_s'] / p['step_s']:.2f}x | {a['steps_with_gc']}/{report['steps']} | "
+            f"{a['gc_s_median'] * 1e3:.1f} / {a['gc_s_max'] * 1e3:.1f} ms | {a['forward_s'] * 1e3:.0f} / "
+            f"{a['backward_s'] * 1e3:.0f} / {a['optimizer_s'] * 1e3:.0f} ms | {a['cpu_s'] * 1e3:.0f} ms | "
+            f"{flops:.1f} | {c['op_overhead'] * 1e6:.1f} us | {ag:.0f} |")
+    ratios = [r["measured_step_s"] / r["predicted"]["step_s"] for r in report["runs"]]
+    preds = [r["predicted"]["step_s"] * 1e3 for r in report["runs"]]
+    meas = [r["measured_step_s"] * 1e3 for r in report["runs"]]
+    lines += ["", (f"Measured / predicted: {min(ratios):.2f}x to {max(ratios):.2f}x. Predictions ranged "
+                   f"{min(preds):.0f}-{max(preds):.0f} ms ({max(preds) / min(preds) - 1:.0%} apart) and "
+                   f"measurements {min(meas):.0f}-{max(meas):.0f} ms ({max(meas) / min(meas) - 1:.0%} apart) "
+                   "over the runs."), ""]
+    if report.get("analysis"):
+        lines += ["## Analysis", "", report["analysis"], ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--analysis", type=Path)
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.part:
+        worker(args)
+        return
+    runs = []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            part = Path(tmp) / "run.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   str(Path(__file__).resolve()), "--part", str(part), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]
+            print(f"run {i + 1}/{args.runs}:", " ".join(cmd), flush=True)
+            subprocess.run(cmd, env=env, check=True)
+            run = json.loads(part.read_text())
+        run["attribution"] = attribution(run, args.warmup)
+        print(f"  predicted {run['predicted']['step_s'] * 1e3:.0f} ms, measured {run['measured_step_s'] * 1e3:.0f} ms,"
+              f" collector {run['attribution']['gc_s_median'] * 1e3:.1f} ms/step (max "
+              f"{run['attribution']['gc_s_max'] * 1e3:.1f})", flush=True)
+        runs.append(run)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    model = ("GPT d_model 64, 2 layers, batch 2 x 32" if args.smoke else
+             "GPT d_model 256, 6 layers, vocab 1024, batch 4 x 128 per rank")
+    report = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+              "torch": torch.__version__, "commit": commit, "model": model, "steps": args.steps,
+              "warmup": args.warmup, "runs": runs, "analysis": args.analysis.read_text() if args.analysis else None}
+    name = "plain_loop_smoke" if args.smoke else "plain_loop"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
+    (args.out / f"{name}.md").write_text(render(report))
+    print((args.out / f"{name}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
