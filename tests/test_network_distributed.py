@@ -144,7 +144,7 @@ class _CountingTime:
 
 
 def eager_worker(rank: int, world: int) -> dict:
-    from fsdp_compile.network import emulated
+    from fsdp_compile.network import completion, emulated
 
     out: dict[str, Any] = {"errors": {}}
     errors = out["errors"]
@@ -199,7 +199,7 @@ def eager_worker(rank: int, world: int) -> dict:
 
     # A wait before the modeled end sleeps (a sleep or two, not a spin); one after it returns at once.
     clock = _CountingTime()
-    emulated.time = clock
+    emulated.time = completion.time = clock
     try:
         dist.barrier(group=plain)
         work = dist.all_reduce(torch.randn(256 * 1024), async_op=True)  # 1 MiB: modeled ~0.2 s
@@ -215,7 +215,7 @@ def eager_worker(rank: int, world: int) -> dict:
         work.wait()
         out["sleeps_after_end"] = clock.sleeps
     finally:
-        emulated.time = time
+        emulated.time = completion.time = time
 
     # Overruns: a peer that comes 0.3 s late makes gloo finish long after a ~3 ms model.
     dist.barrier(group=plain)

@@ -34,11 +34,8 @@ not.
 from __future__ import annotations
 
 import datetime
-import heapq
-import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .completion import Alarm, Watchers, sleep_until
 from .links import Link, format_bandwidth, format_seconds, parse_bandwidth, parse_latency, wire_bytes
 from .stats import NetworkStats, StatsRecorder
 
@@ -57,12 +55,6 @@ _LOCAL = "local"  # the "link" of a group of one rank, which communicates with n
 _NO_TIMEOUT = datetime.timedelta(0)  # c10d's "no timeout" for Work.wait
 
 _active: EmulatedNetwork | None = None
-
-
-def _sleep_until(deadline: float) -> None:
-    # time.sleep can wake a little early on some clocks; loop, but never spin.
-    while (remaining := deadline - time.monotonic()) > 0:
-        time.sleep(remaining)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -77,78 +69,6 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
-class _Alarm:
-    """One daemon thread that runs callbacks at given times (completes futures at their modeled
-    end); it sleeps on a condition until the earliest one is due."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._due: list[tuple[float, int, Callable, tuple]] = []
-        self._order = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def at(self, when: float, fn: Callable, *args: Any) -> None:
-        if when <= time.monotonic():
-            fn(*args)
-            return
-        with self._cond:
-            heapq.heappush(self._due, (when, next(self._order), fn, args))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="emulated-network-alarm", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._due or (wait := self._due[0][0] - time.monotonic()) > 0:
-                    self._cond.wait(None if not self._due else wait)
-                _, _, fn, args = heapq.heappop(self._due)
-            try:
-                fn(*args)
-            except Exception:  # keep the thread: later futures still have to complete
-                logger.exception("emulated network: completing a future failed")
-
-
-class _Watchers:
-    """Daemon threads that each wait for one gloo work and report when it finished.
-
-    Gloo's reduce-scatters have no future to hang a callback on, and a caller may wait long
-    after the modeled end (a compiled graph waits late on purpose), so completion is observed
-    off the caller's thread. Threads are reused; a new one starts only when all are busy, so
-    each in-flight collective has its own. Not for gloo's send and receive: each wait on those
-    consumes a completion, so a second waiter would leave the caller's wait hanging.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-
-    def watch(self, work: dist.Work, done: Callable[[float, BaseException | None], None]) -> None:
-        with self._lock:
-            if self._idle == 0:
-                threading.Thread(target=self._run, name="emulated-network-watch", daemon=True).start()
-            else:
-                self._idle -= 1
-        self._queue.put((work, done))
-
-    def _run(self) -> None:
-        while True:
-            work, done = self._queue.get()
-            try:
-                try:
-                    work.wait()
-                    error = None
-                except BaseException as exc:  # the caller's own wait raises it; here it ends the watch
-                    error = exc
-                done(time.monotonic(), error)
-            finally:
-                del work, done
-                with self._lock:
-                    self._idle += 1
-
-
 class EmulatedWork(dist.Work):
     """A collective in flight on an emulated link: completes when gloo has finished it and the
     modeled end has come, whichever is later. ``wait()`` before the modeled end sleeps.
@@ -156,8 +76,9 @@ class EmulatedWork(dist.Work):
     ``issued_at``, ``modeled_start`` and ``modeled_end`` are ``time.monotonic()`` seconds;
     ``kind``, ``link`` and ``seconds`` (the modeled duration) say what the model made of it;
     ``gloo_done_at`` when gloo was seen to finish (``None`` while in flight). A send or receive
-    is seen to finish only by its own ``wait()`` (see :class:`_Watchers`), so a late wait on one
-    can report an overrun that was not.
+    is seen to finish only by its own ``wait()`` (see
+    :class:`~fsdp_compile.network.completion.Watchers`), so a late wait on one can report an
+    overrun that was not.
     """
 
     def __init__(self, inner: dist.Work, network: EmulatedNetwork, kind: str, link: str,
@@ -185,7 +106,7 @@ class EmulatedWork(dist.Work):
         elif self.gloo_done_at is None:  # gloo's send / receive may be waited on once only
             self._inner.wait(timeout)
             self._gloo_done(time.monotonic(), None)
-        _sleep_until(self.modeled_end)
+        sleep_until(self.modeled_end)
         return True
 
     def is_completed(self) -> bool:
@@ -430,8 +351,8 @@ class EmulatedNetwork:
         self._lock = threading.Lock()
         self._free_at = {"intra": 0.0, "inter": 0.0}
         self._recorder = StatsRecorder()
-        self._alarm = _Alarm()
-        self._watchers = _Watchers()
+        self._alarm = Alarm()
+        self._watchers = Watchers()
 
     @property
     def devices_per_node(self) -> int | None:
