@@ -74,7 +74,8 @@ class FSDPBackend:
             would undo it.
         prefetch: how many buckets ahead a gather is issued (default 1; 0: right before use).
         max_inflight_bytes: most bytes of collectives issued and not yet waited (default: twice
-            the largest bucket).
+            the largest bucket, plus twice the largest all-reduce across nodes under the hybrid
+            strategies).
         forward_prefetch: explicit orders ``{unit: [units to gather when it starts]}`` (units by
             name or module), as FSDP2's ``set_modules_to_forward_prefetch``.
         backward_prefetch: the same for backward.

@@ -199,6 +199,20 @@ def inflight_from_order(gm: torch.fx.GraphModule) -> tuple[int, int]:
     return peak, largest
 
 
+def later_stage_bytes(gm: torch.fx.GraphModule) -> int:
+    """The largest collective whose input comes out of another collective's wait (a hybrid
+    strategy's all-reduce of its reduce-scatter's result), read off the graph; 0 if none."""
+    def from_a_wait(node: torch.fx.Node, hops: int = 4) -> bool:
+        if node.op == "call_function" and node.target is _c10d.wait_tensor.default:
+            return True
+        return hops > 0 and node.op == "call_function" and any(
+            from_a_wait(i, hops - 1) for i in node.all_input_nodes)
+
+    return max((collective_buffer_bytes(n) for n in gm.graph.nodes
+                if n.op == "call_function" and n.target in COLLECTIVE_TARGETS
+                and any(from_a_wait(i) for i in n.all_input_nodes)), default=0)
+
+
 def _collective_order(steps) -> tuple[list[str], list[bool]]:
     """Issue and wait events ("I0", "W0", ... numbered in issue order) of ``(kind, key)`` steps,
     kind one of issue, wait, compute; and per collective whether compute ran while it was in flight."""
@@ -349,7 +363,7 @@ def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module, inductor_co
     memories = (record.forward_memory, record.backward_memory)
     return {
         # (peak in flight, largest collective) read off the node order, and the pass's budget.
-        "inflight": [(*inflight_from_order(g), s.budget if s else None) for g, s in
+        "inflight": [(*inflight_from_order(g), later_stage_bytes(g), s.budget if s else None) for g, s in
                      ((record.forward, record.forward_schedule), (record.backward, record.backward_schedule))],
         "backward_gather_bytes": sum(collective_buffer_bytes(n) for n in record.backward.graph.nodes
                                      if n.target is _c10d.all_gather_into_tensor.default),

@@ -239,3 +239,33 @@ def test_inflight_tree_answers_as_a_plain_list():
             t = rng.randrange(size)
             assert tree[t] == plain[t]
         assert tree.peak() == max(plain)
+
+
+def test_a_hybrid_reduction_goes_across_nodes_early_and_stays_in_flight() -> None:
+    # HSDP's reduction: a reduce-scatter in the node, then an all-reduce across nodes of its
+    # result. The reduce-scatter is waited where the next gather is (the link has carried it by
+    # then), so the all-reduce goes out there, and it stays in flight under the next blocks'
+    # compute: waited where it was issued, backward would wait for the slow link block by block.
+    spec = CommSpec("g", 2, True, "r", 2, None, None, True)
+
+    def f(x, g, *shards):
+        grads = []
+        for i, s in enumerate(shards):
+            w = torch.ops.fsdp_compile.unshard(s, f"b{i}.w", f"b{i}", 8, *spec.op_args())
+            x = torch.tanh(torch.tanh(x @ w.t()))
+            grads.append(torch.ops.fsdp_compile.reduce_grad((x * g).t() @ x, f"b{i}.w", f"r{i}", 4,
+                                                            torch.float32, *spec.op_args()))
+        return x, *grads
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8), *[torch.randn(4, 8) for _ in range(4)])
+    lower_markers(gm, parse_policy("module"))
+    schedule = schedule_collectives(gm, ScheduleOptions())
+    assert schedule.budget == 2 * BUCKET_BYTES + 2 * BUCKET_BYTES // 2  # two buckets, two all-reduces
+    names = order(gm)
+    ar = [i for i, n in enumerate(names) if n.startswith("all_reduce")]
+    waits = {n.args[0].name: names.index(n.name) for n in gm.graph.nodes if n.name.startswith("wait_tensor")}
+    first_ar = names[ar[0]]
+    # the first all-reduce goes out right after b2's gather is waited, before b3's is issued ...
+    assert waits["all_gather_into_tensor_2"] < ar[0] < names.index("all_gather_into_tensor_3")
+    # ... and compute runs before its wait (it is not waited where it is issued)
+    assert any(n.startswith(("mm", "tanh")) for n in names[ar[0] + 1:waits[first_ar]]), names[ar[0]:waits[first_ar] + 1]
+    assert inflight_from_order(gm)[0] <= schedule.budget

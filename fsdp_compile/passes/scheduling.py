@@ -13,7 +13,8 @@ only the stages move:
   before the first use of its results (the graph's end), or earlier when the budget says so;
 * unsharded bytes in flight (collectives issued and not yet waited) never exceed
   ``max_inflight_bytes``: a prefetch is delayed, and a reduction waited earlier, rather than
-  break it. The default is two buckets' worth (twice the largest bucket of the graph).
+  break it. The default is two buckets' worth (twice the largest bucket of the graph), plus
+  room for two of the hybrid strategies' all-reduces across nodes where the graph has them.
 
 The order this pass leaves is the order the step runs in: under Inductor the compiler turns
 off Inductor's peak-memory reordering for graphs with collectives while this pass runs (see
@@ -200,7 +201,12 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         return Schedule(budget=options.max_inflight_bytes or 0, peak_inflight=0)
     largest = max(groups.values(), key=lambda g: max(g.sizes))
     largest_bytes = max(largest.sizes)
-    budget = options.max_inflight_bytes or 2 * largest_bytes
+    # A hybrid reduction is a reduce-scatter in the node, then an all-reduce across nodes of its
+    # shard-sized result: two of those get room of their own beside two buckets, or each
+    # all-reduce would be waited where it is issued (the next bucket's reduce-scatter already
+    # fills the budget there), and backward would wait for the slow link block by block.
+    later_stage_bytes = max((size for g in groups.values() for size in g.sizes[1:]), default=0)
+    budget = options.max_inflight_bytes or 2 * largest_bytes + 2 * later_stage_bytes
     if budget < largest_bytes:
         raise ConfigError(
             f"max_inflight_bytes={budget} is smaller than bucket {largest.tag.bucket!r} "
@@ -291,10 +297,18 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             else:
                 break  # gathers fill the budget here and this one is due: issue anyway
         group.at = [start]
-        for size in group.sizes:
+        for k, size in enumerate(group.sizes):
             issued = group.at[-1]
+            latest = group.first_use
+            if k < len(group.sizes) - 1:
+                # The next collective of this reduction (a hybrid all-reduce) is issued where this
+                # one is waited: wait where the next gather is, by which time the link, serving
+                # in issue order, has carried this one too, rather than at the graph's end.
+                later = gather_waits[bisect_left(gather_waits, issued + 1):]
+                if later:
+                    latest = min(latest, later[0])
             # in flight until the first position where it would break the budget, or its use
-            wait = inflight.first_above(issued, group.first_use, budget - size) if issued < group.first_use else issued
+            wait = inflight.first_above(issued, latest, budget - size) if issued < latest else issued
             inflight.add(issued, wait, size)
             if wait == issued:
                 inflight.add(wait, wait + 1, size)  # waited where it is issued: in flight for that moment
