@@ -269,3 +269,28 @@ def test_a_hybrid_reduction_goes_across_nodes_early_and_stays_in_flight() -> Non
     # ... and compute runs before its wait (it is not waited where it is issued)
     assert any(n.startswith(("mm", "tanh")) for n in names[ar[0] + 1:waits[first_ar]]), names[ar[0]:waits[first_ar] + 1]
     assert inflight_from_order(gm)[0] <= schedule.budget
+
+
+def test_a_hybrid_reduction_without_gathers_around_goes_across_nodes_at_the_next_gradient() -> None:
+    # HYBRID_SHARD_ZERO2's backward gathers nothing: the reduce-scatter is waited where the next
+    # bucket's gradients exist, not at the graph's end, so the all-reduces do not all go out at
+    # once at the end, each waited where it is issued.
+    spec = CommSpec("g", 2, True, "r", 2, None, None, False)
+
+    def f(x, g):
+        grads = []
+        for i in range(4):
+            x = torch.tanh(torch.tanh(x @ g))
+            grads.append(torch.ops.fsdp_compile.reduce_grad(x.t() @ x, f"b{i}.w", f"r{i}", 4, torch.float32,
+                                                            *spec.op_args()))
+        return x, *grads
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
+    lower_markers(gm, parse_policy("module"))
+    schedule_collectives(gm, ScheduleOptions())
+    names = order(gm)
+    waits = {n.args[0].name: names.index(n.name) for n in gm.graph.nodes if n.name.startswith("wait_tensor")}
+    first_ar = min(i for i, n in enumerate(names) if n.startswith("all_reduce"))
+    # the first all-reduce goes out before the second reduce-scatter ...
+    assert first_ar < names.index("reduce_scatter_tensor_1"), names
+    # ... and compute runs while it is in flight
+    assert any(n.startswith(("mm", "tanh")) for n in names[first_ar + 1:waits[names[first_ar]]])

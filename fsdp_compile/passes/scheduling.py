@@ -274,9 +274,13 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     # for it. So a reduction goes out after the gathers issued before the next gather is waited.
     gather_issues = sorted(g.at[0] for g in gathers)
     gather_waits = sorted(g.at[-1] for g in gathers)
+    reductions = sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned),
+                        key=lambda g: g.ready)
+    # Where the link has surely carried a collective issued at p: the next gather's wait, or
+    # the next reduction's gradients (one block of compute later); the earlier of the two.
+    milestones = sorted({*gather_waits, *(g.ready for g in reductions)})
     placed: list[_Group] = []
-    for group in sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned),
-                        key=lambda g: g.ready):
+    for group in reductions:
         start = min(group.ready, group.first_use)
         next_wait = gather_waits[bisect_left(gather_waits, start)] if gather_waits and \
             gather_waits[-1] >= start else None
@@ -302,9 +306,9 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             latest = group.first_use
             if k < len(group.sizes) - 1:
                 # The next collective of this reduction (a hybrid all-reduce) is issued where this
-                # one is waited: wait where the next gather is, by which time the link, serving
-                # in issue order, has carried this one too, rather than at the graph's end.
-                later = gather_waits[bisect_left(gather_waits, issued + 1):]
+                # one is waited: wait at the next milestone, by which time the link, serving in
+                # issue order, has carried this one too, rather than at the graph's end.
+                later = milestones[bisect_left(milestones, issued + 1):]
                 if later:
                     latest = min(latest, later[0])
             # in flight until the first position where it would break the budget, or its use
