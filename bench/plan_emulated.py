@@ -263,7 +263,12 @@ def main() -> None:
             rows += rows_of(data, ratio, unlimited)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    report = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+    when = time.strftime("%Y-%m-%d %H:%M")
+    earlier = args.out / f"{name}.json"
+    if args.reuse and earlier.exists():  # rendered again: the figures keep when and where they were measured
+        measured = json.loads(earlier.read_text())
+        when, commit = measured.get("when", when), measured.get("commit", commit)
+    report = {"when": when, "machine": f"{platform.machine()} {os.cpu_count()} cores",
               "torch": torch.__version__, "commit": commit or "?",
               "model": f"{model[0]} (bench/plan_accuracy.py), batch {model[1]} x {model[2]} per rank",
               "steps": args.steps, "inter_slowdown": args.inter_slowdown, "worlds": args.worlds,
