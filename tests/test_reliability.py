@@ -220,7 +220,7 @@ def unverified_mismatch_worker(rank: int, world: int) -> dict:
 
 def test_verify_false_lets_ranks_that_disagree_train_unreported() -> None:
     results = run_workers(unverified_mismatch_worker, 2)
-    for rank, out in enumerate(results):
+    for out in results:
         # The check this option turns off: the mismatch is real, and verify=True names it.
         assert out["verified"].startswith("AgreementError: fsdp_compile: ranks disagree at shard()"), out["verified"]
         assert "on mixed_precision=:" in out["verified"] and "param_dtype=torch.float16" in out["verified"]
