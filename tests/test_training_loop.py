@@ -20,6 +20,7 @@ rounding difference of the same kind.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -49,6 +50,7 @@ from helpers import (
     max_diff,
 )
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
@@ -88,14 +90,17 @@ FOREIGN = {"HYBRID_SHARD": "FULL_SHARD", "NO_SHARD": "FULL_SHARD", "FULL_SHARD":
 
 # ---------------------------------------------------------------- the run per strategy
 # loop_worker runs every case below on one set of processes; these are what the cases share.
-def make(base: nn.Module, strategy: ShardingStrategy, mode: str, **options: Any):
+def make(base: nn.Module, strategy: ShardingStrategy, mode: str,
+         around_shard: Callable[[], Any] = contextlib.nullcontext, **options: Any):
     """A sharded copy of ``base`` and how to call it in ``mode`` ("eager": the eager runtime,
-    else compiled with that inner compiler): (model, forward, backend)."""
+    else compiled with that inner compiler): (model, forward, backend). ``around_shard()`` is
+    the context ``shard()`` runs in."""
     torch._dynamo.reset()
     model = copy.deepcopy(base)
     compiler = "aot_eager" if mode == "eager" else mode
     backend = fsdp_compile.backend(strategy, compiler=compiler, **hybrid_options(strategy), **options)
-    backend.shard(model)
+    with around_shard():
+        backend.shard(model)
     forward = model if mode == "eager" else torch.compile(model, backend=backend)
     return model, forward, backend
 
@@ -504,13 +509,53 @@ def marker_compute_devices(backend: fsdp_compile.FSDPBackend, run: Callable[[], 
     return sorted(log.seen)
 
 
+class PinRecorder(TorchFunctionMode):
+    """Pinning as an accelerator runtime would do it, on a machine without one: records each
+    tensor asked to be pinned and hands back a copy of it as the pinned tensor, whose storage
+    then identifies pinned memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: set[int] = set()  # storage addresses of the tensors handed back
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.pin_memory:
+            pinned = args[0].clone()
+            self.pinned.add(pinned.untyped_storage().data_ptr())
+            return pinned
+        return func(*args, **(kwargs or {}))
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.pinned
+
+
+@contextlib.contextmanager
+def pinning_possible(recorder: PinRecorder):
+    """What shard() does where pinning is possible (an accelerator exists), pinned by
+    ``recorder``: on a CPU-only machine the backend rightly pins nothing, so whether
+    ``pin_memory=`` reaches the shards shows only this way."""
+    from fsdp_compile.sharding import sharded_param
+
+    possible = sharded_param.offload_pins_memory
+    sharded_param.offload_pins_memory = lambda: True
+    try:
+        with recorder:
+            yield
+    finally:
+        sharded_param.offload_pins_memory = possible
+
+
 def offload_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, base: nn.Module) -> dict:
     """Step 1 accumulates two micro-batches with sync on (the accumulation offload allows),
-    step 2 has one; then one more compiled (or eager) step to read where everything lives."""
+    step 2 has one; then one more compiled (or eager) step to read where everything lives.
+    shard() runs as where pinning is possible (:func:`pinning_possible`)."""
+    recorder = PinRecorder()
     out, model, forward, opt, backend = two_step_case(rank, world, strategy, mode, base, plan=((0, 1), (2,)),
+                                                      around_shard=lambda: pinning_possible(recorder),
                                                       offload=fsdp_compile.CPUOffload(pin_memory=True))
     out["shard_devices"] = sorted({p.to_local().device.type for p in model.parameters()})
-    out["shards_pinned"] = sorted({p.to_local().is_pinned() for p in model.parameters()})
+    out["pin_requests"] = len(recorder.pinned)
+    out["parameters"] = len(list(model.parameters()))
     x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
 
     def step() -> None:
@@ -526,25 +571,47 @@ def offload_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, b
     out["optimizer_state_devices"] = sorted({v.to_local().device.type if hasattr(v, "to_local") else v.device.type
                                              for s in opt.state.values() for v in s.values()
                                              if isinstance(v, torch.Tensor) and v.dim()})
+    # Read after three steps of training: the shards that trained are still the pinned ones.
+    out["shards_pinned"] = sorted({recorder.holds(p.to_local()) for p in model.parameters()})
     out["no_sync_error"] = expect_error(lambda: backend.no_sync().__enter__())
+
+    def pin_requests(offload: fsdp_compile.CPUOffload | None, possible: bool = True) -> int:
+        recorder = PinRecorder()
+        backend = fsdp_compile.backend(strategy, offload=offload, **hybrid_options(strategy))
+        with pinning_possible(recorder) if possible else recorder:
+            backend.shard(copy.deepcopy(base))
+        return len(recorder.pinned)
+
+    # The same shard() with pin_memory=False, and without offload: nothing is pinned; and where
+    # pinning is not possible (this machine as it is), pin_memory=True pins nothing either.
+    out["pin_requests_unpinned"] = pin_requests(fsdp_compile.CPUOffload(pin_memory=False))
+    out["pin_requests_no_offload"] = pin_requests(None)
+    out["pin_requests_without_accelerator"] = pin_requests(fsdp_compile.CPUOffload(pin_memory=True), possible=False)
     return out
 
 
 @pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
 def test_cpu_offload_keeps_shards_gradients_and_optimizer_on_the_host(strategy: str, mode: str) -> None:
     """Read after a compiled step in compiled mode. On a CPU-only machine host and compute
-    device are one, so "cpu" alone would hold with offload= ignored: what shows offload here is
-    that every gather declares the compute device its copies go to (absent without offload=);
-    tests/test_offload.py compiles the same markers for a device other than the host and checks
-    the copies in the graphs."""
+    device are one, so "cpu" alone would hold with offload= ignored (it is the check on a GPU
+    machine): what shows offload here is that every gather declares the compute device its
+    copies go to (absent without offload=), and that the shards are the pinned host tensors
+    shard() made where pinning is possible; tests/test_offload.py compiles the same markers for
+    a device other than the host and checks the copies in the graphs."""
     runs = run_of(strategy, mode)
     out = runs["offload"]
     assert out["marker_compute_devices"] == ["cpu"]
     if mode != "eager":
         assert runs["frozen"]["marker_compute_devices"] == ["None"]  # the same run without offload=
     assert out["shard_devices"] == out["grad_devices"] == out["optimizer_state_devices"] == ["cpu"]
-    # pin_memory=True pins exactly where an accelerator runtime can use pinned memory.
-    assert out["shards_pinned"] == [torch.cuda.is_available()]
+    # pin_memory=True pins exactly where an accelerator runtime can use pinned memory: every
+    # shard once, the shards that trained are the pinned tensors themselves (no copy replaced
+    # them), and nothing is pinned with pin_memory=False, without offload, or without an
+    # accelerator.
+    assert out["pin_requests"] == out["parameters"] > 0, out
+    assert out["shards_pinned"] == [True]
+    assert out["pin_requests_unpinned"] == out["pin_requests_no_offload"] == 0, out
+    assert out["pin_requests_without_accelerator"] == (out["parameters"] if torch.cuda.is_available() else 0)
     # Its first step accumulated two micro-batches with sync on (what offload allows):
     # reduced shard gradients add up in param.grad.
     assert_grads_close(out["grads0"], out["reference"]["grads"][0], GRAD_RTOL, "first-step gradients")
