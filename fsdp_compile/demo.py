@@ -7,7 +7,7 @@ no download). Each rank trains on its own batches; rank 0 prints the loss averag
 and the throughput of every step.
 
 ``--grad-accum N`` runs N micro-batches per optimizer step, all but the last under
-``backend.no_sync()`` (no communication in their backward). ``--save DIR`` writes a sharded
+``backend.no_sync()`` (no gradient reduction in their backward). ``--save DIR`` writes a sharded
 checkpoint (model, optimizer, step and every rank's data position) after the last step and
 every ``--save-every`` steps; ``--resume DIR`` continues from one, up to ``--steps`` in total,
 with the same batches an uninterrupted run would have drawn (at the same world size).

@@ -308,8 +308,9 @@ class FSDPBackend:
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
         """Whether backward reduces gradients (default True), for every model this backend sharded.
 
-        With False, backward communicates nothing and sums full, unreduced gradients locally
-        (FSDP's ``no_sync``); the first backward after turning it back on adds its own and
+        With False, backward reduces nothing and sums full, unreduced gradients locally
+        (FSDP's ``no_sync``; compiled, a strategy that reshards after forward still gathers
+        parameters for backward); the first backward after turning it back on adds its own and
         reduces them all into ``param.grad``. A compiled model gets one extra graph for this.
         """
         if not self.params:

@@ -3,8 +3,9 @@
 A restarted job (new processes) with the same model, strategy, world, groups, options and
 package version loads its compiled graphs and trains bit for bit as the first job did; any
 change that changes what our passes produce misses. Inductor compiles are expensive on CPU:
-the default run has one cold/warm pair on a tiny model plus key and bad-input checks without
-compiling; every change compiled end to end is under ``-m slow``.
+the default run has one cold/warm pair on a tiny model, a dumping run over the warm cache, two
+aot_eager runs (which no cache serves) and key and bad-input checks without compiling; every
+change compiled end to end is under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def cache_run(rank: int, world: int, cache_dir: str, change: str = "", steps: in
     torch.manual_seed(0)
     model = TinyNet()
     strategy, options = backend_options(change)
+    compiler = "aot_eager" if change == "aot_eager" else "inductor"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        backend = fsdp_compile.backend(strategy, compiler="inductor", cache_dir=cache_dir, **options)
+        backend = fsdp_compile.backend(strategy, compiler=compiler, cache_dir=cache_dir, **options)
         backend.shard(model)
         compiled = torch.compile(model, backend=backend)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -130,7 +132,13 @@ def cache_run(rank: int, world: int, cache_dir: str, change: str = "", steps: in
             "losses": losses, "grads": grads,
             "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()},
             "warnings": [str(w.message) for w in caught if "fsdp_compile" in str(w.message)],
-            "report": backend.report()}
+            "report": backend.report(), "lowered": [g.forward is not None for g in backend.graphs]}
+
+
+def aot_eager_twice(rank: int, world: int, cache_dir: str) -> list[dict]:
+    """Two aot_eager compiles of the same model in one process with ``cache_dir``: the second is
+    where a cache the first had written would be read."""
+    return [cache_run(rank, world, cache_dir, "aot_eager") for _ in range(2)]
 
 
 def cache_keys(rank: int, world: int, changes: list[str]) -> dict[str, str | None]:
@@ -183,6 +191,42 @@ def test_restart_loads_the_compilation_and_trains_bitwise_equal(cold_and_warm) -
         assert "loaded from the compile cache" in warm[rank]["report"]
         assert "forward:" in cold[rank]["report"] and "forward:" not in warm[rank]["report"]
     assert (cache / "fsdp_compile_cache.json").exists()
+
+
+def test_dumping_reads_no_cache_entry(cold_and_warm, tmp_path: Path) -> None:
+    # The warm cache holds this very compilation, which the warm run loaded; a dumping run must
+    # compile instead (a hit runs no passes, so it would dump no graph) and train the same.
+    cold, warm, cache = cold_and_warm
+    dump = tmp_path / "dump"
+    out = run_workers(cache_run, 2, str(cache), env={"FSDP_COMPILE_DUMP": str(dump)}, fresh=True)
+    for rank in range(2):
+        assert warm[rank]["cache"] == ["hit"]
+        (state,) = out[rank]["cache"]
+        assert state.startswith("off: dumping graphs"), state
+        assert out[rank]["stats"] == {"hits": 0, "misses": 0, "off": 1}, out[rank]["stats"]
+        assert out[rank]["lowered"] == [True]  # the passes ran: the lowered forward exists
+        assert_same_training(cold[rank], out[rank])
+        # What a hit would have left out: each phase's graph after every pass.
+        for phase in ("forward", "backward"):
+            passes = sorted(p.name for p in (dump / f"rank{rank}" / "graph0" / phase).glob("*.py"))
+            assert passes and passes[0] == "00_partitioned.py", (phase, passes)
+
+
+def test_only_inductor_is_cached(tmp_path: Path) -> None:
+    # aot_eager with cache_dir=: no lookup and no entry, so the second compile in the same
+    # process (where an entry the first wrote would be read) runs the passes again.
+    cache = tmp_path / "cache"
+    runs = run_workers(aot_eager_twice, 2, str(cache), fresh=True)
+    for rank_runs in runs:
+        for out in rank_runs:
+            assert out["cache"] == [""], out["cache"]
+            assert out["stats"] == {"hits": 0, "misses": 0, "off": 0}, out["stats"]
+            assert out["lowered"] == [True]
+            assert "loaded from the compile cache" not in out["report"]
+        assert_same_training(*rank_runs)
+    # Nothing but the directory's version manifest: no AOTAutograd or Inductor entry, and no
+    # collective sequence, which a compile writes beside an entry it stores.
+    assert sorted(p.name for p in cache.iterdir()) == ["fsdp_compile_cache.json"]
 
 
 def test_every_change_that_changes_the_passes_changes_the_key() -> None:

@@ -191,6 +191,47 @@ def test_ranks_whose_graphs_would_communicate_differently_all_raise_before_commu
     assert len(_AGREEMENT_RUNS[key]) == world
 
 
+# ============================================================================ verify=False
+def unverified_mismatch_worker(rank: int, world: int) -> dict:
+    """The last rank gathers in float16 where the others gather in bfloat16: every collective
+    moves the same bytes, so nothing hangs or fails in gloo, yet that rank reads the others'
+    shards in the wrong number format. Checked (verify=True), then unchecked, then in agreement."""
+    def precision(odd: bool) -> fsdp_compile.MixedPrecision:
+        return fsdp_compile.MixedPrecision(torch.float16 if odd else torch.bfloat16)
+
+    def train(**options: Any) -> list[float]:
+        model, forward, backend = _sharded("FULL_SHARD", "aot_eager", **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            losses.append(_step(forward, rank, world).item())
+            opt.step()
+            opt.zero_grad()
+        out["verifier"].append(backend.verifier)
+        return losses
+
+    odd = rank == world - 1
+    out: dict[str, Any] = {"verifier": []}
+    out["verified"] = expect_error(lambda: train(mixed_precision=precision(odd)))
+    out["unverified"] = train(mixed_precision=precision(odd), verify=False)
+    out["agreeing"] = train(mixed_precision=precision(False), verify=False)
+    return out
+
+
+def test_verify_false_lets_ranks_that_disagree_train_unreported() -> None:
+    results = run_workers(unverified_mismatch_worker, 2)
+    for out in results:
+        # The check this option turns off: the mismatch is real, and verify=True names it.
+        assert out["verified"].startswith("AgreementError: fsdp_compile: ranks disagree at shard()"), out["verified"]
+        assert "on mixed_precision=:" in out["verified"] and "param_dtype=torch.float16" in out["verified"]
+        # verify=False: no check object, and both steps train without a word on any rank...
+        assert out["verifier"] == [None, None], out["verifier"]
+        assert len(out["unverified"]) == 2
+    # ... and wrongly: rank 0 computes in bfloat16 as when every rank agrees, but on half its
+    # gathered parameters read from rank 1's float16 bytes, so its losses are not the agreeing ones.
+    assert results[0]["unverified"] != results[0]["agreeing"], results[0]
+
+
 # ============================================================================ 6. uneven data
 def uneven_worker(rank: int, world: int, strategies: list[str], steps: int, modes: tuple = MODES) -> dict:
     """Sequence lengths that differ by rank and by step (dynamic padding)."""

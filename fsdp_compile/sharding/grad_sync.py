@@ -4,7 +4,8 @@ While synchronization is off, every read of a trainable sharded parameter become
 ``unshard_no_sync(shard, accumulator, ...)`` instead of ``unshard``: the forward is the same
 gather, but the gradient goes, unsharded and unreduced, to ``accumulator`` (a leaf of the full
 parameter's shape, stored as an expanded zero so it costs nothing until a gradient arrives) and
-autograd sums the micro-batches into ``accumulator.grad``. Backward communicates nothing.
+autograd sums the micro-batches into ``accumulator.grad``. Backward reduces nothing (compiled,
+a strategy that reshards after forward still gathers the parameters backward needs).
 
 The first backward after synchronization is turned back on still accumulates (its forward
 reads the same flag), then reduces every accumulated gradient at once (bucket by bucket, with
