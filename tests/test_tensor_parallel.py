@@ -209,3 +209,225 @@ def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) ->
         assert_bitwise(out[mode]["params"], out["fsdp2"]["params"], f"{mode} vs FSDP2 + TP parameters")
         assert out[mode]["losses"] == out["fsdp2"]["losses"]
         assert out[mode]["placements"] == out["fsdp2"]["placements"]
+
+
+def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[str, ...]) -> None:
+    ref = out["reference"]
+    for mode in modes:
+        ours = out[mode]
+        assert_grads_close(ours["grads0"], ref["grads0"], TP_GRAD_RTOL, f"{mode} first-step gradients")
+        diff, name = max_diff(ours["grads0"], ref["grads0"])
+        assert diff <= GRAD_ATOL, f"{mode}: first-step gradient of {name} differs by {diff}"
+        diff, name = max_diff(ours["params"], ref["params"])
+        assert diff <= PARAM_ATOL, f"{mode}: {name} differs by {diff} after {STEPS} steps"
+        assert ours["placements"] == out["fsdp2"]["placements"]
+        if mode in bitwise:
+            assert_bitwise(ours["grads0"], out["fsdp2"]["grads0"], f"{mode} vs FSDP2 + TP gradients")
+            assert_bitwise(ours["params"], out["fsdp2"]["params"], f"{mode} vs FSDP2 + TP parameters")
+        else:  # Inductor's fused kernels round differently
+            assert_grads_close(ours["grads0"], out["fsdp2"]["grads0"], TP_GRAD_RTOL, f"{mode} vs FSDP2 + TP")
+            diff, name = max_diff(ours["params"], out["fsdp2"]["params"])
+            assert diff <= PARAM_ATOL, f"{mode} vs FSDP2 + TP: {name} differs by {diff}"
+        if mode != "eager":
+            assert ours["graphs"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_every_strategy_over_tp_in_every_mode(strategy: str, model_name: str) -> None:
+    out = parity_run(model_name, strategy, ("eager", "aot_eager", "inductor", "fsdp2"))
+    _check_against_references(out, ("eager", "aot_eager", "inductor"), bitwise=("eager", "aot_eager"))
+
+
+# ---------------------------------------------------------------- bad input
+def errors_worker(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = mesh_2d()
+    # Another mesh over the same ranks, laid out otherwise: its dp groups are not mesh's.
+    other = DeviceMesh("cpu", torch.arange(WORLD).view(DP, TP).t(), mesh_dim_names=("dp", "tp"))
+
+    def tp_model(tp_mesh=mesh["tp"], rows: int = 32) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, rows), nn.Linear(rows, 8))
+        return parallelize_module(model, tp_mesh, {"0": ColwiseParallel()})
+
+    def error(make_backend, model: nn.Module) -> str:
+        try:
+            make_backend().shard(model)
+        except Exception as exc:  # the test checks type and wording
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    partial = tp_model()
+    partial[0].bias = nn.Parameter(DTensor.from_local(torch.zeros(32), mesh["tp"], [Partial()]))
+    return {
+        "no_mesh": error(lambda: fsdp_compile.backend("FULL_SHARD"), tp_model()),
+        "other_mesh": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=other["dp"]), tp_model()),
+        "overlap": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["tp"]), tp_model()),
+        "partial": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), partial),
+        "uneven": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), tp_model(rows=31)),
+        "fine": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), tp_model()),
+    }
+
+
+def test_bad_tp_input_is_refused_naming_the_parameter() -> None:
+    # Before issue 31 every case (the good one too) was refused as "already a DTensor".
+    errors = run_workers(errors_worker, WORLD)[0]
+    assert errors["fine"] == "no error"
+    assert errors["no_mesh"].startswith("ValueError: parameter '0.weight' is a DTensor")
+    assert "mesh=mesh['dp']" in errors["no_mesh"]
+    assert errors["other_mesh"].startswith("ValueError: parameter '0.weight' cannot be sharded over mesh=")
+    assert "not sliced from one DeviceMesh" in errors["other_mesh"]
+    assert errors["overlap"].startswith("ValueError: parameter '0.weight' cannot be sharded over mesh=")
+    assert "overlaps the mesh this parameter lives on" in errors["overlap"]
+    assert errors["partial"].startswith("ValueError: parameter '0.bias' has the placement Partial(sum) on ('tp',)")
+    assert "Redistribute it first" in errors["partial"]
+    assert errors["uneven"].startswith("ValueError: parameter '0.weight' (shape (31, 16)) is split unevenly")
+
+
+# ---------------------------------------------------------------- the training-loop features on 2-D
+def _sharded_llama(mesh, **options) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    model = apply_tp(Llama(LLAMA), mesh["tp"])
+    backend = fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], compiler="aot_eager", **options)
+    backend.shard(model)
+    return model, backend, torch.compile(model, backend=backend)
+
+
+def _loss(forward: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = forward(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def features_worker(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = mesh_2d()
+    dp_rank = mesh["dp"].get_local_rank()
+    data = _batches(LLAMA.vocab_size, 2)
+
+    def mine(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data[i]
+        return x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH], y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH]
+
+    out: dict[str, Any] = {}
+    model, backend, forward = _sharded_llama(mesh)
+    out["state_dict"] = fsdp_compile.full_state_dict(model, rank0_only=False)
+    # no_sync: the first micro-batch accumulates unreduced, the second reduces both.
+    with backend.no_sync():
+        _loss(forward, *mine(0)).backward()
+    _loss(forward, *mine(1)).backward()
+    out["accumulated"] = {n: full(p.grad) for n, p in model.named_parameters()}
+    out["norm"] = fsdp_compile.clip_grad_norm_(model, 0.5).item()
+    out["clipped"] = {n: full(p.grad) for n, p in model.named_parameters()}
+    # A whole (single-device) state dict in: what full_state_dict gives back, and what the model computes.
+    loaded = {k: v * 1.5 + 0.01 for k, v in out["state_dict"].items()}
+    fsdp_compile.load_full_state_dict(model, loaded)
+    out["reloaded"] = fsdp_compile.full_state_dict(model, rank0_only=False)
+    with torch.no_grad():
+        out["loaded_logits"] = forward(data[0][0]).detach()
+    out["graphs"] = len(backend.graphs)
+    out["cache_key"] = backend.cache_key_parts()
+    out["summaries"] = backend.summaries()
+    out["report"] = backend.report()
+    out["tp_group"] = mesh["tp"].get_group().group_name
+
+    # Mixed precision against FSDP2 + the same TP plan and policy.
+    grads = {}
+    for kind in ("ours", "fsdp2"):
+        torch._dynamo.reset()
+        if kind == "ours":
+            mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            m, _, f = _sharded_llama(mesh, mixed_precision=mp)
+        else:
+            torch.manual_seed(0)
+            m = f = apply_tp(Llama(LLAMA), mesh["tp"])
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in m.layers:
+                fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+            fully_shard(m, mesh=mesh["dp"], mp_policy=policy)
+        loss = _loss(f, *mine(0))
+        loss.backward()
+        grads[kind] = {"loss": loss.item(), "grads": {n: full(p.grad) for n, p in m.named_parameters()}}
+    out["mixed_precision"] = grads
+
+    if rank == 0:
+        torch.manual_seed(0)
+        ref = Llama(LLAMA)
+        out["initial"] = {k: v.clone() for k, v in ref.state_dict().items()}
+        for i in range(2):
+            _loss(ref, *data[i]).backward()
+        out["ref_accumulated"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        out["ref_norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+        out["ref_clipped"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        ref.load_state_dict(loaded)
+        with torch.no_grad():
+            out["ref_loaded_logits"] = ref(data[0][0])
+    return out if rank == 0 else {}
+
+
+@functools.cache
+def features_run() -> dict:
+    return run_workers(features_worker, WORLD)[0]
+
+
+def test_full_state_dict_round_trips_on_2d() -> None:
+    out = features_run()
+    # full_tensor() of the (_StridedShard, Shard) layout is the unsharded value: a wrong
+    # placement (Shard(0) on dp) interleaves the rows.
+    assert_bitwise(out["state_dict"], out["initial"], "full_state_dict vs the unsharded model")
+    loaded = {k: v * 1.5 + 0.01 for k, v in out["initial"].items()}
+    assert_bitwise(out["reloaded"], loaded, "full_state_dict after load_full_state_dict")
+    assert (out["loaded_logits"] - out["ref_loaded_logits"]).abs().max().item() < 1e-5
+
+
+def test_no_sync_accumulates_on_2d() -> None:
+    out = features_run()
+    assert_grads_close(out["accumulated"], out["ref_accumulated"], TP_GRAD_RTOL, "accumulated gradients")
+
+
+def test_clip_grad_norm_over_dp_and_tp_is_the_single_process_norm() -> None:
+    out = features_run()
+    # Parameters split on dp and tp, on dp only (the norms under sequence parallelism) in one model.
+    assert abs(out["norm"] - out["ref_norm"]) <= 1e-5 * out["ref_norm"]
+    assert out["ref_norm"] > 0.5  # so clipping scaled the gradients
+    assert_grads_close(out["clipped"], out["ref_clipped"], TP_GRAD_RTOL, "clipped gradients")
+
+
+def test_mixed_precision_on_2d_matches_fsdp2() -> None:
+    mp = features_run()["mixed_precision"]
+    assert mp["ours"]["loss"] == mp["fsdp2"]["loss"]
+    assert_bitwise(mp["ours"]["grads"], mp["fsdp2"]["grads"], "bf16 gradients vs FSDP2 + TP")
+
+
+def test_cache_key_holds_the_tp_layout() -> None:
+    key = features_run()["cache_key"]
+    entries = {entry[0]: entry for entry in key["local_shards"]}
+    # Column-wise and row-wise weights: the same dp mesh, other TP placements.
+    assert entries["layers.0.attention.wq.weight"][5:] == (("dp", "tp"), ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"))
+    assert entries["layers.0.attention.wo.weight"][5:] == (("dp", "tp"), ("Shard(dim=0)", "Shard(dim=1)"))
+    assert key["groups"]["tensor_parallel"] == [[0, 1]]  # rank 0's tp group
+
+
+def test_inspect_shows_tp_collectives_apart_from_ours() -> None:
+    from fsdp_compile.inspection.report import measured_bytes
+
+    out = features_run()
+    training = [s for s in out["summaries"] if s.get("backward")]
+    assert training
+    summary = training[0]
+    collectives = summary["forward"]["collectives"] + summary["backward"]["collectives"]
+    theirs = [c for c in collectives if c["origin"] == "torch"]
+    ours = [c for c in collectives if c["origin"] == "fsdp"]
+    # Sequence parallelism's all-gathers and reduce-scatters, on the tp group; ours on dp.
+    assert theirs and ours
+    assert {c["group"] for c in theirs} == {out["tp_group"]}
+    assert out["tp_group"] not in {c["group"] for c in ours}
+    assert {"all_gather", "reduce_scatter"} <= {c["kind"] for c in theirs}
+    measured = measured_bytes(summary)
+    assert sum(measured.values()) == sum(c["bytes"] for c in ours)
+    assert "torch's own collectives (tensor parallelism): " in out["report"]

@@ -128,8 +128,12 @@ def shard_module(
     tied = {fqn for fqn, _ in shards.shared}
     tied_units = {unit_of(module_names[m], units) for m, specs in per_module.items()
                   if any(info.fqn in tied for info in specs.values())}
+    # No regions for tensor-parallel models yet: a region body that rebuilds a tp DTensor
+    # (DTensor.from_local, an autograd.Function without setup_context) fails inside
+    # invoke_subgraph's functionalized autograd on torch 2.13. Every block then compiles inline.
+    tensor_parallel = any(info.tp is not None for info in infos.values())
     regional = (region_units(model, units, tied_units, region_copies)
-                if region_copies is not None and sync is not None else set())
+                if region_copies is not None and sync is not None and not tensor_parallel else set())
     for module, specs in per_module.items():
         unit = unit_of(module_names[module], units)
         region = _region_reads(specs, unit, shards, sync) if unit in regional else None

@@ -64,7 +64,7 @@ def tp_spec(fqn: str, param: DTensor, topology: Topology, mesh_given: bool) -> T
     for placement in placements:
         if not isinstance(placement, (Shard, Replicate)):
             raise ValueError(
-                f"parameter {fqn!r} has the placement {placement} on {names}: fsdp_compile shards "
+                f"parameter {fqn!r} has the placement {placement!r} on {names}: fsdp_compile shards "
                 "parameters whose placements on the tp mesh are Shard(d) or Replicate() (what "
                 "ColwiseParallel, RowwiseParallel and SequenceParallel give); a Partial or strided "
                 "parameter has no value of its own to shard. Redistribute it first "
@@ -90,7 +90,7 @@ def tp_spec(fqn: str, param: DTensor, topology: Topology, mesh_given: bool) -> T
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard) and param.shape[placement.dim] % tp_mesh.size(dim):
             raise ValueError(
-                f"parameter {fqn!r} (shape {tuple(param.shape)}) is split unevenly by {placement} over "
+                f"parameter {fqn!r} (shape {tuple(param.shape)}) is split unevenly by {placement!r} over "
                 f"{tp_mesh.size(dim)} ranks of {names[dim] if names else dim}: fsdp_compile shards TP "
                 "parameters whose TP shards are all the same size (FSDP2's strided layout of uneven TP "
                 "shards is not exact upstream, pytorch issue 168134); pad the dimension to a multiple"
