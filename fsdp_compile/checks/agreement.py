@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .. import api
 from ..passes.graph import COMM_META, decode_collective
@@ -389,9 +390,11 @@ def sharding_items(options: BackendOptions, topology: Topology, model: nn.Module
     units = unit_modules(model, o.bucket_policy)
     for module_name, name, param in _unique_parameters(model):
         fqn = f"{module_name}.{name}" if module_name else name
-        items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit)",
-                      [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
-                       unit_of(module_name, units) or "<root>"]))
+        described = [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
+                     unit_of(module_name, units) or "<root>"]
+        if isinstance(param, DTensor):  # tensor parallel: the ranks' TP plans must agree too
+            described.append([param.device_mesh.mesh_dim_names, [repr(p) for p in param.placements]])
+        items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit[, TP layout])", described))
     # After the parameters: a missing or extra parameter is named before the count differs.
     items.append(("the number of parameters", sum(1 for _ in _unique_parameters(model))))
     return items

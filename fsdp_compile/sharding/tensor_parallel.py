@@ -37,10 +37,6 @@ class TPSpec:
     shape: torch.Size  # the global shape
     stride: tuple[int, ...]  # the global stride
 
-    def describe(self) -> str:
-        """What ranks must agree on, as text: the tp dims and placements."""
-        return f"mesh dims {self.mesh.mesh_dim_names} of sizes {tuple(self.mesh.shape)}, placements {self.placements}"
-
 
 def as_tp_dtensor(gathered: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     """The TP DTensor the module reads, from the TP-local tensor the markers gathered."""
