@@ -356,9 +356,12 @@ def features_worker(rank: int, world: int) -> dict:
             for block in m.layers:
                 fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
             fully_shard(m, mesh=mesh["dp"], mp_policy=policy)
-        loss = _loss(f, *mine(0))
+        x, y = mine(0)
+        logits = f(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         loss.backward()
-        grads[kind] = {"loss": loss.item(), "grads": {n: full(p.grad) for n, p in m.named_parameters()}}
+        grads[kind] = {"loss": loss.item(), "logits_dtype": logits.dtype,
+                       "grads": {n: full(p.grad) for n, p in m.named_parameters()}}
     out["mixed_precision"] = grads
 
     if rank == 0:
@@ -407,9 +410,72 @@ def test_clip_grad_norm_over_dp_and_tp_is_the_single_process_norm() -> None:
 def test_mixed_precision_on_2d_matches_fsdp2() -> None:
     out = features_run()
     mp = out["mixed_precision"]
+    # Computed in bf16 (the head's output dtype), as FSDP2 + TP does.
+    assert mp["ours"]["logits_dtype"] == mp["fsdp2"]["logits_dtype"] == torch.bfloat16
     # Not bitwise (observed 1.7e-5 apart in the loss, where the fp32 runs are bitwise equal):
-    # the compiled graph's bf16 ops round otherwise than FSDP2's eager ones. Ten times closer to
-    # FSDP2's bf16 loss than the fp32 loss is, so the parameters were gathered and used in bf16.
-    gap = abs(mp["ours"]["loss"] - mp["fsdp2"]["loss"])
-    assert gap * 10 < abs(out["fp32_loss"] - mp["fsdp2"]["loss"])
+    # the compiled graph's bf16 ops round otherwise than FSDP2's eager ones.
+    assert abs(mp["ours"]["loss"] - mp["fsdp2"]["loss"]) < 1e-3
     assert_grads_close(mp["ours"]["grads"], mp["fsdp2"]["grads"], 2e-2, "bf16 gradients vs FSDP2 + TP")
+
+
+# ---------------------------------------------------------------- checkpoints across layouts
+def checkpoint_worker(rank: int, world: int, path: str) -> dict:
+    """Save at dp 2 x tp 2, load into 1-D FULL_SHARD at world 4 and back; one more step on each."""
+    mesh = mesh_2d()
+    dp_rank = mesh["dp"].get_local_rank()
+    data = _batches(LLAMA.vocab_size, 2)
+
+    def two_d() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model = apply_tp(Llama(LLAMA), mesh["tp"])
+        fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]).shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def one_d() -> tuple[nn.Module, Any]:
+        torch.manual_seed(5)  # other values: the load must replace them
+        model = Llama(LLAMA)
+        fsdp_compile.backend("FULL_SHARD").shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def params(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: full(p) for n, p in model.named_parameters()}
+
+    x, y = data[0]
+    model, opt = two_d()  # the eager runtime: layouts, not compilation, are under test here
+    step(model, opt, x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH],
+         y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH])
+    fsdp_compile.save_checkpoint(f"{path}/2d", model, opt)
+    out = {"saved": params(model)}
+    x, y = data[1]
+    step(model, opt, x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH],
+         y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH])
+    out["continued_2d"] = params(model)
+
+    flat, flat_opt = one_d()
+    fsdp_compile.load_checkpoint(f"{path}/2d", flat, flat_opt)
+    out["loaded_1d"] = params(flat)
+    per = DP * PER_RANK_BATCH // world  # the same global batch over 4 data-parallel ranks
+    step(flat, flat_opt, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    out["continued_1d"] = params(flat)
+
+    fsdp_compile.save_checkpoint(f"{path}/1d", flat, flat_opt)
+    back, back_opt = two_d()
+    fsdp_compile.load_checkpoint(f"{path}/1d", back, back_opt)
+    out["back_2d"] = params(back)
+    return out if rank == 0 else {}
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_2d_and_1d_layouts(tmp_path) -> None:
+    out = run_workers(checkpoint_worker, WORLD, str(tmp_path))[0]
+    assert_bitwise(out["loaded_1d"], out["saved"], "1-D FULL_SHARD loaded from dp 2 x tp 2")
+    assert_bitwise(out["back_2d"], out["continued_1d"], "dp 2 x tp 2 loaded from 1-D FULL_SHARD")
+    # Optimizer state moved too: the next step is the one the 2-D run took.
+    diff, name = max_diff(out["continued_1d"], out["continued_2d"])
+    assert diff <= PARAM_ATOL, f"{name} differs by {diff} after continuing in the other layout"
+    assert max_diff(out["continued_1d"], out["saved"])[0] > 10 * PARAM_ATOL
