@@ -60,10 +60,10 @@ def shard_module(
     Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`),
     on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
     with ``materialize=False`` they become meta shards instead (planning: shapes only).
-    Parameters that are already tensor-parallel DTensors are sharded over ``topology``'s dp
-    mesh (see :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave
-    (``mesh_given``). ``region_copies``: compile the units of a class with that many copies or more as regions
-    (see :mod:`.regions`; needs ``sync``); None: no regions.
+    ``region_copies``: compile the units of a class with that many copies or more as regions
+    (see :mod:`.regions`; needs ``sync``); None: no regions. Parameters that are already
+    tensor-parallel DTensors are sharded over ``topology``'s dp mesh (see
+    :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave (``mesh_given``).
     """
     units = unit_modules(model, policy)
     presharded: dict[int, tuple[torch.Tensor, bool]] = {}
