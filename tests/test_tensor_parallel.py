@@ -418,6 +418,35 @@ def test_mixed_precision_on_2d_matches_fsdp2() -> None:
     assert_grads_close(mp["ours"]["grads"], mp["fsdp2"]["grads"], 2e-2, "bf16 gradients vs FSDP2 + TP")
 
 
+def test_cache_key_holds_the_tp_layout() -> None:
+    key = features_run()["cache_key"]
+    entries = {entry[0]: entry for entry in key["local_shards"]}
+    # Column-wise and row-wise weights: the same dp mesh, other TP placements.
+    assert entries["layers.0.attention.wq.weight"][5:] == [["dp", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]]
+    assert entries["layers.0.attention.wo.weight"][5:] == [["dp", "tp"], ["Shard(dim=0)", "Shard(dim=1)"]]
+    assert key["groups"]["tensor_parallel"] == [[0, 1]]  # rank 0's tp group
+
+
+def test_inspect_shows_tp_collectives_apart_from_ours() -> None:
+    from fsdp_compile.inspection.report import measured_bytes
+
+    out = features_run()
+    training = [s for s in out["summaries"] if s.get("backward")]
+    assert training
+    summary = training[0]
+    collectives = summary["forward"]["collectives"] + summary["backward"]["collectives"]
+    theirs = [c for c in collectives if c["origin"] == "torch"]
+    ours = [c for c in collectives if c["origin"] == "fsdp"]
+    # Sequence parallelism's all-gathers and reduce-scatters, on the tp group; ours on dp.
+    assert theirs and ours
+    assert {c["group"] for c in theirs} == {out["tp_group"]}
+    assert out["tp_group"] not in {c["group"] for c in ours}
+    assert {"all_gather", "reduce_scatter"} <= {c["kind"] for c in theirs}
+    measured = measured_bytes(summary)
+    assert sum(measured.values()) == sum(c["bytes"] for c in ours)
+    assert "torch's own collectives (tensor parallelism): " in out["report"]
+
+
 # ---------------------------------------------------------------- checkpoints across layouts
 def checkpoint_worker(rank: int, world: int, path: str) -> dict:
     """Save at dp 2 x tp 2, load into 1-D FULL_SHARD at world 4 and back; one more step on each."""
