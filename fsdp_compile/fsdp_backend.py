@@ -59,6 +59,10 @@ class FSDPBackend:
             to the eager runtime) or ``"eager"`` (the captured graph as Python, every marker run
             by the eager runtime). ``FSDP_COMPILE_EAGER=1`` forces ``"eager"``.
         mesh: a ``DeviceMesh``: 1-D, or for hybrid strategies 2-D with dims (replicate, shard).
+            For a model whose parameters are already tensor-parallel DTensors (torch's
+            ``parallelize_module`` on ``mesh["tp"]``), the data-parallel part of that same mesh
+            (``mesh["dp"]``): each parameter's TP-local tensor is sharded over it, as FSDP2's
+            ``fully_shard(mesh=mesh["dp"])`` does (see docs/tensor-parallel.md).
         process_groups: instead of ``mesh``: one group, or ``(shard_pg, replicate_pg)`` for
             hybrid strategies (any layout that tiles the world).
         shard_size: hybrid strategies without ``mesh``/``process_groups``: ranks per shard
@@ -266,7 +270,8 @@ class FSDPBackend:
         result = shard_module(model, state.topology, self.bucket_policy, self.options.mixed_precision,
                               sync=self._gradient_sync, offload=self.options.offload, init_fn=init_fn,
                               init_device=init_device or current_device(state.topology.mesh.device_type),
-                              materialize=materialize, region_copies=self.region_copies())
+                              materialize=materialize, region_copies=self.region_copies(),
+                              mesh_given=self.options.mesh is not None)
         infos = result.infos
         state.local_shards.add(result.shards)
         if result.peak_full_bytes is not None:

@@ -49,6 +49,7 @@ SKIPPED = {
                             ".ci/run runs the test command (the whole suite)",
     "docs/troubleshooting.md#restartable-training-with-torchrun":
         "trains the demo for its default 40 steps with Inductor; tests/test_reliability.py kills and restarts it",
+    "docs/tensor-parallel.md#usage": "needs 4 processes (dp 2 x tp 2); tests/test_tensor_parallel.py runs it",
     "docs/planning.md#the-command-line":
         "plans a 70B model for 512 GPUs: about two minutes and 1.3 GiB of memory on a CPU",
 }

@@ -215,7 +215,9 @@ def test_api_errors_name_what_is_wrong() -> None:
     assert "shard the plain module first" in errors["compiled_module"]
     assert "module '1' (RawWeight) has parameters or buffers on the meta device" in errors["meta"]
     assert "pass init_fn=" in errors["meta"]
-    assert "'fc.weight' is already a DTensor" in errors["foreign_dtensor"]
+    # A TP parameter without the dp mesh it is to be sharded over (tests/test_tensor_parallel.py: the rest).
+    assert "parameter 'fc.weight' is a DTensor on the mesh" in errors["foreign_dtensor"]
+    assert "mesh=mesh['dp']" in errors["foreign_dtensor"]
     assert "did not shard" in errors["other_backend"] and "'fc.weight'" in errors["other_backend"]
     assert "'fc.weight' was replaced by a plain tensor" in errors["replaced_parameter"]
 

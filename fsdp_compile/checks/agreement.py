@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .. import api
 from ..passes.graph import COMM_META, decode_collective
@@ -327,7 +328,7 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
                 tag = node.meta.get(COMM_META)
                 bucket = tag.bucket if tag is not None else "?"
                 group = str(collective.group)
-                calls.append(CollectiveCall(phase, collective.kind, group_roles.get(group, group),
+                calls.append(CollectiveCall(phase, collective.kind, group_roles.get(group) or _role_of(group),
                                             str(collective.dtype).replace("torch.", ""),
                                             int(collective.buffer_bytes), bucket, members.get(bucket, ())))
             elif node.target in UNSHARD_TARGETS or node.target is REDUCE_GRAD:
@@ -339,6 +340,17 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
                                             int(value.numel() * value.element_size()), marker.unit or "<root>",
                                             (marker.fqn,)))
     return calls
+
+
+def _role_of(group_name: str) -> str:
+    """The role of a group that is none of ours (torch's own collectives, tensor parallelism's):
+    its size and this rank's place in it, which ranks that communicate alike share, where its
+    name differs from one rank's group to the next."""
+    try:
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        return f"a group of {group.size()} ranks (this rank {group.rank()})"
+    except Exception:  # not a registered group: compare the name itself
+        return group_name
 
 
 # shard() calls per mesh on this process: the agreement key of the n-th call is the same on every rank.
@@ -389,9 +401,11 @@ def sharding_items(options: BackendOptions, topology: Topology, model: nn.Module
     units = unit_modules(model, o.bucket_policy)
     for module_name, name, param in _unique_parameters(model):
         fqn = f"{module_name}.{name}" if module_name else name
-        items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit)",
-                      [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
-                       unit_of(module_name, units) or "<root>"]))
+        described = [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
+                     unit_of(module_name, units) or "<root>"]
+        if isinstance(param, DTensor):  # tensor parallel: the ranks' TP plans must agree too
+            described.append([param.device_mesh.mesh_dim_names, [repr(p) for p in param.placements]])
+        items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit[, TP layout])", described))
     # After the parameters: a missing or extra parameter is named before the count differs.
     items.append(("the number of parameters", sum(1 for _ in _unique_parameters(model))))
     return items

@@ -106,8 +106,14 @@ def cache_key_parts(options: BackendOptions, state: ShardingState) -> dict[str, 
     # AOTAutograd keys a DTensor input by its global metadata only, so with uneven shards
     # ranks whose local shards differ would share an entry (a wrong graph, caught by a
     # size assertion at best): the rank and every local shard's metadata are part of ours.
-    local = sorted((name, tuple(p.to_local().shape), tuple(p.to_local().stride()), str(p.dtype), str(p.device))
+    # The mesh and placements too: under tensor parallelism the TP plan decides them (and the TP
+    # collectives in the graph), and two plans can leave every local shard the same shape.
+    local = sorted((name, tuple(p.to_local().shape), tuple(p.to_local().stride()), str(p.dtype), str(p.device),
+                    p.device_mesh.mesh_dim_names, tuple(map(repr, p.placements)))
                    for p in state.sharded_parameters() for name in [sharded_name(p) or ""])
+    tp_groups = sorted({tuple(dist.get_process_group_ranks(info.tp.mesh.get_group(dim)))
+                        for info in state.params.values() if info.tp is not None for dim in range(info.tp.mesh.ndim)})
+    groups["tensor_parallel"] = [list(g) for g in tp_groups] or None
     return {
         "strategy": options.strategy.name,
         "compiler": options.compiler,

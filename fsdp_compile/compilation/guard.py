@@ -145,4 +145,4 @@ class StepGuard:
             kept = load_collectives(self.cache_state.directory, record.cache_key, record.dynamo.code)
             if kept is not None:
                 return [CollectiveCall(**{**c, "params": tuple(c["params"])}) for c in kept]
-        return collective_calls(record, self.state.topology.group_roles())
+        return collective_calls(record, self.state.group_roles())

@@ -130,7 +130,7 @@ def compile_inductor(compiler: Compiler, gm: fx.GraphModule, example_inputs: Seq
     else:
         record.cache = "miss"
         stats["misses"] += 1
-        calls = collective_calls(record, compiler.state.topology.group_roles())
+        calls = collective_calls(record, compiler.state.group_roles())
         save_collectives(cache_state.directory, key, gm.code, [dataclasses.asdict(c) for c in calls])
     record.cache_key = key
     return compiled

@@ -54,9 +54,12 @@ def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
         wait = waits.get(node)
         issue_at, wait_at = index[node], index[wait] if wait is not None else index[node]
         overlapped = compute_before[wait_at] - compute_before[issue_at]
-        entry = {"kind": kind, "bucket": tag.bucket if tag else None, "group": collective.group,
+        # A collective without our tag is torch's own: tensor parallelism's (DTensor put it in
+        # the graph). Shown apart, and not counted against the strategy's theory.
+        entry = {"kind": kind, "origin": "fsdp" if tag else "torch", "bucket": tag.bucket if tag else None,
+                 "group": collective.group,
                  "group_size": collective.group_size,
-                 "dtype": str(collective.dtype).replace("torch.", ""), "bytes": collective.buffer_bytes,
+                 "dtype": str(collective.dtype).replace("torch.", ""), "bytes": int(collective.buffer_bytes),
                  "issued_at": issue_at, "waited_at": wait_at, "issued_before": node.next.name,
                  "overlapped_compute": overlapped}
         if kind == "all_gather":
@@ -156,7 +159,8 @@ def measured_bytes(summary: dict[str, Any]) -> dict[str, int]:
     measured = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for phase in ("forward", "backward"):
         for c in (summary.get(phase) or {}).get("collectives", []):
-            measured[c["kind"]] += c["bytes"]
+            if c.get("origin", "fsdp") == "fsdp":
+                measured[c["kind"]] += c["bytes"]
     return measured
 
 
@@ -218,9 +222,17 @@ def _render_graph(s: dict[str, Any]) -> list[str]:
                     lines.append(f"        ! {s['strategy']} gathers this bucket whole, so sharding saves "
                                  f"little of its memory. {flag['advice']}")
         counts: dict[str, int] = {}
+        theirs: dict[tuple[str, str, int | None], list[int]] = {}
         for c in p["collectives"]:
-            counts[c["kind"]] = counts.get(c["kind"], 0) + 1
+            if c.get("origin", "fsdp") == "fsdp":
+                counts[c["kind"]] = counts.get(c["kind"], 0) + 1
+            else:
+                theirs.setdefault((c["kind"], c["group"], c["group_size"]), []).append(c["bytes"])
         lines.append("    collectives: " + (", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"))
+        if theirs:
+            lines.append("    torch's own collectives (tensor parallelism): " + ", ".join(
+                f"{kind} x{len(sizes)} on group {group}" + (f" ({size} ranks)" if size else "")
+                + f", {_size(sum(sizes))}" for (kind, group, size), sizes in theirs.items()))
         if p.get("schedule"):
             schedule = p["schedule"]
             lines.append(f"    schedule: budget {_size(schedule['budget'])} in flight, "
@@ -271,7 +283,8 @@ def chrome_trace(summaries: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 events.append({"name": "memory", "ph": "C", "ts": offset + i, "pid": pid,
                                "args": {"live bytes": t["live"][i], "in flight bytes": t["inflight"][i]}})
             for c in p["collectives"]:
-                events.append({"name": f"{c['kind']} {c['bucket']}", "ph": "X", "ts": offset + c["issued_at"],
+                label = c["bucket"] if c.get("origin", "fsdp") == "fsdp" else "tensor parallel"
+                events.append({"name": f"{c['kind']} {label}", "ph": "X", "ts": offset + c["issued_at"],
                                "dur": max(1, c["waited_at"] - c["issued_at"]), "pid": pid,
                                "tid": f"{phase} collectives", "cat": "collective",
                                "args": {"bytes": c["bytes"], "group": c["group"]}})

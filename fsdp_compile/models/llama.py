@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = _rotate(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
-        k = _rotate(self.wk(x).view(b, t, self.n_kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank holds n_heads / tp of them.
+        q = _rotate(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
+        k = _rotate(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         repeat = self.n_heads // self.n_kv_heads
         if repeat > 1:  # grouped-query attention: each KV head serves `repeat` query heads
             k = k.repeat_interleave(repeat, dim=2)
@@ -178,3 +180,47 @@ class Llama(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(math.prod(p.shape) for p in self.parameters())
+
+
+def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
+    """torchtitan's Llama tensor-parallel plan on ``tp_mesh``, in place; returns ``model``.
+
+    Column-wise attention and feed-forward input projections, row-wise output projections,
+    sequence parallelism on the norms (activations between blocks are split on the sequence
+    dimension), the embedding row-wise and the head column-wise with a replicated output
+    (torchtitan's plan without loss parallelism). Heads and KV heads must divide by the tp size.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    if model.cfg.n_heads % tp or model.cfg.n_kv_heads % tp:
+        raise ValueError(f"tensor parallelism over {tp} ranks needs n_heads={model.cfg.n_heads} and "
+                         f"n_kv_heads={model.cfg.n_kv_heads} to be multiples of {tp}")
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    return model

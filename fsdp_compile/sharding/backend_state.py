@@ -41,6 +41,19 @@ class ShardingState:
     init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
     _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
 
+    def group_roles(self) -> dict[str, str]:
+        """Process-group name -> its role, for cross-rank checks: the topology's groups, and the
+        tensor-parallel groups of TP parameters (each dp rank has its own tp group, in the
+        same role)."""
+        roles = self.topology.group_roles() if self.topology is not None else {}
+        for info in self.params.values():
+            if info.tp is not None:
+                mesh = info.tp.mesh
+                for dim in range(mesh.ndim):
+                    name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
+                    roles[mesh.get_group(dim).group_name] = f"tensor-parallel group {name!r} ({mesh.size(dim)} ranks)"
+        return roles
+
     def add_parameters(self, params: Any) -> None:
         for param in params:
             self._owned[param] = True

@@ -39,6 +39,7 @@ from .grad_sync import GradientSync
 from .local_shards import LocalShards
 from .regions import RegionReads
 from .sharded_param import ShardedParamInfo
+from .tensor_parallel import TPSpec
 
 # Read as the literal ``self._fsdp_state`` in traced code (sharded_class.py, regions.py): a plain
 # attribute load is what Dynamo traces cheapest.
@@ -56,9 +57,13 @@ class ModuleState:
     mixed_precision: MixedPrecision | None = None  # the root's, when it casts inputs or the output
     # local parameter name -> (fqn, the unshard marker's arguments): what a read passes on.
     reads: dict[str, tuple[str, tuple]] = field(init=False)
+    # local parameter name -> its TP spec, for tensor-parallel parameters (a read rebuilds the
+    # tp DTensor from the gathered TP-local tensor: sharding/tensor_parallel.py).
+    tp: dict[str, TPSpec] = field(init=False)
 
     def __post_init__(self) -> None:
         self.reads = {name: (info.fqn, info.unshard_args) for name, info in self.specs.items()}
+        self.tp = {name: info.tp for name, info in self.specs.items() if info.tp is not None}
 
 
 def module_state(module: nn.Module) -> ModuleState | None:

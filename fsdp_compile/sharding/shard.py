@@ -30,6 +30,7 @@ from .module_state import ModuleState, set_module_state
 from .regions import RegionReads, region_units, relative_marker_args
 from .sharded_class import sharded_class
 from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
+from .tensor_parallel import tp_spec
 from .units import Policy, parse_policy, unit_modules, unit_of
 
 
@@ -52,6 +53,7 @@ def shard_module(
     init_device: torch.device | None = None,
     materialize: bool = True,
     region_copies: int | None = None,
+    mesh_given: bool = False,
 ) -> ShardResult:
     """Shard every parameter of ``model`` in place; returns the info of each, by name.
 
@@ -59,7 +61,9 @@ def shard_module(
     on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
     with ``materialize=False`` they become meta shards instead (planning: shapes only).
     ``region_copies``: compile the units of a class with that many copies or more as regions
-    (see :mod:`.regions`; needs ``sync``); None: no regions.
+    (see :mod:`.regions`; needs ``sync``); None: no regions. Parameters that are already
+    tensor-parallel DTensors are sharded over ``topology``'s dp mesh (see
+    :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave (``mesh_given``).
     """
     units = unit_modules(model, policy)
     presharded: dict[int, tuple[torch.Tensor, bool]] = {}
@@ -82,16 +86,14 @@ def shard_module(
     infos: dict[str, ShardedParamInfo] = {}
     for module, module_name, name, fqn, param in list(_owners(model)):
         if id(param) not in seen:
-            if isinstance(param, DTensor):
-                raise ValueError(
-                    f"parameter {fqn!r} is already a DTensor (placements {param.placements}); "
-                    "fsdp_compile shards plain parameters, pass the model before any other "
-                    "parallelism is applied"
-                )
+            tp = tp_spec(fqn, param, topology, mesh_given) if isinstance(param, DTensor) else None
             if id(param) in presharded:
                 dtensor, dim0_sharded = presharded[id(param)]
+            elif tp is not None:
+                dtensor, dim0_sharded = shard_tensor(param._local_tensor, topology, offload, tp)
             else:
                 dtensor, dim0_sharded = shard_tensor(param, topology, offload)
+            gathered_shape = tuple(param._local_tensor.shape) if tp is not None else tuple(param.shape)
             sharded = sharded_parameter(dtensor, fqn, param.requires_grad)
             mp = mixed_precision if mixed_precision and mixed_precision.applies_to(param) else None
             comm = CommSpec(
@@ -105,7 +107,7 @@ def shard_module(
                 reshard_after_forward=topology.strategy.reshard_after_forward,
                 compute_device=compute_device,
             )
-            info = ShardedParamInfo(fqn, unit_of(module_name, units), tuple(param.shape), comm)
+            info = ShardedParamInfo(fqn, unit_of(module_name, units), gathered_shape, comm, tp)
             seen[id(param)] = (sharded, info)
             infos[fqn] = info
             if sync is not None:
@@ -126,8 +128,12 @@ def shard_module(
     tied = {fqn for fqn, _ in shards.shared}
     tied_units = {unit_of(module_names[m], units) for m, specs in per_module.items()
                   if any(info.fqn in tied for info in specs.values())}
+    # No regions for tensor-parallel models yet: a region body that rebuilds a tp DTensor
+    # (DTensor.from_local, an autograd.Function without setup_context) fails inside
+    # invoke_subgraph's functionalized autograd on torch 2.13. Every block then compiles inline.
+    tensor_parallel = any(info.tp is not None for info in infos.values())
     regional = (region_units(model, units, tied_units, region_copies)
-                if region_copies is not None and sync is not None else set())
+                if region_copies is not None and sync is not None and not tensor_parallel else set())
     for module, specs in per_module.items():
         unit = unit_of(module_names[module], units)
         region = _region_reads(specs, unit, shards, sync) if unit in regional else None
@@ -138,7 +144,8 @@ def shard_module(
                                              mixed_precision if root and casts else None))
         module.__class__ = sharded_class(type(module), tuple(sorted(specs)), root,
                                          region_forward=not root and module_names[module] in regional,
-                                         in_region=region is not None)
+                                         in_region=region is not None,
+                                         tp_names=tuple(sorted(n for n, i in specs.items() if i.tp is not None)))
     for unit in sorted(regional):
         module = model.get_submodule(unit)
         if module not in per_module:  # a block whose parameters all live in its submodules

@@ -24,19 +24,21 @@ from torch.utils._pytree import tree_map_only
 from ..api import MixedPrecision
 from .local_shards import LocalShards
 from .regions import make_region_forward
+from .tensor_parallel import as_tp_dtensor
 
-_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool], type] = {}
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...]], type] = {}
 
 
 def sharded_class(cls: type, names: tuple[str, ...], root: bool = False, region_forward: bool = False,
-                  in_region: bool = False) -> type:
+                  in_region: bool = False, tp_names: tuple[str, ...] = ()) -> type:
     """The generated subclass: a gathering property per parameter (``in_region``: for a module
     inside a unit compiled as a region), for the root a forward that sets up the reads (and
     applies mixed precision casts), for a unit compiled as a region (``region_forward``) a
-    forward that runs as one (see :mod:`.regions`)."""
-    key = (cls, names, root, region_forward, in_region)
+    forward that runs as one (see :mod:`.regions`). ``tp_names``: the tensor-parallel parameters,
+    whose reads return the tp DTensor (:mod:`.tensor_parallel`)."""
+    key = (cls, names, root, region_forward, in_region, tp_names)
     if key not in _CLASS_CACHE:
-        namespace: dict[str, Any] = {name: _make_property(name, in_region) for name in names}
+        namespace: dict[str, Any] = {name: _make_property(name, in_region, name in tp_names) for name in names}
         namespace["_fsdp_region"] = _REGION_READS
         if root:
             namespace["forward"] = _make_root_forward(cls)
@@ -54,7 +56,7 @@ _REGION_READS = property(lambda self: self._fsdp_state.region,
                          doc="This module's RegionReads inside a compile region, else None.")
 
 
-def _make_property(name: str, in_region: bool) -> property:
+def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
     # Dynamo inlines a read once per parameter read, and its cost grows with every call,
     # attribute and constant it meets (reads through helper calls cost it ~100 bytecode steps
     # each more than plain parameter reads): everything is precomputed at shard time, the
@@ -94,8 +96,16 @@ def _make_property(name: str, in_region: bool) -> property:
             "or copy_() into the existing parameter"
         )
 
-    return property(read_in_region if in_region else read, write,
-                    doc=f"Full value of sharded parameter {name!r} (gathers it).")
+    plain = read_in_region if in_region else read
+    if tp:
+        # A separate property, so plain parameters' reads pay nothing for TP. The markers move the
+        # TP-local tensor over dp; TP's own DTensor ops (and collectives) then see the parameter
+        # exactly as parallelize_module left it.
+        def read_tp(self: nn.Module) -> torch.Tensor:
+            return as_tp_dtensor(plain(self), self._fsdp_state.tp[name])
+
+        return property(read_tp, write, doc=f"Sharded tensor-parallel parameter {name!r} (gathers it over dp).")
+    return property(plain, write, doc=f"Full value of sharded parameter {name!r} (gathers it).")
 
 
 def _gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:

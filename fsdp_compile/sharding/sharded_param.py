@@ -47,6 +47,7 @@ from ..api import CPUOffload
 from ..runtime.collectives import CommSpec, padded_rows, shard_bounds
 from .grad_sync import add_local_grad
 from .groups import Topology, current_device
+from .tensor_parallel import TPSpec, combined_layout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,8 +61,11 @@ class ShardedParamInfo:
 
     fqn: str
     unit: str  # the bucket unit (module name; "" is the root)
+    # What the markers gather: the full parameter, or for a tensor-parallel parameter its
+    # TP-local tensor (``tp.shape`` is then the global shape).
     full_shape: tuple[int, ...]
     comm: CommSpec
+    tp: TPSpec | None = None
 
     @property
     def unshard_args(self) -> tuple:
@@ -102,12 +106,20 @@ def sharded_parameter(dtensor: torch.Tensor, fqn: str, requires_grad: bool) -> n
     return param
 
 
-def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | None) -> tuple[torch.Tensor, bool]:
-    """This rank's DTensor shard of ``param``, and whether it is split on dim 0."""
+def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | None,
+                 tp: TPSpec | None = None) -> tuple[torch.Tensor, bool]:
+    """This rank's DTensor shard of ``param``, and whether it is split on dim 0.
+
+    With ``tp`` (``param`` is then its TP-local tensor), the shard is a DTensor on the dp and tp
+    meshes together (:mod:`.tensor_parallel`)."""
     full = param.detach()
     device = None if full.is_meta else current_device(topology.mesh.device_type)
     if full.dim() == 0 or topology.shard_size == 1:
         local = _place(full.clone(), offload, device)
+        if tp is not None:
+            mesh, placements = combined_layout(topology, tp, dim0_sharded=False)
+            return DTensor.from_local(local, mesh, placements, run_check=False,
+                                      shape=tp.shape, stride=tp.stride), False
         return DTensor.from_local(local, topology.mesh, topology.replicated_placements(),
                                   run_check=False), False
     rows = full.shape[0]
@@ -116,6 +128,10 @@ def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | 
     storage = full.new_zeros((chunk, *full.shape[1:]))
     storage[:length].copy_(full[start:start + length])
     local = _place(storage, offload, device)[:length]
+    if tp is not None:
+        mesh, placements = combined_layout(topology, tp, dim0_sharded=True)
+        return DTensor.from_local(local, mesh, placements, run_check=False,
+                                  shape=tp.shape, stride=tp.stride), True
     dtensor = DTensor.from_local(local, topology.mesh, topology.placements, run_check=False,
                                  shape=full.shape, stride=full.stride())
     return dtensor, True

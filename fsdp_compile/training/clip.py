@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def clip_grad_norm_(
@@ -23,7 +24,7 @@ def clip_grad_norm_(
     clipping, as a plain tensor equal on every rank), computed for sharded gradients: each
     rank takes the norm of its own shards, and only mesh dimensions a gradient is sharded on
     are summed across ranks (replicas hold copies and must not be counted twice). One
-    all-reduce in all.
+    all-reduce per sharded mesh dimension and layout (one in all for a 1-D model).
     """
     if isinstance(parameters, nn.Module):
         parameters = parameters.parameters()
@@ -43,6 +44,7 @@ def clip_grad_norm_(
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
     groups: dict[tuple, list] = {}
+    parts: dict[int, torch.Tensor] = {}
     for grad in grads:
         local = _local(grad)
         part = (torch.linalg.vector_norm(local.float(), norm_type) if local.numel()
@@ -52,19 +54,30 @@ def clip_grad_norm_(
         dims = _sharded_mesh_dims(grad)
         if dims:
             groups.setdefault(dims, []).append(grad)
-            sharded = torch.maximum(sharded, part) if infinite else sharded + part
+            parts[id(grad)] = part
         else:
             replicated = torch.maximum(replicated, part) if infinite else replicated + part
-    if len(groups) > 1:
+    roots = {mesh._get_root_mesh() for mesh, _ in groups}
+    if len(roots) > 1:
         raise ValueError(
-            "gradients are sharded over different mesh dimensions "
+            "gradients are sharded over meshes that were not sliced from one DeviceMesh "
             f"({[dims for _, dims in groups]}); clip each model's parameters separately"
         )
     if groups:
-        (mesh, mesh_dims), = groups
-        for dim in mesh_dims:
-            dist.all_reduce(sharded, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM,
-                            group=mesh.get_group(dim))
+        # One sum per (mesh, sharded dims): under tensor parallelism a parameter can be split on
+        # dp and tp (column- or row-wise), on dp only (a replicated norm weight, or a parameter
+        # outside the TP plan on the dp mesh) or on tp only (NO_SHARD). Each group's shards are
+        # summed over exactly the dims that split it, so no replica is counted twice.
+        op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+        total_sharded = torch.zeros((), dtype=torch.float32, device=device)
+        for (mesh, mesh_dims), members in groups.items():
+            part = torch.zeros((), dtype=torch.float32, device=device)
+            for grad in members:
+                part = torch.maximum(part, parts[id(grad)]) if infinite else part + parts[id(grad)]
+            for dim in mesh_dims:
+                dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+            total_sharded = torch.maximum(total_sharded, part) if infinite else total_sharded + part
+        sharded = total_sharded
     total = torch.maximum(sharded, replicated) if infinite else (sharded + replicated) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -84,5 +97,5 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _sharded_mesh_dims(t: torch.Tensor) -> tuple | None:
     if not isinstance(t, DTensor):
         return None
-    dims = tuple(i for i, p in enumerate(t.placements) if isinstance(p, Shard))
+    dims = tuple(i for i, p in enumerate(t.placements) if isinstance(p, (Shard, _StridedShard)))
     return (t.device_mesh, dims) if dims else None

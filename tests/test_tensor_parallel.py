@@ -1,0 +1,510 @@
+"""FSDP over tensor parallelism (2-D, dp 2 x tp 2 at world 4): torchtitan's Llama TP plan and a
+GPT with tied embeddings, sharded over ``mesh["dp"]``, against single-process training and
+against FSDP2 (``fully_shard(mesh=mesh["dp"])``) with the same TP plan.
+
+One spawn of 4 ranks runs every default case of a strategy (the parity run is cached per
+strategy and model); Inductor and the other strategies' cross-checks are ``slow``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_workers
+from helpers import GRAD_ATOL, PARAM_ATOL, assert_bitwise, assert_grads_close, full, max_diff
+from torch import nn
+
+import fsdp_compile
+from fsdp_compile import ShardingStrategy
+from fsdp_compile.models.llama import Llama, LlamaConfig, apply_tp
+
+WORLD, DP, TP = 4, 2, 2
+PER_RANK_BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
+# Against single-process training, per tensor relative to its largest entry: helpers.GRAD_RTOL
+# (1e-5) plus tensor parallelism's own rounding: a row-wise layer sums per-rank partial products
+# in an all-reduce, another order than one matmul. Observed 1.2e-5 on the attention projections
+# of the tied GPT (whose gradients are small), identical for FSDP2 + the same plan.
+TP_GRAD_RTOL = 5e-5
+LLAMA = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32)
+
+
+# ---------------------------------------------------------------- a GPT with tied embeddings
+class TiedBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # No key bias: its gradient is zero in exact arithmetic (softmax ignores a constant per
+        # query), so only rounding noise would be compared.
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # -1 heads: a tensor-parallel rank holds heads / tp of them.
+        q, k, v = (f(h).view(b, t, -1, x.shape[-1] // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TiedGPT(nn.Module):
+    """Head tied to the token embedding; positions and norms outside the TP plan (plain)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2, positions: int = 32) -> None:
+        super().__init__()
+        self.vocab_size = vocab
+        self.tok_emb = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Embedding(positions, dim)
+        self.blocks = nn.ModuleList(TiedBlock(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok_emb.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def apply_tp_gpt(model: TiedGPT, tp_mesh) -> TiedGPT:
+    """Megatron's plan: q/k/v and fc column-wise, proj and out row-wise, the tied embedding
+    row-wise (vocab rows split) and the head column-wise (the same vocab rows), so the tie holds."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    model.head.weight = model.tok_emb.weight  # distributing each module untied them
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {
+            "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
+            "fc": ColwiseParallel(), "out": RowwiseParallel(),
+        })
+    return model
+
+
+MODELS = {"llama": (lambda: Llama(LLAMA), apply_tp, "layers"), "tied_gpt": (TiedGPT, apply_tp_gpt, "blocks")}
+
+
+# ---------------------------------------------------------------- per-rank code
+def _batches(vocab: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        data = torch.randint(0, vocab, (DP * PER_RANK_BATCH, SEQ + 1), generator=gen)
+        out.append((data[:, :-1], data[:, 1:]))
+    return out
+
+
+def _train(model: nn.Module, forward: Any, data: list, dp_rank: int | None, step_hook: Any = None) -> dict[str, Any]:
+    """AdamW steps on this dp rank's slice (``None``: the whole batch); whole first-step
+    gradients, losses and final parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads0 = [], {}
+    for step, (x, y) in enumerate(data):
+        if dp_rank is not None:
+            x, y = x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH], y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH]
+        logits = forward(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        if step == 0:
+            grads0 = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads0": grads0, "params": {n: full(p) for n, p in model.named_parameters()}}
+
+
+def _placements(model: nn.Module) -> dict[str, tuple]:
+    return {n: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for n, p in model.named_parameters()}
+
+
+def mesh_2d():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+
+
+def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: list[str]) -> dict:
+    build, parallelize, blocks = MODELS[model_name]
+    strategy = ShardingStrategy.parse(strategy)
+    torch.manual_seed(0)
+    base = build()
+    mesh = mesh_2d()
+    data = _batches(base.vocab_size if hasattr(base, "vocab_size") else LLAMA.vocab_size, STEPS)
+    dp_rank = mesh["dp"].get_local_rank()
+    out: dict[str, Any] = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        model = parallelize(copy.deepcopy(base), mesh["tp"])
+        if mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            dp_mesh = mesh["dp"]
+            if strategy is ShardingStrategy.NO_SHARD:  # FSDP2's replicated (DDP) layout
+                from torch.distributed._composable.replicate_with_fsdp import replicate
+
+                for block in getattr(model, blocks):
+                    replicate(block, mesh=dp_mesh)
+                replicate(model, mesh=dp_mesh)
+            else:
+                for block in getattr(model, blocks):
+                    fully_shard(block, mesh=dp_mesh, reshard_after_forward=strategy.reshard_after_forward)
+                fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.reshard_after_forward)
+            out[mode] = _train(model, model, data, dp_rank)
+            out[mode]["placements"] = _placements(model)
+            continue
+        backend = fsdp_compile.backend(strategy, mesh=mesh["dp"], compiler="aot_eager" if mode == "eager" else mode)
+        backend.shard(model)
+        forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        out[mode] = _train(model, forward, data, dp_rank)
+        out[mode]["graphs"] = len(backend.graphs)
+        out[mode]["placements"] = _placements(model)
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        out["reference"] = _train(reference, reference, data, None)
+        out["initial"] = {n: p.detach().clone() for n, p in base.named_parameters()}
+    return out if rank == 0 else {}
+
+
+@functools.cache
+def parity_run(model_name: str, strategy: str, modes: tuple[str, ...]) -> dict:
+    return run_workers(parity_worker, WORLD, model_name, strategy, list(modes))[0]
+
+
+DEFAULT_MODES = ("eager", "aot_eager", "fsdp2")
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
+def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) -> None:
+    out = parity_run(model_name, "FULL_SHARD", DEFAULT_MODES)
+    ref = out["reference"]
+    for mode in ("eager", "aot_eager"):
+        ours = out[mode]
+        assert_grads_close(ours["grads0"], ref["grads0"], TP_GRAD_RTOL, f"{mode} first-step gradients")
+        diff, name = max_diff(ours["grads0"], ref["grads0"])
+        assert diff <= GRAD_ATOL, f"{mode}: first-step gradient of {name} differs by {diff}"
+        diff, name = max_diff(ours["params"], ref["params"])
+        assert diff <= PARAM_ATOL, f"{mode}: {name} differs by {diff} after {STEPS} steps"
+        assert max_diff(ours["params"], out["initial"])[0] > 10 * PARAM_ATOL
+    assert out["aot_eager"]["graphs"] == 1
+    assert_bitwise(out["eager"]["grads0"], out["aot_eager"]["grads0"], "eager runtime vs aot_eager")
+    # The same math as FSDP2 + TP: exact gathers, averaging reductions over the same dp groups,
+    # torch's own TP collectives, per-parameter AdamW on the same DTensor shards.
+    for mode in ("eager", "aot_eager"):
+        assert_bitwise(out[mode]["grads0"], out["fsdp2"]["grads0"], f"{mode} vs FSDP2 + TP gradients")
+        assert_bitwise(out[mode]["params"], out["fsdp2"]["params"], f"{mode} vs FSDP2 + TP parameters")
+        assert out[mode]["losses"] == out["fsdp2"]["losses"]
+        assert out[mode]["placements"] == out["fsdp2"]["placements"]
+
+
+def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[str, ...]) -> None:
+    ref = out["reference"]
+    for mode in modes:
+        ours = out[mode]
+        assert_grads_close(ours["grads0"], ref["grads0"], TP_GRAD_RTOL, f"{mode} first-step gradients")
+        diff, name = max_diff(ours["grads0"], ref["grads0"])
+        assert diff <= GRAD_ATOL, f"{mode}: first-step gradient of {name} differs by {diff}"
+        diff, name = max_diff(ours["params"], ref["params"])
+        assert diff <= PARAM_ATOL, f"{mode}: {name} differs by {diff} after {STEPS} steps"
+        assert ours["placements"] == out["fsdp2"]["placements"]
+        if mode in bitwise:
+            assert_bitwise(ours["grads0"], out["fsdp2"]["grads0"], f"{mode} vs FSDP2 + TP gradients")
+            assert_bitwise(ours["params"], out["fsdp2"]["params"], f"{mode} vs FSDP2 + TP parameters")
+        else:  # Inductor's fused kernels round differently
+            assert_grads_close(ours["grads0"], out["fsdp2"]["grads0"], TP_GRAD_RTOL, f"{mode} vs FSDP2 + TP")
+            diff, name = max_diff(ours["params"], out["fsdp2"]["params"])
+            assert diff <= PARAM_ATOL, f"{mode} vs FSDP2 + TP: {name} differs by {diff}"
+        if mode != "eager":
+            assert ours["graphs"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_every_strategy_over_tp_in_every_mode(strategy: str, model_name: str) -> None:
+    out = parity_run(model_name, strategy, ("eager", "aot_eager", "inductor", "fsdp2"))
+    _check_against_references(out, ("eager", "aot_eager", "inductor"), bitwise=("eager", "aot_eager"))
+
+
+# ---------------------------------------------------------------- bad input
+def errors_worker(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = mesh_2d()
+    # Another mesh over the same ranks, laid out otherwise: its dp groups are not mesh's.
+    other = DeviceMesh("cpu", torch.arange(WORLD).view(DP, TP).t(), mesh_dim_names=("dp", "tp"))
+
+    def tp_model(tp_mesh=mesh["tp"], rows: int = 32) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, rows), nn.Linear(rows, 8))
+        return parallelize_module(model, tp_mesh, {"0": ColwiseParallel()})
+
+    def error(make_backend, model: nn.Module) -> str:
+        try:
+            make_backend().shard(model)
+        except Exception as exc:  # the test checks type and wording
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    partial = tp_model()
+    partial[0].bias = nn.Parameter(DTensor.from_local(torch.zeros(32), mesh["tp"], [Partial()]))
+    return {
+        "no_mesh": error(lambda: fsdp_compile.backend("FULL_SHARD"), tp_model()),
+        "other_mesh": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=other["dp"]), tp_model()),
+        "overlap": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["tp"]), tp_model()),
+        "partial": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), partial),
+        "uneven": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), tp_model(rows=31)),
+        "fine": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), tp_model()),
+    }
+
+
+def test_bad_tp_input_is_refused_naming_the_parameter() -> None:
+    # Before issue 31 every case (the good one too) was refused as "already a DTensor".
+    errors = run_workers(errors_worker, WORLD)[0]
+    assert errors["fine"] == "no error"
+    assert errors["no_mesh"].startswith("ValueError: parameter '0.weight' is a DTensor")
+    assert "mesh=mesh['dp']" in errors["no_mesh"]
+    assert errors["other_mesh"].startswith("ValueError: parameter '0.weight' cannot be sharded over mesh=")
+    assert "not sliced from one DeviceMesh" in errors["other_mesh"]
+    assert errors["overlap"].startswith("ValueError: parameter '0.weight' cannot be sharded over mesh=")
+    assert "overlaps the mesh this parameter lives on" in errors["overlap"]
+    assert errors["partial"].startswith("ValueError: parameter '0.bias' has the placement Partial(sum) on ('tp',)")
+    assert "Redistribute it first" in errors["partial"]
+    assert errors["uneven"].startswith("ValueError: parameter '0.weight' (shape (31, 16)) is split unevenly")
+
+
+# ---------------------------------------------------------------- the training-loop features on 2-D
+def _sharded_llama(mesh, **options) -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    model = apply_tp(Llama(LLAMA), mesh["tp"])
+    backend = fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], compiler="aot_eager", **options)
+    backend.shard(model)
+    return model, backend, torch.compile(model, backend=backend)
+
+
+def _loss(forward: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = forward(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def features_worker(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = mesh_2d()
+    dp_rank = mesh["dp"].get_local_rank()
+    data = _batches(LLAMA.vocab_size, 2)
+
+    def mine(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data[i]
+        return x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH], y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH]
+
+    out: dict[str, Any] = {}
+    model, backend, forward = _sharded_llama(mesh)
+    out["state_dict"] = fsdp_compile.full_state_dict(model, rank0_only=False)
+    # no_sync: the first micro-batch accumulates unreduced, the second reduces both.
+    with backend.no_sync():
+        loss = _loss(forward, *mine(0))
+        loss.backward()
+    out["fp32_loss"] = loss.item()
+    _loss(forward, *mine(1)).backward()
+    out["accumulated"] = {n: full(p.grad) for n, p in model.named_parameters()}
+    out["norm"] = fsdp_compile.clip_grad_norm_(model, 0.5).item()
+    out["clipped"] = {n: full(p.grad) for n, p in model.named_parameters()}
+    # A whole (single-device) state dict in: what full_state_dict gives back, and what the model computes.
+    loaded = {k: v * 1.5 + 0.01 for k, v in out["state_dict"].items()}
+    fsdp_compile.load_full_state_dict(model, loaded)
+    out["reloaded"] = fsdp_compile.full_state_dict(model, rank0_only=False)
+    with torch.no_grad():
+        out["loaded_logits"] = forward(data[0][0]).detach()
+    out["graphs"] = len(backend.graphs)
+    # Through JSON, as a dump writes them (and so the parent can unpickle them).
+    out["cache_key"] = json.loads(json.dumps(backend.cache_key_parts(), default=str))
+    out["summaries"] = json.loads(json.dumps(backend.summaries(), default=str))
+    out["report"] = backend.report()
+    out["tp_group"] = mesh["tp"].get_group().group_name
+
+    # Mixed precision against FSDP2 + the same TP plan and policy.
+    grads = {}
+    for kind in ("ours", "fsdp2"):
+        torch._dynamo.reset()
+        if kind == "ours":
+            mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            m, _, f = _sharded_llama(mesh, mixed_precision=mp)
+        else:
+            torch.manual_seed(0)
+            m = f = apply_tp(Llama(LLAMA), mesh["tp"])
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in m.layers:
+                fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+            fully_shard(m, mesh=mesh["dp"], mp_policy=policy)
+        x, y = mine(0)
+        logits = f(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        grads[kind] = {"loss": loss.item(), "logits_dtype": logits.dtype,
+                       "grads": {n: full(p.grad) for n, p in m.named_parameters()}}
+    out["mixed_precision"] = grads
+
+    if rank == 0:
+        torch.manual_seed(0)
+        ref = Llama(LLAMA)
+        out["initial"] = {k: v.clone() for k, v in ref.state_dict().items()}
+        for i in range(2):
+            _loss(ref, *data[i]).backward()
+        out["ref_accumulated"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        out["ref_norm"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+        out["ref_clipped"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        ref.load_state_dict(loaded)
+        with torch.no_grad():
+            out["ref_loaded_logits"] = ref(data[0][0])
+    return out if rank == 0 else {}
+
+
+@functools.cache
+def features_run() -> dict:
+    return run_workers(features_worker, WORLD)[0]
+
+
+def test_full_state_dict_round_trips_on_2d() -> None:
+    out = features_run()
+    # full_tensor() of the (_StridedShard, Shard) layout is the unsharded value: a wrong
+    # placement (Shard(0) on dp) interleaves the rows.
+    assert_bitwise(out["state_dict"], out["initial"], "full_state_dict vs the unsharded model")
+    loaded = {k: v * 1.5 + 0.01 for k, v in out["initial"].items()}
+    assert_bitwise(out["reloaded"], loaded, "full_state_dict after load_full_state_dict")
+    assert (out["loaded_logits"] - out["ref_loaded_logits"]).abs().max().item() < 1e-5
+
+
+def test_no_sync_accumulates_on_2d() -> None:
+    out = features_run()
+    assert_grads_close(out["accumulated"], out["ref_accumulated"], TP_GRAD_RTOL, "accumulated gradients")
+
+
+def test_clip_grad_norm_over_dp_and_tp_is_the_single_process_norm() -> None:
+    out = features_run()
+    # Parameters split on dp and tp, on dp only (the norms under sequence parallelism) in one model.
+    assert abs(out["norm"] - out["ref_norm"]) <= 1e-5 * out["ref_norm"]
+    assert out["ref_norm"] > 0.5  # so clipping scaled the gradients
+    assert_grads_close(out["clipped"], out["ref_clipped"], TP_GRAD_RTOL, "clipped gradients")
+
+
+def test_mixed_precision_on_2d_matches_fsdp2() -> None:
+    out = features_run()
+    mp = out["mixed_precision"]
+    # Computed in bf16 (the head's output dtype), as FSDP2 + TP does.
+    assert mp["ours"]["logits_dtype"] == mp["fsdp2"]["logits_dtype"] == torch.bfloat16
+    # Not bitwise (observed 1.7e-5 apart in the loss, where the fp32 runs are bitwise equal):
+    # the compiled graph's bf16 ops round otherwise than FSDP2's eager ones.
+    assert abs(mp["ours"]["loss"] - mp["fsdp2"]["loss"]) < 1e-3
+    assert_grads_close(mp["ours"]["grads"], mp["fsdp2"]["grads"], 2e-2, "bf16 gradients vs FSDP2 + TP")
+
+
+def test_cache_key_holds_the_tp_layout() -> None:
+    key = features_run()["cache_key"]
+    entries = {entry[0]: entry for entry in key["local_shards"]}
+    # Column-wise and row-wise weights: the same dp mesh, other TP placements.
+    assert entries["layers.0.attention.wq.weight"][5:] == [["dp", "tp"], ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]]
+    assert entries["layers.0.attention.wo.weight"][5:] == [["dp", "tp"], ["Shard(dim=0)", "Shard(dim=1)"]]
+    assert key["groups"]["tensor_parallel"] == [[0, 1]]  # rank 0's tp group
+
+
+def test_inspect_shows_tp_collectives_apart_from_ours() -> None:
+    from fsdp_compile.inspection.report import measured_bytes
+
+    out = features_run()
+    training = [s for s in out["summaries"] if s.get("backward")]
+    assert training
+    summary = training[0]
+    collectives = summary["forward"]["collectives"] + summary["backward"]["collectives"]
+    theirs = [c for c in collectives if c["origin"] == "torch"]
+    ours = [c for c in collectives if c["origin"] == "fsdp"]
+    # Sequence parallelism's all-gathers and reduce-scatters, on the tp group; ours on dp.
+    assert theirs and ours
+    assert {c["group"] for c in theirs} == {out["tp_group"]}
+    assert out["tp_group"] not in {c["group"] for c in ours}
+    assert {"all_gather", "reduce_scatter"} <= {c["kind"] for c in theirs}
+    measured = measured_bytes(summary)
+    assert sum(measured.values()) == sum(c["bytes"] for c in ours)
+    assert "torch's own collectives (tensor parallelism): " in out["report"]
+
+
+# ---------------------------------------------------------------- checkpoints across layouts
+def checkpoint_worker(rank: int, world: int, path: str) -> dict:
+    """Save at dp 2 x tp 2, load into 1-D FULL_SHARD at world 4 and back; one more step on each."""
+    mesh = mesh_2d()
+    dp_rank = mesh["dp"].get_local_rank()
+    data = _batches(LLAMA.vocab_size, 2)
+
+    def two_d() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model = apply_tp(Llama(LLAMA), mesh["tp"])
+        fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]).shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def one_d() -> tuple[nn.Module, Any]:
+        torch.manual_seed(5)  # other values: the load must replace them
+        model = Llama(LLAMA)
+        fsdp_compile.backend("FULL_SHARD").shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def params(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: full(p) for n, p in model.named_parameters()}
+
+    x, y = data[0]
+    model, opt = two_d()  # the eager runtime: layouts, not compilation, are under test here
+    step(model, opt, x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH],
+         y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH])
+    fsdp_compile.save_checkpoint(f"{path}/2d", model, opt)
+    out = {"saved": params(model)}
+    x, y = data[1]
+    step(model, opt, x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH],
+         y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH])
+    out["continued_2d"] = params(model)
+
+    flat, flat_opt = one_d()
+    fsdp_compile.load_checkpoint(f"{path}/2d", flat, flat_opt)
+    out["loaded_1d"] = params(flat)
+    per = DP * PER_RANK_BATCH // world  # the same global batch over 4 data-parallel ranks
+    step(flat, flat_opt, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    out["continued_1d"] = params(flat)
+
+    fsdp_compile.save_checkpoint(f"{path}/1d", flat, flat_opt)
+    back, back_opt = two_d()
+    fsdp_compile.load_checkpoint(f"{path}/1d", back, back_opt)
+    out["back_2d"] = params(back)
+    return out if rank == 0 else {}
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_2d_and_1d_layouts(tmp_path) -> None:
+    out = run_workers(checkpoint_worker, WORLD, str(tmp_path))[0]
+    assert_bitwise(out["loaded_1d"], out["saved"], "1-D FULL_SHARD loaded from dp 2 x tp 2")
+    assert_bitwise(out["back_2d"], out["continued_1d"], "dp 2 x tp 2 loaded from 1-D FULL_SHARD")
+    # Optimizer state moved too: the next step is the one the 2-D run took.
+    diff, name = max_diff(out["continued_1d"], out["continued_2d"])
+    assert diff <= PARAM_ATOL, f"{name} differs by {diff} after continuing in the other layout"
+    assert max_diff(out["continued_1d"], out["saved"])[0] > 10 * PARAM_ATOL
