@@ -191,7 +191,9 @@ DEFAULT_MODES = ("eager", "aot_eager", "fsdp2")
 
 
 # ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
+# The tied GPT runs by default (about 15 s), the Llama with -m slow (about 90 s, over the
+# suite's budget), as does every strategy and mode below.
+@pytest.mark.parametrize("model_name", [pytest.param("llama", marks=pytest.mark.slow), "tied_gpt"])
 def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) -> None:
     out = parity_run(model_name, "FULL_SHARD", DEFAULT_MODES)
     ref = out["reference"]
