@@ -39,7 +39,7 @@ def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     for node in nodes:
         compute_before.append(count)
         count += is_compute(node)
-    found, gathers_waited = [], []
+    found = []
     waits = {n.args[0]: n for n in nodes if n.target is WAIT}
     gather_rank = {}
     decoded = {n: c for n in nodes for c in [decode_collective(n)] if c is not None}
@@ -63,11 +63,12 @@ def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
                  "issued_at": issue_at, "waited_at": wait_at, "issued_before": node.next.name,
                  "overlapped_compute": overlapped}
         if kind == "all_gather":
-            in_use = [use_rank[g] for g in gathers_waited if index[waits[g]] < issue_at]
+            # A gather waited at the same compute position as this issue (the scheduler issues a
+            # prefetch just ahead of the wait it follows, so the link does not idle) is in use there.
+            in_use = [use_rank[g] for g in decoded if g in waits and use_rank.get(g) is not None
+                      and compute_before[index[waits[g]]] <= compute_before[issue_at] and g is not node]
             entry["prefetch"] = 0 if overlapped == 0 else use_rank[node] - (max(in_use) if in_use else -1)
         found.append(entry)
-        if kind == "all_gather" and wait is not None:
-            gathers_waited.append(node)
     return found
 
 
