@@ -45,7 +45,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from plan_accuracy import QUIET, _wait_for_quiet
+from plan_accuracy import QUIET, REUSE, _torchrun
 
 MODEL = ("gpt_small", 4, 128)  # factory in bench/plan_accuracy.py, batch, seq
 SMOKE_MODEL = ("gpt_tiny", 2, 32)
@@ -56,26 +56,18 @@ STEP_WITHIN, EXPOSED_WITHIN, EXPOSED_FLOOR, RANK_GAP = 0.15, 0.25, 0.05, 0.10
 
 
 def run_compare(world: int, strategies: tuple[str, ...], model: tuple, steps: int, out: Path,
-                links: tuple[float, float] | None, reuse: bool) -> dict:
-    """One ``compare`` job; ``links``: (intra, inter) bytes/s of the emulated network, None: plain gloo."""
-    if reuse and (out / "compare.json").exists():
-        return json.loads((out / "compare.json").read_text())
+                links: tuple[float, float] | None) -> dict | None:
+    """One ``compare`` job (``plan_accuracy._torchrun``: waits for a quiet machine, honours
+    ``--reuse``); ``links``: (intra, inter) bytes/s of the emulated network, None: plain gloo."""
     factory, batch, seq = model
-    load = _wait_for_quiet()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "fsdp_compile", "compare", "--model", f"plan_accuracy:{factory}", "--batch", str(batch),
-           "--seq", str(seq), "--steps", str(steps), "--strategies", ",".join(strategies), "--out", str(out)]
+    args = ["--model", f"plan_accuracy:{factory}", "--batch", str(batch), "--seq", str(seq), "--steps", str(steps),
+            "--strategies", ",".join(strategies)]
     if world == 4:
-        cmd += ["--shard-size", "2"]
+        args += ["--shard-size", "2"]
     if links is not None:
-        cmd += ["--emulate", f"{links[0] / 1e6:.6g}MB/s,{links[1] / 1e6:.6g}MB/s", "--emulate-latency", f"{LATENCY * 1e6:.0f}us"]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, env=env, check=True)
-    data = json.loads((out / "compare.json").read_text())
-    data["load_at_start"] = load
-    (out / "compare.json").write_text(json.dumps(data, indent=2))
-    return data
+        args += ["--emulate", f"{links[0] / 1e6:.6g}MB/s,{links[1] / 1e6:.6g}MB/s",
+                 "--emulate-latency", f"{LATENCY * 1e6:.0f}us"]
+    return _torchrun(world, args, out)
 
 
 def link_speeds(unlimited: dict, ratio: float, slowdown: float) -> tuple[float, float]:
@@ -244,6 +236,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     QUIET.update(load=args.quiet_load, wait_s=args.quiet_wait)
+    REUSE.update(on=args.reuse)
     model = SMOKE_MODEL if args.smoke else MODEL
     if args.smoke:
         args.worlds, args.ratios, args.steps = [2], [1.0], min(args.steps, 4)
@@ -252,14 +245,12 @@ def main() -> None:
     rows, links = [], {}
     for world in args.worlds:
         strategies = FLAT if world == 2 else ALL
-        unlimited = run_compare(world, strategies, model, args.steps, runs_dir / f"w{world}_unlimited", None,
-                                args.reuse)
+        unlimited = run_compare(world, strategies, model, args.steps, runs_dir / f"w{world}_unlimited", None)
         rows += rows_of(unlimited, 0.0, unlimited)
         for ratio in args.ratios:
             speeds = link_speeds(unlimited, ratio, args.inter_slowdown if world == 4 else 1.0)
             links[f"{world}/{ratio}"] = speeds
-            data = run_compare(world, strategies, model, args.steps, runs_dir / f"w{world}_{ratio:g}x", speeds,
-                               args.reuse)
+            data = run_compare(world, strategies, model, args.steps, runs_dir / f"w{world}_{ratio:g}x", speeds)
             rows += rows_of(data, ratio, unlimited)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
