@@ -196,24 +196,14 @@ DEFAULT_MODES = ("eager", "aot_eager", "fsdp2")
 @pytest.mark.parametrize("model_name", [pytest.param("llama", marks=pytest.mark.slow), "tied_gpt"])
 def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) -> None:
     out = parity_run(model_name, "FULL_SHARD", DEFAULT_MODES)
-    ref = out["reference"]
+    # Against single-process training, and the same math as FSDP2 + TP bit for bit: exact
+    # gathers, averaging reductions over the same dp groups, torch's own TP collectives,
+    # per-parameter AdamW on the same DTensor shards.
+    _check_against_references(out, ("eager", "aot_eager"), bitwise=("eager", "aot_eager"))
     for mode in ("eager", "aot_eager"):
-        ours = out[mode]
-        assert_grads_close(ours["grads0"], ref["grads0"], TP_GRAD_RTOL, f"{mode} first-step gradients")
-        diff, name = max_diff(ours["grads0"], ref["grads0"])
-        assert diff <= GRAD_ATOL, f"{mode}: first-step gradient of {name} differs by {diff}"
-        diff, name = max_diff(ours["params"], ref["params"])
-        assert diff <= PARAM_ATOL, f"{mode}: {name} differs by {diff} after {STEPS} steps"
-        assert max_diff(ours["params"], out["initial"])[0] > 10 * PARAM_ATOL
-    assert out["aot_eager"]["graphs"] == 1
-    assert_bitwise(out["eager"]["grads0"], out["aot_eager"]["grads0"], "eager runtime vs aot_eager")
-    # The same math as FSDP2 + TP: exact gathers, averaging reductions over the same dp groups,
-    # torch's own TP collectives, per-parameter AdamW on the same DTensor shards.
-    for mode in ("eager", "aot_eager"):
-        assert_bitwise(out[mode]["grads0"], out["fsdp2"]["grads0"], f"{mode} vs FSDP2 + TP gradients")
-        assert_bitwise(out[mode]["params"], out["fsdp2"]["params"], f"{mode} vs FSDP2 + TP parameters")
+        assert max_diff(out[mode]["params"], out["initial"])[0] > 10 * PARAM_ATOL  # it trained
         assert out[mode]["losses"] == out["fsdp2"]["losses"]
-        assert out[mode]["placements"] == out["fsdp2"]["placements"]
+    assert_bitwise(out["eager"]["grads0"], out["aot_eager"]["grads0"], "eager runtime vs aot_eager")
 
 
 def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[str, ...]) -> None:
