@@ -71,8 +71,7 @@ class FSDPBackend:
         bucket: ``"module"`` (default: one bucket per repeated block, plus the root's
             parameters), a set of module classes or a callable ``module -> bool`` (FSDP1's
             ``auto_wrap_policy``), an int (bytes of consecutive parameters), or ``"param"``.
-        mixed_precision: a :class:`fsdp_compile.MixedPrecision` (parameter, reduce and output
-            dtypes).
+        mixed_precision: a :class:`fsdp_compile.MixedPrecision` (parameter, reduce, output dtypes).
         schedule: reorder collectives to overlap compute (default True); under Inductor it also
             turns off Inductor's own peak-memory reordering for graphs with collectives, which
             would undo it.
@@ -88,8 +87,7 @@ class FSDPBackend:
         strict: raise when a pass fails, instead of running that graph's markers through the
             eager runtime with a warning.
         passes: extra passes ``{"forward" | "backward": [fn(GraphModule)]}``, run after ours.
-        offload: a :class:`fsdp_compile.CPUOffload`: shards, gradients and the optimizer step in
-            host memory.
+        offload: a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.
         verify: check at ``shard()`` and on the first run of every compiled graph that all ranks
             will communicate alike, raising a named error on every rank otherwise (default True).
         cache_dir: under Inductor, a process that compiles what an earlier one compiled with
@@ -105,9 +103,8 @@ class FSDPBackend:
             tolerance relative to each gradient's largest entry (or ``FSDP_COMPILE_VERIFY=1``).
             The first thing to try when training diverges.
 
-    Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (gradient
-    accumulation without communication); see also :mod:`fsdp_compile.training.checkpoint` and
-    :func:`fsdp_compile.clip_grad_norm_`.
+    Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (accumulation
+    without reduction); see also :mod:`fsdp_compile.training.checkpoint`, :func:`fsdp_compile.clip_grad_norm_`.
     """
 
     def __init__(

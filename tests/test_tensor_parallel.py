@@ -431,8 +431,10 @@ def test_inspect_shows_tp_collectives_apart_from_ours() -> None:
     ours = [c for c in collectives if c["origin"] == "fsdp"]
     # Sequence parallelism's all-gathers and reduce-scatters, on the tp group; ours on dp.
     assert theirs and ours
-    assert {c["group"] for c in theirs} == {out["tp_group"]}
-    assert out["tp_group"] not in {c["group"] for c in ours}
+    # The worker pool runs other 2-D cases first, each on a mesh of its own: the graph summarized
+    # may hold an earlier mesh's tp group, so the groups are told apart by role, not by name.
+    their_groups, our_groups = {c["group"] for c in theirs}, {c["group"] for c in ours}
+    assert out["tp_group"] in their_groups and their_groups.isdisjoint(our_groups)
     assert {"all_gather", "reduce_scatter"} <= {c["kind"] for c in theirs}
     measured = measured_bytes(summary)
     assert sum(measured.values()) == sum(c["bytes"] for c in ours)
