@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report_files import write_report
+from rounds import fmt_ratio, fmt_spread, rotated, spread
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
@@ -251,15 +252,6 @@ class Variant:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
-
-
-def rotated(items: list, round_index: int) -> list:
-    shift = round_index % len(items)
-    return items[shift:] + items[:shift]
-
-
 def gathered(value: Any, world: int, plain) -> list:
     out = [None] * world
     dist.all_gather_object(out, value, group=plain)
@@ -516,7 +508,7 @@ def targets(rows: list[dict]) -> list[dict]:
             every = "in every round" if (o["max"] <= 1.15) == held else "at the median, not in every round"
             out.append({"target": "within 15% of the limit", "where": where, "strategy": row["strategy"],
                         "ratio": row["ratio"], "held": held,
-                        "detail": f"step {fmt(row['step_ms'])} ms, limit {fmt(row['limit_ms'])} ms: "
+                        "detail": f"step {fmt_spread(row['step_ms'], 0)} ms, limit {fmt_spread(row['limit_ms'], 0)} ms: "
                                   f"{fmt_ratio(o)} of it; {'held' if held else 'missed'} {every}{emulation}"})
         if measured >= 0.5 and "fsdp_compile_unscheduled" in row["vs"]:
             c = row["vs"]["fsdp_compile_unscheduled"]
@@ -530,18 +522,6 @@ def targets(rows: list[dict]) -> list[dict]:
                             "ratio": row["ratio"], "held": c["verdict"] != "slower",
                             "detail": f"{fmt_ratio(c)} per round: {c['verdict']}{emulation}"})
     return out
-
-
-def fmt(s: dict, digits: int = 0) -> str:
-    if round(s["min"], digits) == round(s["max"], digits):
-        return f"{s['median']:.{digits}f}"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
-def fmt_ratio(c: dict | None) -> str:
-    if c is None:
-        return ""
-    return f"{c['median']:.2f}x ({c['min']:.2f}-{c['max']:.2f})"
 
 
 def point_name(ratio: float) -> str:
@@ -610,9 +590,9 @@ def markdown(report: dict) -> str:
         for row in rows:
             vs = row["vs"]
             lines.append(
-                f"| {point_name(row['ratio'])} | {link_text(row)} | {row['variant']} | {fmt(row['step_ms'])} | "
-                f"{fmt(row['compute_ms'])} | {row['communication_ms']:.0f} | {row['comm_over_compute']:.2f} | "
-                f"{fmt(row['exposed_ms'])} | {fmt(row['limit_ms'])} | {fmt_ratio(row['over_limit'])} | "
+                f"| {point_name(row['ratio'])} | {link_text(row)} | {row['variant']} | {fmt_spread(row['step_ms'], 0)} | "
+                f"{fmt_spread(row['compute_ms'], 0)} | {row['communication_ms']:.0f} | {row['comm_over_compute']:.2f} | "
+                f"{fmt_spread(row['exposed_ms'], 0)} | {fmt_spread(row['limit_ms'], 0)} | {fmt_ratio(row['over_limit'])} | "
                 f"{row['no_overlap_ms']:.0f} | {fmt_ratio(vs.get('fsdp_compile_unscheduled'))} | "
                 f"{fmt_ratio(vs.get('fsdp2_eager'))} | {fmt_ratio(vs.get('fsdp2_compile'))} | {overrun_text(row)} |")
         lines.append("")
@@ -646,13 +626,13 @@ def cpu_cost_text(report: dict) -> str:
             continue
         local, ours = rows["local"], rows["fsdp_compile_scheduled"]
         text = (f"{s['strategy']} (world {s['world']}), on the unlimited link: one rank's model without any "
-                f"communication steps in {fmt(local['step_ms'])} ms; fsdp_compile scheduled in "
-                f"{fmt(ours['step_ms'])} ms ({ours['step_ms']['median'] / local['step_ms']['median']:.2f}x), its process "
+                f"communication steps in {fmt_spread(local['step_ms'], 0)} ms; fsdp_compile scheduled in "
+                f"{fmt_spread(ours['step_ms'], 0)} ms ({ours['step_ms']['median'] / local['step_ms']['median']:.2f}x), its process "
                 f"spending {ours['process_cpu_ms']:.0f} ms of CPU per step of which {ours['main_cpu_ms']:.0f} ms on "
                 f"the main thread (compute, Python)")
         if "fsdp_compile_gloo" in rows:
             gloo = rows["fsdp_compile_gloo"]
-            text += (f"; on plain gloo instead of the emulated link: {fmt(gloo['step_ms'])} ms "
+            text += (f"; on plain gloo instead of the emulated link: {fmt_spread(gloo['step_ms'], 0)} ms "
                      f"({ours['step_ms']['median'] / gloo['step_ms']['median']:.2f}x of it on the emulated link)")
         parts.append(text + ".")
     note = ("Gloo moves and reduces the data on CPU threads of the same cores that compute, so communication "

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from report_files import write_report
+from rounds import fmt_ratio, fmt_spread, rotated, spread
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fsdp_compile
@@ -207,15 +208,6 @@ class Variant:
                 "communication_under_compute_ms": intersect(comm, compute) / 1e3}
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
-
-
-def rotated(variants: list[str], round_index: int) -> list[str]:
-    shift = round_index % len(variants)
-    return variants[shift:] + variants[:shift]
-
-
 def measure(args, variants: list[str], base, cfg, rank: int, world: int,
             after_round: Callable[[list[dict], list[list[str]], float], None]) -> None:
     """Builds every variant, then measures the rounds; after each round, rank 0 hands the summary
@@ -316,18 +308,6 @@ def comparisons(rows: list[dict], figure: Callable[[dict], dict] = lambda r: r["
     if {"fsdp_compile_scheduled", "fsdp_compile_unscheduled"} <= set(names):
         pairs.append(("fsdp_compile_scheduled", "fsdp_compile_unscheduled"))
     return [comparison(rows, ours, peer, figure) for ours, peer in pairs]
-
-
-def fmt_spread(s: dict, digits: int = 1) -> str:
-    if round(s["min"], digits) == round(s["max"], digits):
-        return f"{s['median']:.{digits}f}"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
-def fmt_ratio(c: dict | None) -> str:
-    if c is None:
-        return ""
-    return f"{c['median']:.2f}x ({c['min']:.2f}-{c['max']:.2f})"
 
 
 def markdown(report: dict) -> str:
