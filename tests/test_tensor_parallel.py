@@ -23,6 +23,7 @@ from torch import nn
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
 from fsdp_compile.models.llama import Llama, LlamaConfig, apply_tp
+from fsdp_compile.passes.regions import is_region_call
 
 WORLD, DP, TP = 4, 2, 2
 PER_RANK_BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
@@ -169,11 +170,17 @@ def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: 
             out[mode] = _train(model, model, data, dp_rank)
             out[mode]["placements"] = _placements(model)
             continue
-        backend = fsdp_compile.backend(strategy, mesh=mesh["dp"], compiler="aot_eager" if mode == "eager" else mode)
+        # "<compiler>+regions": every block a compile region (regions=2: these models have 2 blocks).
+        compiler, _, regions = mode.partition("+")
+        backend = fsdp_compile.backend(strategy, mesh=mesh["dp"], compiler="aot_eager" if mode == "eager" else compiler,
+                                       regions=2 if regions else False)
         backend.shard(model)
         forward = model if mode == "eager" else torch.compile(model, backend=backend)
         out[mode] = _train(model, forward, data, dp_rank)
         out[mode]["graphs"] = len(backend.graphs)
+        if backend.graphs:
+            calls = [n for n in backend.graphs[0].dynamo.graph.nodes if is_region_call(n)]
+            out[mode]["regions"] = (len(calls), len({c.args[0].target for c in calls}))
         out[mode]["placements"] = _placements(model)
     if rank == 0:
         reference = copy.deepcopy(base)
@@ -187,7 +194,7 @@ def parity_run(model_name: str, strategy: str, modes: tuple[str, ...]) -> dict:
     return run_workers(parity_worker, WORLD, model_name, strategy, list(modes))[0]
 
 
-DEFAULT_MODES = ("eager", "aot_eager", "fsdp2")
+DEFAULT_MODES = ("eager", "aot_eager", "aot_eager+regions", "fsdp2")
 
 
 # ---------------------------------------------------------------- tests
@@ -199,11 +206,15 @@ def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) ->
     # Against single-process training, and the same math as FSDP2 + TP bit for bit: exact
     # gathers, averaging reductions over the same dp groups, torch's own TP collectives,
     # per-parameter AdamW on the same DTensor shards.
-    _check_against_references(out, ("eager", "aot_eager"), bitwise=("eager", "aot_eager"))
-    for mode in ("eager", "aot_eager"):
+    _check_against_references(out, ("eager", "aot_eager", "aot_eager+regions"),
+                              bitwise=("eager", "aot_eager", "aot_eager+regions"))
+    for mode in ("eager", "aot_eager", "aot_eager+regions"):
         assert max_diff(out[mode]["params"], out["initial"])[0] > 10 * PARAM_ATOL  # it trained
         assert out[mode]["losses"] == out["fsdp2"]["losses"]
     assert_bitwise(out["eager"]["grads0"], out["aot_eager"]["grads0"], "eager runtime vs aot_eager")
+    # The repeated TP blocks compiled once: one region body that both blocks call.
+    assert out["aot_eager+regions"]["regions"] == (2, 1)
+    assert out["aot_eager"]["regions"] == (0, 0)
 
 
 def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[str, ...]) -> None:
@@ -231,8 +242,11 @@ def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[
 @pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_every_strategy_over_tp_in_every_mode(strategy: str, model_name: str) -> None:
-    out = parity_run(model_name, strategy, ("eager", "aot_eager", "inductor", "fsdp2"))
-    _check_against_references(out, ("eager", "aot_eager", "inductor"), bitwise=("eager", "aot_eager"))
+    out = parity_run(model_name, strategy, ("eager", "aot_eager", "inductor", "aot_eager+regions", "inductor+regions",
+                                            "fsdp2"))
+    _check_against_references(out, ("eager", "aot_eager", "inductor", "aot_eager+regions", "inductor+regions"),
+                              bitwise=("eager", "aot_eager", "aot_eager+regions"))
+    assert out["aot_eager+regions"]["regions"] == out["inductor+regions"]["regions"] == (2, 1)
 
 
 # ---------------------------------------------------------------- bad input
