@@ -138,7 +138,8 @@ def region_input(value: torch.Tensor) -> torch.Tensor:
     so ``invoke_subgraph`` takes the body for one that mutates its inputs and functionalizes it
     with ``torch.func.functionalize``, where ``from_local``'s autograd.Function (no
     ``setup_context``) is refused. ``from_local`` of a tensor the body made itself is not an input
-    mutation. Inductor removes the copy (``clone`` is one of its no-op ops); the eager runtime
-    never runs it (outside torch.compile a region is a plain call).
+    mutation. Inductor drops such a copy where it can (``clone`` is one of its no-op ops: a
+    parameter's copy feeding a matmul went); one it keeps costs one tensor per block; the eager
+    runtime never makes it (outside torch.compile a region is a plain call).
     """
     return value.clone() if torch.compiler.is_compiling() else value
