@@ -23,6 +23,7 @@ from torch import nn
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
 from fsdp_compile.models.llama import Llama, LlamaConfig, apply_tp
+from fsdp_compile.passes.regions import is_region_call
 
 WORLD, DP, TP = 4, 2, 2
 PER_RANK_BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
@@ -169,11 +170,17 @@ def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: 
             out[mode] = _train(model, model, data, dp_rank)
             out[mode]["placements"] = _placements(model)
             continue
-        backend = fsdp_compile.backend(strategy, mesh=mesh["dp"], compiler="aot_eager" if mode == "eager" else mode)
+        # "<compiler>+regions": every block a compile region (regions=2: these models have 2 blocks).
+        compiler, _, regions = mode.partition("+")
+        backend = fsdp_compile.backend(strategy, mesh=mesh["dp"], compiler="aot_eager" if mode == "eager" else compiler,
+                                       regions=2 if regions else False)
         backend.shard(model)
         forward = model if mode == "eager" else torch.compile(model, backend=backend)
         out[mode] = _train(model, forward, data, dp_rank)
         out[mode]["graphs"] = len(backend.graphs)
+        if backend.graphs:
+            calls = [n for n in backend.graphs[0].dynamo.graph.nodes if is_region_call(n)]
+            out[mode]["regions"] = (len(calls), len({c.args[0].target for c in calls}))
         out[mode]["placements"] = _placements(model)
     if rank == 0:
         reference = copy.deepcopy(base)
@@ -187,7 +194,7 @@ def parity_run(model_name: str, strategy: str, modes: tuple[str, ...]) -> dict:
     return run_workers(parity_worker, WORLD, model_name, strategy, list(modes))[0]
 
 
-DEFAULT_MODES = ("eager", "aot_eager", "fsdp2")
+DEFAULT_MODES = ("eager", "aot_eager", "aot_eager+regions", "fsdp2")
 
 
 # ---------------------------------------------------------------- tests
@@ -199,11 +206,15 @@ def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) ->
     # Against single-process training, and the same math as FSDP2 + TP bit for bit: exact
     # gathers, averaging reductions over the same dp groups, torch's own TP collectives,
     # per-parameter AdamW on the same DTensor shards.
-    _check_against_references(out, ("eager", "aot_eager"), bitwise=("eager", "aot_eager"))
-    for mode in ("eager", "aot_eager"):
+    _check_against_references(out, ("eager", "aot_eager", "aot_eager+regions"),
+                              bitwise=("eager", "aot_eager", "aot_eager+regions"))
+    for mode in ("eager", "aot_eager", "aot_eager+regions"):
         assert max_diff(out[mode]["params"], out["initial"])[0] > 10 * PARAM_ATOL  # it trained
         assert out[mode]["losses"] == out["fsdp2"]["losses"]
     assert_bitwise(out["eager"]["grads0"], out["aot_eager"]["grads0"], "eager runtime vs aot_eager")
+    # The repeated TP blocks compiled once: one region body that both blocks call.
+    assert out["aot_eager+regions"]["regions"] == (2, 1)
+    assert out["aot_eager"]["regions"] == (0, 0)
 
 
 def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[str, ...]) -> None:
@@ -231,8 +242,11 @@ def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[
 @pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_every_strategy_over_tp_in_every_mode(strategy: str, model_name: str) -> None:
-    out = parity_run(model_name, strategy, ("eager", "aot_eager", "inductor", "fsdp2"))
-    _check_against_references(out, ("eager", "aot_eager", "inductor"), bitwise=("eager", "aot_eager"))
+    out = parity_run(model_name, strategy, ("eager", "aot_eager", "inductor", "aot_eager+regions", "inductor+regions",
+                                            "fsdp2"))
+    _check_against_references(out, ("eager", "aot_eager", "inductor", "aot_eager+regions", "inductor+regions"),
+                              bitwise=("eager", "aot_eager", "aot_eager+regions"))
+    assert out["aot_eager+regions"]["regions"] == out["inductor+regions"]["regions"] == (2, 1)
 
 
 # ---------------------------------------------------------------- bad input
@@ -281,7 +295,79 @@ def test_bad_tp_input_is_refused_naming_the_parameter() -> None:
     assert "overlaps the mesh this parameter lives on" in errors["overlap"]
     assert errors["partial"].startswith("ValueError: parameter '0.bias' has the placement Partial(sum) on ('tp',)")
     assert "Redistribute it first" in errors["partial"]
-    assert errors["uneven"].startswith("ValueError: parameter '0.weight' (shape (31, 16)) is split unevenly")
+    # TP shards of unequal size (31 rows over tp 2) are sharded as FSDP2 shards them (below).
+    assert errors["uneven"] == "no error"
+
+
+# ---------------------------------------------------------------- uneven TP shards
+UNEVEN_ROWS = 7  # over tp 2: TP-local 4 and 3 rows, whose dp chunks are 2 + 2 and 2 + 1 (padded)
+
+
+def uneven_worker(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = mesh_2d()
+    torch.manual_seed(0)
+    # A column-wise layer whose output is gathered (output_layouts=Replicate()): torch's DTensor
+    # then knows the global width. A column-wise layer feeding a row-wise one does not run with
+    # uneven shards in torch 2.13's TP itself (RowwiseParallel's from_local infers the global
+    # width as tp x the local one), with or without FSDP.
+    base = nn.Sequential(nn.Linear(16, UNEVEN_ROWS), nn.ReLU(), nn.Linear(UNEVEN_ROWS, 8))
+    torch.manual_seed(1)
+    data = [(torch.randn(DP * 4, 16), torch.randint(0, 8, (DP * 4,))) for _ in range(2)]
+    dp_rank = mesh["dp"].get_local_rank()
+    out: dict[str, Any] = {}
+    for mode in ("eager", "aot_eager", "fsdp2", "reference"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        forward = model
+        if mode != "reference":
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(output_layouts=Replicate())})
+        if mode == "fsdp2":
+            fully_shard(model, mesh=mesh["dp"])
+        elif mode != "reference":
+            backend = fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], compiler="aot_eager")
+            backend.shard(model)
+            forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        result: dict[str, Any] = {"grads": []}
+        for x, y in data:
+            if mode != "reference":
+                x, y = x[dp_rank * 4:(dp_rank + 1) * 4], y[dp_rank * 4:(dp_rank + 1) * 4]
+            F.cross_entropy(forward(x), y).backward()
+            result["grads"].append({n: full(p.grad) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        result["params"] = {n: full(p) for n, p in model.named_parameters()}
+        if mode != "reference":
+            result["state_dict"] = {k: full(v) for k, v in model.state_dict().items()}
+            result["placements"] = _placements(model)
+            result["local_rows"] = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+        out[mode] = result
+    return out
+
+
+def test_uneven_tp_shards_match_fsdp2_and_single_process() -> None:
+    # FSDP2 on torch 2.13 shards a TP-local tensor of 4 or 3 rows into padded dp chunks, with
+    # (_StridedShard(0, split_factor=2), Shard(0)) on (dp, tp); full_tensor(), state_dict() and
+    # training are exact. So are ours, with the same layout, bit for bit.
+    outs = run_workers(uneven_worker, WORLD)
+    for rank, out in enumerate(outs):
+        ref, fsdp2 = out["reference"], out["fsdp2"]
+        assert fsdp2["local_rows"]["0.weight"] == [2, 2, 2, 1][rank]  # tp rank 1's 3 rows: chunks 2 + 1
+        for mode in ("eager", "aot_eager"):
+            ours = out[mode]
+            assert ours["placements"] == fsdp2["placements"]
+            assert ours["local_rows"] == fsdp2["local_rows"]
+            assert_bitwise(ours["state_dict"], fsdp2["state_dict"], f"{mode} vs FSDP2 state_dict")
+            for step, (grads, expected) in enumerate(zip(ours["grads"], ref["grads"], strict=True)):
+                assert_grads_close(grads, expected, TP_GRAD_RTOL, f"{mode} step {step} gradients")
+                assert_bitwise(grads, fsdp2["grads"][step], f"{mode} vs FSDP2 step {step} gradients")
+            assert_bitwise(ours["params"], fsdp2["params"], f"{mode} vs FSDP2 parameters")
+            diff, name = max_diff(ours["params"], ref["params"])
+            assert diff <= PARAM_ATOL, f"{mode}: {name} differs by {diff} from single-process training"
 
 
 # ---------------------------------------------------------------- the training-loop features on 2-D

@@ -128,12 +128,9 @@ def shard_module(
     tied = {fqn for fqn, _ in shards.shared}
     tied_units = {unit_of(module_names[m], units) for m, specs in per_module.items()
                   if any(info.fqn in tied for info in specs.values())}
-    # No regions for tensor-parallel models yet: a region body that rebuilds a tp DTensor
-    # (DTensor.from_local, an autograd.Function without setup_context) fails inside
-    # invoke_subgraph's functionalized autograd on torch 2.13. Every block then compiles inline.
     tensor_parallel = any(info.tp is not None for info in infos.values())
     regional = (region_units(model, units, tied_units, region_copies)
-                if region_copies is not None and sync is not None and not tensor_parallel else set())
+                if region_copies is not None and sync is not None else set())
     for module, specs in per_module.items():
         unit = unit_of(module_names[module], units)
         region = _region_reads(specs, unit, shards, sync) if unit in regional else None
@@ -145,12 +142,13 @@ def shard_module(
         module.__class__ = sharded_class(type(module), tuple(sorted(specs)), root,
                                          region_forward=not root and module_names[module] in regional,
                                          in_region=region is not None,
-                                         tp_names=tuple(sorted(n for n, i in specs.items() if i.tp is not None)))
+                                         tp_names=tuple(sorted(n for n, i in specs.items() if i.tp is not None)),
+                                         tp_region=tensor_parallel)
     for unit in sorted(regional):
         module = model.get_submodule(unit)
         if module not in per_module:  # a block whose parameters all live in its submodules
             set_module_state(module, ModuleState({}, shards, sync))
-            module.__class__ = sharded_class(type(module), (), region_forward=True)
+            module.__class__ = sharded_class(type(module), (), region_forward=True, tp_region=tensor_parallel)
     return ShardResult(infos, shards, peak)
 
 
