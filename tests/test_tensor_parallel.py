@@ -249,18 +249,20 @@ def test_every_strategy_over_tp_in_every_mode(strategy: str, model_name: str) ->
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"])
-def test_hybrid_over_tp_at_world_8_in_every_mode(strategy: str) -> None:
+def test_hybrid_over_tp_at_world_8_in_every_mode(strategy: str, model_name: str) -> None:
     # dp_replicate 2 x dp_shard 2 x tp 2, mesh=mesh3d["dp_replicate", "dp_shard"]; FSDP2 with the
-    # same 2-D dp mesh (HSDP) and TP plan beside it. The tied GPT only: world 8 on a small
-    # machine is slow, and the Llama's plan is checked at world 4.
-    out = parity_run("tied_gpt", strategy, ("eager", "aot_eager", "inductor", "fsdp2"))
+    # same 2-D dp mesh (HSDP) and TP plan beside it.
+    out = parity_run(model_name, strategy, ("eager", "aot_eager", "inductor", "fsdp2"))
     _check_against_references(out, ("eager", "aot_eager", "inductor"), bitwise=("eager", "aot_eager"))
     placements = out["aot_eager"]["placements"]
     # FSDP2's (Replicate, _StridedShard | Shard(0), TP placement) on the 3-D mesh, as checked
     # against FSDP2's own placements above; spelled out so a 2-D layout cannot pass.
-    assert placements["blocks.0.q.weight"] == (("dp_replicate", "dp_shard", "tp"), ("R", "_S(0, 2)", "S(0)"))
-    assert placements["blocks.0.proj.weight"][1] == ("R", "S(0)", "S(1)")
+    column, row = (("layers.0.attention.wq.weight", "layers.0.attention.wo.weight") if model_name == "llama"
+                   else ("blocks.0.q.weight", "blocks.0.proj.weight"))
+    assert placements[column] == (("dp_replicate", "dp_shard", "tp"), ("R", "_S(0, 2)", "S(0)"))
+    assert placements[row][1] == ("R", "S(0)", "S(1)")
 
 
 # ---------------------------------------------------------------- bad input
