@@ -202,15 +202,17 @@ def test_memory_estimate_prices_torchs_own_collectives_apart_from_ours() -> None
     def f(x, shard):
         w = torch.ops.fsdp_compile.unshard(shard, "b0.w", "b0", 8, *SPEC.op_args())
         h = torch.tanh(x @ w.t())
-        g = c10d.wait_tensor(c10d.all_gather_into_tensor(h, 2, "tp"))  # as sequence parallelism's
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(h, 4, "tp"))  # as sequence parallelism's
         return torch.tanh(g).sum()
     gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), torch.randn(4, 8))
     lower_markers(gm, parse_policy("module"))
     estimate = estimate_memory(gm)
     # Counted as ours are: the collective's buffer and the value its wait returns, here the
-    # gathered (6, 8) fp32 activation; ours: the flat 8 x 8 fp32 buffer and its wait's value.
-    assert estimate.max_by_role["tp_comm"] == 2 * (2 * 3 * 8 * 4)
+    # gathered (12, 8) fp32 activation; ours: the flat 8 x 8 fp32 buffer and its wait's value.
+    assert estimate.max_by_role["tp_comm"] == 2 * (4 * 3 * 8 * 4)
     assert estimate.max_by_role["gathered"] == 2 * BUCKET_BYTES
+    # In flight: ours only, what the schedule bounds (theirs, 384 bytes, would be the peak).
+    assert estimate.peak_inflight_bytes == BUCKET_BYTES
     tp_comm = [r["tp_comm"] for r in estimate.role_timeline]
     names = [name for name, _ in estimate.timeline]
     # From the collective to the last use of its result (the tanh after the wait).

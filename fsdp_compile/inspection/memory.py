@@ -12,8 +12,8 @@ recorded on the nodes: ``param`` (shards, or whole parameters for NO_SHARD), ``g
 ``buffer`` (module buffers, where a caller tagged them), ``tp_comm`` (the buffers of collectives
 torch put into the graph itself, tensor parallelism's: what they gather, reduce or scatter into,
 from the collective to the last use of its result), ``activation`` (everything else).
-Separately it tracks the bytes of collectives in flight (issued, not yet waited), which the
-scheduler bounds.
+Separately it tracks the bytes of our collectives in flight (issued, not yet waited), which the
+scheduler bounds; torch's own are not in that count (their buffers are under ``tp_comm``).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None,
             by_role[role[key]] += size[key]
         if node.target is WAIT:
             in_flight.pop(node.args[0], None)
-        elif node.target in COLLECTIVE_OPS:
+        elif node.target in COLLECTIVE_OPS and COMM_META in node.meta:  # ours: what the schedule bounds
             in_flight[node] = collective_bytes(node)
         # A region call's body holds its own intermediates while it runs, on top of what is
         # live here (its inputs, and its outputs allocated above).
