@@ -678,7 +678,7 @@ def _layout_model(layout: str, mesh: Any, seed: int) -> nn.Module:
     return model
 
 
-def layouts_worker(rank: int, world: int, path: str, phase: str) -> dict:
+def layouts_worker(rank: int, world: int, path: str, phase: str, layouts: tuple[str, ...] = OTHER_LAYOUTS) -> dict:
     """One phase of the round trips (in the eager runtime: layouts, not compilation, are under
     test). Each step takes the same global batch of DP * PER_RANK_BATCH rows, split over the
     data-parallel ranks of the layout."""
@@ -720,7 +720,7 @@ def layouts_worker(rank: int, world: int, path: str, phase: str) -> dict:
         out["losses"].append(step(model, opt, two_d, 2))
         out["after_2"] = params(model)
     if phase in ("save", "world_2"):  # into each other layout, step 1 there, saved
-        for layout in OTHER_LAYOUTS if phase == "save" else ("FULL_SHARD_world_2",):
+        for layout in layouts:
             if (world == WORLD) == layout.endswith("_world_2"):
                 continue
             model, opt = load(layout, "2d", 5)
@@ -728,21 +728,24 @@ def layouts_worker(rank: int, world: int, path: str, phase: str) -> dict:
             out[layout]["after_1"] = params(model)
             fsdp_compile.save_checkpoint(f"{path}/{layout}", model, opt)
     if phase == "back":  # each back into 2-D, step 2 there
-        for layout in OTHER_LAYOUTS:
+        for layout in layouts:
             model, opt = load("2d", layout, 7)
             out[f"back_{layout}"] = {"loaded": params(model), "loss": step(model, opt, two_d, 2), "after_2": params(model)}
     return out if rank == 0 else {}
 
 
-@pytest.mark.slow
-def test_checkpoint_moves_between_2d_and_every_layout(tmp_path) -> None:
+# FSDP2 + TP by default (a few seconds, world 4 only), every layout with -m slow.
+@pytest.mark.parametrize("layouts", [("fsdp2_tp",), pytest.param(OTHER_LAYOUTS, marks=pytest.mark.slow)],
+                         ids=["fsdp2_tp", "every_layout"])
+def test_checkpoint_moves_between_2d_and_other_layouts(tmp_path, layouts: tuple[str, ...]) -> None:
     # Saved at dp 2 x tp 2 -> 1-D NO_SHARD (world 4), FSDP2 + the same TP plan (world 4),
     # 1-D FULL_SHARD at world 2 -> each back into dp 2 x tp 2, with AdamW's state throughout.
-    saved = run_workers(layouts_worker, WORLD, str(tmp_path), "save")[0]
-    saved.update(run_workers(layouts_worker, 2, str(tmp_path), "world_2")[0])
-    back = run_workers(layouts_worker, WORLD, str(tmp_path), "back")[0]
+    saved = run_workers(layouts_worker, WORLD, str(tmp_path), "save", layouts)[0]
+    if "FULL_SHARD_world_2" in layouts:
+        saved.update(run_workers(layouts_worker, 2, str(tmp_path), "world_2", layouts)[0])
+    back = run_workers(layouts_worker, WORLD, str(tmp_path), "back", layouts)[0]
     assert max_diff(saved["after_1"], saved["saved"])[0] > 10 * PARAM_ATOL  # training moves them
-    for layout in OTHER_LAYOUTS:
+    for layout in layouts:
         there, returned = saved[layout], back[f"back_{layout}"]
         assert_bitwise(there["loaded"], saved["saved"], f"{layout} loaded from dp 2 x tp 2")
         assert_bitwise(returned["loaded"], there["after_1"], f"dp 2 x tp 2 loaded from {layout}")
