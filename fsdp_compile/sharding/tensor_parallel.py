@@ -92,6 +92,20 @@ def tp_spec(fqn: str, param: DTensor, topology: Topology, mesh_given: bool) -> T
     return TPSpec(tp_mesh, placements, param.shape, param.stride())
 
 
+def tp_local(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """This rank's TP-local part of ``full``, a parameter's whole value (a meta-device model
+    initialized whole): the rows and columns its TP placements give it, as ``distribute_tensor``
+    cuts them. A view of ``full``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    local = full
+    for dim, (size, start) in enumerate(zip(shape, offset)):
+        if size != full.shape[dim]:
+            local = local.narrow(dim, start, size)
+    return local
+
+
 def combined_layout(topology: Topology, spec: TPSpec, dim0_sharded: bool) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The 2-D (or 3-D for hybrid) mesh and placements of the DTensor parameter, as FSDP2 gives them."""
     mesh = DeviceMesh._concatenate([topology.mesh, spec.mesh])
