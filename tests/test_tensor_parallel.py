@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_workers
+from distributed import WorkerError, run_workers
 from helpers import GRAD_ATOL, PARAM_ATOL, assert_bitwise, assert_grads_close, full, max_diff
 from torch import nn
 
@@ -207,7 +207,7 @@ def parity_run(model_name: str, strategy: str, modes: tuple[str, ...]) -> dict:
     return run_workers(parity_worker, world, model_name, strategy, list(modes))[0]
 
 
-DEFAULT_MODES = ("eager", "aot_eager", "aot_eager+regions", "fsdp2")
+DEFAULT_MODES = ("eager", "aot_eager", "fsdp2")
 
 
 # ---------------------------------------------------------------- tests
@@ -219,14 +219,11 @@ def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) ->
     # Against single-process training, and the same math as FSDP2 + TP bit for bit: exact
     # gathers, averaging reductions over the same dp groups, torch's own TP collectives,
     # per-parameter AdamW on the same DTensor shards.
-    _check_against_references(out, ("eager", "aot_eager", "aot_eager+regions"),
-                              bitwise=("eager", "aot_eager", "aot_eager+regions"))
-    for mode in ("eager", "aot_eager", "aot_eager+regions"):
+    _check_against_references(out, ("eager", "aot_eager"), bitwise=("eager", "aot_eager"))
+    for mode in ("eager", "aot_eager"):
         assert max_diff(out[mode]["params"], out["initial"])[0] > 10 * PARAM_ATOL  # it trained
         assert out[mode]["losses"] == out["fsdp2"]["losses"]
     assert_bitwise(out["eager"]["grads0"], out["aot_eager"]["grads0"], "eager runtime vs aot_eager")
-    # The repeated TP blocks compiled once: one region body that both blocks call.
-    assert out["aot_eager+regions"]["regions"] == (2, 1)
     assert out["aot_eager"]["regions"] == (0, 0)
 
 
@@ -327,6 +324,93 @@ def test_bad_tp_input_is_refused_naming_the_parameter() -> None:
     assert "Redistribute it first" in errors["partial"]
     # TP shards of unequal size (31 rows over tp 2) are sharded as FSDP2 shards them (below).
     assert errors["uneven"] == "no error"
+
+
+# ---------------------------------------------------------------- regions of TP blocks
+# The Llama and the tied GPT compile their blocks as regions under -m slow (every strategy,
+# aot_eager and Inductor, above: one body for both blocks, the same gradients as without). A
+# small model whose blocks are two TP linears (x + out(gelu(fc(x))), fc column-wise, out
+# row-wise) does not compile with regions on torch 2.13: Dynamo raises while building the
+# frame's guards (torch/_dynamo/guards.py, get_guard_manager_from_source: "Expecting clean
+# index here. Likely Dynamo forgot to mark a dict as guard_on_key_order"); without regions it
+# compiles. Kept as a strict xfail, so the day it works is seen.
+class TPBlock(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(F.gelu(self.fc(x)))
+
+
+N_BLOCKS = 2
+
+
+class TPBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(TPBlock() for _ in range(N_BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def regions_worker(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = mesh_2d()
+    torch.manual_seed(0)
+    base = TPBlocks()
+    torch.manual_seed(1)
+    data = [torch.randn(DP * 4, 16) for _ in range(2)]
+    dp_rank = mesh["dp"].get_local_rank()
+    out: dict[str, Any] = {}
+    for mode in ("aot_eager+regions", "fsdp2", "reference"):
+        torch._dynamo.reset()
+        model, forward = copy.deepcopy(base), None
+        if mode != "reference":
+            parallelize_module(model, mesh["tp"], {"stem": ColwiseParallel(output_layouts=Replicate())})
+            for block in model.blocks:
+                parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+        if mode == "fsdp2":
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        elif mode != "reference":
+            backend = fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], compiler="aot_eager", regions=2, bucket=TPBlock)
+            backend.shard(model)
+            forward = torch.compile(model, backend=backend)
+        grads = []
+        for x in data:
+            if mode != "reference":
+                x = x[dp_rank * 4:(dp_rank + 1) * 4]
+            (model if forward is None else forward)(x).square().mean().backward()
+            grads.append({n: full(p.grad) for n, p in model.named_parameters()})
+            model.zero_grad()
+        out[mode] = {"grads": grads}
+        if forward is not None:
+            calls = [n for n in backend.graphs[0].dynamo.graph.nodes if is_region_call(n)]
+            out[mode]["regions"] = (len(calls), len({c.args[0].target for c in calls}))
+            out[mode]["graphs"] = len(backend.graphs)
+    return out if rank == 0 else {}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(raises=WorkerError, strict=True,
+                   reason="torch 2.13 Dynamo: 'Expecting clean index here' building guards with regions")
+def test_repeated_tp_blocks_compile_once_as_regions() -> None:
+    out = run_workers(regions_worker, WORLD)[0]
+    ours = out["aot_eager+regions"]
+    assert ours["regions"] == (N_BLOCKS, 1) and ours["graphs"] == 1  # one body, called by every block
+    for step, grads in enumerate(ours["grads"]):
+        assert_bitwise(grads, out["fsdp2"]["grads"][step], f"regions vs FSDP2 + TP, step {step}")
+        assert_grads_close(grads, out["reference"]["grads"][step], TP_GRAD_RTOL, f"regions, step {step}")
 
 
 # ---------------------------------------------------------------- uneven TP shards
@@ -458,6 +542,13 @@ def features_worker(rank: int, world: int) -> dict:
     fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]).shard(meta, init_fn=llama_init)
     out["meta_init"] = fsdp_compile.full_state_dict(meta, rank0_only=False)
     out["meta_placements"] = _placements(meta)
+    # Regions: by default (Inductor would make both blocks one region) a TP model stays inline;
+    # asked for by count, its blocks become regions.
+    out["default_regions"] = sum(getattr(m, "_fsdp_region", None) is not None for m in meta.modules())
+    with torch.device("meta"):
+        asked = apply_tp(Llama(LLAMA), mesh["tp"])
+    fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], regions=2).shard(asked, init_fn=llama_init)
+    out["asked_regions"] = sum(getattr(m, "_fsdp_region", None) is not None for m in asked.modules())
     out["placements"] = _placements(model)
 
     # Mixed precision against FSDP2 + the same TP plan and policy.
@@ -519,6 +610,14 @@ def test_meta_device_init_on_2d_draws_what_the_whole_model_draws() -> None:
     # then to its dp shard: the same values as the whole model initialized with the same seed.
     assert_bitwise(out["meta_init"], out["ref_meta_init"], "meta-device init vs the whole model")
     assert out["meta_placements"] == out["placements"]
+
+
+def test_tp_blocks_become_regions_only_when_asked_by_count() -> None:
+    """Some TP blocks do not compile as regions on torch 2.13 (docs/limits.md): the default,
+    under which Inductor makes any 2 blocks one region, keeps a TP model inline."""
+    out = features_run()
+    assert out["default_regions"] == 0
+    assert out["asked_regions"] > 0  # the modules inside both blocks read through the region
 
 
 def test_no_sync_accumulates_on_2d() -> None:

@@ -54,6 +54,7 @@ def shard_module(
     materialize: bool = True,
     region_copies: int | None = None,
     mesh_given: bool = False,
+    tp_regions: bool = False,
 ) -> ShardResult:
     """Shard every parameter of ``model`` in place; returns the info of each, by name.
 
@@ -61,7 +62,10 @@ def shard_module(
     on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
     with ``materialize=False`` they become meta shards instead (planning: shapes only).
     ``region_copies``: compile the units of a class with that many copies or more as regions
-    (see :mod:`.regions`; needs ``sync``); None: no regions. Parameters that are already
+    (see :mod:`.regions`; needs ``sync``); None: no regions. A model with tensor-parallel
+    parameters gets regions only with ``tp_regions`` (the user asked for them by count): some TP
+    blocks do not compile as regions on torch 2.13 (docs/limits.md), so by default they compile
+    inline, as they always could. Parameters that are already
     tensor-parallel DTensors are sharded over ``topology``'s dp mesh (see
     :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave (``mesh_given``).
     """
@@ -140,7 +144,8 @@ def shard_module(
                   if any(info.fqn in tied for info in specs.values())}
     tensor_parallel = any(info.tp is not None for info in infos.values())
     regional = (region_units(model, units, tied_units, region_copies)
-                if region_copies is not None and sync is not None else set())
+                if region_copies is not None and sync is not None and (tp_regions or not tensor_parallel)
+                else set())
     for module, specs in per_module.items():
         unit = unit_of(module_names[module], units)
         region = _region_reads(specs, unit, shards, sync) if unit in regional else None
