@@ -1,0 +1,153 @@
+"""The planner chooses the TP degree: rows per degree, FSDP over dp = world / tp, TP parameters at
+their TP-local size, TP collectives priced on the intra-node link, and the degrees it refuses."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_compile.planning import Cluster, PlanError, plan
+
+BATCH, SEQ, DIM, HIDDEN = 2, 8, 16, 32
+
+
+class TPMLP(nn.Module):
+    """An MLP every parameter of which the TP plan splits (float inputs, no embedding)."""
+
+    n_heads = 4  # read by the planner's heads check
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, HIDDEN, bias=False)
+        self.proj = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.relu(self.fc(x)))
+
+
+def mlp_plan(model: nn.Module, tp_mesh) -> nn.Module:
+    """Megatron's MLP split: fc column-wise, proj row-wise (one all-reduce forward, one backward)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+
+
+class TokenMLP(TPMLP):
+    """The same with token inputs and logits, for the CLI (``test_planning_tp:token_mlp``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, DIM)
+        self.head = nn.Linear(DIM, 64, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(self.emb(idx)))
+
+
+def token_mlp() -> nn.Module:
+    return TokenMLP()
+
+
+def two_nodes() -> Cluster:
+    """2 nodes x 2 devices: at world 4 FSDP over all ranks spans the nodes, a tp group of 2 does not."""
+    return Cluster.preset("h100-sxm", nodes=2, devices_per_node=2)
+
+
+@functools.cache
+def mlp_plan_result():
+    with torch.device("meta"):
+        model = TPMLP()
+    return plan(model, torch.zeros(BATCH, SEQ, DIM, device="meta"), cluster=two_nodes(), prefetch=(1,),
+                strategies=["FULL_SHARD", "NO_SHARD"], tp_degrees=(1, 2), parallelize_fn=mlp_plan)
+
+
+def test_rows_carry_the_tp_degree_and_fsdp_shards_over_world_over_tp() -> None:
+    result = mlp_plan_result()
+    assert sorted((r.strategy, r.tp) for r in result.rows) == [
+        ("FULL_SHARD", 1), ("FULL_SHARD", 2), ("NO_SHARD", 1), ("NO_SHARD", 2)]
+    params = DIM * HIDDEN * 2 * 4  # fp32 bytes of fc and proj
+    states = {(r.strategy, r.tp): r.model_states["params"] for r in result.rows}
+    # NO_SHARD: a rank holds its TP-local parameters whole, half of them at tp 2.
+    assert states["NO_SHARD", 1] == params and states["NO_SHARD", 2] == params / 2
+    # FULL_SHARD: over world 4 at tp 1, and the TP-local half over dp = 4 / 2 at tp 2.
+    assert states["FULL_SHARD", 1] == params / 4 and states["FULL_SHARD", 2] == params / 2 / 2
+    assert result.row("FULL_SHARD", tp=2).tp == 2 and result.best is not None
+    text = str(result)
+    assert " tp " in text.splitlines()[2] and "tp=2" not in text.splitlines()[2]
+
+
+def test_tp_collectives_are_priced_on_the_intra_node_link() -> None:
+    result = mlp_plan_result()
+    flat, tp = result.row("FULL_SHARD", tp=1), result.row("FULL_SHARD", tp=2)
+    # Without TP, FSDP's one group spans both nodes: nothing on the intra-node link.
+    assert flat.bytes_per_step["intra"] == 0 and flat.tp_bytes_per_step == 0 and flat.bytes_per_step["inter"] > 0
+    # proj's output all-reduce in forward, of the (batch, seq, dim) fp32 activation; a ring
+    # all-reduce over 2 ranks sends its buffer once. (fc's input-gradient all-reduce in backward
+    # does not run: the input needs no gradient.)
+    activation = BATCH * SEQ * DIM * 4
+    assert tp.tp_bytes_per_step == activation
+    assert tp.bytes_per_step["intra"] == tp.tp_bytes_per_step  # the dp groups (ranks 0 and 2) span the nodes
+    assert tp.bytes_per_step["inter"] > 0
+    assert json.loads(json.dumps(tp.as_dict()))["tp"] == 2
+
+
+def test_refuses_a_degree_that_does_not_divide_a_node() -> None:
+    with pytest.raises(PlanError, match=r"TP degree 4 does not divide the 2 devices of a node"):
+        plan(TPMLP(), torch.zeros(BATCH, SEQ, DIM), cluster=two_nodes(), tp_degrees=(1, 4), parallelize_fn=mlp_plan)
+
+
+def test_refuses_a_degree_that_does_not_divide_the_heads() -> None:
+    from fsdp_compile.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        llama = Llama(LlamaConfig(n_heads=4, n_kv_heads=2))
+    cluster = Cluster.preset("h100-sxm", nodes=1)
+    with pytest.raises(PlanError, match=r"TP degree 4 does not divide the model's n_kv_heads=2"):
+        plan(llama, torch.zeros(1, 8, dtype=torch.long), cluster=cluster, tp_degrees=(2, 4))
+    model = TPMLP()
+    model.n_heads = 6
+    with pytest.raises(PlanError, match=r"TP degree 4 does not divide the model's n_heads=6"):
+        plan(model, torch.zeros(BATCH, SEQ, DIM), cluster=cluster, tp_degrees=(4,), parallelize_fn=mlp_plan)
+
+
+def test_a_custom_model_needs_parallelize_fn() -> None:
+    with pytest.raises(PlanError, match=r"TP degrees \[2\] need parallelize_fn=.*TPMLP"):
+        plan(TPMLP(), torch.zeros(BATCH, SEQ, DIM), cluster=two_nodes(), tp_degrees=(1, 2))
+
+
+def test_the_built_in_models_bring_their_tp_plan() -> None:
+    from fsdp_compile.models import gpt, llama
+    from fsdp_compile.planning.tp import default_parallelize_fn
+
+    with torch.device("meta"):
+        assert default_parallelize_fn(llama.Llama(llama.LlamaConfig())) is llama.apply_tp
+        assert default_parallelize_fn(gpt.GPT(gpt.GPTConfig())) is gpt.apply_tp
+    assert default_parallelize_fn(TPMLP()) is None
+
+
+def test_plan_command_takes_tp_degrees(tmp_path: Path, capsys) -> None:
+    from fsdp_compile.__main__ import main
+
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", "test_planning_tp:token_mlp", "--parallelize", "test_planning_tp:mlp_plan",
+                 "--seq", "8", "--batch", "2", "--cluster", "h100-sxm", "--nodes", "2", "--devices-per-node", "2",
+                 "--prefetch", "1", "--strategies", "FULL_SHARD", "--tp", "1,2", "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    header = next(line for line in stdout.splitlines() if "strategy" in line and "bucket" in line)
+    assert header.split()[:3] == ["strategy", "tp", "bucket"]
+    assert sorted(r["tp"] for r in json.loads(out.read_text())["rows"]) == [1, 2]
+
+
+def test_plan_command_names_the_degree_it_refuses(capsys) -> None:
+    from fsdp_compile.__main__ import main
+
+    assert main(["plan", "--model", "llama-tiny", "--seq", "8", "--cluster", "h100-sxm", "--tp", "1,3"]) == 2
+    assert "TP degree 3 does not divide the 8 devices of a node" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--tp 'two'"):
+        main(["plan", "--model", "llama-tiny", "--tp", "two"])
