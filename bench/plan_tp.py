@@ -101,8 +101,9 @@ def part_anchor(smoke: bool = False) -> dict:
                   strategies=["FULL_SHARD"], prefetch=(1,), trace_all=True, tp_degrees=(8,))
     row = result.row("FULL_SHARD", tp=8)
     # torchtitan's local batch is per data-parallel rank: the 8 ranks of a tp group share its
-    # 16 x 8192 tokens, so a GPU's tokens per second is the group's over 8.
+    # 16 x 8192 tokens, so a GPU's tokens per second is the group's over 8 (as row.tokens_per_second).
     tokens_per_gpu = 16 * 8192 / 8 / row.step_seconds
+    assert abs(tokens_per_gpu / row.tokens_per_second - 1) < 1e-9
     return {
         "config": "Llama-3.1-70B, 256 H100 (32 nodes x 8), FSDP 32 x TP 8, local batch 16 x 8192, full AC, bf16",
         "published": {"tokens_per_s_per_gpu": 829, "peak_gib": 71.9, "async_tp_tokens_per_s_per_gpu": 876,

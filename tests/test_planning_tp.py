@@ -93,6 +93,7 @@ def test_tp_collectives_are_priced_on_the_intra_node_link() -> None:
     assert tp.tp_bytes_per_step == activation
     assert tp.bytes_per_step["intra"] == tp.tp_bytes_per_step  # the dp groups (ranks 0 and 2) span the nodes
     assert tp.bytes_per_step["inter"] > 0
+    assert tp.tokens_per_second == pytest.approx(BATCH * SEQ / 2 / tp.step_seconds)  # a tp group shares its batch
     assert json.loads(json.dumps(tp.as_dict()))["tp"] == 2
 
 

@@ -211,7 +211,8 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
         exposed_comm_seconds=float(timeline.exposed_comm_seconds),
         bytes_per_step={k: float(v) for k, v in timeline.wire_bytes.items()},
         compute_seconds=float(timeline.compute_seconds + outside_seconds), comm_seconds=float(timeline.comm_seconds),
-        tokens_per_second=tokens / step if step > 0 else None,
+        # the ranks of a tp group compute on the same tokens: a device's share is 1 / tp of them
+        tokens_per_second=tokens / c.tp / step if step > 0 else None,
         mfu=float(timeline.flops) / (step * cluster.flops_for(compute_dtype)) if step > 0 else None,
         phase=phase, note=note, model_states={k: float(v) for k, v in states.items()}, tp=c.tp,
         tp_bytes_per_step=float(tp_bytes))
