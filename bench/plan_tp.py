@@ -170,8 +170,25 @@ def render(results: dict) -> str:
                   f"per GPU per step on NVLink (intra-node {pred['intra_gb_per_step']:.1f} GB, inter-node "
                   f"{pred['inter_gb_per_step']:.1f} GB). torchtitan ran Float8 linears, which the planner does not "
                   "model (it prices bf16 matmuls): a Float8 run computes faster than predicted here. Planned in "
-                  f"{anchor['plan_seconds']:.0f} s.", ""]
+                  f"{anchor['plan_seconds']:.0f} s.", "",
+                  "Memory at the predicted peak (GiB per GPU): " + ", ".join(
+                      f"{k} {v:.1f}" for k, v in pred["memory_gib"].items()) + ". "
+                  f"The activations are where prediction and publication part: {_logits_note()}", ""]
     return "\n".join(lines) + "\n"
+
+
+def _logits_note() -> str:
+    """Why the predicted peak is far above torchtitan's: the logits this repo's TP plan keeps whole."""
+    vocab, tokens = LlamaConfig.llama3_70b().vocab_size, 16 * 8192
+    bf16, fp32 = tokens * vocab * 2 / GiB, tokens * vocab * 4 / GiB
+    return (f"the Llama's TP plan here (`fsdp_compile.models.llama.apply_tp`, torchtitan's plan without loss "
+            f"parallelism) gives every GPU the whole output of the head, replicated: the logits of 16 x 8192 tokens "
+            f"over a {vocab:,}-word vocabulary are {bf16:.1f} GiB in bf16 and {fp32:.1f} GiB again as the loss's fp32 "
+            "copy, with their gradients on top: most of the predicted activations (an estimate from the shapes; the "
+            "planner's peak does not itemize them). torchtitan's run keeps them sharded over the 8 tp ranks "
+            "(`loss_parallel`), an eighth of that. The planner predicts the plan it is given; a loss-parallel plan "
+            "is not modelled here yet, so this peak is not a like-for-like comparison, and the tokens/s is the "
+            "closer one.")
 
 
 def main() -> None:
