@@ -152,3 +152,28 @@ def test_plan_command_names_the_degree_it_refuses(capsys) -> None:
     assert "TP degree 3 does not divide the 8 devices of a node" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--tp 'two'"):
         main(["plan", "--model", "llama-tiny", "--tp", "two"])
+
+
+@pytest.mark.slow  # compare --tp 2 at world 4 (4 processes compile and train), and the 70B anchor at 2 layers
+def test_tp_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "plan_tp.py"), "--smoke", "--steps", "4",
+                           "--quiet-load", "100", "--out", str(tmp_path)], check=False, env=env, capture_output=True,
+                          text=True, timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "plan_tp_smoke.json").read_text())
+    (run,) = data["measured"]["runs"]
+    assert (run["strategy"], run["dp"], run["tp"]) == ("FULL_SHARD", 2, 2)
+    # what the 2-D job's graphs sent, FSDP's and TP's collectives together, is what the plan predicted
+    assert run["measured_wire_bytes"] == pytest.approx(run["predicted_wire_bytes"], rel=0.01)
+    assert 0 < run["predicted_tp_wire_bytes"] < run["predicted_wire_bytes"]
+    assert run["predicted_peak_bytes"] > 0 and run["measured_step_s"] > 0
+    anchor = data["anchor"]
+    assert anchor["layers"] == 2 and anchor["predicted"]["tokens_per_s_per_gpu"] > 0
+    text = (tmp_path / "plan_tp_smoke.md").read_text()
+    assert "## dp 2 x tp 2, measured on the CPU" in text and "torchtitan's published 2-D point" in text
