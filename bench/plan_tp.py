@@ -149,6 +149,14 @@ def render(results: dict) -> str:
                 f"{'yes' if r['peak_within_target'] else 'NO'} | {wait} | {load} |")
         if not measured["runs"]:
             lines.append("(no run recorded)")
+        else:
+            runs = measured["runs"]
+            lines += ["", f"Targets held: peak in {sum(r['peak_within_target'] for r in runs)} of {len(runs)} runs, "
+                      f"step time in {sum(r['step_within_target'] for r in runs)} of {len(runs)}. Bytes on the wire "
+                      "per step (FSDP's and TP's collectives, ring formula): measured "
+                      + ", ".join(f"{r['measured_wire_bytes'] / 1e6:.2f}" for r in runs) + " MB, predicted "
+                      + ", ".join(f"{r['predicted_wire_bytes'] / 1e6:.2f}" for r in runs) + " MB (of which TP "
+                      + ", ".join(f"{r['predicted_tp_wire_bytes'] / 1e6:.2f}" for r in runs) + " MB)."]
         lines += ["", "A step's time on this shared 2-core machine includes other jobs' time on the cores "
                   "(\"waiting for a core\": the ranks' run-queue wait over the step); quiet steps are those in "
                   "which no rank waited more than 5% beyond what the job's own 4 ranks on 2 cores make it wait "
