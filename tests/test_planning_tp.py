@@ -97,6 +97,36 @@ def test_tp_collectives_are_priced_on_the_intra_node_link() -> None:
     assert json.loads(json.dumps(tp.as_dict()))["tp"] == 2
 
 
+def test_hybrid_strategies_shard_within_a_node_over_devices_per_node_over_tp() -> None:
+    # 2 nodes x 4 devices at tp 2: a (dp_replicate 2, dp_shard 2, tp 2) mesh for the hybrid strategy,
+    # (dp 4, tp 2) for the others; SHARD_GRAD_OP replays FULL_SHARD's joint graph (same layout).
+    with torch.device("meta"):
+        model = TPMLP()
+    cluster = Cluster.preset("h100-sxm", nodes=2, devices_per_node=4)
+    result = plan(model, torch.zeros(BATCH, SEQ, DIM, device="meta"), cluster=cluster, prefetch=(1,),
+                  strategies=["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"], tp_degrees=(2,), parallelize_fn=mlp_plan)
+    params = DIM * HIDDEN * 2 * 4
+    rows = {r.strategy: r for r in result.rows}
+    assert rows["HYBRID_SHARD"].model_states["params"] == params / 2 / 2  # TP-local over dp_shard = 4 / 2
+    assert rows["FULL_SHARD"].model_states["params"] == params / 2 / 4  # TP-local over dp = 8 / 2
+    assert result._context.traced[next(c for c in result._context.traced
+                                       if c.strategy.name == "SHARD_GRAD_OP")].replayed
+    for row in rows.values():
+        assert row.tp == 2 and row.tp_bytes_per_step == BATCH * SEQ * DIM * 4
+
+
+def test_strategies_with_nothing_left_to_shard_are_skipped_and_said() -> None:
+    from fsdp_compile.planning.plan import _candidates
+
+    candidates, skipped = _candidates(["FULL_SHARD", "HYBRID_SHARD"], ("module",), (1,), 16, 8, (1, 8))
+    assert sorted((c.strategy.name, c.tp) for c in candidates) == [
+        ("FULL_SHARD", 1), ("FULL_SHARD", 8), ("HYBRID_SHARD", 1)]
+    assert any(line.startswith("HYBRID_SHARD at tp=8: no ranks left in a node") for line in skipped)
+    candidates, skipped = _candidates(["FULL_SHARD", "NO_SHARD"], ("module",), (1,), 8, 8, (8,))
+    assert [(c.strategy.name, c.tp) for c in candidates] == [("NO_SHARD", 8)]
+    assert skipped == ["FULL_SHARD at tp=8: a data-parallel world of 1 has nothing to shard over"]
+
+
 def test_refuses_a_degree_that_does_not_divide_a_node() -> None:
     with pytest.raises(PlanError, match=r"TP degree 4 does not divide the 2 devices of a node"):
         plan(TPMLP(), torch.zeros(BATCH, SEQ, DIM), cluster=two_nodes(), tp_degrees=(1, 4), parallelize_fn=mlp_plan)
