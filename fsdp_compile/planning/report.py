@@ -54,9 +54,10 @@ def render_plan(plan: Any) -> str:
             f"{row.tokens_per_second:,.0f}" if row.tokens_per_second else "-",
             f"{row.mfu * 100:.1f}%" if row.mfu is not None else "-"])
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
+    per = "data-parallel rank (a tp group shares them)" if with_tp else "device"
     out = [f"Plan for {plan.world_size} devices of {plan.cluster.describe()}",
            (f"memory budget {plan.budget_bytes / scale:.2f} {unit} per device (memory columns in {unit}); "
-            f"{plan.tokens_per_step} tokens per device per step; predicted (roofline compute, ring "
+            f"{plan.tokens_per_step} tokens per {per} per step; predicted (roofline compute, ring "
             "collectives, one compute and one communication stream), not measured"),
            "  ".join(h.ljust(w) for h, w in zip(header, widths))]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
