@@ -356,3 +356,22 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     text = (tmp_path / "plan_emulated_smoke.md").read_text()
     assert "## Targets" in text and "ranking kept" in text
     assert (tmp_path / "plan_emulated_smoke_w2.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_cpu_breakdown_benchmark_splits_each_job_by_phase_and_operator_group(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_breakdown.py"), "--smoke", "--steps", "3",
+                           "--warmup", "2", "--out", str(tmp_path)], check=False, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = json.loads((tmp_path / "cpu_breakdown_smoke.json").read_text())["jobs"]
+    assert [j["world"] for j in jobs] == [1, 1, 2]
+    for job in jobs:
+        assert set(job["cpu_s"]) == set(job["wall_s"]) == {"forward", "backward", "optimizer"}
+        assert all(v > 0 for v in job["cpu_s"].values())
+    single, sharded = jobs[0], jobs[2]
+    assert single["predicted"] is None and sharded["predicted"]["compute_s"] > 0
+    # only the sharded job communicates: its collectives show in their own groups
+    assert "issuing collectives" not in single["profiled_s"] and sharded["profiled_s"]["issuing collectives"] > 0
+    assert "| FULL_SHARD, world 2, rank 0 |" in (tmp_path / "cpu_breakdown_smoke.md").read_text()

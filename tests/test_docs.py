@@ -67,6 +67,8 @@ FRAGMENTS = {
     "docs/overlap.md#an-emulated-network": "the network must exist before the job's default process group, which the "
                                            "docs job already has; tests/test_network_distributed.py runs this under "
                                            "torchrun",
+    "docs/tensor-parallel.md#usage-2": "continues the example above, with 8 processes; "
+                                       "tests/test_tensor_parallel.py runs it",
 }
 # Blocks that run only where the named attribute exists.
 NEEDS = {

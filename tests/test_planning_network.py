@@ -45,6 +45,34 @@ def test_cluster_measure_fits_each_emulated_link() -> None:
     assert out["links"] == (out["intra"]["all_gather"], out["inter"]["all_gather"])
 
 
+LINK, LATENCY = 50e6, 1e-3
+
+
+def fit_worker(rank: int, world: int) -> dict:
+    import torch
+
+    from fsdp_compile.planning.calibration.collectives import _collectives
+    from fsdp_compile.runtime.ring import ring_steps
+
+    net = fsdp_compile.EmulatedNetwork(intra_node=LINK, latency=LATENCY, devices_per_node=2)
+    net.init_process_group(timeout=datetime.timedelta(seconds=120))
+    try:
+        fits = _collectives(None, torch.device("cpu"), (1 << 16, 1 << 18, 1 << 20), repeats=3)
+        return {kind: (fit.step_latency * ring_steps(kind, world), fit.bandwidth) for kind, fit in fits.items()}
+    finally:
+        end_process_group()
+
+
+def test_collective_fits_recover_the_emulated_link() -> None:
+    """The planner prices a step's collectives by these fits: on a link of known latency and
+    bandwidth they must come back as that link, not as the link plus the ranks' skew leaving a
+    barrier (timed one at a time, the fit carried 2-5 ms of latency per collective here)."""
+    out = run_workers(fit_worker, 2, default_group=False)[0]
+    for kind, (latency, bandwidth) in out.items():
+        assert 0.5 * LATENCY <= latency <= 2 * LATENCY, (kind, latency)
+        assert 0.9 * LINK <= bandwidth <= 1.02 * LINK, (kind, bandwidth)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("fast", "--emulate 'fast': intra_node='fast' is not a bandwidth"),
     ("1GB/s,0GB/s", "--emulate '1GB/s,0GB/s': inter_node='0GB/s': a bandwidth must be positive"),

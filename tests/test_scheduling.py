@@ -194,6 +194,31 @@ def test_memory_estimate_counts_live_storages() -> None:
     assert estimate.timeline[-1] == ("output", 2 * 64)  # x and the result
 
 
+def test_memory_estimate_prices_torchs_own_collectives_apart_from_ours() -> None:
+    """A collective torch put into the graph (tensor parallelism's all-gather, untagged) holds
+    its buffer under the role ``tp_comm``, not as an activation; ours stays ``gathered``."""
+    c10d = torch.ops._c10d_functional
+
+    def f(x, shard):
+        w = torch.ops.fsdp_compile.unshard(shard, "b0.w", "b0", 8, *SPEC.op_args())
+        h = torch.tanh(x @ w.t())
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(h, 4, "tp"))  # as sequence parallelism's
+        return torch.tanh(g).sum()
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), torch.randn(4, 8))
+    lower_markers(gm, parse_policy("module"))
+    estimate = estimate_memory(gm)
+    # Counted as ours are: the collective's buffer and the value its wait returns, here the
+    # gathered (12, 8) fp32 activation; ours: the flat 8 x 8 fp32 buffer and its wait's value.
+    assert estimate.max_by_role["tp_comm"] == 2 * (4 * 3 * 8 * 4)
+    assert estimate.max_by_role["gathered"] == 2 * BUCKET_BYTES
+    # In flight: ours only, what the schedule bounds (theirs, 384 bytes, would be the peak).
+    assert estimate.peak_inflight_bytes == BUCKET_BYTES
+    tp_comm = [r["tp_comm"] for r in estimate.role_timeline]
+    names = [name for name, _ in estimate.timeline]
+    # From the collective to the last use of its result (the tanh after the wait).
+    assert [n for n, b in zip(names, tp_comm) if b] == ["all_gather_into_tensor", "wait_tensor", "tanh_1"]
+
+
 def test_a_bucket_without_a_collective_stays_in_place() -> None:
     """NO_SHARD with mixed precision: the marker only casts (no collective). The pass must not
     fail on such a graph (max() of no collective sizes), which would drop it to the eager runtime."""

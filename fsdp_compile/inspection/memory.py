@@ -9,9 +9,11 @@ A caller can add bytes it holds without passing them in (``held``): the paramete
 graph does not read stay resident all the same. Each storage gets a role, from what the passes
 recorded on the nodes: ``param`` (shards, or whole parameters for NO_SHARD), ``gathered``
 (unsharded parameters and gather buffers), ``grad`` (reduction buffers and gradients),
-``buffer`` (module buffers, where a caller tagged them), ``activation`` (everything else).
-Separately it tracks the bytes of collectives in flight (issued, not yet waited), which the
-scheduler bounds.
+``buffer`` (module buffers, where a caller tagged them), ``tp_comm`` (the buffers of collectives
+torch put into the graph itself, tensor parallelism's: what they gather, reduce or scatter into,
+from the collective to the last use of its result), ``activation`` (everything else).
+Separately it tracks the bytes of our collectives in flight (issued, not yet waited), which the
+scheduler bounds; torch's own are not in that count (their buffers are under ``tp_comm``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..passes.graph import (
 )
 from ..passes.regions import aliased_input, is_region_call, region_body
 
-ROLES = ("param", "gathered", "grad", "activation", "buffer")
+ROLES = ("param", "gathered", "grad", "activation", "buffer", "tp_comm")
 
 
 @dataclass
@@ -211,6 +213,10 @@ def role_of(node: fx.Node) -> str:
     tag = node.meta.get(COMM_META)
     if tag is not None:
         return "gathered" if tag.kind == "gather" else "grad"
+    # Not ours (untagged): torch's own, tensor parallelism's; its wait's value too.
+    if node.target in COLLECTIVE_OPS or (node.target is WAIT and isinstance(node.args[0], fx.Node)
+                                         and node.args[0].target in COLLECTIVE_OPS):
+        return "tp_comm"
     return "activation"
 
 
@@ -267,7 +273,7 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None,
             by_role[role[key]] += size[key]
         if node.target is WAIT:
             in_flight.pop(node.args[0], None)
-        elif node.target in COLLECTIVE_OPS:
+        elif node.target in COLLECTIVE_OPS and COMM_META in node.meta:  # ours: what the schedule bounds
             in_flight[node] = collective_bytes(node)
         # A region call's body holds its own intermediates while it runs, on top of what is
         # live here (its inputs, and its outputs allocated above).

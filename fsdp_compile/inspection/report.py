@@ -294,7 +294,8 @@ def chrome_trace(summaries: Iterable[dict[str, Any]]) -> dict[str, Any]:
             "otherData": {"time unit": "one graph node"}}
 
 
-ROLE_COLORS = {"param": "tab:blue", "gathered": "tab:orange", "grad": "tab:green", "activation": "tab:red"}
+ROLE_COLORS = {"param": "tab:blue", "gathered": "tab:orange", "grad": "tab:green", "activation": "tab:red",
+               "tp_comm": "tab:purple"}
 
 
 def plot_memory(summaries: Iterable[dict[str, Any]], path: str) -> None:

@@ -38,8 +38,10 @@ from .symbolic import symbolic_analysis
 from .tp import TPMeshes, check_tp_degrees, group_ranks, tp_model_states
 from .trace import Candidate, Traced, trace_candidates
 
+# Tensor parallelism's collective buffers count as activations in a plan's breakdown: the
+# planner traces data parallelism alone, so its graphs hold none of them.
 ROLE_NAMES = {"param": "params", "grad": "grads", "gathered": "gathered", "activation": "activations",
-              "buffer": "buffers"}
+              "buffer": "buffers", "tp_comm": "activations"}
 MEMORY_KEYS = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
 
 
@@ -187,7 +189,9 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
                 total = sum(live.values()) + optimizer_bytes
                 if total > peak:
                     peak, phase = total, phase_name
-                    peak_roles = {ROLE_NAMES[k]: v for k, v in live.items()}
+                    peak_roles = {}
+                    for k, v in live.items():
+                        peak_roles[ROLE_NAMES[k]] = peak_roles.get(ROLE_NAMES[k], 0) + v
                     peak_roles["optimizer"] = optimizer_bytes
     # The optimizer step: shards, their gradients, the moments and one shard-sized temporary.
     temporary = states["grads"] if OPTIMIZER_STATES[optimizer] else 0

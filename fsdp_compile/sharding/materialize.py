@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .units import unit_of
 
 InitFn = Callable[[nn.Module], None]
-ShardFn = Callable[[torch.Tensor], tuple[torch.Tensor, bool]]
+# (the full tensor, the meta parameter it replaces) -> (this rank's shard, whether split on dim 0)
+ShardFn = Callable[[torch.Tensor, nn.Parameter], tuple[torch.Tensor, bool]]
 
 
 @dataclass
@@ -96,7 +98,12 @@ def materialize(
         own_meta = [(pname, p) for pname, p in module._parameters.items() if p is not None and p.device.type == "meta"]
         for _pname, p in own_meta:
             if id(p) not in full:
-                value = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                # A tensor-parallel (DTensor) parameter is initialized whole, as a plain tensor of
+                # its global shape: the same draws as the model before its TP plan; ``shard``
+                # then cuts its TP-local part.
+                empty = (torch.empty(p.shape, dtype=p.dtype, device=device) if isinstance(p, DTensor)
+                         else torch.empty_like(p, device=device))
+                value = nn.Parameter(empty, requires_grad=p.requires_grad)
                 full[id(p)], meta[id(p)], written_at[id(p)] = value, p, value._version
                 held += _bytes(value)
                 for owner, owner_name in owners[id(p)]:
@@ -142,7 +149,7 @@ def materialize(
                         "neither reset_parameters() nor init_fn wrote it; initialize it there"
                     )
                 with torch.no_grad():
-                    sharded[key] = shard(value)
+                    sharded[key] = shard(value, meta[key])
                 held -= _bytes(value)
                 for owner, owner_name in owners[key]:
                     owner._parameters[owner_name] = meta[key]

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 # From how many copies of a block a region pays for its fixed cost (one more trace of the body,
 # torch's per-call schema for the region), by compiler, measured for bench/compile_time.py's GPT
@@ -106,11 +107,17 @@ def relative_marker_args(fqn: str, unit: str, unshard_args: tuple) -> tuple:
 _MAX_REUSE_ENTRIES = 1 << 16
 
 
-def make_region_forward(cls: type):
+def make_region_forward(cls: type, tensor_parallel: bool = False):
     """The generated unit class's forward: the original one, as a region while gradients are
-    synchronized."""
+    synchronized. ``tensor_parallel``: the block holds TP parameters (see :func:`region_input`)."""
     original_forward = cls.forward
-    region = torch.compiler.nested_compile_region(original_forward, max_reuse_entries=_MAX_REUSE_ENTRIES)
+    body = original_forward
+    if tensor_parallel:
+        def body(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = tree_map_only(torch.Tensor, region_input, (args, kwargs))
+            return original_forward(self, *args, **kwargs)
+
+    region = torch.compiler.nested_compile_region(body, max_reuse_entries=_MAX_REUSE_ENTRIES)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self._fsdp_state.sync.accumulating:
@@ -121,3 +128,18 @@ def make_region_forward(cls: type):
 
     forward.__doc__ = original_forward.__doc__
     return forward
+
+
+def region_input(value: torch.Tensor) -> torch.Tensor:
+    """A tensor that a tensor-parallel region body may hand to ``DTensor.from_local``: a copy.
+
+    On torch 2.13, ``from_local`` applied to an input of a region body (a block's activation under
+    sequence parallelism, a gathered TP parameter) traces as an in-place ``detach_`` of that input,
+    so ``invoke_subgraph`` takes the body for one that mutates its inputs and functionalizes it
+    with ``torch.func.functionalize``, where ``from_local``'s autograd.Function (no
+    ``setup_context``) is refused. ``from_local`` of a tensor the body made itself is not an input
+    mutation. Inductor drops such a copy where it can (``clone`` is one of its no-op ops: a
+    parameter's copy feeding a matmul went); one it keeps costs one tensor per block; the eager
+    runtime never makes it (outside torch.compile a region is a plain call).
+    """
+    return value.clone() if torch.compiler.is_compiling() else value

@@ -30,7 +30,7 @@ from .module_state import ModuleState, set_module_state
 from .regions import RegionReads, region_units, relative_marker_args
 from .sharded_class import sharded_class
 from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
-from .tensor_parallel import tp_spec
+from .tensor_parallel import tp_local, tp_spec
 from .units import Policy, parse_policy, unit_modules, unit_of
 
 
@@ -68,11 +68,21 @@ def shard_module(
     units = unit_modules(model, policy)
     presharded: dict[int, tuple[torch.Tensor, bool]] = {}
     peak = None
+    # Checked before anything is materialized, so bad input fails before any work.
+    tp_specs = {id(param): tp_spec(fqn, param, topology, mesh_given)
+                for _, _, _, fqn, param in _owners(model) if isinstance(param, DTensor)}
+
+    def shard_full(full: torch.Tensor, original: nn.Parameter) -> tuple[torch.Tensor, bool]:
+        tp = tp_specs.get(id(original))
+        if tp is None:
+            return shard_tensor(full, topology, offload)
+        return shard_tensor(tp_local(full, tp), topology, offload, tp)
+
     if has_meta(model) and materialize:
         # Without units of its own (bytes / param policies) a model still materializes block by block.
         init_units = units if policy.uses_units else unit_modules(model, parse_policy("module"))
         result = materialize_units(model, init_units, init_device or current_device(topology.mesh.device_type),
-                                   lambda full: shard_tensor(full, topology, offload), init_fn)
+                                   shard_full, init_fn)
         presharded, peak = result.shards, result.peak_full_bytes
     elif init_fn is not None and materialize:
         raise ValueError("init_fn= initializes parameters on the meta device, and this model has none; "
@@ -86,7 +96,7 @@ def shard_module(
     infos: dict[str, ShardedParamInfo] = {}
     for module, module_name, name, fqn, param in list(_owners(model)):
         if id(param) not in seen:
-            tp = tp_spec(fqn, param, topology, mesh_given) if isinstance(param, DTensor) else None
+            tp = tp_specs.get(id(param))
             if id(param) in presharded:
                 dtensor, dim0_sharded = presharded[id(param)]
             elif tp is not None:
@@ -128,12 +138,9 @@ def shard_module(
     tied = {fqn for fqn, _ in shards.shared}
     tied_units = {unit_of(module_names[m], units) for m, specs in per_module.items()
                   if any(info.fqn in tied for info in specs.values())}
-    # No regions for tensor-parallel models yet: a region body that rebuilds a tp DTensor
-    # (DTensor.from_local, an autograd.Function without setup_context) fails inside
-    # invoke_subgraph's functionalized autograd on torch 2.13. Every block then compiles inline.
     tensor_parallel = any(info.tp is not None for info in infos.values())
     regional = (region_units(model, units, tied_units, region_copies)
-                if region_copies is not None and sync is not None and not tensor_parallel else set())
+                if region_copies is not None and sync is not None else set())
     for module, specs in per_module.items():
         unit = unit_of(module_names[module], units)
         region = _region_reads(specs, unit, shards, sync) if unit in regional else None
@@ -145,12 +152,13 @@ def shard_module(
         module.__class__ = sharded_class(type(module), tuple(sorted(specs)), root,
                                          region_forward=not root and module_names[module] in regional,
                                          in_region=region is not None,
-                                         tp_names=tuple(sorted(n for n, i in specs.items() if i.tp is not None)))
+                                         tp_names=tuple(sorted(n for n, i in specs.items() if i.tp is not None)),
+                                         tp_region=tensor_parallel)
     for unit in sorted(regional):
         module = model.get_submodule(unit)
         if module not in per_module:  # a block whose parameters all live in its submodules
             set_module_state(module, ModuleState({}, shards, sync))
-            module.__class__ = sharded_class(type(module), (), region_forward=True)
+            module.__class__ = sharded_class(type(module), (), region_forward=True, tp_region=tensor_parallel)
     return ShardResult(infos, shards, peak)
 
 

@@ -23,27 +23,28 @@ from torch.utils._pytree import tree_map_only
 
 from ..api import MixedPrecision
 from .local_shards import LocalShards
-from .regions import make_region_forward
+from .regions import make_region_forward, region_input
 from .tensor_parallel import as_tp_dtensor
 
-_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...]], type] = {}
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...], bool], type] = {}
 
 
 def sharded_class(cls: type, names: tuple[str, ...], root: bool = False, region_forward: bool = False,
-                  in_region: bool = False, tp_names: tuple[str, ...] = ()) -> type:
+                  in_region: bool = False, tp_names: tuple[str, ...] = (), tp_region: bool = False) -> type:
     """The generated subclass: a gathering property per parameter (``in_region``: for a module
     inside a unit compiled as a region), for the root a forward that sets up the reads (and
     applies mixed precision casts), for a unit compiled as a region (``region_forward``) a
     forward that runs as one (see :mod:`.regions`). ``tp_names``: the tensor-parallel parameters,
-    whose reads return the tp DTensor (:mod:`.tensor_parallel`)."""
-    key = (cls, names, root, region_forward, in_region, tp_names)
+    whose reads return the tp DTensor (:mod:`.tensor_parallel`); ``tp_region``: a region of a
+    tensor-parallel model (:func:`.regions.region_input`)."""
+    key = (cls, names, root, region_forward, in_region, tp_names, tp_region)
     if key not in _CLASS_CACHE:
         namespace: dict[str, Any] = {name: _make_property(name, in_region, name in tp_names) for name in names}
         namespace["_fsdp_region"] = _REGION_READS
         if root:
             namespace["forward"] = _make_root_forward(cls)
         elif region_forward:
-            namespace["forward"] = make_region_forward(cls)
+            namespace["forward"] = make_region_forward(cls, tp_region)
         namespace["__module__"] = cls.__module__
         namespace["_fsdp_original_class"] = cls
         _CLASS_CACHE[key] = type(f"Sharded{cls.__name__}", (cls,), namespace)
@@ -103,6 +104,15 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
         # exactly as parallelize_module left it.
         def read_tp(self: nn.Module) -> torch.Tensor:
             return as_tp_dtensor(plain(self), self._fsdp_state.tp[name])
+
+        def read_tp_in_region(self: nn.Module) -> torch.Tensor:
+            gathered = plain(self)
+            if not self._fsdp_state.region.sync.accumulating:
+                gathered = region_input(gathered)  # the marker moves out of the region body
+            return as_tp_dtensor(gathered, self._fsdp_state.tp[name])
+
+        if in_region:
+            read_tp = read_tp_in_region
 
         return property(read_tp, write, doc=f"Sharded tensor-parallel parameter {name!r} (gathers it over dp).")
     return property(plain, write, doc=f"Full value of sharded parameter {name!r} (gathers it).")

@@ -14,6 +14,12 @@ split_factor=tp)`` on the shard dimension where TP also splits dim 0 (the dp chu
 the TP-local rows, so the global rows interleave), ``Shard(0)`` where it does not, ``Replicate()``
 under NO_SHARD, followed by the TP placements. ``full_tensor()``, ``state_dict()`` and
 distributed checkpoints read that layout as FSDP2 + TP writes it.
+
+TP shards of unequal size (a dimension the tp size does not divide: 7 rows over tp 2 give
+TP-local tensors of 4 and 3 rows) are sharded the same way, as FSDP2 shards them: each tp rank's
+dp group chunks its own TP-local rows (2 + 2, and 2 + 1 padded to 2), and the rebuilt tp DTensor
+carries the global shape explicitly, since ``from_local`` would otherwise take it for tp x the
+local one.
 """
 
 from __future__ import annotations
@@ -83,15 +89,21 @@ def tp_spec(fqn: str, param: DTensor, topology: Topology, mesh_given: bool) -> T
             "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), apply TP on mesh['tp'] "
             "and pass mesh=mesh['dp']"
         ) from None
-    for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard) and param.shape[placement.dim] % tp_mesh.size(dim):
-            raise ValueError(
-                f"parameter {fqn!r} (shape {tuple(param.shape)}) is split unevenly by {placement!r} over "
-                f"{tp_mesh.size(dim)} ranks of {names[dim] if names else dim}: fsdp_compile shards TP "
-                "parameters whose TP shards are all the same size (FSDP2's strided layout of uneven TP "
-                "shards is not exact upstream, pytorch issue 168134); pad the dimension to a multiple"
-            )
     return TPSpec(tp_mesh, placements, param.shape, param.stride())
+
+
+def tp_local(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """This rank's TP-local part of ``full``, a parameter's whole value (a meta-device model
+    initialized whole): the rows and columns its TP placements give it, as ``distribute_tensor``
+    cuts them. A view of ``full``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    local = full
+    for dim, (size, start) in enumerate(zip(shape, offset)):
+        if size != full.shape[dim]:
+            local = local.narrow(dim, start, size)
+    return local
 
 
 def combined_layout(topology: Topology, spec: TPSpec, dim0_sharded: bool) -> tuple[DeviceMesh, tuple[Placement, ...]]:

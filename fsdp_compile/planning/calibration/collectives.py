@@ -4,6 +4,15 @@ backend allocates beside each, and how much of their time can hide under compute
 A collective's timing is the median run's, not the fastest (why: :mod:`.calibrate`), fitted to
 a line over the bytes each rank sends (:func:`fsdp_compile.runtime.ring.wire_bytes`): the slope
 is the bandwidth, the intercept spread over the ring's steps the latency per step.
+
+A run is a burst of collectives issued back to back and waited at the end, its time divided by
+their number: what the planner needs is how long a collective holds the link (its simulator
+queues a step's collectives on it), and a single collective timed from a barrier also pays the
+ranks' skew leaving the barrier and the backend's threads waking, which a step's collectives,
+issued while the link is still busy, do not. On an emulated link of 20 us latency the single
+collective fitted 2-5 ms of latency per step on this machine and overpriced each bucket of a
+step by that much; the burst fits the emulated latency and bandwidth
+(``tests/test_planning_network.py``).
 """
 
 from __future__ import annotations
@@ -22,15 +31,26 @@ from .memory import _allocated_peak
 _c10d = torch.ops._c10d_functional
 
 
-def _run_collective(kind: str, buffer: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+def _issue_collective(kind: str, buffer: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
     if kind == "all_gather":
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(buffer, n, group_name))
+        return _c10d.all_gather_into_tensor(buffer, n, group_name)
     if kind == "reduce_scatter":
-        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, "sum", n, group_name))
-    return _c10d.wait_tensor(_c10d.all_reduce(buffer, "sum", group_name))
+        return _c10d.reduce_scatter_tensor(buffer, "sum", n, group_name)
+    return _c10d.all_reduce(buffer, "sum", group_name)
+
+
+def _run_collective(kind: str, buffer: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    return _c10d.wait_tensor(_issue_collective(kind, buffer, n, group_name))
+
+
+def _run_burst(kind: str, buffers: list[torch.Tensor], n: int, group_name: str) -> None:
+    """Issue one collective per buffer back to back, then wait for all (see the module docstring)."""
+    for result in [_issue_collective(kind, b, n, group_name) for b in buffers]:
+        _c10d.wait_tensor(result)
 
 
 _COLLECTIVE_REPEATS = 9  # a median needs more samples than a minimum
+BURST = 4  # collectives per timed run
 
 
 def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
@@ -43,10 +63,11 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
         for size in sizes:
             # all-gather's buffer is its output; each rank contributes 1/n of it
             numel = max(n, size // 4 // n * n)
-            local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+            buffers = [torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+                       for _ in range(BURST)]
             dist.barrier(group=group)
-            seconds = _slowest(_typical_time(lambda kind=kind, local=local: _run_collective(kind, local, n, name),
-                                             max(repeats, _COLLECTIVE_REPEATS), device), group)
+            seconds = _slowest(_typical_time(lambda kind=kind, buffers=buffers: _run_burst(kind, buffers, n, name),
+                                             max(repeats, _COLLECTIVE_REPEATS), device), group) / BURST
             samples.append((numel * 4, seconds))
         latency, per_byte = fit_line([(wire_bytes(kind, b, n), s) for b, s in samples])
         fits[kind] = MeasuredCollective(step_latency=latency / max(ring_steps(kind, n), 1),
