@@ -60,6 +60,7 @@ SLOW = {
     "docs/planning.md#the-command-line-3":
         "a fresh process that plans: tests/test_planning_cli.py runs the command line in the default run",
     "docs/planning.md#the-command-line-4": "compiles and runs every strategy, after calibrating the CPU",
+    "docs/planning.md#choosing-the-tensor-parallel-degree": "traces a Llama at three TP degrees: about a minute on a CPU",
 }
 # Blocks that are not whole examples: only parsed.
 FRAGMENTS = {

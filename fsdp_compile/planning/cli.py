@@ -103,6 +103,11 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--memory-budget", type=float, help="GiB per device (default: the cluster's usable memory)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
     p.add_argument("--max-batch", action="store_true", help="also solve the largest batch each fitting strategy takes")
+    p.add_argument("--tp", default="1", help="tensor-parallel degrees to try, comma-separated, e.g. 1,2,8 (each "
+                   "must divide the devices of a node and the model's heads; default 1: no TP)")
+    p.add_argument("--parallelize", metavar="MODULE:FN",
+                   help="with --tp: the function (model, tp_mesh) -> model applying the TP plan (default: the "
+                        "built-in model's own)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--verbose", action="store_true")
 
@@ -134,7 +139,8 @@ def run_plan(args: argparse.Namespace) -> int:
                   buckets=[_bucket(b) for b in args.bucket] if args.bucket else ("module",),
                   prefetch=args.prefetch or (1, 2),
                   memory_budget=args.memory_budget * (1 << 30) if args.memory_budget else None,
-                  verbose=args.verbose)
+                  verbose=args.verbose, tp_degrees=_tp_degrees(args.tp),
+                  parallelize_fn=_import_fn(args.parallelize, "--parallelize"))
     params = sum(p.numel() for p in model.parameters())
     print(f"model {args.model}: {params / 1e9:.3g}B parameters, batch {args.batch} x sequence {args.seq} per device")
     sys.stdout.write(str(result))
@@ -150,6 +156,23 @@ def run_plan(args: argparse.Namespace) -> int:
         data.update(model=args.model, parameters=params, batch=args.batch, seq=args.seq, max_batch=solved)
         args.json.write_text(json.dumps(data, indent=2))
     return 0 if result.best is not None else 1
+
+
+def _tp_degrees(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise SystemExit(f"--tp {text!r}: give TP degrees as comma-separated integers, e.g. --tp 1,2,8") from None
+
+
+def _import_fn(text: str | None, option: str) -> Any:
+    if not text:
+        return None
+    module_name, _, attr = text.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise SystemExit(f"{option} {text}: cannot import {attr!r} from {module_name!r}: {exc}") from None
 
 
 def _token_loss(output: torch.Tensor) -> torch.Tensor:
@@ -179,6 +202,10 @@ def add_compare_parser(sub: Any) -> None:
                         "1GB/s,100MB/s (fsdp_compile.EmulatedNetwork; ranks per node: --shard-size, else "
                         "LOCAL_WORLD_SIZE); the cluster is measured on it, so the plan predicts for it")
     p.add_argument("--emulate-latency", default="10us", help="the emulated links' latency per collective")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: run every strategy over dp = world / tp with the model's TP plan "
+                        "on a (dp, tp) mesh, and plan the same (default 1: no TP)")
+    p.add_argument("--parallelize", metavar="MODULE:FN", help="with --tp: the TP plan (default: the built-in model's)")
     p.add_argument("--out", type=Path, default=Path("compare_out"), help="directory for compare.json and compare.png")
 
 
@@ -208,14 +235,16 @@ def run_compare(args: argparse.Namespace) -> int:
     shard_size = args.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     names = _strategies(args.strategies) or [
         s for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-        if not s.startswith("HYBRID") or (shard_size < world and world % shard_size == 0)]
+        if not s.startswith("HYBRID") or (args.tp == 1 and shard_size < world and world % shard_size == 0)]
     def build() -> nn.Module:
         torch.manual_seed(0)
         return build_model(args.model, layers=args.layers, seq=args.seq, device="cpu")
 
     probe = build()
+    tp = _compare_tp(args, probe, world)
     vocab = getattr(getattr(probe, "cfg", None), "vocab_size", 128)
-    gen = torch.Generator().manual_seed(1 + rank)
+    # Under TP the ranks of a tp group compute on the same batch: seeded by the dp rank.
+    gen = torch.Generator().manual_seed(1 + (rank if tp is None else tp["mesh"]["dp"].get_local_rank()))
     batches = []
     for _ in range(args.steps):
         data = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
@@ -230,20 +259,24 @@ def run_compare(args: argparse.Namespace) -> int:
     gc_between_steps = not args.gc_during_steps
     for name in names:
         options = {"shard_size": shard_size} if name.startswith("HYBRID") else {}
-        measured[name] = measure_strategy(name, build, batches, loss_fn, compiler=args.compiler,
+        if tp is not None:
+            options = {"mesh": tp["mesh"]["dp"]}
+        measured[name] = measure_strategy(name, tp["build"] if tp else build, batches, loss_fn, compiler=args.compiler,
                                           backend_options=options, gc_between_steps=gc_between_steps,
                                           network=network)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
         predicted = plan(probe, example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
-                         strategies=names, prefetch=(1,), memory_budget=64 << 30)
+                         strategies=names, prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
+                         parallelize_fn=tp["fn"] if tp else None)
         for name in names:
             row = predicted.row(name)
             rows.append({"strategy": name, "measured": measured[name].as_dict(), "predicted": row.as_dict()})
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
-            {"model": args.model, "world": world, "batch": args.batch, "seq": args.seq, "compiler": args.compiler,
+            {"model": args.model, "world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq,
+             "compiler": args.compiler,
              "gc_between_steps": gc_between_steps,
              "network": None if network is None else repr(network),
              "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
@@ -274,6 +307,32 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         dist.barrier()
     return 0
+
+
+def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[str, Any] | None:
+    """``--tp N``: the (dp, tp) mesh, the TP plan and a builder applying it; None without TP."""
+    if args.tp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .numbers import PlanError
+    from .tp import check_tp_degrees
+
+    if args.emulate:
+        raise SystemExit("--tp with --emulate: not supported yet (the emulated network has no 2-D mesh)")
+    try:
+        _, fn = check_tp_degrees((args.tp,), probe, world, world, _import_fn(args.parallelize, "--parallelize"))
+    except PlanError as exc:
+        raise SystemExit(f"--tp {args.tp}: {exc}") from None
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world // args.tp, args.tp),
+                            mesh_dim_names=("dp", "tp"))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = build_model(args.model, layers=args.layers, seq=args.seq, device="cpu")
+        return fn(model, mesh["tp"]) or model
+
+    return {"mesh": mesh, "fn": fn, "build": build}
 
 
 def _emulated_network(links: str, latency: str, devices_per_node: int | None) -> Any:

@@ -320,7 +320,10 @@ def measure_strategy(
     inputs, targets = batches[-1]
     during, events = _profiled_step(lambda: step(inputs, targets), device)
     shard = options.get("shard_size", dist.get_world_size()) if strategy.is_hybrid else 1
-    wire, backend_wire, counts = _collective_bytes(events, dist.get_world_size() // shard)
+    # The group an all-reduce runs on: the dp mesh's size under TP (at dp 2 x tp 2 the tp groups'
+    # all-reduces have the same size; other shapes would need each event's group).
+    groups = options["mesh"].size() if "mesh" in options else dist.get_world_size() // shard
+    wire, backend_wire, counts = _collective_bytes(events, groups)
     tokens = tokens_per_step or int(next(t for t in inputs if isinstance(t, torch.Tensor)).numel())
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,

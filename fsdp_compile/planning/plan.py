@@ -33,8 +33,9 @@ from .cost import Group, graph_costs, outside_graph_seconds
 from .isolated import run_in_subprocess
 from .numbers import OPTIMIZER_STATES, ClusterError, GiB, PlanError
 from .simulate import Timeline, memory_timeline, simulate_graph
-from .states import model_state_bytes
+from .states import model_state_bytes  # noqa: F401 (re-exported: tests and benches import it here)
 from .symbolic import symbolic_analysis
+from .tp import TPMeshes, check_tp_degrees, group_ranks, tp_model_states
 from .trace import Candidate, Traced, trace_candidates
 
 # Tensor parallelism's collective buffers count as activations in a plan's breakdown: the
@@ -70,6 +71,12 @@ class PlanRow:
     # breakdown at the peak instead, whose grads include the unreduced full gradients of the
     # bucket being reduced, and whose gathered parameters come on top.
     model_states: dict[str, float] = field(default_factory=dict)
+    tp: int = 1  # the tensor-parallel degree; FSDP shards over dp = world / tp
+    tp_bytes_per_step: float = 0.0  # of bytes_per_step["intra"]: what the TP plan's collectives send
+
+    def label(self) -> str:
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
+        return f"{self.strategy}{tp} bucket={self.bucket} prefetch={self.prefetch}"
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -112,12 +119,14 @@ class Plan:
 
         return render_plan(self)
 
-    def row(self, strategy: ShardingStrategy | str) -> PlanRow:
-        """The best row of ``strategy`` (fitting ones first, then the fastest)."""
+    def row(self, strategy: ShardingStrategy | str, tp: int | None = None) -> PlanRow:
+        """The best row of ``strategy`` (fitting ones first, then the fastest), at TP degree ``tp``
+        (default: any)."""
         name = ShardingStrategy.parse(strategy).name
-        rows = [r for r in self.rows if r.strategy == name]
+        rows = [r for r in self.rows if r.strategy == name and (tp is None or r.tp == tp)]
         if not rows:
-            raise PlanError(f"this plan has no row for {name}; strategies: {sorted({r.strategy for r in self.rows})}")
+            at = f" at TP degree {tp}" if tp is not None else ""
+            raise PlanError(f"this plan has no row for {name}{at}; rows: {sorted({r.label() for r in self.rows})}")
         return min(rows, key=_rank)
 
     def max_batch(self, strategy: ShardingStrategy | str, *, input_index: int = 0, dim: int = 0) -> int:
@@ -163,6 +172,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
     """Cost, simulate and walk the memory of one traced candidate."""
     groups: dict[str, Group] = {}
     timeline = Timeline()
+    tp_bytes, ranks = 0.0, {}
     peak, peak_roles, phase = -1.0, {}, ""
     optimizer_bytes = states["optimizer"]
     for record in traced.records:
@@ -171,6 +181,8 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
                 continue
             costs = graph_costs(gm, cluster, groups)
             timeline = timeline + simulate_graph(costs, cluster.comm_overlap)
+            tp_bytes += sum(cost.wire_bytes for node, cost in costs if cost.kind == "collective"
+                            and traced.tp_ranks and group_ranks(node.args[-1], ranks) == traced.tp_ranks)
             held = {"param": max(0, states["params"] - input_bytes(gm, "param")),
                     "buffer": max(0, states["buffers"] - input_bytes(gm, "buffer"))}
             for live in memory_timeline(gm, held, workspace=cluster.collective_workspace):
@@ -203,9 +215,11 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
         exposed_comm_seconds=float(timeline.exposed_comm_seconds),
         bytes_per_step={k: float(v) for k, v in timeline.wire_bytes.items()},
         compute_seconds=float(timeline.compute_seconds + outside_seconds), comm_seconds=float(timeline.comm_seconds),
-        tokens_per_second=tokens / step if step > 0 else None,
+        # the ranks of a tp group compute on the same tokens: a device's share is 1 / tp of them
+        tokens_per_second=tokens / c.tp / step if step > 0 else None,
         mfu=float(timeline.flops) / (step * cluster.flops_for(compute_dtype)) if step > 0 else None,
-        phase=phase, note=note, model_states={k: float(v) for k, v in states.items()})
+        phase=phase, note=note, model_states={k: float(v) for k, v in states.items()}, tp=c.tp,
+        tp_bytes_per_step=float(tp_bytes))
 
 
 def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float) -> PlanRow:
@@ -216,7 +230,7 @@ def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float)
         memory={"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
                 "gathered": 0.0, "activations": 0.0, "buffers": states["buffers"]},
         step_seconds=None, exposed_comm_seconds=None, bytes_per_step={"intra": 0.0, "inter": 0.0},
-        traced=False, phase="optimizer step", model_states={k: float(v) for k, v in states.items()},
+        traced=False, phase="optimizer step", model_states={k: float(v) for k, v in states.items()}, tp=candidate.tp,
         note=f"not traced: parameters, gradients and optimizer state alone need {at_step / GiB:.1f} GiB "
              f"> {budget / GiB:.1f} GiB (a lower bound: activations come on top)")
 
@@ -238,24 +252,31 @@ def _compute_dtype(model: nn.Module, mixed_precision: MixedPrecision | None) -> 
     return torch.float32
 
 
-def _candidates(strategies, buckets, prefetches, world: int,
-                devices_per_node: int) -> tuple[list[Candidate], list[str]]:
+def _candidates(strategies, buckets, prefetches, world: int, devices_per_node: int,
+                tp_degrees: Sequence[int] = (1,)) -> tuple[list[Candidate], list[str]]:
     chosen = [ShardingStrategy.parse(s) for s in strategies] if strategies else list(ShardingStrategy)
     skipped = []
     out = []
-    for strategy in chosen:
-        if strategy.is_hybrid and (world <= devices_per_node or world % devices_per_node):
-            skipped.append(f"{strategy.name}: needs several whole nodes (world {world}, {devices_per_node} per node); "
-                           "on one node it is FULL_SHARD/SHARD_GRAD_OP")
-            continue
-        if strategy is not ShardingStrategy.NO_SHARD and world == 1:
-            skipped.append(f"{strategy.name}: a world of 1 has nothing to shard over")
-            continue
-        for bucket in buckets:
-            for prefetch in prefetches:
-                if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-                    raise ValueError(f"prefetch values must be ints >= 0, got {prefetch!r}")
-                out.append(Candidate(strategy, bucket, prefetch))
+    for tp in tp_degrees:
+        at = f" at tp={tp}" if tp > 1 else ""
+        for strategy in chosen:
+            if strategy.is_hybrid and (world <= devices_per_node or world % devices_per_node):
+                if tp == min(tp_degrees):
+                    skipped.append(f"{strategy.name}: needs several whole nodes (world {world}, {devices_per_node} "
+                                   "per node); on one node it is FULL_SHARD/SHARD_GRAD_OP")
+                continue
+            if strategy.is_hybrid and devices_per_node // tp == 1:
+                skipped.append(f"{strategy.name}{at}: no ranks left in a node to shard over "
+                               f"({devices_per_node} per node / tp {tp}); it is NO_SHARD over the nodes")
+                continue
+            if strategy is not ShardingStrategy.NO_SHARD and world // tp == 1:
+                skipped.append(f"{strategy.name}{at}: a data-parallel world of 1 has nothing to shard over")
+                continue
+            for bucket in buckets:
+                for prefetch in prefetches:
+                    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+                        raise ValueError(f"prefetch values must be ints >= 0, got {prefetch!r}")
+                    out.append(Candidate(strategy, bucket, prefetch, tp))
     return out, skipped
 
 
@@ -274,6 +295,8 @@ def plan(
     memory_budget: float | None = None,
     trace_all: bool = False,
     verbose: bool = False,
+    tp_degrees: Sequence[int] = (1,),
+    parallelize_fn: Callable[[nn.Module, Any], nn.Module] | None = None,
 ) -> Plan:
     """Predict every strategy's memory and step time for ``model`` on ``cluster``; see docs/planning.md.
 
@@ -288,6 +311,13 @@ def plan(
     ``memory_budget``: bytes per device to fit in (default: the cluster's usable memory).
     Strategies whose parameters, gradients and optimizer state alone exceed the budget are not
     traced (``trace_all=True`` traces them anyway).
+
+    ``tp_degrees``: tensor-parallel degrees to try with every strategy (default: 1, no TP); a
+    degree ``tp`` runs ``parallelize_fn(model, tp_mesh)`` (the TP plan; the built-in GPT and
+    Llama bring theirs) on a 2-D mesh (dp x tp; hybrid: dp_replicate x dp_shard x tp) and FSDP
+    over dp = world / tp; its collectives are priced on the intra-node link. A degree that does
+    not divide the devices of a node, the world, or the model's attention heads is refused
+    (:class:`PlanError`); see :mod:`.tp`.
     """
     import time
 
@@ -314,34 +344,39 @@ def plan(
         raise ClusterError(f"memory_budget={memory_budget!r} must be > 0 bytes")
     compute_dtype = _compute_dtype(model, mixed_precision)
     cluster.flops_for(compute_dtype)
-    candidates, skipped = _candidates(strategies, tuple(buckets), tuple(prefetch), world, cluster.devices_per_node)
+    tp_degrees, parallelize_fn = check_tp_degrees(tuple(tp_degrees), model, world, cluster.devices_per_node,
+                                                  parallelize_fn)
+    candidates, skipped = _candidates(strategies, tuple(buckets), tuple(prefetch), world, cluster.devices_per_node,
+                                      tp_degrees)
     if not candidates:
         raise PlanError("no strategy applies here: " + "; ".join(skipped))
     progress = print if verbose else None
 
-    states = {c.strategy: model_state_bytes(model, c.strategy, world, cluster.devices_per_node, optimizer)
-              for c in candidates}
-    to_trace = [c for c in candidates if trace_all or sum(states[c.strategy].values()) <= budget]
     context = _Context(model, example_inputs, loss_fn, mixed_precision, optimizer, world)
     try:
         with fake_world(world):
+            meshes = TPMeshes(world, cluster.devices_per_node, parallelize_fn)
+            states = tp_model_states(model, candidates, meshes, optimizer)
+            to_trace = [c for c in candidates if trace_all or sum(states[c.strategy, c.tp].values()) <= budget]
             context.traced = trace_candidates(
                 model, example_inputs, loss_fn, to_trace, world=world, devices_per_node=cluster.devices_per_node,
-                mixed_precision=mixed_precision, device_type=cluster.device_type, progress=progress)
+                mixed_precision=mixed_precision, device_type=cluster.device_type, progress=progress,
+                tp_meshes=meshes)
             tokens = _tokens(example_inputs)
             rows = []
             for candidate in candidates:
                 if candidate in context.traced:
                     rows.append(evaluate(context.traced[candidate], cluster, optimizer, budget, tokens,
-                                         compute_dtype, states[candidate.strategy]))
-                elif not any(r.strategy == candidate.strategy.name for r in rows):
+                                         compute_dtype, states[candidate.strategy, candidate.tp]))
+                elif not any(r.strategy == candidate.strategy.name and r.tp == candidate.tp for r in rows):
                     # one row per strategy ruled out: its bucket and prefetch variants cannot fit either
-                    rows.append(_untraced_row(candidate, states[candidate.strategy], budget))
+                    rows.append(_untraced_row(candidate, states[candidate.strategy, candidate.tp], budget))
     except RealProcessGroupError:
         return run_in_subprocess(plan, model, example_inputs, cluster=cluster, loss_fn=loss_fn,
                                   mixed_precision=mixed_precision, optimizer=optimizer, world_size=world,
                                   strategies=strategies, buckets=buckets, prefetch=prefetch,
-                                  memory_budget=memory_budget, trace_all=trace_all, verbose=verbose)
+                                  memory_budget=memory_budget, trace_all=trace_all, verbose=verbose,
+                                  tp_degrees=tp_degrees, parallelize_fn=parallelize_fn)
     best, why = choose(rows, budget, skipped)
     policies = {c.bucket_label(): c.bucket for c in candidates}
     return Plan(cluster, world, rows, best, why, budget, tokens, time.perf_counter() - started, policies, context)
@@ -364,16 +399,20 @@ def choose(rows: list[PlanRow], budget: float, skipped: Sequence[str] = ()) -> t
     if others:
         runner = others[0]
         change = (runner.step_seconds / best.step_seconds - 1) * 100
-        label = f"{runner.strategy} bucket={runner.bucket} prefetch={runner.prefetch}"
+        label = runner.label()
         if change < 0:
             why += (f"; {label} is {-change:.1f}% faster, within 1%, but needs "
                     f"{size(runner.peak_bytes - best.peak_bytes)} more memory")
         else:
             why += f"; next: {label}, {change:.1f}% slower"
-    not_fitting = sorted({r.strategy for r in rows} - {r.strategy for r in fitting})
+    not_fitting = sorted({_name(r) for r in rows} - {_name(r) for r in fitting})
     if not_fitting:
         why += f"; does not fit: {', '.join(not_fitting)}"
     return best, why + notes
+
+
+def _name(row: PlanRow) -> str:
+    return f"{row.strategy} tp={row.tp}" if row.tp > 1 else row.strategy
 
 
 def size(value: float) -> str:
@@ -402,7 +441,7 @@ def _nothing_fits(rows: list[PlanRow], budget: float) -> str:
                       "optimizer state to host memory)")
     advice.append("a smaller batch or sequence (activations shrink with them)")
     return (f"no strategy fits in {size(budget)} per device: the least memory is {size(need)} "
-            f"({least.strategy}, at its {least.phase} peak); what would make it fit: " + "; ".join(advice))
+            f"({_name(least)}, at its {least.phase} peak); what would make it fit: " + "; ".join(advice))
 
 
 def require_fit(result: Plan) -> PlanRow:

@@ -37,28 +37,36 @@ def render_plan(plan: Any) -> str:
     def _gib(value: float) -> str:
         return f"{value / scale:.2f}"
 
-    header = ["", "strategy", "bucket", "pf", "fits", f"peak {unit}", "params", "grads", "optim", "gathered", "activ",
+    with_tp = len({row.tp for row in plan.rows}) > 1
+    tp_column = ["tp"] if with_tp else []
+    header = ["", "strategy", *tp_column, "bucket", "pf", "fits", f"peak {unit}", "params", "grads", "optim",
+              "gathered", "activ",
               "buffers", "intra/step", "inter/step", "step", "exposed", "tok/s/dev", "MFU"]
     lines = []
     for row in plan.rows:
         m = row.memory
         lines.append([
-            "*" if row.chosen else "", row.strategy, row.bucket, str(row.prefetch), "yes" if row.fits else "NO",
+            "*" if row.chosen else "", row.strategy, *([str(row.tp)] if with_tp else []), row.bucket,
+            str(row.prefetch), "yes" if row.fits else "NO",
             _gib(row.peak_bytes), _gib(m["params"]), _gib(m["grads"]), _gib(m["optimizer"]), _gib(m["gathered"]),
             _gib(m["activations"]), _gib(m["buffers"]), _bytes(row.bytes_per_step.get("intra", 0)),
             _bytes(row.bytes_per_step.get("inter", 0)), _time(row.step_seconds), _time(row.exposed_comm_seconds),
             f"{row.tokens_per_second:,.0f}" if row.tokens_per_second else "-",
             f"{row.mfu * 100:.1f}%" if row.mfu is not None else "-"])
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
+    per = "data-parallel rank (a tp group shares them)" if with_tp else "device"
     out = [f"Plan for {plan.world_size} devices of {plan.cluster.describe()}",
            (f"memory budget {plan.budget_bytes / scale:.2f} {unit} per device (memory columns in {unit}); "
-            f"{plan.tokens_per_step} tokens per device per step; predicted (roofline compute, ring "
+            f"{plan.tokens_per_step} tokens per {per} per step; predicted (roofline compute, ring "
             "collectives, one compute and one communication stream), not measured"),
            "  ".join(h.ljust(w) for h, w in zip(header, widths))]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-    notes = [f"{row.strategy} {row.bucket} pf={row.prefetch}: {row.note}" for row in plan.rows if row.note]
+    notes = [f"{row.label()}: {row.note}" for row in plan.rows if row.note]
     if notes:
         out.append("notes: " + "\n       ".join(notes))
-    out.append(("chosen: " + f"{plan.best.strategy} bucket={plan.best.bucket} prefetch={plan.best.prefetch} -- "
+    if with_tp:
+        out.append("tp: the tensor-parallel degree (FSDP shards over world / tp); its collectives are priced "
+                   "on the intra-node link")
+    out.append(("chosen: " + f"{plan.best.label()} -- "
                 if plan.best else "chosen: none -- ") + plan.why)
     return "\n".join(out) + "\n"

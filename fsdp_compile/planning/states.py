@@ -19,17 +19,23 @@ def _shard_numel(shape: tuple[int, ...], shard_size: int) -> int:
 
 
 def model_state_bytes(model: nn.Module, strategy: ShardingStrategy, world: int, devices_per_node: int,
-                      optimizer: str) -> dict[str, float]:
+                      optimizer: str, tp: int = 1) -> dict[str, float]:
     """Resident bytes per device of parameters, gradients and optimizer state (exact, from the
-    parameters' shapes and the strategy's shard layout), and of buffers."""
-    shard = 1 if strategy is ShardingStrategy.NO_SHARD else (devices_per_node if strategy.is_hybrid else world)
+    parameters' shapes and the strategy's shard layout), and of buffers.
+
+    With tensor parallelism (``tp`` > 1, ``model`` already parallelized): a TP parameter (a
+    DTensor) counts at its TP-local shape, sharded over the dp ranks (world / tp, or devices
+    per node / tp for hybrid strategies), as the runtime shards it."""
+    dp_world, dp_node = world // tp, devices_per_node // tp
+    shard = 1 if strategy is ShardingStrategy.NO_SHARD else (dp_node if strategy.is_hybrid else dp_world)
     params = grads = 0
     seen: set[int] = set()
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        numel = _shard_numel(tuple(p.shape), shard)
+        local = getattr(p, "_local_tensor", p)  # a DTensor's TP-local tensor
+        numel = _shard_numel(tuple(local.shape), shard)
         params += numel * p.element_size()
         if p.requires_grad:
             grads += numel * p.element_size()

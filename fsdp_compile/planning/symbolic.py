@@ -87,11 +87,12 @@ def symbolic_analysis(plan: Any, strategy: ShardingStrategy | str, size: str, in
     if size not in ("batch", "seq"):
         raise ValueError(f"size={size!r}: use 'batch' or 'seq'")
     dim = (0 if size == "batch" else 1) if dim is None else dim
-    row = plan.row(strategy)
+    # Solving for sizes covers rows without tensor parallelism (tp 1) only, for now.
+    row = plan.row(strategy, tp=1)
     if not row.traced:
         raise PlanError(f"{row.strategy} was not traced ({row.note}); nothing of it fits at any size")
     candidate = next(c for c in context.traced if c.strategy.name == row.strategy and c.bucket_label() == row.bucket
-                     and c.prefetch == row.prefetch)
+                     and c.prefetch == row.prefetch and c.tp == 1)
     inputs = list(context.example_inputs)
     if not (0 <= input_index < len(inputs)) or not isinstance(inputs[input_index], torch.Tensor):
         raise ValueError(f"input_index={input_index} is not a tensor input of the example")

@@ -29,6 +29,7 @@ from ..fsdp_backend import FSDPBackend
 from ..passes.graph import ROLE_META
 from ..sharding.units import BucketPolicy
 from .attention import use_cuda_attention
+from .tp import TPMeshes
 from .world import fake_inputs, fake_model
 
 
@@ -39,12 +40,14 @@ class Candidate:
     strategy: ShardingStrategy
     bucket: BucketPolicy = "module"
     prefetch: int = 1
+    tp: int = 1  # the tensor-parallel degree (1: no TP); FSDP shards over dp = world / tp
 
-    def layout(self, devices_per_node: int, world: int) -> int:
-        """Ranks a parameter is sharded over (the shard shapes every trace of it sees)."""
+    def layout(self, devices_per_node: int, world: int) -> tuple[int, int]:
+        """The TP degree and the ranks a (TP-local) parameter is sharded over: the shard shapes
+        every trace of it sees."""
         if self.strategy is ShardingStrategy.NO_SHARD:
-            return 1
-        return devices_per_node if self.strategy.is_hybrid else world
+            return self.tp, 1
+        return self.tp, (devices_per_node if self.strategy.is_hybrid else world) // self.tp
 
     def bucket_label(self) -> str:
         b = self.bucket
@@ -55,7 +58,8 @@ class Candidate:
         return getattr(b, "__name__", type(b).__name__)
 
     def label(self) -> str:
-        return f"{self.strategy.name} bucket={self.bucket_label()} prefetch={self.prefetch}"
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
+        return f"{self.strategy.name}{tp} bucket={self.bucket_label()} prefetch={self.prefetch}"
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Traced:
     seconds: float
     replayed: bool = False
     symbolic: dict[str, Any] = field(default_factory=dict)  # symbol name -> "batch" / "seq"
+    tp_ranks: tuple[int, ...] | None = None  # this rank's tp group (TP candidates)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -84,13 +89,15 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, devices_per_node: int,
-                  world: int) -> FSDPBackend:
+                  world: int, tp_meshes: TPMeshes | None = None) -> FSDPBackend:
     hybrid = candidate.strategy.is_hybrid
     # Without regions: the cost model prices the flat graph node by node; regions change where a
     # block's operators are written down, not which run or what is communicated.
+    options: dict[str, Any] = {"shard_size": devices_per_node if hybrid else None}
+    if candidate.tp > 1:  # FSDP over the dp part of the 2-D (hybrid: 3-D) mesh, as a real run
+        options = {"mesh": tp_meshes.dp_mesh(candidate.tp, candidate.strategy)}
     return FSDPBackend(candidate.strategy, compiler="aot_eager", bucket=candidate.bucket,
-                       prefetch=candidate.prefetch, mixed_precision=mixed_precision,
-                       shard_size=devices_per_node if hybrid else None, regions=False)
+                       prefetch=candidate.prefetch, mixed_precision=mixed_precision, regions=False, **options)
 
 
 def tag_buffer_inputs(record: CompiledGraph) -> None:
@@ -134,10 +141,12 @@ def trace_candidates(
     device_type: str,
     symbolic_dims: dict[int, dict[int, str]] | None = None,
     progress: Callable[[str], None] | None = None,
+    tp_meshes: TPMeshes | None = None,
 ) -> dict[Candidate, Traced]:
     """Trace ``candidates`` in the current (fake) world; see the module docstring.
 
     ``symbolic_dims`` ({input index: {dim: "batch" | "seq"}}) traces those sizes as symbols.
+    ``tp_meshes``: the meshes and TP plan of candidates with a TP degree above 1.
     """
     loss_fn = loss_fn or default_loss
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -148,7 +157,7 @@ def trace_candidates(
             torch._dynamo.mark_dynamic(inputs[index], dim)
             symbols[(index, dim)] = label
     dynamo_pass = use_cuda_attention if device_type == "cuda" else None
-    layouts: dict[int, list[Candidate]] = {}
+    layouts: dict[tuple[int, int], list[Candidate]] = {}
     for candidate in candidates:
         layouts.setdefault(candidate.layout(devices_per_node, world), []).append(candidate)
 
@@ -159,19 +168,24 @@ def trace_candidates(
         warnings.simplefilter("ignore", RuntimeWarning)
         warnings.simplefilter("ignore", FutureWarning)
         _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devices_per_node, world,
-                       dynamo_pass, symbols, progress, traced)
+                       dynamo_pass, symbols, progress, traced, tp_meshes)
     return traced
 
 
 def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devices_per_node, world,
-                   dynamo_pass, symbols, progress, traced) -> None:
+                   dynamo_pass, symbols, progress, traced, tp_meshes) -> None:
     for group in layouts.values():
         captures: list[JointCapture] = []
         partitions: dict[tuple[ShardingStrategy, int], tuple] = {}
         for i, candidate in enumerate(group):
             start = time.perf_counter()
-            backend = _make_backend(candidate, mixed_precision, devices_per_node, world)
-            sharded = backend.shard(fake_model(model, mode), materialize=False)
+            backend = _make_backend(candidate, mixed_precision, devices_per_node, world, tp_meshes)
+            fake = fake_model(model, mode)
+            tp_ranks = None
+            if candidate.tp > 1:  # the user's TP plan on the fake copy, then FSDP over dp
+                fake = tp_meshes.parallelize(fake, candidate.tp, candidate.strategy)
+                tp_ranks = tp_meshes.tp_ranks(candidate.tp, candidate.strategy)
+            sharded = backend.shard(fake, materialize=False)
             if i == 0:
                 def step(*args: Any, _model: nn.Module = sharded) -> torch.Tensor:
                     return loss_fn(_model(*args))
@@ -192,7 +206,8 @@ def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devic
                 replayed = True
             for record in records:
                 tag_buffer_inputs(record)
-            entry = Traced(candidate, backend, sharded, records, time.perf_counter() - start, replayed)
+            entry = Traced(candidate, backend, sharded, records, time.perf_counter() - start, replayed,
+                           tp_ranks=tp_ranks)
             if symbols:
                 entry.symbolic = _symbol_labels(records, inputs, symbols)
             traced[candidate] = entry
