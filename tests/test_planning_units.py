@@ -278,14 +278,15 @@ def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatc
     monkeypatch.setattr(measure, "_slowest", lambda value, group: value)
     runs: collections.Counter = collections.Counter()
 
-    def run_collective(kind, buffer, n, name):
+    def run_burst(kind, buffers, n, name):
+        buffer = buffers[0]
         runs[kind, buffer.numel()] += 1
         buffer_bytes = buffer.numel() * buffer.element_size() * (n if kind == "all_gather" else 1)
-        typical = 2e-3 + buffer_bytes / 1e9
+        typical = (2e-3 + buffer_bytes / 1e9) * len(buffers)  # a burst: its collectives back to back
         # one run in three is ten times faster than the others (a collective's own spread)
         time.sleep(typical / 10 if runs[kind, buffer.numel()] % 3 == 0 else typical)
 
-    monkeypatch.setattr(measure, "_run_collective", run_collective)
+    monkeypatch.setattr(measure, "_run_burst", run_burst)
     fits = measure._collectives(None, torch.device("cpu"), (1 << 18, 1 << 20, 1 << 22), repeats=3)
     assert set(fits) == {"all_gather", "reduce_scatter", "all_reduce"}
     for kind, fit in fits.items():
