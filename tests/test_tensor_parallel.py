@@ -17,7 +17,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import WorkerError, run_workers
-from helpers import GRAD_ATOL, PARAM_ATOL, assert_bitwise, assert_grads_close, full, max_diff
+from helpers import (
+    GRAD_ATOL,
+    LR,
+    PARAM_ATOL,
+    PER_RANK_BATCH,
+    assert_bitwise,
+    assert_grads_close,
+    full,
+    local_slice,
+    max_diff,
+    train,
+)
 from torch import nn
 
 import fsdp_compile
@@ -26,7 +37,7 @@ from fsdp_compile.models.llama import Llama, LlamaConfig, apply_tp
 from fsdp_compile.passes.regions import is_region_call
 
 WORLD, DP, TP = 4, 2, 2
-PER_RANK_BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
+SEQ, STEPS = 16, 3
 # Against single-process training, per tensor relative to its largest entry: helpers.GRAD_RTOL
 # (1e-5) plus tensor parallelism's own rounding: a row-wise layer sums per-rank partial products
 # in an all-reduce, another order than one matmul. Observed 1.2e-5 on the attention projections
@@ -112,25 +123,6 @@ def _batches(vocab: int, steps: int, dp: int = DP) -> list[tuple[torch.Tensor, t
     return out
 
 
-def _train(model: nn.Module, forward: Any, data: list, dp_rank: int | None, step_hook: Any = None) -> dict[str, Any]:
-    """AdamW steps on this dp rank's slice (``None``: the whole batch); whole first-step
-    gradients, losses and final parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads0 = [], {}
-    for step, (x, y) in enumerate(data):
-        if dp_rank is not None:
-            x, y = x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH], y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH]
-        logits = forward(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        if step == 0:
-            grads0 = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "grads0": grads0, "params": {n: full(p) for n, p in model.named_parameters()}}
-
-
 def _placements(model: nn.Module) -> dict[str, tuple]:
     return {n: (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))) for n, p in model.named_parameters()}
 
@@ -179,7 +171,7 @@ def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: 
                 for block in getattr(model, blocks):
                     fully_shard(block, mesh=dp_mesh, reshard_after_forward=strategy.reshard_after_forward)
                 fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.reshard_after_forward)
-            out[mode] = _train(model, model, data, dp_rank)
+            out[mode] = train(model, model, data, dp_rank)
             out[mode]["placements"] = _placements(model)
             continue
         # "<compiler>+regions": every block a compile region (regions=2: these models have 2 blocks).
@@ -188,7 +180,7 @@ def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: 
                                        regions=2 if regions else False)
         backend.shard(model)
         forward = model if mode == "eager" else torch.compile(model, backend=backend)
-        out[mode] = _train(model, forward, data, dp_rank)
+        out[mode] = train(model, forward, data, dp_rank)
         out[mode]["graphs"] = len(backend.graphs)
         if backend.graphs:
             calls = [n for n in backend.graphs[0].dynamo.graph.nodes if is_region_call(n)]
@@ -196,7 +188,7 @@ def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: 
         out[mode]["placements"] = _placements(model)
     if rank == 0:
         reference = copy.deepcopy(base)
-        out["reference"] = _train(reference, reference, data, None)
+        out["reference"] = train(reference, reference, data, None)
         out["initial"] = {n: p.detach().clone() for n, p in base.named_parameters()}
     return out if rank == 0 else {}
 
@@ -507,7 +499,7 @@ def features_worker(rank: int, world: int) -> dict:
 
     def mine(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = data[i]
-        return x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH], y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH]
+        return local_slice(x, dp_rank), local_slice(y, dp_rank)
 
     out: dict[str, Any] = {}
     model, backend, forward = _sharded_llama(mesh)
@@ -728,7 +720,7 @@ def extras_worker(rank: int, world: int, mode: str) -> dict:
         torch.manual_seed(3)
         backend.shard(model, init_fn=init_fn)
         result = {"initial": fsdp_compile.full_state_dict(model, rank0_only=False)}
-        result.update(_train(model, model if mode == "eager" else torch.compile(model, backend=backend), data,
+        result.update(train(model, model if mode == "eager" else torch.compile(model, backend=backend), data,
                              mesh["dp"].get_local_rank()))
         result["devices"] = sorted({p.to_local().device.type for p in model.parameters()})
         if mode != "eager":
@@ -806,13 +798,11 @@ def checkpoint_worker(rank: int, world: int, path: str) -> dict:
 
     x, y = data[0]
     model, opt = two_d()  # the eager runtime: layouts, not compilation, are under test here
-    step(model, opt, x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH],
-         y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH])
+    step(model, opt, local_slice(x, dp_rank), local_slice(y, dp_rank))
     fsdp_compile.save_checkpoint(f"{path}/2d", model, opt)
     out = {"saved": params(model)}
     x, y = data[1]
-    step(model, opt, x[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH],
-         y[dp_rank * PER_RANK_BATCH:(dp_rank + 1) * PER_RANK_BATCH])
+    step(model, opt, local_slice(x, dp_rank), local_slice(y, dp_rank))
     out["continued_2d"] = params(model)
 
     flat, flat_opt = one_d()
