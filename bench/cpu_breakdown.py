@@ -41,6 +41,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from plain_loop import full_shard_prediction
 from report_files import write_report
 
 GROUPS = {  # operator group -> names (prefix match) in the profiler's table
@@ -69,7 +70,6 @@ def worker(args) -> None:
 
     import fsdp_compile
     from fsdp_compile.models.gpt import GPT, GPTConfig
-    from fsdp_compile.planning.cli import _cross_entropy
     from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
@@ -87,11 +87,7 @@ def worker(args) -> None:
     if args.mode == "FULL_SHARD":
         cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30)
         if rank == 0:
-            example = (torch.zeros(batch, cfg.block_size, dtype=torch.long),)
-            row = fsdp_compile.plan(build(), example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
-                                    strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=8 << 30).row("FULL_SHARD")
-            predicted = {"step_s": row.step_seconds, "compute_s": row.compute_seconds,
-                         "exposed_s": row.exposed_comm_seconds}
+            predicted = full_shard_prediction(build, (batch, cfg.block_size), cluster, world)
         dist.barrier()
         backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
         model = backend.shard(build())

@@ -39,13 +39,26 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+def full_shard_prediction(build, tokens_shape: tuple[int, int], cluster, world: int) -> dict:
+    """The plan's FULL_SHARD row (prefetch 1, an 8 GiB budget) for a GPT from ``build()`` fed
+    token batches of ``tokens_shape``: step, compute, communication and exposed seconds."""
+    import fsdp_compile
+    from fsdp_compile.planning.cli import _cross_entropy
+
+    example = (torch.zeros(*tokens_shape, dtype=torch.long),)
+    row = fsdp_compile.plan(build(), example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
+                            strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=8 << 30).row("FULL_SHARD")
+    return {"step_s": row.step_seconds, "compute_s": row.compute_seconds, "comm_s": row.comm_seconds,
+            "exposed_s": row.exposed_comm_seconds}
+
+
 def worker(args) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import fsdp_compile
     from fsdp_compile.models.gpt import GPT, GPTConfig
-    from fsdp_compile.planning.cli import _cluster_numbers, _cross_entropy
+    from fsdp_compile.planning.cli import _cluster_numbers
     from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
@@ -60,13 +73,7 @@ def worker(args) -> None:
         return GPT(cfg)
 
     cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30)
-    predicted = None
-    if rank == 0:
-        example = (torch.zeros(batch, cfg.block_size, dtype=torch.long),)
-        row = fsdp_compile.plan(build(), example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
-                                strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=8 << 30).row("FULL_SHARD")
-        predicted = {"step_s": row.step_seconds, "compute_s": row.compute_seconds, "comm_s": row.comm_seconds,
-                     "exposed_s": row.exposed_comm_seconds}
+    predicted = full_shard_prediction(build, (batch, cfg.block_size), cluster, world) if rank == 0 else None
     dist.barrier()
 
     backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
