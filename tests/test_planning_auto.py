@@ -116,6 +116,7 @@ def measure_worker(rank: int, world: int) -> dict:
         "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
         "overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
         "workspace": cluster.collective_workspace, "runtime_per_tensor": cluster.runtime_per_tensor,
+        "copy_kernels": cluster.copy_kernels, "collective_issue": cluster.collective_issue,
         "collectives": {k: (v.step_latency, v.bandwidth, v.group_size, len(v.samples))
                         for k, v in cluster.measured_collectives.items()},
         "sources": sorted(cluster.sources),
@@ -136,6 +137,12 @@ def test_measure_calibrates_this_machine_on_every_rank_alike():
         assert r["overlap"] == 1.0
     # the runtime's own work per sharded parameter outside the graphs (to_local, gradient wrap)
     assert r["runtime_per_tensor"] > 0 and "runtime_per_tensor" in r["sources"]
+    # the backend's copies around each collective, as the real ops: every op has a cost per byte
+    assert set(r["copy_kernels"]) == {"copy_in", "copy_out", "chunk_cat"} and "copy_kernels" in r["sources"]
+    assert all(per_param >= 0 and per_byte > 0 for per_param, per_byte in r["copy_kernels"].values())
+    # starting a collective costs the issuing thread time on a CPU
+    assert set(r["collective_issue"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert all(fixed + per_byte * (1 << 18) > 0 for fixed, per_byte in r["collective_issue"].values())
     assert set(r["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     for latency, bandwidth, group, samples in r["collectives"].values():
         assert latency >= 0 and bandwidth > 0 and group == 2 and samples == 3

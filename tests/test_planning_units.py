@@ -60,6 +60,9 @@ def test_unknown_preset_lists_the_known_ones():
     ({"inter_node_bandwidth": None}, "inter_node_bandwidth is missing"),
     ({"comm_overlap": 1.5}, "comm_overlap=1.5 must be <= 1.0"),
     ({"runtime_per_tensor": -1e-6}, "runtime_per_tensor=-1e-06 must be >= 0"),
+    ({"copy_kernels": {"copy": (1e-6, 1e-10)}}, r"copy_kernels\['copy'\]: keys are copy_in, copy_out, chunk_cat"),
+    ({"copy_kernels": {"copy_out": (1e-6,)}}, r"copy_kernels\['copy_out'\]=\(1e-06,\) must be \(seconds per parameter"),
+    ({"collective_issue": {"all_gather": (-1.0, 0.0)}}, r"collective_issue\['all_gather'\]=\(-1.0, 0.0\) must be"),
     ({"attention_flops": {torch.float32: -1.0}}, r"attention_flops\[torch.float32\]=-1.0 must be > 0"),
     ({"attention_flops": {"fp32": 1e12}}, "attention_flops key 'fp32' must be a floating-point torch.dtype"),
     ({"intra_node_latency": float("nan")}, "finite"),
@@ -130,6 +133,26 @@ def test_group_of_one_costs_nothing():
     assert collective_cost("all_gather", 10**6, Group(1, 1), small_cluster()).seconds == 0.0
 
 
+def test_issuing_a_collective_takes_the_compute_stream_first():
+    from fsdp_compile.planning.cost import NodeCost
+    from fsdp_compile.planning.simulate import simulate_graph
+
+    issued = small_cluster(collective_issue={"reduce_scatter": (1e-4, 1e-9)})
+    cost = collective_cost("reduce_scatter", 1_000_000, Group(4, 1), issued)
+    assert cost.issue_seconds == pytest.approx(1e-4 + 1e6 * 1e-9)
+    assert cost.seconds == collective_cost("reduce_scatter", 1_000_000, Group(4, 1), small_cluster()).seconds
+    assert collective_cost("all_gather", 1_000_000, Group(4, 1), issued).issue_seconds == 0.0  # not measured
+    # the collective starts after its issue: a wait right after it exposes the whole collective
+    class Node:  # what the simulator reads of an fx node: its arguments (a wait's is its collective)
+        def __init__(self, *args):
+            self.args = args
+
+    rs = Node()
+    costs = [(rs, NodeCost("collective", 1.0, link="intra", issue_seconds=0.5)), (Node(rs), NodeCost("wait"))]
+    t = simulate_graph(costs)
+    assert t.seconds == 1.5 and t.compute_seconds == 0.5 and t.exposed_comm_seconds == 1.0
+
+
 # ---------------------------------------------------------------- compute roofline
 def _graph(fn, *shapes, dtype=torch.float32):
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -162,6 +185,23 @@ def test_elementwise_is_memory_bound_and_views_cost_only_the_call():
     assert view.bytes == 0 and view.seconds == pytest.approx(1e-6)
     no_overhead = {n.target: c for n, c in graph_costs(gm, small_cluster())}
     assert no_overhead[torch.ops.aten.view.default].kind == "free"
+
+
+def test_bucket_copies_are_priced_by_their_measured_fit():
+    from fsdp_compile.runtime import kernels
+
+    dims, ranks = kernels.flatten_shapes([(3, 4), (2, 4)])  # 12 and 8 elements: chunks of 6 and 4 at world 2
+    gm = _graph(lambda g: kernels.copy_out(g, 2, [6, 4], dims, ranks), (20,))
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.fsdp_compile.copy_out.default)
+    moved = 20 * 4 + (12 + 8) * 4  # the gathered buffer in, one tensor per parameter out
+    roofline = node_cost(node, small_cluster(op_overhead=1e-6), {})
+    assert roofline.seconds == pytest.approx(moved / 1e11 + 1e-6)  # without a fit: a memory-bound op
+    fitted = node_cost(node, small_cluster(op_overhead=1e-6, copy_kernels={"copy_out": (1e-5, 1e-9)}), {})
+    assert fitted.bytes == moved
+    assert fitted.seconds == pytest.approx(2 * 1e-5 + moved * 1e-9 + 1e-6)  # per parameter, per byte, the call
+    # another copy's fit does not apply to this one
+    other = node_cost(node, small_cluster(op_overhead=1e-6, copy_kernels={"copy_in": (1e-5, 1e-9)}), {})
+    assert other.seconds == roofline.seconds
 
 
 def test_attention_runs_at_its_own_measured_rate():

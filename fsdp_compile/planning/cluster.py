@@ -27,6 +27,7 @@ import torch
 from .calibration.calibrate import measure_cluster
 from .numbers import (
     COLLECTIVE_KINDS,
+    COPY_KERNELS,
     GB,
     GBITS,
     TFLOPS,
@@ -57,6 +58,12 @@ class Cluster:
     collective kind to the bytes the communication backend allocates beside the result per byte
     of the collective's buffer, alive until the wait (gloo gathers into a temporary and reduces
     a copy; measured by the allocator in :meth:`measure`; NCCL works in the user's buffers: 0).
+    ``copy_kernels`` maps the backend's bucket copies (``copy_in``, ``copy_out``, ``chunk_cat``)
+    to a measured ``(seconds per parameter, seconds per byte moved)`` (:meth:`measure` on a CPU,
+    where they run far below the memory-bound operators' rate; without it a copy is priced as
+    one of those). ``collective_issue`` maps a collective kind to ``(seconds, seconds per buffer
+    byte)`` the issuing thread spends before the collective starts (gloo's checks and its copy
+    of a reduction's input on a CPU; measured by :meth:`measure`, empty on a GPU and in presets).
     ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
     (each shard's leaf checked against its parameter before a graph runs, the gradient
     accumulated into the leaf and wrapped into a DTensor ``.grad`` in backward; measured by
@@ -89,6 +96,8 @@ class Cluster:
     measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     measured_inter_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
+    copy_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+    collective_issue: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
     attention_flops: dict[torch.dtype, float] = field(default_factory=dict)
@@ -166,11 +175,16 @@ class Cluster:
                 problems.append(f"collective_workspace[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
             elif not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
                 problems.append(f"collective_workspace[{kind!r}]={share!r} must be a number >= 0")
-        for name, fit in self.optimizer_step.items():
-            if (not isinstance(fit, tuple) or len(fit) != 2
-                    or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
-                problems.append(f"optimizer_step[{name!r}]={fit!r} must be (seconds per tensor >= 0, "
-                                "seconds per byte >= 0)")
+        for field_name, units, keys in (("optimizer_step", "seconds per tensor", None),
+                                        ("copy_kernels", "seconds per parameter", COPY_KERNELS),
+                                        ("collective_issue", "seconds", COLLECTIVE_KINDS)):
+            for name, fit in getattr(self, field_name).items():
+                if keys is not None and name not in keys:
+                    problems.append(f"{field_name}[{name!r}]: keys are {', '.join(keys)}")
+                elif (not isinstance(fit, tuple) or len(fit) != 2
+                        or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
+                    problems.append(f"{field_name}[{name!r}]={fit!r} must be ({units} >= 0, "
+                                    "seconds per byte >= 0)")
         if not isinstance(self.attention_flops, dict):
             problems.append(f"attention_flops={self.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
         else:
@@ -268,9 +282,12 @@ class Cluster:
         * on a CPU, the per-operator overhead of a graph run as Python (0 on a GPU);
         * one AdamW and one SGD step over sharded (DTensor) parameters, as seconds per tensor
           and per shard byte, and the runtime's work per sharded parameter outside the graphs;
+        * on a CPU, the backend's copies around each collective (``copy_kernels``), each the
+          real op on cold operands, as seconds per parameter and per byte;
         * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run),
           fitted to the ring model (:mod:`fsdp_compile.runtime.ring`) as a latency per ring
           step and a bandwidth;
+        * on a CPU, the issuing thread's time to start each kind (``collective_issue``);
         * the bytes the communication backend allocates beside each collective's result;
         * how much of a collective's time can hide under compute (``comm_overlap``): on a CPU
           the share of its time that takes no CPU from compute, on a GPU a race of an
@@ -317,8 +334,9 @@ class Cluster:
             A :class:`Cluster` named ``"measured-cpu"`` or ``"measured-cuda"`` of ``nodes`` x
             (group size / ``nodes``) devices, with ``measured_collectives`` (and, over several
             nodes, ``measured_inter_collectives``),
-            ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``) and
-            ``runtime_per_tensor`` filled in, ``collective_latency`` and
+            ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``),
+            ``runtime_per_tensor`` and, on a CPU, ``copy_kernels`` and ``collective_issue``
+            filled in, ``collective_latency`` and
             ``reserved_memory`` 0, and ``sources`` saying when, at what world size and on
             which device type each number was measured.
 

@@ -5,10 +5,14 @@
   fake tensors; bytes are what the node reads and writes. Time is the larger of FLOPs over
   the device's peak for the operands' dtype (fused attention: the cluster's attention rate)
   and bytes over memory bandwidth, plus the cluster's per-operator overhead. Views and other
-  metadata-only nodes cost only that overhead (0 on GPUs).
+  metadata-only nodes cost only that overhead (0 on GPUs). The backend's copies around each
+  collective use their own measured rates where the cluster has them
+  (``Cluster.copy_kernels``).
 * Collectives: the ring model (:mod:`fsdp_compile.runtime.ring`) on the links of
   :mod:`.cluster`: a group inside one node runs at the intra-node bandwidth, a group spanning
   nodes at the inter-node one, and the latency counts each intra- and inter-node ring step.
+  Starting one costs the compute stream ``Cluster.collective_issue`` (a CPU backend's work on
+  the issuing thread).
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.
@@ -32,6 +36,7 @@ from torch.utils.flop_counter import (
 
 from ..inspection.memory import size_hint
 from ..passes.graph import ALL_GATHER, COLLECTIVES, PURE_VIEWS, WAIT
+from ..runtime import kernels
 from ..runtime.ring import ring_steps, wire_bytes
 from .cluster import Cluster
 
@@ -61,6 +66,12 @@ _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
 }
 
+
+_KERNELS = getattr(torch.ops, kernels.NAMESPACE)
+COPY_OUT = _KERNELS.copy_out.default
+# The backend's bucket copies, priced by their own measured fit where the cluster has one.
+COPY_KERNEL_NAMES = {_KERNELS.copy_in.default: "copy_in", COPY_OUT: "copy_out",
+                     _KERNELS.chunk_cat.default: "chunk_cat"}
 
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 
@@ -135,6 +146,7 @@ class NodeCost:
     bytes: Any = 0
     link: str | None = None  # collectives: "intra" or "inter"
     wire_bytes: Any = 0  # collectives: bytes each rank sends
+    issue_seconds: Any = 0.0  # collectives: the compute stream's time to start it
 
 
 def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster) -> NodeCost:
@@ -144,12 +156,14 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
     link = "intra" if group.nodes <= 1 else "inter"
     if n <= 1:
         return NodeCost("collective", 0.0, link=link, wire_bytes=0)
+    issue_fixed, issue_per_byte = cluster.collective_issue.get(kind, (0.0, 0.0))
+    issue = issue_fixed + issue_per_byte * buffer_bytes
     steps = ring_steps(kind, n)
     fits = cluster.measured_inter_collectives if link == "inter" else {}
     measured = fits.get(kind) or cluster.measured_collectives.get(kind)
     if measured is not None:
         seconds = steps * measured.step_latency + wire / measured.bandwidth
-        return NodeCost("collective", seconds, link=link, wire_bytes=wire)
+        return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue)
     if group.nodes <= 1:
         latency = cluster.collective_latency + steps * cluster.intra_node_latency
         bandwidth = cluster.intra_node_bandwidth
@@ -158,7 +172,7 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
         latency = (cluster.collective_latency + (steps - inter_steps) * cluster.intra_node_latency
                    + inter_steps * cluster.inter_node_latency)
         bandwidth = min(cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
-    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire)
+    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire, issue_seconds=issue)
 
 
 def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symbolic: bool = False) -> NodeCost:
@@ -197,6 +211,11 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
         if id(t) not in seen:
             seen.add(id(t))
             moved = moved + tensor_bytes(t, symbolic)
+    copy_fit = cluster.copy_kernels.get(COPY_KERNEL_NAMES.get(target))
+    if copy_fit is not None:
+        per_param, per_byte = copy_fit
+        parameters = len(out) if target is COPY_OUT else len(args[0])
+        return NodeCost("compute", parameters * per_param + moved * per_byte + cluster.op_overhead, bytes=moved)
     seconds = moved / cluster.memory_bandwidth
     if flops and dtype is not None and dtype.is_floating_point:
         rate = cluster.attention_flops_for(dtype) if packet in ATTENTION_OPS else cluster.flops_for(dtype)

@@ -15,6 +15,8 @@ TFLOPS = 1e12
 GBITS = 1e9 / 8  # bytes per second in one gigabit per second
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# The backend's copies around each collective (ops of :mod:`fsdp_compile.runtime.kernels`).
+COPY_KERNELS = ("copy_in", "copy_out", "chunk_cat")
 
 
 # Optimizer states per parameter element, in units of the gradient (AdamW: two moments).

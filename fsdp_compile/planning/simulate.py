@@ -103,6 +103,8 @@ def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
         if cost.kind == "compute":
             events.append(("compute", cost.seconds))
         elif cost.kind == "collective":
+            if cost.issue_seconds:
+                events.append(("compute", cost.issue_seconds))  # the issuing thread's work comes first
             events.append(("issue", node, cost.seconds, cost.link, cost.wire_bytes))
         elif cost.kind == "wait":
             events.append(("wait", node.args[0]))

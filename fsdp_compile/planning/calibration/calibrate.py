@@ -23,7 +23,8 @@ CPU time communication takes from compute, are stretched by that share
 
 The calibrations themselves: :mod:`.compute` (FLOP/s, memory bandwidth, operator overhead,
 and the clocks), :mod:`.outside_graphs` (optimizer step, runtime work per parameter),
-:mod:`.collectives` (ring fits, workspace, overlap) and :mod:`.memory` (allocator peaks, a
+:mod:`.copies` (the backend's copies around each collective), :mod:`.collectives` (ring fits,
+issuing, workspace, overlap) and :mod:`.memory` (allocator peaks, a
 CPU rank's memory).
 """
 
@@ -38,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from ..numbers import ClusterError
-from .collectives import _collective_workspace, _collectives, _cpu_overlap, _gpu_overlap
+from .collectives import _collective_workspace, _collectives, _cpu_overlap, _gpu_overlap, _issue_seconds
 from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwidth, _op_overhead, _slowest
+from .copies import _copy_kernels
 from .memory import _cpu_memory_per_rank
 from .outside_graphs import _optimizer_step, _runtime_per_tensor
 
@@ -135,7 +137,10 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         for name in ("adamw", "sgd")}
     runtime_per_tensor = _slowest(_in_turns(lambda sync: _runtime_per_tensor(group, device, repeats, sync),
                                             group, device), group)
+    copy_kernels = {name: tuple(_slowest(v, group) for v in fit) for name, fit in _in_turns(
+        lambda sync: _copy_kernels(group, device, repeats, sync), group, device).items()}
     collectives, inter_collectives = _collectives_per_link(group, device, sizes, repeats, nodes)
+    collective_issue = _issue_seconds(group, device, sizes, repeats)
     workspace = _collective_workspace(group, device)
     # A CPU's communication threads take compute's cores: read from clocks, not from a race.
     overlap = (_cpu_overlap(group, device, repeats) if device.type == "cpu"
@@ -154,8 +159,9 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
         runtime_per_tensor=runtime_per_tensor, attention_flops=attention,
         device_type=device.type, measured_collectives=collectives, measured_inter_collectives=inter_collectives,
-        optimizer_step=optimizer_step,
+        optimizer_step=optimizer_step, copy_kernels=copy_kernels, collective_issue=collective_issue,
         collective_workspace=workspace,
         sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
                                          "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
-                                         "collective_workspace", "device_memory")})
+                                         "copy_kernels", "collective_issue", "collective_workspace",
+                                         "device_memory")})

@@ -17,6 +17,7 @@ step by that much; the burst fits the emulated latency and bandwidth
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -75,6 +76,42 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
     return fits
 
 
+def _issue_seconds(group: Any, device: torch.device, sizes: tuple[int, ...],
+                   repeats: int) -> dict[str, tuple[float, float]]:
+    """``{kind: (seconds, seconds per buffer byte)}`` the issuing thread spends starting a
+    collective, on a CPU (``{}`` elsewhere, where the CPU runs ahead of the device).
+
+    That time is the compute stream's: gloo checks and enqueues on the caller's thread, and its
+    reduce-scatter and all-reduce first copy their input there (about 1 ms for a 3 MB bucket on
+    a 2-core Xeon), so a collective starts only after it, however well it is hidden. The
+    median of each size's issues on the thread's clock, fitted to a line over the buffer's
+    bytes (an all-gather's output, the others' input, as the cost model prices them); the
+    first issue of each size is a warm-up."""
+    if device.type != "cpu":
+        return {}
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    fits = {}
+    for kind in COLLECTIVE_KINDS:
+        samples = []
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            buffers = [torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+                       for _ in range(repeats + 1)]
+            seconds = []
+            for buffer in buffers:
+                dist.barrier(group=group)
+                start = time.thread_time()
+                result = _issue_collective(kind, buffer, n, name)
+                seconds.append(time.thread_time() - start)
+                _c10d.wait_tensor(result)
+            # stretched by the rank's share of a core, as compute is (``_compute_seconds``)
+            typical = statistics.median(seconds[1:]) / _cpu_share(device)
+            samples.append((numel * 4, _slowest(typical, group)))
+        fits[kind] = fit_line(samples)
+    return fits
+
+
 def _collective_workspace(group: Any, device: torch.device) -> dict[str, float]:
     """Bytes the backend allocates beside each collective's result, per byte of its buffer
     (the all-gather's output; the input of the others), by the allocator."""
@@ -127,14 +164,15 @@ def _gpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
 def _cpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
     """``comm_overlap`` on a CPU: the share of a collective's time that costs no CPU.
 
-    A CPU backend (gloo) moves and reduces bytes with CPU threads of its own, plus copies on
-    the issuing thread. When this node's ranks already occupy every core with compute, that
-    CPU time is taken from compute however the schedule hides the collective, so only the
-    rest of its time (waiting on the peers, the loopback) can hide. Measured from clocks, not
-    from a race between compute and a collective (whose outcome the scheduler decides
-    differently from run to run): this process's CPU time over all its threads during
-    collectives of each kind, over their wall time, for the slowest rank. With a core to
-    spare per rank, communication threads do not take compute's cores: 1.
+    A CPU backend (gloo) moves and reduces bytes with CPU threads of its own. When this node's
+    ranks already occupy every core with compute, that CPU time is taken from compute however
+    the schedule hides the collective, so only the rest of its time (waiting on the peers, the
+    loopback) can hide. Measured from clocks, not from a race between compute and a collective
+    (whose outcome the scheduler decides differently from run to run): the CPU time of this
+    process's other threads during collectives of each kind, over their wall time, for the
+    slowest rank. The issuing thread's own share is not counted here: it is compute's time
+    before the collective starts (:func:`_issue_seconds`). With a core to spare per rank,
+    communication threads do not take compute's cores: 1.
     """
     if _cores_per_thread() > 1.0:
         return 1.0
@@ -147,9 +185,9 @@ def _cpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
             _run_collective(kind, local, n, name)
             for _ in range(repeats):
                 dist.barrier(group=group)
-                start_wall, start_cpu = time.perf_counter(), time.process_time()
+                start_wall, start_cpu, start_own = time.perf_counter(), time.process_time(), time.thread_time()
                 _run_collective(kind, local, n, name)
-                cpu += time.process_time() - start_cpu
+                cpu += (time.process_time() - start_cpu) - (time.thread_time() - start_own)
                 wall += time.perf_counter() - start_wall
     busy = _slowest(cpu / wall if wall > 0 else 0.0, group)
     # Where ranks share cores (2 x 2 on 2 cores), communication threads get a rank's share of

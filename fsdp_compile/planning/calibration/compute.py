@@ -61,6 +61,30 @@ def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = 
     return seconds / _cpu_share(device) if clock is time.thread_time else seconds
 
 
+# Rewritten between the timings of :func:`_cold_seconds`: more than a core's caches hold, and
+# the size of the bandwidth calibration's pool, so the next timing's operands come from memory.
+_EVICT_ELEMENTS = 64 << 20  # 256 MB
+
+
+def _cold_seconds(fn, repeats: int, device: torch.device) -> float:
+    """Like :func:`_compute_seconds` (the fastest repeat), but each repeat first has the caches
+    filled with other data: for work a step runs once, long after it last touched its operands
+    (the copies around a collective, the optimizer step after a backward), which a loop over
+    the same operands times from the caches instead."""
+    clock = _compute_clock(device)
+    evict = torch.zeros(_EVICT_ELEMENTS, device=device)
+    fn()
+    samples = []
+    for _ in range(repeats):
+        evict.add_(1.0)
+        _sync(device)
+        start = clock()
+        fn()
+        _sync(device)
+        samples.append(clock() - start)
+    return min(samples) / _cpu_share(device) if clock is time.thread_time else min(samples)
+
+
 def _samples(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> list[float]:
     """``repeats`` timings of ``fn`` on ``clock`` after one warm-up run."""
     fn()
