@@ -351,10 +351,12 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     # each emulated row says whether the emulation held over its timed steps, and is predicted for that network
     assert all(r["emulation"].startswith("emulation") for r in emulated), [r["emulation"] for r in emulated]
     assert all(r["predicted_step_s"] > 0 and r["predicted_comm_s"] > 0 for r in emulated)
+    # and how late gloo was against the link per step, which decides whether the row rests on the link
+    assert all(r["gloo_late_per_step_s"] >= 0 and isinstance(r["emulation_held"], bool) for r in emulated)
     intra, inter = report["links"]["2/1.0"]
     assert intra == inter > 0  # one node: one link speed
     text = (tmp_path / "plan_emulated_smoke.md").read_text()
-    assert "## Targets" in text and "ranking kept" in text
+    assert "## Targets" in text and "ranking kept" in text and "gloo late per step" in text
     assert (tmp_path / "plan_emulated_smoke_w2.png").stat().st_size > 1000
 
 
