@@ -214,7 +214,8 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
     copy_fit = cluster.copy_kernels.get(COPY_KERNEL_NAMES.get(target))
     if copy_fit is not None:
         per_param, per_byte = copy_fit
-        parameters = len(out) if target is COPY_OUT else len(args[0])
+        per_parameter = out if target is COPY_OUT else args[0]  # one tensor per parameter
+        parameters = len(per_parameter) if isinstance(per_parameter, (list, tuple)) else 1
         return NodeCost("compute", parameters * per_param + moved * per_byte + cluster.op_overhead, bytes=moved)
     seconds = moved / cluster.memory_bandwidth
     if flops and dtype is not None and dtype.is_floating_point:
