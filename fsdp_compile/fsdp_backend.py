@@ -268,8 +268,7 @@ class FSDPBackend:
                               sync=self._gradient_sync, offload=self.options.offload, init_fn=init_fn,
                               init_device=init_device or current_device(state.topology.mesh.device_type),
                               materialize=materialize, region_copies=self.region_copies(),
-                              mesh_given=self.options.mesh is not None,
-                              tp_regions=not isinstance(self.options.regions, bool))
+                              mesh_given=self.options.mesh is not None)
         infos = result.infos
         state.local_shards.add(result.shards)
         if result.peak_full_bytes is not None:

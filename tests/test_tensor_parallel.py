@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import WorkerError, run_workers
+from distributed import run_workers
 from helpers import (
     GRAD_ATOL,
     LR,
@@ -174,10 +175,12 @@ def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: 
             out[mode] = train(model, model, data, dp_rank)
             out[mode]["placements"] = _placements(model)
             continue
-        # "<compiler>+regions": every block a compile region (regions=2: these models have 2 blocks).
+        # "<compiler>+regions": every block a compile region (regions=2: these models have 2 blocks);
+        # "<compiler>+default": the backend's default options; "<compiler>": inline blocks.
         compiler, _, regions = mode.partition("+")
+        options = {} if regions == "default" else {"regions": 2 if regions else False}
         backend = fsdp_compile.backend(strategy, mesh=dp_mesh, compiler="aot_eager" if mode == "eager" else compiler,
-                                       regions=2 if regions else False)
+                                       **options)
         backend.shard(model)
         forward = model if mode == "eager" else torch.compile(model, backend=backend)
         out[mode] = train(model, forward, data, dp_rank)
@@ -217,6 +220,13 @@ def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) ->
         assert out[mode]["losses"] == out["fsdp2"]["losses"]
     assert_bitwise(out["eager"]["grads0"], out["aot_eager"]["grads0"], "eager runtime vs aot_eager")
     assert out["aot_eager"]["regions"] == (0, 0)
+
+
+def test_full_shard_over_tp_under_inductor_with_default_options() -> None:
+    """What a TP user gets by default: Inductor, each repeated TP block a region."""
+    out = parity_run("tied_gpt", "FULL_SHARD", ("inductor+default", "fsdp2"))
+    _check_against_references(out, ("inductor+default",), bitwise=())
+    assert out["inductor+default"]["regions"] == (2, 1)  # both blocks call one body
 
 
 def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[str, ...]) -> None:
@@ -319,13 +329,13 @@ def test_bad_tp_input_is_refused_naming_the_parameter() -> None:
 
 
 # ---------------------------------------------------------------- regions of TP blocks
-# The Llama and the tied GPT compile their blocks as regions under -m slow (every strategy,
-# aot_eager and Inductor, above: one body for both blocks, the same gradients as without). A
-# small model whose blocks are two TP linears (x + out(gelu(fc(x))), fc column-wise, out
-# row-wise) does not compile with regions on torch 2.13: Dynamo raises while building the
-# frame's guards (torch/_dynamo/guards.py, get_guard_manager_from_source: "Expecting clean
-# index here. Likely Dynamo forgot to mark a dict as guard_on_key_order"); without regions it
-# compiles. Kept as a strict xfail, so the day it works is seen.
+# The Llama and the tied GPT compile their blocks as regions (every strategy, aot_eager and
+# Inductor, above). A small model whose blocks are two TP linears (x + out(gelu(fc(x))), fc
+# column-wise, out row-wise) compiles as regions too when every block is parallelized with one
+# mesh object. Sliced once per block (mesh["tp"] in the loop), each block's TP hooks hold a
+# mesh object of their own, and torch 2.13's Dynamo raises building the guard of block 1's mesh
+# while reusing block 0's region trace ("Expecting clean index here. Likely Dynamo forgot to
+# mark a dict as guard_on_key_order"): the backend compiles those blocks inline and says why.
 class TPBlock(nn.Module):
     def __init__(self, dim: int = 16) -> None:
         super().__init__()
@@ -351,7 +361,7 @@ class TPBlocks(nn.Module):
         return x
 
 
-def regions_worker(rank: int, world: int) -> dict:
+def regions_worker(rank: int, world: int, mesh_per_block: bool) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -367,16 +377,21 @@ def regions_worker(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         model, forward = copy.deepcopy(base), None
         if mode != "reference":
-            parallelize_module(model, mesh["tp"], {"stem": ColwiseParallel(output_layouts=Replicate())})
+            tp_mesh = mesh["tp"]
+            parallelize_module(model, tp_mesh, {"stem": ColwiseParallel(output_layouts=Replicate())})
             for block in model.blocks:
-                parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+                parallelize_module(block, mesh["tp"] if mesh_per_block else tp_mesh,
+                                   {"fc": ColwiseParallel(), "out": RowwiseParallel()})
         if mode == "fsdp2":
             for block in model.blocks:
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
         elif mode != "reference":
             backend = fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], compiler="aot_eager", regions=2, bucket=TPBlock)
-            backend.shard(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                backend.shard(model)
+            out["warnings"] = [str(w.message) for w in caught if "compile inline" in str(w.message)]
             forward = torch.compile(model, backend=backend)
         grads = []
         for x in data:
@@ -393,13 +408,17 @@ def regions_worker(rank: int, world: int) -> dict:
     return out if rank == 0 else {}
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(raises=WorkerError, strict=True,
-                   reason="torch 2.13 Dynamo: 'Expecting clean index here' building guards with regions")
-def test_repeated_tp_blocks_compile_once_as_regions() -> None:
-    out = run_workers(regions_worker, WORLD)[0]
+@pytest.mark.parametrize("mesh_per_block", [False, True], ids=["one_mesh", "mesh_per_block"])
+def test_repeated_tp_blocks_compile_once_as_regions(mesh_per_block: bool) -> None:
+    out = run_workers(regions_worker, WORLD, mesh_per_block)[0]
     ours = out["aot_eager+regions"]
-    assert ours["regions"] == (N_BLOCKS, 1) and ours["graphs"] == 1  # one body, called by every block
+    if mesh_per_block:  # inline, with a warning that names the blocks and the fix
+        assert ours["regions"] == (0, 0) and ours["graphs"] == 1
+        assert len(out["warnings"]) == 1 and "TPBlock blocks (blocks.0, blocks.1)" in out["warnings"][0]
+        assert "tp_mesh = mesh['tp']" in out["warnings"][0]
+    else:
+        assert ours["regions"] == (N_BLOCKS, 1) and ours["graphs"] == 1  # one body, called by every block
+        assert out["warnings"] == []
     for step, grads in enumerate(ours["grads"]):
         assert_bitwise(grads, out["fsdp2"]["grads"][step], f"regions vs FSDP2 + TP, step {step}")
         assert_grads_close(grads, out["reference"]["grads"][step], TP_GRAD_RTOL, f"regions, step {step}")
@@ -534,13 +553,13 @@ def features_worker(rank: int, world: int) -> dict:
     fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]).shard(meta, init_fn=llama_init)
     out["meta_init"] = fsdp_compile.full_state_dict(meta, rank0_only=False)
     out["meta_placements"] = _placements(meta)
-    # Regions: by default (Inductor would make both blocks one region) a TP model stays inline;
-    # asked for by count, its blocks become regions.
+    # Regions: by default (Inductor makes any 2 blocks one region) a TP model's blocks become
+    # regions, as a 1-D model's do; regions=False keeps them inline.
     out["default_regions"] = sum(getattr(m, "_fsdp_region", None) is not None for m in meta.modules())
     with torch.device("meta"):
-        asked = apply_tp(Llama(LLAMA), mesh["tp"])
-    fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], regions=2).shard(asked, init_fn=llama_init)
-    out["asked_regions"] = sum(getattr(m, "_fsdp_region", None) is not None for m in asked.modules())
+        inline = apply_tp(Llama(LLAMA), mesh["tp"])
+    fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], regions=False).shard(inline, init_fn=llama_init)
+    out["inline_regions"] = sum(getattr(m, "_fsdp_region", None) is not None for m in inline.modules())
     out["placements"] = _placements(model)
 
     # Mixed precision against FSDP2 + the same TP plan and policy.
@@ -604,12 +623,10 @@ def test_meta_device_init_on_2d_draws_what_the_whole_model_draws() -> None:
     assert out["meta_placements"] == out["placements"]
 
 
-def test_tp_blocks_become_regions_only_when_asked_by_count() -> None:
-    """Some TP blocks do not compile as regions on torch 2.13 (docs/limits.md): the default,
-    under which Inductor makes any 2 blocks one region, keeps a TP model inline."""
+def test_tp_blocks_become_regions_by_default() -> None:
     out = features_run()
-    assert out["default_regions"] == 0
-    assert out["asked_regions"] > 0  # the modules inside both blocks read through the region
+    assert out["default_regions"] > 0  # the modules inside both blocks read through the region
+    assert out["inline_regions"] == 0
 
 
 def test_no_sync_accumulates_on_2d() -> None:

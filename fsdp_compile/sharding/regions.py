@@ -26,6 +26,7 @@ outside ``torch.compile`` a region is a plain call.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import Counter
 from collections.abc import Iterable
@@ -88,6 +89,50 @@ def region_units(model: nn.Module, units: Iterable[str], tied_units: Iterable[st
     tied = set(tied_units)
     return {u for u in units if classes[type(model.get_submodule(u))] >= max(2, min_copies) and u not in tied
             and not any(_compile_disabled(m) for m in model.get_submodule(u).modules())}
+
+
+def tp_mesh_split_classes(model: nn.Module, units: Iterable[str]) -> set[type]:
+    """The block classes whose units' tensor-parallel hooks hold different ``DeviceMesh``
+    objects, which cannot be regions on torch 2.13.
+
+    ``parallelize_module`` closes each hook it registers over the mesh it was given. Slicing
+    the mesh once per block (``mesh["tp"]`` in the loop) gives every block an equal mesh but a
+    new object, and Dynamo, reusing block 0's region trace for block 1, guards block 1's mesh
+    through the hook that holds it and raises while building that guard ("Expecting clean
+    index here. Likely Dynamo forgot to mark a dict as guard_on_key_order",
+    ``torch/_dynamo/guards.py``). One mesh object shared by every block compiles. Read from
+    the hooks' closures and partial arguments, the only place the mesh object is kept: the
+    parameters' DTensors share one mesh object either way."""
+    by_class: dict[type, set[tuple[int, ...]]] = {}
+    for unit in units:
+        if not unit:
+            continue
+        module = model.get_submodule(unit)
+        by_class.setdefault(type(module), set()).add(_hook_meshes(module))
+    return {cls for cls, meshes in by_class.items() if len(meshes) > 1}
+
+
+def _hook_meshes(block: nn.Module) -> tuple[int, ...]:
+    """The ids of the ``DeviceMesh`` objects the forward hooks inside ``block`` hold, in order."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    found: list[int] = []
+
+    def visit(value: Any, depth: int = 0) -> None:
+        if isinstance(value, DeviceMesh):
+            found.append(id(value))
+        elif depth < 3 and isinstance(value, functools.partial):
+            for arg in (value.func, *value.args, *value.keywords.values()):
+                visit(arg, depth + 1)
+        elif depth < 3 and callable(value):
+            for cell in getattr(value, "__closure__", None) or ():
+                visit(cell.cell_contents, depth + 1)
+
+    for module in block.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook in hooks.values():
+                visit(hook)
+    return tuple(found)
 
 
 def _compile_disabled(module: nn.Module) -> bool:

@@ -12,6 +12,7 @@ After :func:`shard_module` (tensor kinds: [Note: sharded tensors] in :mod:`.shar
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from .local_shards import LocalShards
 from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
 from .module_state import ModuleState, set_module_state
-from .regions import RegionReads, region_units, relative_marker_args
+from .regions import RegionReads, region_units, relative_marker_args, tp_mesh_split_classes
 from .sharded_class import sharded_class
 from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
 from .tensor_parallel import tp_local, tp_spec
@@ -54,7 +55,6 @@ def shard_module(
     materialize: bool = True,
     region_copies: int | None = None,
     mesh_given: bool = False,
-    tp_regions: bool = False,
 ) -> ShardResult:
     """Shard every parameter of ``model`` in place; returns the info of each, by name.
 
@@ -62,10 +62,9 @@ def shard_module(
     on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
     with ``materialize=False`` they become meta shards instead (planning: shapes only).
     ``region_copies``: compile the units of a class with that many copies or more as regions
-    (see :mod:`.regions`; needs ``sync``); None: no regions. A model with tensor-parallel
-    parameters gets regions only with ``tp_regions`` (the user asked for them by count): some TP
-    blocks do not compile as regions on torch 2.13 (docs/limits.md), so by default they compile
-    inline, as they always could. Parameters that are already
+    (see :mod:`.regions`; needs ``sync``); None: no regions. Tensor-parallel blocks whose hooks
+    hold different mesh objects compile inline, with a warning
+    (:func:`.regions.tp_mesh_split_classes`). Parameters that are already
     tensor-parallel DTensors are sharded over ``topology``'s dp mesh (see
     :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave (``mesh_given``).
     """
@@ -144,8 +143,9 @@ def shard_module(
                   if any(info.fqn in tied for info in specs.values())}
     tensor_parallel = any(info.tp is not None for info in infos.values())
     regional = (region_units(model, units, tied_units, region_copies)
-                if region_copies is not None and sync is not None and (tp_regions or not tensor_parallel)
-                else set())
+                if region_copies is not None and sync is not None else set())
+    if tensor_parallel and regional:
+        regional = _without_split_meshes(model, regional)
     for module, specs in per_module.items():
         unit = unit_of(module_names[module], units)
         region = _region_reads(specs, unit, shards, sync) if unit in regional else None
@@ -165,6 +165,23 @@ def shard_module(
             set_module_state(module, ModuleState({}, shards, sync))
             module.__class__ = sharded_class(type(module), (), region_forward=True, tp_region=tensor_parallel)
     return ShardResult(infos, shards, peak)
+
+
+def _without_split_meshes(model: nn.Module, regional: set[str]) -> set[str]:
+    """``regional`` less the units of block classes whose TP hooks hold different mesh objects,
+    each class named in a warning that says how to compile it as a region."""
+    split = tp_mesh_split_classes(model, regional)
+    for cls in sorted(split, key=lambda c: c.__qualname__):
+        blocks = sorted(u for u in regional if type(model.get_submodule(u)) is cls)
+        warnings.warn(
+            f"fsdp_compile: the {cls.__qualname__} blocks ({', '.join(blocks[:3])}"
+            f"{', ...' if len(blocks) > 3 else ''}) compile inline, not as one region: their "
+            "tensor-parallel hooks hold different DeviceMesh objects (the TP mesh sliced once per "
+            "block, e.g. mesh['tp'] inside the loop), which torch 2.13 cannot reuse a region's trace "
+            "across. Slice the mesh once (tp_mesh = mesh['tp']) and pass that object to "
+            "parallelize_module for every block, or pass regions=False to compile inline without "
+            "this warning.", stacklevel=4)
+    return {u for u in regional if type(model.get_submodule(u)) not in split}
 
 
 def _region_reads(specs: dict[str, ShardedParamInfo], unit: str, shards: LocalShards,
