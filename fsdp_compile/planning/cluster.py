@@ -163,28 +163,7 @@ class Cluster:
                             f"device_memory={self.device_memory:.3g}")
         if self.device_type not in ("cuda", "cpu"):
             problems.append(f"device_type={self.device_type!r} must be 'cuda' or 'cpu'")
-        for field_name in ("measured_collectives", "measured_inter_collectives"):
-            for kind, fit in getattr(self, field_name).items():
-                if kind not in COLLECTIVE_KINDS:
-                    problems.append(f"{field_name}[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
-                elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
-                    problems.append(f"{field_name}[{kind!r}] has bandwidth {fit.bandwidth} and latency "
-                                    f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
-        for kind, share in self.collective_workspace.items():
-            if kind not in COLLECTIVE_KINDS:
-                problems.append(f"collective_workspace[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
-            elif not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
-                problems.append(f"collective_workspace[{kind!r}]={share!r} must be a number >= 0")
-        for field_name, units, keys in (("optimizer_step", "seconds per tensor", None),
-                                        ("copy_kernels", "seconds per parameter", COPY_KERNELS),
-                                        ("collective_issue", "seconds", COLLECTIVE_KINDS)):
-            for name, fit in getattr(self, field_name).items():
-                if keys is not None and name not in keys:
-                    problems.append(f"{field_name}[{name!r}]: keys are {', '.join(keys)}")
-                elif (not isinstance(fit, tuple) or len(fit) != 2
-                        or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
-                    problems.append(f"{field_name}[{name!r}]={fit!r} must be ({units} >= 0, "
-                                    "seconds per byte >= 0)")
+        problems += _measured_problems(self)
         if not isinstance(self.attention_flops, dict):
             problems.append(f"attention_flops={self.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
         else:
@@ -348,6 +327,35 @@ class Cluster:
         """
         return measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
                                nodes=nodes, device=device, device_memory=device_memory)
+
+
+def _measured_problems(cluster: Cluster) -> list[str]:
+    """What is wrong with the measured fits of ``cluster`` (collectives, workspace, and the
+    (fixed, per byte) pairs), each named."""
+    problems: list[str] = []
+    for field_name in ("measured_collectives", "measured_inter_collectives"):
+        for kind, fit in getattr(cluster, field_name).items():
+            if kind not in COLLECTIVE_KINDS:
+                problems.append(f"{field_name}[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
+            elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
+                problems.append(f"{field_name}[{kind!r}] has bandwidth {fit.bandwidth} and latency "
+                                f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
+    for kind, share in cluster.collective_workspace.items():
+        if kind not in COLLECTIVE_KINDS:
+            problems.append(f"collective_workspace[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
+        elif not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+            problems.append(f"collective_workspace[{kind!r}]={share!r} must be a number >= 0")
+    for field_name, units, keys in (("optimizer_step", "seconds per tensor", None),
+                                    ("copy_kernels", "seconds per parameter", COPY_KERNELS),
+                                    ("collective_issue", "seconds", COLLECTIVE_KINDS)):
+        for name, fit in getattr(cluster, field_name).items():
+            if keys is not None and name not in keys:
+                problems.append(f"{field_name}[{name!r}]: keys are {', '.join(keys)}")
+            elif (not isinstance(fit, tuple) or len(fit) != 2
+                    or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
+                problems.append(f"{field_name}[{name!r}]={fit!r} must be ({units} >= 0, "
+                                "seconds per byte >= 0)")
+    return problems
 
 
 def _timed(fn, repeats: int) -> float:
