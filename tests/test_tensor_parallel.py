@@ -35,6 +35,7 @@ from torch import nn
 import fsdp_compile
 from fsdp_compile import ShardingStrategy
 from fsdp_compile.models.llama import Llama, LlamaConfig, apply_tp
+from fsdp_compile.passes.graph import COLLECTIVES, COMM_META
 from fsdp_compile.passes.regions import is_region_call
 
 WORLD, DP, TP = 4, 2, 2
@@ -709,6 +710,14 @@ def _initialized_whole() -> nn.Module:
     return model
 
 
+def _torch_collectives(gm: torch.fx.GraphModule) -> int:
+    """The collectives without our tag (torch's own: TP's) in ``gm`` and the subgraphs it calls
+    (a region's body holds its block's TP collectives)."""
+    return sum(1 for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes if node.op == "call_function" and node.target in COLLECTIVES
+               and COMM_META not in node.meta)
+
+
 def extras_worker(rank: int, world: int, mode: str) -> dict:
     """Two AdamW steps of the 2-D Llama (FULL_SHARD over dp, ``mode``: "eager" for the eager
     runtime, else the inner compiler), plain and with each feature; rank 0's results."""
@@ -742,9 +751,9 @@ def extras_worker(rank: int, world: int, mode: str) -> dict:
         result["devices"] = sorted({p.to_local().device.type for p in model.parameters()})
         if mode != "eager":
             result["graphs"] = len(backend.graphs)
-            # torch's own collectives (TP's) in the backward graph: recomputed blocks re-issue theirs
-            summary = next(x for x in backend.summaries() if x.get("backward"))
-            result["tp_backward"] = sum(c["origin"] == "torch" for c in summary["backward"]["collectives"])
+            # torch's own collectives (TP's) in the backward graph, region bodies included:
+            # recomputed blocks re-issue theirs
+            result["tp_backward"] = _torch_collectives(backend.graphs[0].backward)
         # checkpoint_wrapper's names, as the plain model's
         strip = "_checkpoint_wrapped_module."
         for key in ("initial", "grads0", "params"):
