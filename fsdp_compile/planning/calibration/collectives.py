@@ -50,6 +50,14 @@ def _run_burst(kind: str, buffers: list[torch.Tensor], n: int, group_name: str) 
         _c10d.wait_tensor(result)
 
 
+def _local_buffers(kind: str, size: int, n: int, count: int, device: torch.device) -> tuple[int, list[torch.Tensor]]:
+    """(the buffer's float32 elements, ``count`` local inputs) of ``kind`` collectives whose
+    buffer is about ``size`` bytes over ``n`` ranks: an all-gather's buffer is its output, each
+    rank contributing 1/n of it; the others' is their input."""
+    numel = max(n, size // 4 // n * n)
+    return numel, [torch.ones(numel // n if kind == "all_gather" else numel, device=device) for _ in range(count)]
+
+
 _COLLECTIVE_REPEATS = 9  # a median needs more samples than a minimum
 BURST = 4  # collectives per timed run
 
@@ -62,10 +70,7 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
     for kind in COLLECTIVE_KINDS:
         samples = []
         for size in sizes:
-            # all-gather's buffer is its output; each rank contributes 1/n of it
-            numel = max(n, size // 4 // n * n)
-            buffers = [torch.ones(numel // n if kind == "all_gather" else numel, device=device)
-                       for _ in range(BURST)]
+            numel, buffers = _local_buffers(kind, size, n, BURST, device)
             dist.barrier(group=group)
             seconds = _slowest(_typical_time(lambda kind=kind, buffers=buffers: _run_burst(kind, buffers, n, name),
                                              max(repeats, _COLLECTIVE_REPEATS), device), group) / BURST
@@ -95,9 +100,7 @@ def _issue_seconds(group: Any, device: torch.device, sizes: tuple[int, ...],
     for kind in COLLECTIVE_KINDS:
         samples = []
         for size in sizes:
-            numel = max(n, size // 4 // n * n)
-            buffers = [torch.ones(numel // n if kind == "all_gather" else numel, device=device)
-                       for _ in range(repeats + 1)]
+            numel, buffers = _local_buffers(kind, size, n, repeats + 1, device)
             seconds = []
             for buffer in buffers:
                 dist.barrier(group=group)
