@@ -126,7 +126,11 @@ def _hook_meshes(block: nn.Module) -> tuple[int, ...]:
                 visit(arg, depth + 1)
         elif depth < 3 and callable(value):
             for cell in getattr(value, "__closure__", None) or ():
-                visit(cell.cell_contents, depth + 1)
+                try:
+                    contents = cell.cell_contents
+                except ValueError:  # a cell not yet assigned
+                    continue
+                visit(contents, depth + 1)
 
     for module in block.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
