@@ -41,7 +41,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from plain_loop import full_shard_prediction
+from plain_loop import full_shard_prediction, gpt_job
 from report_files import write_report
 
 GROUPS = {  # operator group -> names (prefix match) in the profiler's table
@@ -69,19 +69,12 @@ def worker(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import fsdp_compile
-    from fsdp_compile.models.gpt import GPT, GPTConfig
     from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = (GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, d_model=64) if args.smoke else
-           GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, d_model=256))
-    batch = 2 if args.smoke else 4
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return GPT(cfg)
+    cfg, batch, build = gpt_job(args.smoke, vocab_size=512, n_layer=4)
 
     predicted = None
     if args.mode == "FULL_SHARD":

@@ -52,25 +52,34 @@ def full_shard_prediction(build, tokens_shape: tuple[int, int], cluster, world: 
             "exposed_s": row.exposed_comm_seconds}
 
 
+def gpt_job(smoke: bool, *, vocab_size: int, n_layer: int) -> tuple:
+    """The benchmark jobs' GPT: d_model 256, 4 heads, sequence 128 and a batch of 4 per rank at
+    ``vocab_size`` and ``n_layer`` (with ``smoke`` a tiny one). Returns (config, per-rank batch,
+    ``build()``, which seeds and constructs it, so every build is the same model)."""
+    from fsdp_compile.models.gpt import GPT, GPTConfig
+
+    cfg = (GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, d_model=64) if smoke else
+           GPTConfig(vocab_size=vocab_size, block_size=128, n_layer=n_layer, n_head=4, d_model=256))
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT(cfg)
+
+    return cfg, 2 if smoke else 4, build
+
+
 def worker(args) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import fsdp_compile
-    from fsdp_compile.models.gpt import GPT, GPTConfig
     from fsdp_compile.planning.cli import _cluster_numbers
     from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = (GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, d_model=64) if args.smoke else
-           GPTConfig(vocab_size=1024, block_size=128, n_layer=6, n_head=4, d_model=256))
-    batch = 2 if args.smoke else 4
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return GPT(cfg)
+    cfg, batch, build = gpt_job(args.smoke, vocab_size=1024, n_layer=6)
 
     cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30)
     predicted = full_shard_prediction(build, (batch, cfg.block_size), cluster, world) if rank == 0 else None

@@ -6,11 +6,11 @@ import dataclasses
 import operator
 from collections import Counter
 
-import torch
 import torch.fx as fx
 
 from ..passes.graph import (
     COLLECTIVES,
+    COPY_OUT,
     VIEW_LIKE,
     WAIT,
     Collective,
@@ -18,8 +18,6 @@ from ..passes.graph import (
     is_compute,
 )
 from ..runtime.markers import REDUCE_GRAD, UNSHARD, UNSHARD_NO_SYNC, UNSHARD_TARGETS
-
-COPY_OUT = torch.ops.fsdp_compile.copy_out.default
 
 
 def op_counts(gm: fx.GraphModule | None) -> Counter:

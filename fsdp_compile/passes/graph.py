@@ -1,6 +1,7 @@
 """The graph vocabulary every pass, report and estimate shares.
 
-Which operators are collectives and waits, which only reinterpret storage, the metadata keys
+Which operators are collectives and waits, the backend's copies around them, which only
+reinterpret storage, the metadata keys
 our passes leave on nodes, how a lowered node is tagged, and one way to read a collective
 (kind, group, group size, dtype, bytes) off its node. Defined once here so a pass and the
 code that reports on its result cannot disagree about what a node is.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..runtime import ring
+from ..runtime import kernels, ring
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -26,6 +27,12 @@ ALL_REDUCE = _c10d.all_reduce.default
 # Functional collective -> its kind, as reports, the planner and the agreement check name it.
 COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 COLLECTIVE_OPS = tuple(COLLECTIVES)
+_kernels = getattr(torch.ops, kernels.NAMESPACE)
+COPY_IN = _kernels.copy_in.default
+COPY_OUT = _kernels.copy_out.default
+CHUNK_CAT = _kernels.chunk_cat.default
+# The backend's copies around each collective -> their name, as the planner's calibration keys them.
+COPY_KERNELS = {COPY_IN: "copy_in", COPY_OUT: "copy_out", CHUNK_CAT: "chunk_cat"}
 
 # Ops that only reinterpret their input's storage: free to move, allocate nothing.
 PURE_VIEWS = {

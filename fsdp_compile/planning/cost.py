@@ -35,8 +35,7 @@ from torch.utils.flop_counter import (
 )
 
 from ..inspection.memory import size_hint
-from ..passes.graph import ALL_GATHER, COLLECTIVES, PURE_VIEWS, WAIT
-from ..runtime import kernels
+from ..passes.graph import ALL_GATHER, COLLECTIVES, COPY_KERNELS, COPY_OUT, PURE_VIEWS, WAIT
 from ..runtime.ring import ring_steps, wire_bytes
 from .cluster import Cluster
 
@@ -66,12 +65,6 @@ _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
 }
 
-
-_KERNELS = getattr(torch.ops, kernels.NAMESPACE)
-COPY_OUT = _KERNELS.copy_out.default
-# The backend's bucket copies, priced by their own measured fit where the cluster has one.
-COPY_KERNEL_NAMES = {_KERNELS.copy_in.default: "copy_in", COPY_OUT: "copy_out",
-                     _KERNELS.chunk_cat.default: "chunk_cat"}
 
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 
@@ -211,7 +204,7 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
         if id(t) not in seen:
             seen.add(id(t))
             moved = moved + tensor_bytes(t, symbolic)
-    copy_fit = cluster.copy_kernels.get(COPY_KERNEL_NAMES.get(target))
+    copy_fit = cluster.copy_kernels.get(COPY_KERNELS.get(target))  # a bucket copy's own measured fit
     if copy_fit is not None:
         per_param, per_byte = copy_fit
         per_parameter = out if target is COPY_OUT else args[0]  # one tensor per parameter

@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..api import ConfigError
+from ..passes.graph import COPY_KERNELS as GRAPH_COPY_KERNELS
 
 GB = 1e9
 GiB = 1 << 30
@@ -15,8 +16,8 @@ TFLOPS = 1e12
 GBITS = 1e9 / 8  # bytes per second in one gigabit per second
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-# The backend's copies around each collective (ops of :mod:`fsdp_compile.runtime.kernels`).
-COPY_KERNELS = ("copy_in", "copy_out", "chunk_cat")
+# The backend's copies around each collective, by name (the ops: ``passes.graph.COPY_KERNELS``).
+COPY_KERNELS = tuple(GRAPH_COPY_KERNELS.values())
 
 
 # Optimizer states per parameter element, in units of the gradient (AdamW: two moments).
