@@ -119,12 +119,19 @@ class Group:
     nodes: int
 
 
-def group_of(name: str, devices_per_node: int, cache: dict[str, Group]) -> Group:
-    """The group registered under ``name`` in the current (fake) world."""
+def group_ranks(name: str, cache: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The ranks of the process group registered under ``name`` in the current (fake) world."""
     if name not in cache:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        ranks = dist.get_process_group_ranks(_resolve_process_group(name))
+        cache[name] = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+    return cache[name]
+
+
+def group_of(name: str, devices_per_node: int, cache: dict[str, Group]) -> Group:
+    """The group registered under ``name`` in the current (fake) world."""
+    if name not in cache:
+        ranks = group_ranks(name, {})
         cache[name] = Group(len(ranks), len({r // devices_per_node for r in ranks}))
     return cache[name]
 

@@ -29,14 +29,14 @@ from torch import nn
 from ..api import MixedPrecision, ShardingStrategy
 from ..inspection.memory import input_bytes
 from .cluster import Cluster
-from .cost import Group, graph_costs, outside_graph_seconds
+from .cost import Group, graph_costs, group_ranks, outside_graph_seconds
 from .isolated import run_in_subprocess
 from .numbers import OPTIMIZER_STATES, ClusterError, GiB, PlanError
 from .simulate import Timeline, memory_timeline, simulate_graph
 from .states import model_state_bytes  # noqa: F401 (re-exported: tests and benches import it here)
 from .symbolic import symbolic_analysis
-from .tp import TPMeshes, check_tp_degrees, group_ranks, tp_model_states
-from .trace import Candidate, Traced, trace_candidates
+from .tp import TPMeshes, check_tp_degrees, tp_model_states
+from .trace import Candidate, Traced, candidate_label, trace_candidates
 
 # Tensor parallelism's collective buffers count as activations in a plan's breakdown: the
 # planner traces data parallelism alone, so its graphs hold none of them.
@@ -75,8 +75,7 @@ class PlanRow:
     tp_bytes_per_step: float = 0.0  # of bytes_per_step["intra"]: what the TP plan's collectives send
 
     def label(self) -> str:
-        tp = f" tp={self.tp}" if self.tp > 1 else ""
-        return f"{self.strategy}{tp} bucket={self.bucket} prefetch={self.prefetch}"
+        return candidate_label(self.strategy, self.tp, self.bucket, self.prefetch)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -129,16 +129,6 @@ class TPMeshes:
         return model if out is None else out
 
 
-def group_ranks(name: str, cache: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The ranks of the process group registered under ``name`` in the current (fake) world."""
-    if name not in cache:
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        cache[name] = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
-    return cache[name]
-
-
 def tp_model_states(model: nn.Module, candidates: Sequence[Any], meshes: TPMeshes,
                     optimizer: str) -> dict[tuple[ShardingStrategy, int], dict[str, float]]:
     """Model states per device of each (strategy, TP degree) among ``candidates``: TP parameters

@@ -58,8 +58,13 @@ class Candidate:
         return getattr(b, "__name__", type(b).__name__)
 
     def label(self) -> str:
-        tp = f" tp={self.tp}" if self.tp > 1 else ""
-        return f"{self.strategy.name}{tp} bucket={self.bucket_label()} prefetch={self.prefetch}"
+        return candidate_label(self.strategy.name, self.tp, self.bucket_label(), self.prefetch)
+
+
+def candidate_label(strategy: str, tp: int, bucket: str, prefetch: int) -> str:
+    """How a candidate, and the plan row it gives, is named to people."""
+    at = f" tp={tp}" if tp > 1 else ""
+    return f"{strategy}{at} bucket={bucket} prefetch={prefetch}"
 
 
 @dataclass
