@@ -107,6 +107,21 @@ def _torchrun(world: int, args: list[str], out: Path) -> dict | None:
     return data
 
 
+def job_cpu_share(world: int) -> float:
+    """The share of a core each of a job's ``world`` ranks gets here: below 1 when they outnumber
+    the cores (2 x 2 on 2 cores), a wait that is the job's own, not other jobs'."""
+    return min(1.0, (os.cpu_count() or 1) / world)
+
+
+def measured_quiet_step(measured: dict, world: int) -> float | None:
+    """The median of a ``compare`` row's quiet steps (``quiet_step_seconds``); None without the
+    steps' run-queue waits."""
+    waits = measured.get("wait_fractions") or []
+    if not waits:
+        return None
+    return quiet_step_seconds(measured["step_times"][-len(waits):], waits, job_cpu_share(world))
+
+
 def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
     runs = []
     for factory, batch, seq in SMOKE_RUNS if smoke else ACCURACY_RUNS:
@@ -117,13 +132,9 @@ def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
         if not smoke:
             runs_here.append(_torchrun(4, [*common, "--strategies", "HYBRID_SHARD,HYBRID_SHARD_ZERO2", "--shard-size", "2"], out / f"compare_{factory}_w4"))
         for data in filter(None, runs_here):
-            # the job's own ranks share the cores when they outnumber them (2 x 2 on 2 cores)
-            share = min(1.0, (os.cpu_count() or 1) / data["world"])
             for row in data["rows"]:
                 m, p = row["measured"], row["predicted"]
-                steady = m["step_times"][-len(m.get("wait_fractions") or []):] if m.get("wait_fractions") else []
-                m["quiet_step_seconds"] = (quiet_step_seconds(steady, m["wait_fractions"], share)
-                                           if steady else None)
+                m["quiet_step_seconds"] = measured_quiet_step(m, data["world"])
                 runs.append({
                     "model": factory, "batch": batch, "seq": seq, "world": data["world"], "strategy": row["strategy"],
                     "measured_step_s": m["step_seconds"], "predicted_step_s": p["step_seconds"],
@@ -137,7 +148,7 @@ def part_accuracy(steps: int, out: Path, smoke: bool = False) -> dict:
                     "measured_cpu_s": m.get("cpu_seconds"), "cpu_wait_fraction": m.get("cpu_wait_fraction"),
                     "load_average": m.get("load_average"), "load_at_start": data.get("load_at_start"),
                     "quiet_step_s": m.get("quiet_step_seconds"), "wait_fractions": m.get("wait_fractions"),
-                    "cpu_share": share,
+                    "cpu_share": job_cpu_share(data["world"]),
                     "quiet_step_error": (p["step_seconds"] / m["quiet_step_seconds"] - 1
                                          if m.get("quiet_step_seconds") else None),
                     "predicted_compute_s": p["compute_seconds"], "predicted_comm_s": p["comm_seconds"],

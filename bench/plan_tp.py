@@ -36,11 +36,10 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from plan_accuracy import QUIET, REUSE, _torchrun
+from plan_accuracy import QUIET, REUSE, _torchrun, measured_quiet_step
 
 import fsdp_compile
 from fsdp_compile.models.llama import Llama, LlamaConfig
-from fsdp_compile.planning.compare import quiet_step_seconds
 
 GiB = 1 << 30
 BF16 = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -71,10 +70,7 @@ def part_measured(steps: int, out: Path, smoke: bool = False) -> dict:
         m, p = row["measured"], row["predicted"]
         step_error = p["step_seconds"] / m["step_seconds"] - 1
         peak_error = p["peak_bytes"] / m["peak_bytes"] - 1
-        # the job's own ranks share the cores when they outnumber them (4 ranks on 2 cores), as plan_accuracy
-        share = min(1.0, (os.cpu_count() or 1) / data["world"])
-        waits = m.get("wait_fractions") or []
-        quiet = quiet_step_seconds(m["step_times"][-len(waits):], waits, share) if waits else None
+        quiet = measured_quiet_step(m, data["world"])
         runs.append({
             "model": factory, "batch": batch, "seq": seq, "world": data["world"], "dp": data["world"] // 2, "tp": 2,
             "strategy": row["strategy"], "measured_step_s": m["step_seconds"], "predicted_step_s": p["step_seconds"],
