@@ -117,6 +117,7 @@ def measure_worker(rank: int, world: int) -> dict:
         "overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
         "workspace": cluster.collective_workspace, "runtime_per_tensor": cluster.runtime_per_tensor,
         "copy_kernels": cluster.copy_kernels, "collective_issue": cluster.collective_issue,
+        "collective_cpu": cluster.collective_cpu, "compute_scale": cluster.compute_scale,
         "collectives": {k: (v.step_latency, v.bandwidth, v.group_size, len(v.samples))
                         for k, v in cluster.measured_collectives.items()},
         "sources": sorted(cluster.sources),
@@ -129,12 +130,16 @@ def test_measure_calibrates_this_machine_on_every_rank_alike():
     r = results[0]
     assert r["world"] == 2
     assert r["flops"]["torch.float32"] > 1e8 and r["memory_bandwidth"] > 1e8 and r["op_overhead"] > 0
-    # two ranks on two cores (CI): gloo's threads take CPU from compute, so not all of it hides;
-    # with a core to spare per rank, it all can
+    # two ranks on two cores (CI): gloo's threads take CPU from compute, priced as seconds per
+    # collective; with a core to spare per rank they take none. A CPU hides nothing else.
+    assert r["overlap"] == 1.0
     if len(os.sched_getaffinity(0)) <= 2:
-        assert 0.0 <= r["overlap"] < 1.0
+        assert set(r["collective_cpu"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+        assert all(fixed + per_byte * (1 << 20) > 0 for fixed, per_byte in r["collective_cpu"].values())
     else:
-        assert r["overlap"] == 1.0
+        assert r["collective_cpu"] == {}
+    # a whole reference graph against its priced nodes: a residual near 1, not a rate
+    assert 0.5 < r["compute_scale"] < 3.0 and "compute_scale" in r["sources"]
     # the runtime's own work per sharded parameter outside the graphs (to_local, gradient wrap)
     assert r["runtime_per_tensor"] > 0 and "runtime_per_tensor" in r["sources"]
     # the backend's copies around each collective, as the real ops: every op has a cost per byte

@@ -63,6 +63,8 @@ def test_unknown_preset_lists_the_known_ones():
     ({"copy_kernels": {"copy": (1e-6, 1e-10)}}, r"copy_kernels\['copy'\]: keys are copy_in, copy_out, chunk_cat"),
     ({"copy_kernels": {"copy_out": (1e-6,)}}, r"copy_kernels\['copy_out'\]=\(1e-06,\) must be \(seconds per parameter"),
     ({"collective_issue": {"all_gather": (-1.0, 0.0)}}, r"collective_issue\['all_gather'\]=\(-1.0, 0.0\) must be"),
+    ({"collective_cpu": {"broadcast": (0.0, 1e-9)}}, r"collective_cpu\['broadcast'\]: keys are all_gather"),
+    ({"compute_scale": 0.0}, "compute_scale=0.0 must be > 0"),
     ({"attention_flops": {torch.float32: -1.0}}, r"attention_flops\[torch.float32\]=-1.0 must be > 0"),
     ({"attention_flops": {"fp32": 1e12}}, "attention_flops key 'fp32' must be a floating-point torch.dtype"),
     ({"intra_node_latency": float("nan")}, "finite"),
@@ -204,6 +206,23 @@ def test_bucket_copies_are_priced_by_their_measured_fit():
     assert other.seconds == roofline.seconds
 
 
+def test_compute_scale_multiplies_what_the_roofline_prices_but_not_measured_copies():
+    gm = _graph(lambda a, b: (a @ b).view(-1), (512, 512), (512, 512))
+    base = small_cluster(peak_flops={torch.float32: 1e9}, op_overhead=1e-6)
+    scaled = base.replace(compute_scale=1.5)
+    for (node, plain), (_, more) in zip(graph_costs(gm, base), graph_costs(gm, scaled)):
+        if plain.kind == "compute":
+            assert more.seconds == pytest.approx(1.5 * plain.seconds), node
+    from fsdp_compile.runtime import kernels
+
+    dims, ranks = kernels.flatten_shapes([(3, 4), (2, 4)])
+    copy = _graph(lambda g: kernels.copy_out(g, 2, [6, 4], dims, ranks), (20,))
+    node = next(n for n in copy.graph.nodes if n.target is torch.ops.fsdp_compile.copy_out.default)
+    fit = {"copy_out": (1e-5, 1e-9)}
+    assert (node_cost(node, scaled.replace(copy_kernels=fit), {}).seconds
+            == node_cost(node, base.replace(copy_kernels=fit), {}).seconds)
+
+
 def test_attention_runs_at_its_own_measured_rate():
     def attention(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -270,13 +289,13 @@ def test_compute_calibrations_take_turns_when_ranks_outnumber_cores(monkeypatch)
     assert measure._in_turns(calibrate, "g", cpu) == 1.0 and calls == [False] and barriers == ["g", "g"]
 
 
-def test_cpu_communication_hides_fully_with_a_core_to_spare(monkeypatch):
-    from fsdp_compile.planning.calibration import calibrate as measure
+def test_cpu_communication_takes_no_compute_with_a_core_to_spare(monkeypatch):
+    from fsdp_compile.planning.calibration import collectives, compute
 
-    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert measure._cpu_overlap(None, torch.device("cpu"), 1) == 1.0
+    assert collectives._collective_cpu(None, torch.device("cpu"), 1) == {}
 
 
 def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
@@ -413,6 +432,27 @@ def test_partial_overlap_and_contention():
     # communication that takes CPU time from compute: the hidden 2 s cost half of it
     slowed = simulate_events(events, comm_overlap=0.5)
     assert slowed.seconds == 4.0 and slowed.exposed_comm_seconds == 2.0
+
+
+def test_backend_threads_take_their_cpu_from_the_compute_after_the_issue():
+    # gloo's threads spend 1 s of CPU on a collective: where compute is the bottleneck the step
+    # grows by all of it, even though the collective hides (it is no share of the link's time)
+    compute_bound = [("issue", "x", 2.0, "intra", 0), ("backend_cpu", 1.0), ("compute", 4.0), ("wait", "x")]
+    t = simulate_events(compute_bound)
+    assert t.seconds == 5.0 and t.compute_seconds == 4.0 and t.exposed_comm_seconds == 1.0
+    # where the link is, the wait absorbs it: the collective ends when it ends
+    link_bound = [("issue", "x", 8.0, "intra", 0), ("backend_cpu", 1.0), ("compute", 4.0), ("wait", "x")]
+    assert simulate_events(link_bound).seconds == 8.0
+
+
+def test_collective_cost_carries_the_backends_cpu_per_wire_byte():
+    from fsdp_compile.planning.simulate import graph_events
+
+    timed = small_cluster(collective_cpu={"all_gather": (1e-4, 2e-9)})
+    cost = collective_cost("all_gather", 1_000_000, Group(4, 1), timed)
+    assert cost.cpu_seconds == pytest.approx(1e-4 + 2e-9 * cost.wire_bytes)
+    assert collective_cost("all_reduce", 1_000_000, Group(4, 1), timed).cpu_seconds == 0.0  # not measured
+    assert graph_events([("ag", cost)])[1:] == [("backend_cpu", cost.cpu_seconds)]
 
 
 def test_unwaited_collective_is_waited_at_the_end():

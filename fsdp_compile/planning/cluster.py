@@ -49,8 +49,8 @@ class Cluster:
     buffers), so plans must fit in ``usable_memory``. ``op_overhead`` is seconds per operator
     beyond its roofline time (0 on GPUs, where the CPU launches ahead; measured on a CPU, where
     each operator of an ``aot_eager`` graph is a Python call). ``comm_overlap`` is the fraction
-    of a collective's time that can hide under compute (1: a separate engine; on a CPU with
-    gloo, communication takes CPU time from compute, measured). ``device_type`` selects the
+    of a collective's time that can hide under compute (1: a separate engine; on a CPU see
+    ``collective_cpu``). ``device_type`` selects the
     kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``optimizer_step`` maps an
     optimizer's name to a measured ``(seconds per parameter tensor, seconds per shard byte)`` of
     one step over the backend's sharded parameters (:meth:`measure` fills it; without it the
@@ -64,6 +64,8 @@ class Cluster:
     one of those). ``collective_issue`` maps a collective kind to ``(seconds, seconds per buffer
     byte)`` the issuing thread spends before the collective starts (gloo's checks and its copy
     of a reduction's input on a CPU; measured by :meth:`measure`, empty on a GPU and in presets).
+    ``collective_cpu`` maps a kind to ``(seconds, seconds per wire byte)`` of CPU the backend's
+    own threads spend on it, taken from compute when ranks fill the cores (gloo; measured).
     ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
     (each shard's leaf checked against its parameter before a graph runs, the gradient
     accumulated into the leaf and wrapped into a DTensor ``.grad`` in backward; measured by
@@ -75,7 +77,9 @@ class Cluster:
     ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
     (forward and backward, FLOPs as torch's flop counter counts them; measured by
     :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.
-    ``sources`` says where each number comes from.
+    ``compute_scale`` multiplies every compute node the cost model prices by roofline: measured
+    over priced for a reference transformer step's graphs (:mod:`.calibration.reference`; 1 in
+    presets and on a GPU). ``sources`` says where each number comes from.
     """
 
     name: str
@@ -98,9 +102,11 @@ class Cluster:
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
     copy_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_issue: dict[str, tuple[float, float]] = field(default_factory=dict)
+    collective_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
     attention_flops: dict[torch.dtype, float] = field(default_factory=dict)
+    compute_scale: float = 1.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,6 +147,7 @@ class Cluster:
         need("op_overhead", self.op_overhead, positive=False)
         need("comm_overlap", self.comm_overlap, positive=False, at_most=1.0)
         need("runtime_per_tensor", self.runtime_per_tensor, positive=False)
+        need("compute_scale", self.compute_scale)
         if isinstance(self.nodes, int) and self.nodes > 1:
             # Several nodes talk over the inter-node link: it must be described.
             need("inter_node_bandwidth", self.inter_node_bandwidth)
@@ -163,7 +170,6 @@ class Cluster:
                             f"device_memory={self.device_memory:.3g}")
         if self.device_type not in ("cuda", "cpu"):
             problems.append(f"device_type={self.device_type!r} must be 'cuda' or 'cpu'")
-        problems += _measured_problems(self)
         if not isinstance(self.attention_flops, dict):
             problems.append(f"attention_flops={self.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
         else:
@@ -171,6 +177,7 @@ class Cluster:
                 if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                     problems.append(f"attention_flops key {dtype!r} must be a floating-point torch.dtype")
                 need(f"attention_flops[{dtype}]", value)
+        problems += _measured_problems(self)
         if problems:
             raise ClusterError(f"cluster {self.name!r}: " + "; ".join(problems))
 
@@ -261,6 +268,8 @@ class Cluster:
         * on a CPU, the per-operator overhead of a graph run as Python (0 on a GPU);
         * one AdamW and one SGD step over sharded (DTensor) parameters, as seconds per tensor
           and per shard byte, and the runtime's work per sharded parameter outside the graphs;
+        * on a CPU, ``compute_scale``: a one-block GPT's forward and backward graphs run for
+          real (the median of ``repeats``, at least 5) over their cost priced from the above;
         * on a CPU, the backend's copies around each collective (``copy_kernels``), each the
           real op on cold operands, as seconds per parameter and per byte;
         * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run),
@@ -268,9 +277,9 @@ class Cluster:
           step and a bandwidth;
         * on a CPU, the issuing thread's time to start each kind (``collective_issue``);
         * the bytes the communication backend allocates beside each collective's result;
-        * how much of a collective's time can hide under compute (``comm_overlap``): on a CPU
-          the share of its time that takes no CPU from compute, on a GPU a race of an
-          all-reduce against matmuls.
+        * on a CPU, the CPU seconds the backend's own threads spend per collective
+          (``collective_cpu``); on a GPU how much of a collective's time can hide under
+          compute (``comm_overlap``), from a race of an all-reduce against matmuls.
 
         Compute is timed by the fastest repeat (the matmul and attention passes by the median);
         on a CPU with one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's default for several
@@ -347,7 +356,8 @@ def _measured_problems(cluster: Cluster) -> list[str]:
             problems.append(f"collective_workspace[{kind!r}]={share!r} must be a number >= 0")
     for field_name, units, keys in (("optimizer_step", "seconds per tensor", None),
                                     ("copy_kernels", "seconds per parameter", COPY_KERNELS),
-                                    ("collective_issue", "seconds", COLLECTIVE_KINDS)):
+                                    ("collective_issue", "seconds", COLLECTIVE_KINDS),
+                                    ("collective_cpu", "seconds", COLLECTIVE_KINDS)):
         for name, fit in getattr(cluster, field_name).items():
             if keys is not None and name not in keys:
                 problems.append(f"{field_name}[{name!r}]: keys are {', '.join(keys)}")

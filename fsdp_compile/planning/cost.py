@@ -5,14 +5,15 @@
   fake tensors; bytes are what the node reads and writes. Time is the larger of FLOPs over
   the device's peak for the operands' dtype (fused attention: the cluster's attention rate)
   and bytes over memory bandwidth, plus the cluster's per-operator overhead. Views and other
-  metadata-only nodes cost only that overhead (0 on GPUs). The backend's copies around each
-  collective use their own measured rates where the cluster has them
-  (``Cluster.copy_kernels``).
+  metadata-only nodes cost only that overhead (0 on GPUs). Both are multiplied by
+  ``Cluster.compute_scale`` (what a whole reference graph measured over what its nodes priced).
+  The backend's copies around each collective use their own measured rates where the cluster
+  has them (``Cluster.copy_kernels``), timed as the real ops, so unscaled.
 * Collectives: the ring model (:mod:`fsdp_compile.runtime.ring`) on the links of
   :mod:`.cluster`: a group inside one node runs at the intra-node bandwidth, a group spanning
   nodes at the inter-node one, and the latency counts each intra- and inter-node ring step.
   Starting one costs the compute stream ``Cluster.collective_issue`` (a CPU backend's work on
-  the issuing thread).
+  the issuing thread), and the backend's own threads take ``Cluster.collective_cpu`` from it.
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.
@@ -147,6 +148,7 @@ class NodeCost:
     link: str | None = None  # collectives: "intra" or "inter"
     wire_bytes: Any = 0  # collectives: bytes each rank sends
     issue_seconds: Any = 0.0  # collectives: the compute stream's time to start it
+    cpu_seconds: Any = 0.0  # collectives: the backend threads' CPU, taken from compute
 
 
 def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster) -> NodeCost:
@@ -158,12 +160,14 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
         return NodeCost("collective", 0.0, link=link, wire_bytes=0)
     issue_fixed, issue_per_byte = cluster.collective_issue.get(kind, (0.0, 0.0))
     issue = issue_fixed + issue_per_byte * buffer_bytes
+    cpu_fixed, cpu_per_byte = cluster.collective_cpu.get(kind, (0.0, 0.0))
+    cpu = cpu_fixed + cpu_per_byte * wire
     steps = ring_steps(kind, n)
     fits = cluster.measured_inter_collectives if link == "inter" else {}
     measured = fits.get(kind) or cluster.measured_collectives.get(kind)
     if measured is not None:
         seconds = steps * measured.step_latency + wire / measured.bandwidth
-        return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue)
+        return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue, cpu_seconds=cpu)
     if group.nodes <= 1:
         latency = cluster.collective_latency + steps * cluster.intra_node_latency
         bandwidth = cluster.intra_node_bandwidth
@@ -172,7 +176,8 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
         latency = (cluster.collective_latency + (steps - inter_steps) * cluster.intra_node_latency
                    + inter_steps * cluster.inter_node_latency)
         bandwidth = min(cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
-    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire, issue_seconds=issue)
+    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire, issue_seconds=issue,
+                    cpu_seconds=cpu)
 
 
 def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symbolic: bool = False) -> NodeCost:
@@ -190,7 +195,7 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
         # No kernel runs, but where graphs run as Python (aot_eager on a CPU) a view is still
         # an operator call: it costs the per-operator overhead (getitem and size queries do not).
         if cluster.op_overhead and isinstance(target, torch._ops.OpOverload) and target not in _SIZE_QUERIES:
-            return NodeCost("compute", cluster.op_overhead)
+            return NodeCost("compute", cluster.op_overhead * cluster.compute_scale)
         return NodeCost("free")
     args = _value(node.args, symbolic)
     kwargs = {k: _value(v, symbolic) for k, v in node.kwargs.items()}
@@ -221,7 +226,7 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
     if flops and dtype is not None and dtype.is_floating_point:
         rate = cluster.attention_flops_for(dtype) if packet in ATTENTION_OPS else cluster.flops_for(dtype)
         seconds = maximum(flops / rate, seconds)
-    return NodeCost("compute", seconds + cluster.op_overhead, flops=flops, bytes=moved)
+    return NodeCost("compute", (seconds + cluster.op_overhead) * cluster.compute_scale, flops=flops, bytes=moved)
 
 
 def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] | None = None,

@@ -23,7 +23,8 @@ CPU time communication takes from compute, are stretched by that share
 
 The calibrations themselves: :mod:`.compute` (FLOP/s, memory bandwidth, operator overhead,
 and the clocks), :mod:`.outside_graphs` (optimizer step, runtime work per parameter),
-:mod:`.copies` (the backend's copies around each collective), :mod:`.collectives` (ring fits,
+:mod:`.copies` (the backend's copies around each collective), :mod:`.reference` (a whole
+graph's measured compute over its priced cost), :mod:`.collectives` (ring fits,
 issuing, workspace, overlap) and :mod:`.memory` (allocator peaks, a
 CPU rank's memory).
 """
@@ -39,11 +40,12 @@ import torch
 import torch.distributed as dist
 
 from ..numbers import ClusterError
-from .collectives import _collective_workspace, _collectives, _cpu_overlap, _gpu_overlap, _issue_seconds
+from .collectives import _collective_cpu, _collective_workspace, _collectives, _gpu_overlap, _issue_seconds
 from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwidth, _op_overhead, _slowest
 from .copies import _copy_kernels
 from .memory import _cpu_memory_per_rank
 from .outside_graphs import _optimizer_step, _runtime_per_tensor
+from .reference import compute_scale, timed_reference
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
@@ -139,19 +141,24 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
                                             group, device), group)
     copy_kernels = {name: tuple(_slowest(v, group) for v in fit) for name, fit in _in_turns(
         lambda sync: _copy_kernels(group, device, repeats, sync), group, device).items()}
+    reference_seconds, reference_graphs = _in_turns(lambda sync: timed_reference(repeats, device, group, sync),
+                                                   group, device)
+    reference_seconds = _slowest(reference_seconds, group)
     collectives, inter_collectives = _collectives_per_link(group, device, sizes, repeats, nodes)
     collective_issue = _issue_seconds(group, device, sizes, repeats)
     workspace = _collective_workspace(group, device)
-    # A CPU's communication threads take compute's cores: read from clocks, not from a race.
-    overlap = (_cpu_overlap(group, device, repeats) if device.type == "cpu"
-               else _gpu_overlap(group, device, repeats))
+    # A CPU's communication threads take compute's cores: their CPU seconds per collective, read
+    # from clocks (not from a race), are priced as such; nothing else of a collective is hidden
+    # or not by the overlap share, which is a GPU's (a race against a copy engine).
+    collective_cpu = _collective_cpu(group, device, repeats) if device.type == "cpu" else {}
+    overlap = 1.0 if device.type == "cpu" else _gpu_overlap(group, device, repeats)
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                          else _cpu_memory_per_rank())
     ring = collectives["all_gather"]
     inter_ring = inter_collectives.get("all_gather", ring)
     where = f"measured by Cluster.measure() ({time.strftime('%Y-%m-%d %H:%M')}, world {world}, {device.type})"
-    return cls(
+    cluster = cls(
         name=f"measured-{device.type}", nodes=nodes, devices_per_node=world // nodes,
         device_memory=float(device_memory), peak_flops=flops, memory_bandwidth=bandwidth,
         intra_node_bandwidth=ring.bandwidth, inter_node_bandwidth=inter_ring.bandwidth,
@@ -160,8 +167,11 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         runtime_per_tensor=runtime_per_tensor, attention_flops=attention,
         device_type=device.type, measured_collectives=collectives, measured_inter_collectives=inter_collectives,
         optimizer_step=optimizer_step, copy_kernels=copy_kernels, collective_issue=collective_issue,
+        collective_cpu=collective_cpu,
         collective_workspace=workspace,
         sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
                                          "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
-                                         "copy_kernels", "collective_issue", "collective_workspace",
-                                         "device_memory")})
+                                         "copy_kernels", "collective_issue", "collective_cpu",
+                                         "collective_workspace", "compute_scale", "device_memory")})
+    # The same on every rank: each priced the same graphs on the same (slowest-rank) numbers.
+    return cluster.replace(compute_scale=compute_scale(reference_seconds, reference_graphs, cluster))

@@ -1,5 +1,6 @@
 """Collectives on the current process group: their timing fitted to the ring model, what the
-backend allocates beside each, and how much of their time can hide under compute.
+backend allocates beside each, the CPU a CPU backend's threads spend on each, and on a GPU how
+much of their time can hide under compute.
 
 A collective's timing is the median run's, not the fastest (why: :mod:`.calibrate`), fitted to
 a line over the bytes each rank sends (:func:`fsdp_compile.runtime.ring.wire_bytes`): the slope
@@ -164,35 +165,41 @@ def _gpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
     return min(max(hidden / min(t_compute, t_comm), 0.0), 1.0)
 
 
-def _cpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
-    """``comm_overlap`` on a CPU: the share of a collective's time that costs no CPU.
+def _collective_cpu(group: Any, device: torch.device, repeats: int) -> dict[str, tuple[float, float]]:
+    """``{kind: (seconds, seconds per wire byte)}`` of CPU a CPU backend's own threads spend on a
+    collective (gloo moves and reduces bytes on threads of its own), stretched by the rank's
+    share of a core; ``{}`` where every rank has a core to spare.
 
-    A CPU backend (gloo) moves and reduces bytes with CPU threads of its own. When this node's
-    ranks already occupy every core with compute, that CPU time is taken from compute however
-    the schedule hides the collective, so only the rest of its time (waiting on the peers, the
-    loopback) can hide. Measured from clocks, not from a race between compute and a collective
+    When this node's ranks occupy every core with compute, that CPU time is taken from compute
+    however the schedule hides the collective. It is counted in CPU seconds, not as a share of
+    the collective's time: on an emulated link the same transfer takes longer while gloo's work
+    stays the same. Measured from clocks, not from a race between compute and a collective
     (whose outcome the scheduler decides differently from run to run): the CPU time of this
-    process's other threads during collectives of each kind, over their wall time, for the
-    slowest rank. The issuing thread's own share is not counted here: it is compute's time
-    before the collective starts (:func:`_issue_seconds`). With a core to spare per rank,
-    communication threads do not take compute's cores: 1.
+    process's other threads across collectives of each kind, for the slowest rank, fitted to a
+    line over the bytes each rank sends. The issuing thread's own share is not counted here: it
+    is compute's time before the collective starts (:func:`_issue_seconds`).
     """
     if _cores_per_thread() > 1.0:
-        return 1.0
+        return {}
     n = dist.get_world_size(group)
     name = (group or dist.group.WORLD).group_name
-    cpu = wall = 0.0
+    fits = {}
     for kind in COLLECTIVE_KINDS:
-        for numel in (1 << 20, 1 << 22):  # 4 and 16 MB: the buckets of a training step
+        samples = []
+        # 1, 2 and 4 MB: the buckets of a small model's step (a 16 MB all-gather cost gloo 60%
+        # more CPU per byte than a 4 MB one on a 2-core Xeon, its buffers out of the core's cache)
+        for numel in (1 << 18, 1 << 19, 1 << 20):
             local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
             _run_collective(kind, local, n, name)
-            for _ in range(repeats):
+            cpu = []
+            for _ in range(max(repeats, _COLLECTIVE_REPEATS)):
                 dist.barrier(group=group)
-                start_wall, start_cpu, start_own = time.perf_counter(), time.process_time(), time.thread_time()
+                start_cpu, start_own = time.process_time(), time.thread_time()
                 _run_collective(kind, local, n, name)
-                cpu += (time.process_time() - start_cpu) - (time.thread_time() - start_own)
-                wall += time.perf_counter() - start_wall
-    busy = _slowest(cpu / wall if wall > 0 else 0.0, group)
-    # Where ranks share cores (2 x 2 on 2 cores), communication threads get a rank's share of
-    # a core like compute does: the compute they displace is stretched by the same share.
-    return min(max(1.0 - busy / _cpu_share(device), 0.0), 1.0)
+                cpu.append((time.process_time() - start_cpu) - (time.thread_time() - start_own))
+            # Where ranks share cores (2 x 2 on 2 cores), communication threads get a rank's share
+            # of a core like compute does: the compute they displace is stretched by the same share.
+            typical = statistics.median(cpu) / _cpu_share(device)
+            samples.append((wire_bytes(kind, numel * 4, n), _slowest(typical, group)))
+        fits[kind] = fit_line(samples)
+    return fits

@@ -1,0 +1,94 @@
+"""How far a whole graph's measured compute lies from the sum of its nodes' priced costs.
+
+Each operator's calibration (matmul FLOP/s, memory bandwidth, operator overhead) times that
+operator in isolation. A training graph runs them differently: a linear layer's forward is an
+``addmm`` with a bias on a transposed weight, shapes are smaller than the calibration's mix,
+each operator reads what others just evicted, and a graph run as Python pays for its frame and
+its intermediate values. On a 2-core Xeon the nodes of a one-block GPT's forward and backward,
+each priced from the calibrations, summed to 10% less than the graphs took (addmm 15% slower
+than its priced rate, the memory-bound operators 20-40%).
+
+So the calibration runs one such graph for real and prices it with the same cost model:
+``Cluster.compute_scale`` is measured over priced, which the cost model applies to every
+compute node it prices by roofline. It is a residual, not a rate: it is the ratio of a typical
+transformer step's graphs, not of any operator alone. On a GPU it is 1: the CPU runs ahead of
+the device, and a thread's clock cannot time the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .compute import _compute_seconds, _sync_ranks
+
+# The reference: a GPT block as the CPU demos and benchmarks train it (d_model 256, 4 heads,
+# 4 x 128 tokens), with its embeddings and output head, the loss inside the graph.
+_REFERENCE = {"vocab_size": 512, "block_size": 128, "n_layer": 1, "n_head": 4, "d_model": 256}
+_BATCH = 4
+
+
+class _WithLoss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def _reference_graphs(device: torch.device) -> tuple[list[fx.GraphModule], Any]:
+    """The reference's forward and backward graphs as AOTAutograd lowers them (run as Python,
+    as ``aot_eager`` runs them), and a function running one step of them."""
+    from functorch.compile import aot_module
+
+    from ...models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = _WithLoss(GPT(GPTConfig(**_REFERENCE))).to(device)
+    graphs: list[fx.GraphModule] = []
+
+    def capture(gm: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    compiled = aot_module(model, fw_compiler=capture, bw_compiler=capture)
+    tokens = torch.randint(0, _REFERENCE["vocab_size"], (_BATCH, _REFERENCE["block_size"]), device=device)
+
+    def step() -> None:
+        compiled(tokens).backward()
+        for p in model.parameters():  # no gradient accumulation outside the graphs
+            p.grad = None
+
+    step()
+    return graphs, step
+
+
+def timed_reference(repeats: int, device: torch.device, group: Any = None,
+                    sync: bool = True) -> tuple[float, list[fx.GraphModule]]:
+    """(this rank's median seconds of one reference step on the compute clock, its graphs) on a
+    CPU; ``(0.0, [])`` elsewhere, where no scale is measured.
+
+    With ``sync`` the ranks start together, as they compute in training: a rank timed while
+    its peers idle has the machine's shared cache and memory to itself and ran the reference
+    15% faster on a 2-core Xeon."""
+    if device.type != "cpu":
+        return 0.0, []
+    graphs, step = _reference_graphs(device)
+    _sync_ranks(group, sync)
+    return _compute_seconds(step, max(repeats, 5), device, typical=True), graphs
+
+
+def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
+    """Measured over priced for the reference's graphs on ``cluster`` (its own scale left out);
+    1 where nothing was measured."""
+    from ..cost import graph_costs
+
+    if not graphs:
+        return 1.0
+    unscaled = cluster.replace(compute_scale=1.0)
+    priced = sum(cost.seconds for gm in graphs for _, cost in graph_costs(gm, unscaled) if cost.kind == "compute")
+    return measured_seconds / priced if priced > 0 else 1.0
