@@ -223,6 +223,20 @@ def test_compute_scale_multiplies_what_the_roofline_prices_but_not_measured_copi
             == node_cost(node, base.replace(copy_kernels=fit), {}).seconds)
 
 
+def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost():
+    from fsdp_compile.planning.calibration.reference import compute_scale, timed_reference
+
+    seconds, graphs = timed_reference(1, torch.device("cpu"), sync=False)
+    assert seconds > 0 and len(graphs) == 2  # the reference's forward and backward, run for real
+    assert any(n.target is torch.ops.aten.addmm.default for n in graphs[0].graph.nodes)
+    cluster = small_cluster(op_overhead=1e-6)
+    priced = sum(c.seconds for gm in graphs for _, c in graph_costs(gm, cluster) if c.kind == "compute")
+    # the cluster's own scale is left out of the pricing, so measuring again gives the same scale
+    assert compute_scale(2 * priced, graphs, cluster.replace(compute_scale=5.0)) == pytest.approx(2.0)
+    assert compute_scale(1.0, [], cluster) == 1.0  # nothing timed (a GPU): no correction
+    assert timed_reference(1, torch.device("meta")) == (0.0, [])
+
+
 def test_attention_runs_at_its_own_measured_rate():
     def attention(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
