@@ -309,7 +309,7 @@ def test_cpu_communication_takes_no_compute_with_a_core_to_spare(monkeypatch):
     monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert collectives._collective_cpu(None, torch.device("cpu"), 1) == {}
+    assert collectives._collective_cpu(None, torch.device("cpu"), (1 << 16,), 1) == {}
 
 
 def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):

@@ -150,7 +150,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     # A CPU's communication threads take compute's cores: their CPU seconds per collective, read
     # from clocks (not from a race), are priced as such; nothing else of a collective is hidden
     # or not by the overlap share, which is a GPU's (a race against a copy engine).
-    collective_cpu = _collective_cpu(group, device, repeats) if device.type == "cpu" else {}
+    collective_cpu = _collective_cpu(group, device, sizes, repeats) if device.type == "cpu" else {}
     overlap = 1.0 if device.type == "cpu" else _gpu_overlap(group, device, repeats)
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"

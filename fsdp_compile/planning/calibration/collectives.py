@@ -165,7 +165,8 @@ def _gpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
     return min(max(hidden / min(t_compute, t_comm), 0.0), 1.0)
 
 
-def _collective_cpu(group: Any, device: torch.device, repeats: int) -> dict[str, tuple[float, float]]:
+def _collective_cpu(group: Any, device: torch.device, sizes: tuple[int, ...],
+                    repeats: int) -> dict[str, tuple[float, float]]:
     """``{kind: (seconds, seconds per wire byte)}`` of CPU a CPU backend's own threads spend on a
     collective (gloo moves and reduces bytes on threads of its own), stretched by the rank's
     share of a core; ``{}`` where every rank has a core to spare.
@@ -175,9 +176,12 @@ def _collective_cpu(group: Any, device: torch.device, repeats: int) -> dict[str,
     the collective's time: on an emulated link the same transfer takes longer while gloo's work
     stays the same. Measured from clocks, not from a race between compute and a collective
     (whose outcome the scheduler decides differently from run to run): the CPU time of this
-    process's other threads across collectives of each kind, for the slowest rank, fitted to a
-    line over the bytes each rank sends. The issuing thread's own share is not counted here: it
-    is compute's time before the collective starts (:func:`_issue_seconds`).
+    process's other threads across collectives of each kind at each of ``sizes`` (buffer
+    bytes, as :func:`_collectives` times them), for the slowest rank, fitted to a line over the
+    bytes each rank sends. The small sizes matter: a tensor-parallel step's all-reduces are
+    activations of a few hundred KB, and a line through 1-4 MB buckets alone put an intercept of
+    up to 6 ms on each. The issuing thread's own share is not counted here: it is compute's time
+    before the collective starts (:func:`_issue_seconds`).
     """
     if _cores_per_thread() > 1.0:
         return {}
@@ -186,10 +190,8 @@ def _collective_cpu(group: Any, device: torch.device, repeats: int) -> dict[str,
     fits = {}
     for kind in COLLECTIVE_KINDS:
         samples = []
-        # 1, 2 and 4 MB: the buckets of a small model's step (a 16 MB all-gather cost gloo 60%
-        # more CPU per byte than a 4 MB one on a 2-core Xeon, its buffers out of the core's cache)
-        for numel in (1 << 18, 1 << 19, 1 << 20):
-            local = torch.ones(numel // n if kind == "all_gather" else numel, device=device)
+        for size in sizes:
+            numel, (local,) = _local_buffers(kind, size, n, 1, device)
             _run_collective(kind, local, n, name)
             cpu = []
             for _ in range(max(repeats, _COLLECTIVE_REPEATS)):
