@@ -47,7 +47,6 @@ def _reference_graphs(device: torch.device) -> tuple[list[fx.GraphModule], Any]:
 
     from ...models.gpt import GPT, GPTConfig
 
-    torch.manual_seed(0)
     model = _WithLoss(GPT(GPTConfig(**_REFERENCE))).to(device)
     graphs: list[fx.GraphModule] = []
 
