@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
@@ -38,7 +38,9 @@ from torch.utils.flop_counter import (
 from ..inspection.memory import size_hint
 from ..passes.graph import ALL_GATHER, COLLECTIVES, COPY_KERNELS, COPY_OUT, PURE_VIEWS, WAIT
 from ..runtime.ring import ring_steps, wire_bytes
-from .cluster import Cluster
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 aten = torch.ops.aten
 COLLECTIVE_KIND = COLLECTIVES  # functional collective -> its kind (the graph vocabulary's table)

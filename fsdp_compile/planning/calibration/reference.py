@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..cost import graph_costs
 from .compute import _compute_seconds, _sync_ranks
 
 # The reference: a GPT block as the CPU demos and benchmarks train it (d_model 256, 4 heads,
@@ -72,8 +73,7 @@ def timed_reference(repeats: int, device: torch.device, group: Any = None,
     CPU; ``(0.0, [])`` elsewhere, where no scale is measured.
 
     With ``sync`` the ranks start together, as they compute in training: a rank timed while
-    its peers idle has the machine's shared cache and memory to itself and ran the reference
-    15% faster on a 2-core Xeon."""
+    its peers idle would have the machine's shared cache and memory to itself."""
     if device.type != "cpu":
         return 0.0, []
     graphs, step = _reference_graphs(device)
@@ -84,8 +84,6 @@ def timed_reference(repeats: int, device: torch.device, group: Any = None,
 def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
     """Measured over priced for the reference's graphs on ``cluster`` (its own scale left out);
     1 where nothing was measured."""
-    from ..cost import graph_costs
-
     if not graphs:
         return 1.0
     unscaled = cluster.replace(compute_scale=1.0)
