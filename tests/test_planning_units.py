@@ -189,12 +189,18 @@ def test_elementwise_is_memory_bound_and_views_cost_only_the_call():
     assert no_overhead[torch.ops.aten.view.default].kind == "free"
 
 
-def test_bucket_copies_are_priced_by_their_measured_fit():
+def _copy_out_node() -> torch.fx.Node:
+    """The copy-out of a gathered 20-element bucket into two parameters of 12 and 8 elements
+    (chunks of 6 and 4 at world 2)."""
     from fsdp_compile.runtime import kernels
 
-    dims, ranks = kernels.flatten_shapes([(3, 4), (2, 4)])  # 12 and 8 elements: chunks of 6 and 4 at world 2
+    dims, ranks = kernels.flatten_shapes([(3, 4), (2, 4)])
     gm = _graph(lambda g: kernels.copy_out(g, 2, [6, 4], dims, ranks), (20,))
-    node = next(n for n in gm.graph.nodes if n.target is torch.ops.fsdp_compile.copy_out.default)
+    return next(n for n in gm.graph.nodes if n.target is torch.ops.fsdp_compile.copy_out.default)
+
+
+def test_bucket_copies_are_priced_by_their_measured_fit():
+    node = _copy_out_node()
     moved = 20 * 4 + (12 + 8) * 4  # the gathered buffer in, one tensor per parameter out
     roofline = node_cost(node, small_cluster(op_overhead=1e-6), {})
     assert roofline.seconds == pytest.approx(moved / 1e11 + 1e-6)  # without a fit: a memory-bound op
@@ -213,11 +219,7 @@ def test_compute_scale_multiplies_what_the_roofline_prices_but_not_measured_copi
     for (node, plain), (_, more) in zip(graph_costs(gm, base), graph_costs(gm, scaled)):
         if plain.kind == "compute":
             assert more.seconds == pytest.approx(1.5 * plain.seconds), node
-    from fsdp_compile.runtime import kernels
-
-    dims, ranks = kernels.flatten_shapes([(3, 4), (2, 4)])
-    copy = _graph(lambda g: kernels.copy_out(g, 2, [6, 4], dims, ranks), (20,))
-    node = next(n for n in copy.graph.nodes if n.target is torch.ops.fsdp_compile.copy_out.default)
+    node = _copy_out_node()
     fit = {"copy_out": (1e-5, 1e-9)}
     assert (node_cost(node, scaled.replace(copy_kernels=fit), {}).seconds
             == node_cost(node, base.replace(copy_kernels=fit), {}).seconds)
