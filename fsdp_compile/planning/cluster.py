@@ -284,8 +284,8 @@ class Cluster:
         Compute is timed by the fastest repeat (the matmul and attention passes by the median);
         on a CPU with one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's default for several
         ranks per node) by the thread's CPU time, so other jobs on the machine do not slow it.
-        When this node's ranks outnumber its cores the compute calibrations run in turns, a
-        core per rank, and compute is stretched by the share of a core each rank gets.
+        When this node's ranks outnumber its cores the operators' calibrations run in turns, a core
+        per rank (the reference step on all at once), and compute is stretched by each one's share.
 
         It costs seconds to tens of seconds: about 16 s with the defaults at world 2 on a busy
         2-core CPU, longer with more ``repeats``, larger ``sizes`` or ranks taking turns on

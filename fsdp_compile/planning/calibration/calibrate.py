@@ -16,10 +16,12 @@ typical one, and on a shared 2-core CPU machine the median 1-16 MB gloo collecti
 CPU time, not the wall clock: on a shared machine a rank waits for a core whenever other jobs
 hold it, and that wait belongs to the other jobs, not to the operator
 (``bench/plan_accuracy.py`` measures it separately). When the job's own ranks outnumber the
-cores (a 2 x 2 hybrid world on 2 cores), each rank gets a share of a core: the compute
+cores (a 2 x 2 hybrid world on 2 cores), each rank gets a share of a core: the operators'
 calibrations run in turns, a core per rank (:func:`_in_turns`), and compute times, and the
 CPU time communication takes from compute, are stretched by that share
-(:func:`.compute._cpu_share`).
+(:func:`.compute._cpu_share`). The reference step (:mod:`.reference`) does not take turns:
+it runs on every rank at once, so ``compute_scale`` carries what ranks time-slicing a core
+cost each other's caches into the price of every operator.
 
 The calibrations themselves: :mod:`.compute` (FLOP/s, memory bandwidth, operator overhead,
 and the clocks), :mod:`.outside_graphs` (optimizer step, runtime work per parameter),
@@ -141,9 +143,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
                                             group, device), group)
     copy_kernels = {name: tuple(_slowest(v, group) for v in fit) for name, fit in _in_turns(
         lambda sync: _copy_kernels(group, device, repeats, sync), group, device).items()}
-    # Unlike the operators' calibrations, the reference runs with every rank at once, in turns or
-    # not: it is a whole step's graphs, and what ranks time-slicing a core cost each other (each
-    # switch refills the caches) is part of what it measures (module docstring of .reference).
+    # Not in turns: what ranks time-slicing a core cost each other is part of what it measures.
     reference_seconds, reference_graphs = timed_reference(repeats, device, group, sync=True)
     reference_seconds = _slowest(reference_seconds, group)
     collectives, inter_collectives = _collectives_per_link(group, device, sizes, repeats, nodes)
