@@ -20,7 +20,7 @@ each other's caches at every switch, a cost a whole step pays at the same rate p
 as the reference does. With 4 ranks on 2 cores, the reference took 8% more CPU time all at
 once than two at a time, and timed two at a time it left world-4 steps on plain gloo
 predicted 13-16% short (their main threads spent 151 ms of CPU per FULL_SHARD step against
-132 ms priced); all at once, -9% to -1%.
+132 ms priced); all at once, -12% to -4% (``bench/results/plan_emulated.md``).
 """
 
 from __future__ import annotations
