@@ -414,6 +414,34 @@ def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatc
         assert len(fit.samples) == 3
 
 
+@pytest.mark.parametrize("cores_per_thread, beside", [(1.0, True), (2.0, False)])
+def test_collectives_are_timed_beside_compute_where_ranks_fill_the_cores(monkeypatch, cores_per_thread, beside):
+    """A step's collectives run beside its compute; on a CPU whose ranks fill the cores gloo's
+    threads then wait for a core, so the fit is timed beside a computing thread there, and
+    alone where a core is spare (the step's compute does not take it)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from fsdp_compile.planning.calibration import collectives as measure
+
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(measure.dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(measure.dist, "group", SimpleNamespace(WORLD=SimpleNamespace(group_name="world")))
+    monkeypatch.setattr(measure, "_slowest", lambda value, group: value)
+    monkeypatch.setattr(measure, "_cores_per_thread", lambda: cores_per_thread)
+    seen = []
+
+    def run_burst(kind, buffers, n, name):
+        time.sleep(0.001)
+        seen.append(any(t.name == "calibration-compute" and t.is_alive() for t in threading.enumerate()))
+
+    monkeypatch.setattr(measure, "_run_burst", run_burst)
+    measure._collectives(None, torch.device("cpu"), (1 << 16, 1 << 18), repeats=1)
+    assert seen and all(running == beside for running in seen), seen
+    assert not any(t.name == "calibration-compute" for t in threading.enumerate())  # stopped after
+
+
 def test_allocator_peak_counts_a_reused_address_once():
     from fsdp_compile.planning.calibration.memory import allocator_peak
 

@@ -272,9 +272,9 @@ class Cluster:
           real (the median of ``repeats``, at least 5) over their cost priced from the above;
         * on a CPU, the backend's copies around each collective (``copy_kernels``), each the
           real op on cold operands, as seconds per parameter and per byte;
-        * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run),
-          fitted to the ring model (:mod:`fsdp_compile.runtime.ring`) as a latency per ring
-          step and a bandwidth;
+        * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run; where
+          ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model
+          (:mod:`fsdp_compile.runtime.ring`) as a latency per ring step and a bandwidth;
         * on a CPU, the issuing thread's time to start each kind (``collective_issue``);
         * the bytes the communication backend allocates beside each collective's result;
         * on a CPU, the CPU seconds the backend's own threads spend per collective
