@@ -19,9 +19,12 @@ link sets its time). Each run calibrates the cluster on the network it runs on, 
 and plans every strategy.
 
 Per strategy and point: the measured step (median of the timed steps), the prediction, the
-exposed communication measured (step - the same strategy's step at the unlimited point) and
-predicted (the same difference of predictions), and whether the emulation held over the timed
-steps. Targets, printed as held or not: predicted step within 15% of measured; predicted
+exposed communication measured and predicted, and whether the emulation held over the timed
+steps. Exposed communication is the step minus the same strategy's step on unlimited links,
+both from the same job (``compare --exposed``: each timed step runs on the emulated links and
+on unlimited ones, alternating, and the links are calibrated both ways on one compute
+calibration), so neither side carries the spread between two jobs' machine speeds or two
+calibrations'. Targets, printed as held or not: predicted step within 15% of measured; predicted
 exposed communication within 25% of measured, or within 5% of the step, whichever is larger;
 the ranking of strategies kept at each point wherever measured times differ by more than 10%.
 Writes ``<out>/plan_emulated.json``, ``.md`` and ``plan_emulated_w<world>.png``.
@@ -69,7 +72,7 @@ def run_compare(world: int, strategies: tuple[str, ...], model: tuple, steps: in
         args += ["--shard-size", "2"]
     if links is not None:
         args += ["--emulate", f"{links[0] / 1e6:.6g}MB/s,{links[1] / 1e6:.6g}MB/s",
-                 "--emulate-latency", f"{LATENCY * 1e6:.0f}us"]
+                 "--emulate-latency", f"{LATENCY * 1e6:.0f}us", "--exposed"]
     return _torchrun(world, args, out)
 
 
@@ -101,14 +104,20 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
         # The stats' lateness summed over the timed steps: an upper bound of what a step owes to
         # gloo (lateness that no wait saw costs nothing).
         late = overruns.get("total_seconds", 0.0) / max(len(timed), 1)
-        measured_exposed = m["step_seconds"] - b["measured"]["step_seconds"]
-        predicted_exposed = p["step_seconds"] - b["predicted"]["step_seconds"]
+        # The step on unlimited links: from the same job (``--exposed``: each timed step also run
+        # there, alternating, and the links calibrated both ways), else the plain-gloo job's.
+        compute = m.get("unlimited_step_seconds") or b["measured"]["step_seconds"]
+        predicted_compute = (r.get("predicted_unlimited") or b["predicted"])["step_seconds"]
+        measured_exposed = m["step_seconds"] - compute
+        predicted_exposed = p["step_seconds"] - predicted_compute
         out.append({
             "world": data["world"], "ratio": ratio, "strategy": r["strategy"],
             "measured_step_s": m["step_seconds"], "predicted_step_s": p["step_seconds"],
             "step_error": p["step_seconds"] / m["step_seconds"] - 1,
             "steps_s": timed, "gloo_late_per_step_s": late,
             "emulation_held": ratio == 0 or late <= HELD_OVERRUN * m["step_seconds"],
+            "unlimited_step_s": compute, "predicted_unlimited_step_s": predicted_compute,
+            "exposed_in_job": bool(m.get("unlimited_step_seconds")),
             "measured_exposed_s": measured_exposed, "predicted_exposed_s": predicted_exposed,
             "planner_exposed_comm_s": p["exposed_comm_seconds"], "predicted_comm_s": p["comm_seconds"],
             "measured_peak_bytes": m["peak_bytes"], "predicted_peak_bytes": p["peak_bytes"],
@@ -200,7 +209,10 @@ def render(report: dict) -> str:
               f"inter-node link is {report['inter_slowdown']:g}x slower than the intra-node one. A point's ratio is "
               "FULL_SHARD's modeled communication per step over its compute (its step on plain gloo); the other "
               "strategies move other bytes, so their ratios differ. Each run measured the cluster on the network "
-              "it ran on (`Cluster.measure()`), then measured and planned every strategy. *Gloo late per step*: "
+              "it ran on (`Cluster.measure()`), then measured and planned every strategy. *On unlimited links*: "
+              "the same strategy's step in the same job, each timed step run again with the links unlimited "
+              "(gloo's own speed), alternating (`compare --exposed`), and its prediction from the same compute "
+              "calibration with the links timed unlimited; *exposed* is the step minus it. *Gloo late per step*: "
               "the network's stats summed over the timed steps, how much later than the modeled link gloo "
               "finished its collectives, an upper bound of what the step owes to gloo on these cores rather than "
               "to the link. Produced by `python bench/plan_emulated.py`."), ""]
@@ -208,17 +220,21 @@ def render(report: dict) -> str:
         here = [r for r in report["rows"] if r["world"] == world]
         lines += [f"## World {world}" + (" (2 nodes x 2)" if world == 4 else " (one node)"), "",
                   f"![step against link speed](plan_emulated_w{world}.png)", "",
-                  "| point | links intra / inter | strategy | measured step | predicted | error | exposed measured "
-                  "| exposed predicted | gloo late per step | emulation over the timed steps |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| point | links intra / inter | strategy | measured step | predicted | error | on unlimited links "
+                  "measured / predicted | exposed measured | exposed predicted | gloo late per step "
+                  "| emulation over the timed steps |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sorted(here, key=lambda r: (r["ratio"], ALL.index(r["strategy"]))):
             links = report["links"].get(f"{world}/{r['ratio']}")
             link_text = "gloo" if links is None else f"{links[0] / 1e6:.0f} / {links[1] / 1e6:.0f} MB/s"
             exposed = ("-" if r["ratio"] == 0 else f"{r['measured_exposed_s'] * 1e3:.0f} ms")
             exposed_p = ("-" if r["ratio"] == 0 else f"{r['predicted_exposed_s'] * 1e3:.0f} ms")
+            unlimited = ("-" if r["ratio"] == 0 or "unlimited_step_s" not in r else
+                         f"{r['unlimited_step_s'] * 1e3:.0f} / {r['predicted_unlimited_step_s'] * 1e3:.0f} ms"
+                         + ("" if r.get("exposed_in_job") else " (plain-gloo job)"))
             lines.append(f"| {point_name(r['ratio'])} | {link_text} | {r['strategy']} | "
                          f"{r['measured_step_s'] * 1e3:.0f} ms | {r['predicted_step_s'] * 1e3:.0f} ms | "
-                         f"{r['step_error'] * 100:+.0f}% | {exposed} | {exposed_p} | {late_text(r)} | "
+                         f"{r['step_error'] * 100:+.0f}% | {unlimited} | {exposed} | {exposed_p} | {late_text(r)} | "
                          f"{r['emulation']} |")
         lines.append("")
         winners = []

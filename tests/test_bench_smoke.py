@@ -353,6 +353,9 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     assert all(r["predicted_step_s"] > 0 and r["predicted_comm_s"] > 0 for r in emulated)
     # and how late gloo was against the link per step, which decides whether the row rests on the link
     assert all(r["gloo_late_per_step_s"] >= 0 and isinstance(r["emulation_held"], bool) for r in emulated)
+    # exposed communication against the same job's steps on unlimited links, measured and planned
+    assert all(r["exposed_in_job"] and r["unlimited_step_s"] > 0 and r["predicted_unlimited_step_s"] > 0
+               for r in emulated), emulated
     intra, inter = report["links"]["2/1.0"]
     assert intra == inter > 0  # one node: one link speed
     text = (tmp_path / "plan_emulated_smoke.md").read_text()

@@ -139,6 +139,20 @@ def test_stats_sum_by_kind_and_link_and_say_how_gloo_overran() -> None:
     assert recorder.snapshot().overrun_summary() == "emulation held: no overrun in 0 observed collectives"
 
 
+def test_stats_of_two_windows_add_up() -> None:
+    first, second = StatsRecorder(), StatsRecorder()
+    first.issued("all_gather", "intra", 75.0, 100, 0.5)
+    first.completed("all_gather", "intra", 0.003)
+    second.issued("all_gather", "intra", 75.0, 100, 0.5)
+    second.completed("all_gather", "intra", 0.001)
+    second.issued("all_reduce", "inter", 100.0, 100, 1.0)
+    summed = first.snapshot() + second.snapshot()
+    assert summed.counts() == {"all_gather": 2, "all_reduce": 1}
+    assert summed.total(link="intra").busy_seconds == 1.0
+    assert summed.overruns() == Overruns(2, 2, 0.003, pytest.approx(0.004))
+    assert first.snapshot().counts() == {"all_gather": 1}  # the operands are left as they were
+
+
 def test_a_network_is_set_up_only_as_the_default_group() -> None:
     import torch.distributed as dist
 

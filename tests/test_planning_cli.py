@@ -243,6 +243,96 @@ def test_compare_reads_the_network_over_the_timed_steps_alone() -> None:
         assert log == ["step", "step", "reset", "step", "step", "step", "stats", "step"], log
 
 
+def unlimited_too_worker(rank: int, world: int) -> dict:
+    """compare --exposed: every timed step also runs on unlimited links, alternating which comes
+    first, and the network's statistics count the emulated steps alone."""
+    import math
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from fsdp_compile.network.stats import StatsRecorder
+    from fsdp_compile.planning.cli import build_model
+    from fsdp_compile.planning.compare import measure_strategy
+
+    log: list[str] = []
+    recorder = StatsRecorder()
+    emulated = {"intra": SimpleNamespace(bandwidth=5e7, latency=2e-5),
+                "inter": SimpleNamespace(bandwidth=5e6, latency=2e-5)}
+
+    class Network:
+        def __init__(self) -> None:
+            self.links_now = dict(emulated)
+
+        def links(self) -> dict:
+            return dict(self.links_now)
+
+        def set_links(self, intra_node: float, inter_node: float, latency: float) -> None:
+            self.links_now = {"intra": SimpleNamespace(bandwidth=intra_node, latency=latency),
+                              "inter": SimpleNamespace(bandwidth=inter_node, latency=latency)}
+
+        def reset_stats(self) -> None:
+            log.append("reset")
+            recorder.reset()
+
+        def stats(self):
+            log.append("stats")
+            return recorder.snapshot()
+
+    network = Network()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        unlimited = math.isinf(network.links_now["intra"].bandwidth)
+        log.append("unlimited" if unlimited else "emulated")
+        recorder.issued("all_gather", "intra", 1.0, 1, 0.0)  # unlimited steps' would be counted too if read
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return build_model("gpt-tiny", seq=8, device="cpu")
+
+    data = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
+    measured = measure_strategy("FULL_SHARD", build, [((data[:, :-1],), data[:, 1:])] * 5, loss_fn,
+                                warmup=2, network=network, unlimited_too=True)
+    restored = {k: (v.bandwidth, v.latency) for k, v in network.links_now.items()}
+    return {"log": log, "network": measured.network, "unlimited": measured.unlimited_step_times,
+            "median": measured.unlimited_step_seconds, "timed": measured.steady_step_times,
+            "restored": restored == {k: (v.bandwidth, v.latency) for k, v in emulated.items()},
+            "as_dict": measured.as_dict()["unlimited_step_seconds"]}
+
+
+def test_compare_exposed_runs_each_timed_step_on_unlimited_links_too() -> None:
+    from distributed import run_workers
+
+    for out in run_workers(unlimited_too_worker, 2):
+        log = [entry for entry in out["log"] if entry != "stats"]
+        # warm-up on the network; then pairs, the emulated step first, second, first; the profiled
+        # step on the network again: the links are put back after every pair
+        assert log == ["emulated", "emulated", "reset",
+                       "reset", "emulated", "unlimited",
+                       "unlimited", "reset", "emulated",
+                       "reset", "emulated", "unlimited",
+                       "emulated"], log
+        assert out["network"]["usage"]["all_gather/intra"]["count"] == 3  # the emulated steps alone
+        assert len(out["unlimited"]) == len(out["timed"]) == 3 and out["restored"]
+        assert out["median"] == out["as_dict"] == sorted(out["unlimited"])[1]
+
+
+def test_unlimited_steps_need_the_network() -> None:
+    from fsdp_compile.planning.compare import measure_strategy
+
+    with pytest.raises(ValueError, match="pass the EmulatedNetwork"):
+        measure_strategy("FULL_SHARD", nn.Linear, [], None, unlimited_too=True)
+
+
+def test_compare_exposed_needs_an_emulated_network(monkeypatch) -> None:
+    from fsdp_compile.__main__ import main
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match="--exposed compares an emulated network with unlimited links: add --emulate"):
+        main(["compare", "--exposed"])
+
+
 def _measured(name: str, steps_ms: list[float]):
     from fsdp_compile.planning.compare import Measured
 

@@ -84,6 +84,14 @@ class NetworkStats:
                 out[kind] = out.get(kind, 0) + use.count
         return out
 
+    def __add__(self, other: NetworkStats) -> NetworkStats:
+        """Two windows' stats as one (e.g. the emulated steps of a run that switches its links
+        between steps, each window read and reset around its step)."""
+        usage = dict(self.usage)
+        for key, use in other.usage.items():
+            usage[key] = usage[key] + use if key in usage else use
+        return NetworkStats(usage)
+
     def overruns(self, kind: str | None = None, link: str | None = None) -> Overruns:
         """Where gloo finished after the modeled end, over the kinds and links that match."""
         t = self.total(kind, link)

@@ -202,6 +202,11 @@ def add_compare_parser(sub: Any) -> None:
                         "1GB/s,100MB/s (fsdp_compile.EmulatedNetwork; ranks per node: --shard-size, else "
                         "LOCAL_WORLD_SIZE); the cluster is measured on it, so the plan predicts for it")
     p.add_argument("--emulate-latency", default="10us", help="the emulated links' latency per collective")
+    p.add_argument("--exposed", action="store_true",
+                   help="with --emulate: also run each timed step on unlimited links (gloo's own speed), "
+                        "alternating with the emulated ones, and time the links both ways, so that the table "
+                        "shows each strategy's exposed communication (step on the network - step on unlimited "
+                        "links) measured and predicted from one calibration")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: run every strategy over dp = world / tp with the model's TP plan "
                         "on a (dp, tp) mesh, and plan the same (default 1: no TP)")
@@ -213,12 +218,15 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from .calibration.calibrate import measure_links
     from .cluster import Cluster
-    from .compare import bar_chart, measure_strategy, step_range, within_noise
+    from .compare import UNLIMITED, bar_chart, link_settings, measure_strategy, step_range, within_noise
     from .plan import plan
 
     owns_group = not dist.is_initialized()
     network = None
+    if args.exposed and not args.emulate:
+        raise SystemExit("--exposed compares an emulated network with unlimited links: add --emulate INTRA[,INTER]")
     if args.emulate and not owns_group:
         raise SystemExit("--emulate sets up the process group itself: run compare as a torchrun script, before "
                          "any torch.distributed.init_process_group()")
@@ -255,6 +263,12 @@ def run_compare(args: argparse.Namespace) -> int:
 
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30)
+    unlimited_cluster = None
+    if args.exposed:
+        emulated = link_settings(network.links())
+        network.set_links(**UNLIMITED)
+        unlimited_cluster = measure_links(cluster)
+        network.set_links(**emulated)
     measured = {}
     gc_between_steps = not args.gc_during_steps
     for name in names:
@@ -263,23 +277,31 @@ def run_compare(args: argparse.Namespace) -> int:
             options = {"mesh": tp["mesh"]["dp"]}
         measured[name] = measure_strategy(name, tp["build"] if tp else build, batches, loss_fn, compiler=args.compiler,
                                           backend_options=options, gc_between_steps=gc_between_steps,
-                                          network=network)
+                                          network=network, unlimited_too=args.exposed)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
-        predicted = plan(probe, example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
-                         strategies=names, prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
-                         parallelize_fn=tp["fn"] if tp else None)
+        def plan_on(on: Any) -> Any:
+            return plan(probe, example, cluster=on, loss_fn=_cross_entropy, world_size=world, strategies=names,
+                        prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
+                        parallelize_fn=tp["fn"] if tp else None)
+
+        predicted = plan_on(cluster)
+        unlimited_plan = plan_on(unlimited_cluster) if unlimited_cluster is not None else None
         for name in names:
-            row = predicted.row(name)
-            rows.append({"strategy": name, "measured": measured[name].as_dict(), "predicted": row.as_dict()})
+            rows.append({"strategy": name, "measured": measured[name].as_dict(),
+                         "predicted": predicted.row(name).as_dict()})
+            if unlimited_plan is not None:
+                rows[-1]["predicted_unlimited"] = unlimited_plan.row(name).as_dict()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq,
              "compiler": args.compiler,
              "gc_between_steps": gc_between_steps,
              "network": None if network is None else repr(network),
-             "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster), "rows": rows},
+             "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster),
+             "unlimited_cluster_numbers": None if unlimited_cluster is None else _cluster_numbers(unlimited_cluster),
+             "rows": rows},
             indent=2, default=str))
         print(f"{'strategy':<20}{'step ms':>10}{'range ms':>15}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}"
               f"{'pred MiB':>10}{'wire MB':>10}{'pred MB':>10}{'compile s':>11}")
@@ -291,6 +313,8 @@ def run_compare(args: argparse.Namespace) -> int:
                   f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
                   f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
                   f"{m['compile_seconds']:>11.1f}")
+        if unlimited_plan is not None:
+            _print_exposed(rows)
         for line in within_noise(measured):
             print(line)
         if network is not None:
@@ -307,6 +331,17 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         dist.barrier()
     return 0
+
+
+def _print_exposed(rows: list[dict[str, Any]]) -> None:
+    """The ``--exposed`` table: each strategy's step on unlimited links and the communication
+    the emulated network exposes beyond it, measured and predicted."""
+    print(f"{'strategy':<20}{'unlimited ms':>14}{'pred ms':>10}{'exposed ms':>12}{'pred ms':>10}")
+    for r in rows:
+        m, p, u = r["measured"], r["predicted"], r["predicted_unlimited"]
+        print(f"{r['strategy']:<20}{m['unlimited_step_seconds'] * 1e3:>14.1f}{u['step_seconds'] * 1e3:>10.1f}"
+              f"{(m['step_seconds'] - m['unlimited_step_seconds']) * 1e3:>12.1f}"
+              f"{(p['step_seconds'] - u['step_seconds']) * 1e3:>10.1f}")
 
 
 def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[str, Any] | None:

@@ -37,7 +37,9 @@ few steps with AdamW and measures:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import math
 import os
 import statistics
 import time
@@ -75,6 +77,13 @@ class Measured:
     # compilation, where ranks drift apart by seconds, are left out), as NetworkStats.to_dict().
     network: dict[str, Any] | None = None
     warmup_steps: int = 2
+    # With ``unlimited_too``: each timed step run again on unlimited links, in the same
+    # processes (step - this = the exposed communication, free of run-to-run drift).
+    unlimited_step_times: list[float] = field(default_factory=list)
+
+    @property
+    def unlimited_step_seconds(self) -> float | None:
+        return statistics.median(self.unlimited_step_times) if self.unlimited_step_times else None
 
     @property
     def steady_step_times(self) -> list[float]:
@@ -82,7 +91,7 @@ class Measured:
         return self.step_times[self.warmup_steps:] or self.step_times[-1:]
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "unlimited_step_seconds": self.unlimited_step_seconds}
 
 
 def _slowest(value: float) -> float:
@@ -254,15 +263,23 @@ def measure_strategy(
     strategy: ShardingStrategy | str, build: Callable[[], nn.Module], batches: Sequence[tuple],
     loss_fn: Callable, *, compiler: str = "aot_eager", warmup: int = 2, backend_options: dict | None = None,
     tokens_per_step: int | None = None, gc_between_steps: bool = True, network: Any = None,
+    unlimited_too: bool = False,
 ) -> Measured:
     """Train ``len(batches)`` steps of ``strategy``; see the module docstring for what is measured.
 
     ``build()`` returns the model (same on every rank); each batch is ``(inputs, targets)`` of
     this rank; ``loss_fn(output, targets)``. ``network``: the :class:`~fsdp_compile.EmulatedNetwork`
     the process group runs on, if any; its statistics are read over the timed steps alone.
+    ``unlimited_too`` (needs ``network``): each timed step runs twice, on the network's links and
+    on unlimited ones (gloo's own speed), in alternating order, so that the difference of the
+    two medians is the step's exposed communication with the machine's drift common to both.
+    The statistics then cover the steps on the network's links alone.
     """
     import fsdp_compile
 
+    if unlimited_too and network is None:
+        raise ValueError("measure_strategy(unlimited_too=True) compares a network's links with unlimited ones: "
+                         "pass the EmulatedNetwork the process group runs on as network=")
     strategy = ShardingStrategy.parse(strategy)
     options = dict(backend_options or {})
     if strategy.is_hybrid and "shard_size" not in options:
@@ -281,12 +298,8 @@ def measure_strategy(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times, cpu, waits = [], [], []
-    network_stats = None
-    for i, (inputs, targets) in enumerate(batches):
-        if network is not None and i == warmup:
-            dist.barrier()
-            network.reset_stats()
+    def timed(inputs: Any, targets: Any) -> tuple[float, float | None, float | None]:
+        """(wall, main-thread CPU, run-queue wait over wall) of one step, each the slowest rank's."""
         with _collector_between_steps(gc_between_steps):
             dist.barrier()
             if device.type == "cuda":
@@ -298,14 +311,30 @@ def measure_strategy(
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
             after = _schedstat()
-        times.append(_slowest(wall))
-        if before is not None and after is not None:
-            cpu.append(_slowest(after[0] - before[0]))
-            waits.append(_largest((after[1] - before[1]) / wall))
+        if before is None or after is None:
+            return _slowest(wall), None, None
+        return _slowest(wall), _slowest(after[0] - before[0]), _largest((after[1] - before[1]) / wall)
+
+    times, cpu, waits, unlimited = [], [], [], []
+    network_stats = None
+    links = network.links() if unlimited_too else {}
+    for i, (inputs, targets) in enumerate(batches):
+        if network is not None and i == warmup:
+            dist.barrier()
+            network.reset_stats()
+        if unlimited_too and i >= warmup:
+            wall, step_cpu, wait, network_stats = _paired_steps(
+                network, links, functools.partial(timed, inputs, targets), network_stats, unlimited, first=i % 2 == 0)
+        else:
+            wall, step_cpu, wait = timed(inputs, targets)
+        times.append(wall)
+        if step_cpu is not None:
+            cpu.append(step_cpu)
+            waits.append(wait)
         if i == 0:
             gc.collect()
     if network is not None:
-        stats = network.stats()
+        stats = network.stats() if network_stats is None else network_stats
         network_stats = {**stats.to_dict(), "summary": stats.overrun_summary()}
     steady = times[warmup:] or times[-1:]
     step_seconds = statistics.median(steady)
@@ -328,7 +357,40 @@ def measure_strategy(
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
-                    cpu_seconds, wait_fraction, _load_average(), quiet_step, steady_waits, network_stats, warmup)
+                    cpu_seconds, wait_fraction, _load_average(), quiet_step, steady_waits, network_stats, warmup,
+                    unlimited)
+
+
+UNLIMITED = {"intra_node": math.inf, "inter_node": math.inf, "latency": 1e-9}  # gloo's own speed
+
+
+def link_settings(links: dict) -> dict[str, float]:
+    """``EmulatedNetwork.links()`` as the keywords of ``set_links`` that restore them."""
+    return {"intra_node": links["intra"].bandwidth, "inter_node": links["inter"].bandwidth,
+            "latency": links["intra"].latency}
+
+
+def _paired_steps(network: Any, links: dict, timed: Callable[[], tuple], stats: Any, unlimited: list[float],
+                  *, first: bool) -> tuple[float, float | None, float | None, Any]:
+    """One step on the network's ``links`` and one on unlimited links, the emulated one first
+    when ``first`` (alternating the order puts a cold cache on neither side). Returns the
+    emulated step's ``timed()`` and ``stats`` plus its window of the network's statistics;
+    appends the unlimited step's wall time to ``unlimited``."""
+    emulated = link_settings(links)
+    result = None
+    for on_links in ((True, False) if first else (False, True)):
+        network.set_links(**(emulated if on_links else UNLIMITED))
+        if not on_links:
+            unlimited.append(timed()[0])
+            continue
+        dist.barrier()  # nothing of the unlimited step is in flight: the window is this step's
+        network.reset_stats()
+        result = timed()
+        window = network.stats()
+        stats = window if stats is None else stats + window
+    network.set_links(**emulated)
+    assert result is not None
+    return (*result, stats)
 
 
 def step_range(measured: Measured) -> tuple[float, float]:

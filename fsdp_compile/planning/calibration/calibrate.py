@@ -104,6 +104,43 @@ def _collectives_per_link(group: Any, device: torch.device, sizes: tuple[int, ..
     return fits[0], fits[1]
 
 
+def _default_sizes(device: torch.device) -> tuple[int, ...]:
+    return (1 << 16, 1 << 18, 1 << 20, 1 << 22) if device.type == "cpu" else (1 << 20, 1 << 24, 1 << 27)
+
+
+def _link_fields(collectives: dict[str, Any], inter_collectives: dict[str, Any]) -> dict[str, Any]:
+    """A cluster's link numbers from the collectives' fits on each link (the all-gather's ring
+    sets the bandwidths and latencies that collectives without a fit are priced from)."""
+    ring = collectives["all_gather"]
+    inter_ring = inter_collectives.get("all_gather", ring)
+    return {"intra_node_bandwidth": ring.bandwidth, "inter_node_bandwidth": inter_ring.bandwidth,
+            "intra_node_latency": ring.step_latency, "inter_node_latency": inter_ring.step_latency,
+            "measured_collectives": collectives, "measured_inter_collectives": inter_collectives}
+
+
+def measure_links(cluster: Cluster, *, group: Any = None, sizes: tuple[int, ...] | None = None,
+                  repeats: int = 5) -> Cluster:
+    """``cluster`` with its links timed again as they are now, every other number kept.
+
+    For planning one calibration on two networks: an :class:`~fsdp_compile.EmulatedNetwork`
+    whose links were changed with ``set_links`` (``compare --emulate --exposed`` plans each
+    strategy on the emulated links and on unlimited ones), so that the predicted difference
+    is the links' alone, not two compute calibrations' spread. Collective over ``group`` as
+    :meth:`Cluster.measure` is; the same ``sizes`` and ``repeats`` as the cluster's calibration
+    keep the two fits comparable.
+    """
+    if not dist.is_initialized():
+        raise ClusterError("measure_links() times the current process group's collectives: call "
+                           "torch.distributed.init_process_group() first")
+    device = torch.device("cuda", torch.cuda.current_device()) if cluster.device_type == "cuda" else torch.device(
+        cluster.device_type)
+    collectives, inter_collectives = _collectives_per_link(group, device, sizes or _default_sizes(device), repeats,
+                                                           cluster.nodes)
+    where = f"measured by measure_links() ({time.strftime('%Y-%m-%d %H:%M')})"
+    return cluster.replace(**_link_fields(collectives, inter_collectives),
+                           sources={**cluster.sources, "collectives": where})
+
+
 def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | None, repeats: int,
                     dtypes: tuple[torch.dtype, ...], nodes: int, device: torch.device | str | None,
                     device_memory: float | None) -> Cluster:
@@ -117,8 +154,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     world = dist.get_world_size(group)
     if world % nodes:
         raise ClusterError(f"nodes={nodes} does not divide the group's {world} ranks")
-    if sizes is None:
-        sizes = (1 << 16, 1 << 18, 1 << 20, 1 << 22) if device.type == "cpu" else (1 << 20, 1 << 24, 1 << 27)
+    sizes = sizes or _default_sizes(device)
     # _slowest takes the largest value: negated, it gives the slowest rank's rate
     # Two rounds over the dtypes, the faster kept: a slowdown of the machine lasting seconds
     # (another tenant, frequency scaling) can outlast all repeats of one round, not both rounds.
@@ -157,17 +193,13 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                          else _cpu_memory_per_rank())
-    ring = collectives["all_gather"]
-    inter_ring = inter_collectives.get("all_gather", ring)
     where = f"measured by Cluster.measure() ({time.strftime('%Y-%m-%d %H:%M')}, world {world}, {device.type})"
     cluster = cls(
         name=f"measured-{device.type}", nodes=nodes, devices_per_node=world // nodes,
         device_memory=float(device_memory), peak_flops=flops, memory_bandwidth=bandwidth,
-        intra_node_bandwidth=ring.bandwidth, inter_node_bandwidth=inter_ring.bandwidth,
-        intra_node_latency=ring.step_latency, inter_node_latency=inter_ring.step_latency,
+        **_link_fields(collectives, inter_collectives),
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
-        runtime_per_tensor=runtime_per_tensor, attention_flops=attention,
-        device_type=device.type, measured_collectives=collectives, measured_inter_collectives=inter_collectives,
+        runtime_per_tensor=runtime_per_tensor, attention_flops=attention, device_type=device.type,
         optimizer_step=optimizer_step, copy_kernels=copy_kernels, collective_issue=collective_issue,
         collective_cpu=collective_cpu,
         collective_workspace=workspace,
