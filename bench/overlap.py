@@ -77,7 +77,7 @@ from rounds import fmt_ratio, fmt_spread, rotated, spread
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.network import emulated
-from fsdp_compile.network.links import format_bandwidth
+from fsdp_compile.network.links import UNLIMITED_LINKS, format_bandwidth
 from fsdp_compile.sharding.groups import end_process_group
 
 FLAT = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -264,7 +264,7 @@ def link_speeds(ratio: float, compute: float, per_step: dict, slowdown: float) -
     ``per_step``: {link: (wire bytes, collectives)} a step puts on it; the inter-node link runs
     ``slowdown`` times slower than the intra-node one."""
     if ratio == UNLIMITED:
-        return {"intra_node": math.inf, "inter_node": math.inf, "latency": 1e-9}
+        return dict(UNLIMITED_LINKS)
     target = ratio * compute
     needed = 0.0  # the intra-node bandwidth each link asks for
     for link, (wire, count) in per_step.items():
@@ -288,7 +288,7 @@ def per_step_links(samples: list[dict]) -> dict:
 def measure_strategy(args, strategy: str, base, cfg, rank: int, world: int, net, plain, references: list[str],
                      log: Callable[[str], None]) -> dict:
     torch._dynamo.reset()
-    net.set_links(intra_node=math.inf, inter_node=math.inf, latency=1e-9)
+    net.set_links(**UNLIMITED_LINKS)
     variants = [v for v in args.variants if v != "ddp" or strategy in DDP_WITH]
     built: dict[str, Variant] = {}
     compile_s: dict[str, float] = {}

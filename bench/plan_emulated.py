@@ -11,12 +11,12 @@ predicts for that network: the emulator is the planner's referee for exposed com
 
 For each world (2: one node, FULL_SHARD, SHARD_GRAD_OP and NO_SHARD; 4: two nodes of two, all
 five strategies, the inter-node link ``--inter-slowdown`` times slower than the intra-node one),
-``python -m fsdp_compile compare`` runs first on plain gloo (the *unlimited* point: each
-strategy's step there is its compute), then once per ``--ratios`` value r on the network at which
-FULL_SHARD's communication per step is r times its compute (from the unlimited run: FULL_SHARD's
-measured step and wire bytes; at world 4 FULL_SHARD's groups span the nodes, so the inter-node
-link sets its time). Each run calibrates the cluster on the network it runs on, then measures
-and plans every strategy.
+``python -m fsdp_compile compare`` runs first on plain gloo (the *unlimited* point), then, with
+``--exposed``, once per ``--ratios`` value r on the network at which FULL_SHARD's communication
+per step is r times its compute (from the plain-gloo run: FULL_SHARD's measured step and wire
+bytes; at world 4 FULL_SHARD's groups span the nodes, so the inter-node link sets its time).
+Each run calibrates the cluster on the network it runs on, then measures and plans every
+strategy.
 
 Per strategy and point: the measured step (median of the timed steps), the prediction, the
 exposed communication measured and predicted, and whether the emulation held over the timed

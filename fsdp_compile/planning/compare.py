@@ -30,6 +30,10 @@ few steps with AdamW and measures:
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
   it moves more bytes than a ring reduce-scatter would: the difference is gloo's, and shown.
 
+* with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
+  again on unlimited links, alternating which goes first, so that the step minus the median of
+  those is the communication the network exposes, with the machine's drift common to both.
+
 :func:`compare` returns the measured rows and the plan made for the machine it runs on, for the
 ``compare`` subcommand and ``bench/plan_accuracy.py``.
 """
@@ -39,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import math
 import os
 import statistics
 import time
@@ -53,6 +56,7 @@ from torch import nn
 
 from ..api import ShardingStrategy
 from ..compilation.inner import collector_paused
+from ..network.links import UNLIMITED_LINKS
 from ..runtime.ring import wire_bytes
 
 
@@ -361,9 +365,6 @@ def measure_strategy(
                     unlimited)
 
 
-UNLIMITED = {"intra_node": math.inf, "inter_node": math.inf, "latency": 1e-9}  # gloo's own speed
-
-
 def link_settings(links: dict) -> dict[str, float]:
     """``EmulatedNetwork.links()`` as the keywords of ``set_links`` that restore them."""
     return {"intra_node": links["intra"].bandwidth, "inter_node": links["inter"].bandwidth,
@@ -379,7 +380,7 @@ def _paired_steps(network: Any, links: dict, timed: Callable[[], tuple], stats: 
     emulated = link_settings(links)
     result = None
     for on_links in ((True, False) if first else (False, True)):
-        network.set_links(**(emulated if on_links else UNLIMITED))
+        network.set_links(**(emulated if on_links else UNLIMITED_LINKS))
         if not on_links:
             unlimited.append(timed()[0])
             continue
