@@ -239,18 +239,6 @@ def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost(
     assert timed_reference(1, torch.device("meta")) == (0.0, [])
 
 
-def test_the_reference_step_is_the_median_of_enough_steps(monkeypatch):
-    """Every operator's price is scaled by the reference, so its spread is every prediction's:
-    medians of 5 steps spread by 30% within one job, medians of 25 by 8%."""
-    from fsdp_compile.planning.calibration import reference
-
-    asked = []
-    monkeypatch.setattr(reference, "_compute_seconds",
-                        lambda fn, repeats, device, typical: asked.append((repeats, typical)) or 0.03)
-    seconds, graphs = reference.timed_reference(1, torch.device("cpu"), sync=False)
-    assert seconds == 0.03 and graphs and asked == [(25, True)]
-
-
 def test_attention_runs_at_its_own_measured_rate():
     def attention(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

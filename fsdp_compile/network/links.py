@@ -102,6 +102,7 @@ def wire_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
         return float(buffer_bytes)
     return (n - 1) / n * buffer_bytes
 
+
 # ``EmulatedNetwork.set_links`` keywords for links that add nothing to gloo's own time: a step
 # run on them is the step's compute plus what gloo itself costs (``compare --exposed``,
 # ``bench/overlap.py``).

@@ -269,7 +269,7 @@ class Cluster:
         * one AdamW and one SGD step over sharded (DTensor) parameters, as seconds per tensor
           and per shard byte, and the runtime's work per sharded parameter outside the graphs;
         * on a CPU, ``compute_scale``: a one-block GPT's forward and backward graphs run for
-          real (the median of ``repeats``, at least 25) over their cost priced from the above;
+          real (the median of ``repeats``, at least 5) over their cost priced from the above;
         * on a CPU, the backend's copies around each collective (``copy_kernels``), each the
           real op on cold operands, as seconds per parameter and per byte;
         * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run; where

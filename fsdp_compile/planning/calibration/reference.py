@@ -37,10 +37,6 @@ from .compute import _compute_seconds, _sync_ranks
 # 4 x 128 tokens), with its embeddings and output head, the loss inside the graph.
 _REFERENCE = {"vocab_size": 512, "block_size": 128, "n_layer": 1, "n_head": 4, "d_model": 256}
 _BATCH = 4
-# The reference's median steps: every operator's price is scaled by it, so its spread is the
-# spread of every predicted compute time. In one world-2 job on a 2-core x86_64 CPU, nine
-# medians of 5 steps spread over 29.4-38.6 ms, nine of 25 over 29.3-31.8 ms (a step is 30 ms).
-_REFERENCE_STEPS = 25
 
 
 class _WithLoss(nn.Module):
@@ -90,7 +86,7 @@ def timed_reference(repeats: int, device: torch.device, group: Any = None,
         return 0.0, []
     graphs, step = _reference_graphs(device)
     _sync_ranks(group, sync)
-    return _compute_seconds(step, max(repeats, _REFERENCE_STEPS), device, typical=True), graphs
+    return _compute_seconds(step, max(repeats, 5), device, typical=True), graphs
 
 
 def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
