@@ -193,14 +193,24 @@ def test_compare_keeps_the_collector_out_of_the_timed_steps_unless_asked() -> No
         assert out["seen"][False] == [True] * 4
 
 
+def _tiny_steps(rank: int, loss_fn, **kwargs):
+    """``measure_strategy`` over five steps (two warm up) of a tiny GPT, this rank's batch."""
+    from fsdp_compile.planning.cli import build_model
+    from fsdp_compile.planning.compare import measure_strategy
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return build_model("gpt-tiny", seq=8, device="cpu")
+
+    data = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
+    return measure_strategy("FULL_SHARD", build, [((data[:, :-1],), data[:, 1:])] * 5, loss_fn, warmup=2, **kwargs)
+
+
 def network_window_worker(rank: int, world: int) -> list[str]:
     """The order of compare's steps and its calls on the network: its statistics must cover the
     timed steps alone (warm-up steps compile, and ranks drift apart by seconds there, which the
     emulation would count as gloo overrunning the link)."""
     import torch.nn.functional as F
-
-    from fsdp_compile.planning.cli import build_model
-    from fsdp_compile.planning.compare import measure_strategy
 
     log: list[str] = []
 
@@ -223,13 +233,7 @@ def network_window_worker(rank: int, world: int) -> list[str]:
         log.append("step")
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return build_model("gpt-tiny", seq=8, device="cpu")
-
-    data = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
-    measured = measure_strategy("FULL_SHARD", build, [((data[:, :-1],), data[:, 1:])] * 5, loss_fn,
-                                warmup=2, network=Network())
+    measured = _tiny_steps(rank, loss_fn, network=Network())
     assert measured.network == {"overruns": {}, "summary": "held"}
     assert len(measured.steady_step_times) == 3
     return log
@@ -252,8 +256,6 @@ def unlimited_too_worker(rank: int, world: int) -> dict:
     import torch.nn.functional as F
 
     from fsdp_compile.network.stats import StatsRecorder
-    from fsdp_compile.planning.cli import build_model
-    from fsdp_compile.planning.compare import measure_strategy
 
     log: list[str] = []
     recorder = StatsRecorder()
@@ -287,13 +289,7 @@ def unlimited_too_worker(rank: int, world: int) -> dict:
         recorder.issued("all_gather", "intra", 1.0, 1, 0.0)  # unlimited steps' would be counted too if read
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return build_model("gpt-tiny", seq=8, device="cpu")
-
-    data = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(rank))
-    measured = measure_strategy("FULL_SHARD", build, [((data[:, :-1],), data[:, 1:])] * 5, loss_fn,
-                                warmup=2, network=network, unlimited_too=True)
+    measured = _tiny_steps(rank, loss_fn, network=network, unlimited_too=True)
     restored = {k: (v.bandwidth, v.latency) for k, v in network.links_now.items()}
     return {"log": log, "network": measured.network, "unlimited": measured.unlimited_step_times,
             "median": measured.unlimited_step_seconds, "timed": measured.steady_step_times,
