@@ -218,10 +218,9 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ..network.links import UNLIMITED_LINKS
     from .calibration.calibrate import measure_links
     from .cluster import Cluster
-    from .compare import bar_chart, link_settings, measure_strategy, step_range, within_noise
+    from .compare import bar_chart, measure_strategy, step_range, unlimited_links, within_noise
     from .plan import plan
 
     owns_group = not dist.is_initialized()
@@ -266,10 +265,8 @@ def run_compare(args: argparse.Namespace) -> int:
                               device_memory=64 << 30)
     unlimited_cluster = None
     if args.exposed:
-        emulated = link_settings(network.links())
-        network.set_links(**UNLIMITED_LINKS)
-        unlimited_cluster = measure_links(cluster)
-        network.set_links(**emulated)
+        with unlimited_links(network):
+            unlimited_cluster = measure_links(cluster)
     measured = {}
     gc_between_steps = not args.gc_during_steps
     for name in names:

@@ -321,14 +321,13 @@ def measure_strategy(
 
     times, cpu, waits, unlimited = [], [], [], []
     network_stats = None
-    links = network.links() if unlimited_too else {}
     for i, (inputs, targets) in enumerate(batches):
         if network is not None and i == warmup:
             dist.barrier()
             network.reset_stats()
         if unlimited_too and i >= warmup:
             wall, step_cpu, wait, network_stats = _paired_steps(
-                network, links, functools.partial(timed, inputs, targets), network_stats, unlimited, first=i % 2 == 0)
+                network, functools.partial(timed, inputs, targets), network_stats, unlimited, first=i % 2 == 0)
         else:
             wall, step_cpu, wait = timed(inputs, targets)
         times.append(wall)
@@ -365,33 +364,38 @@ def measure_strategy(
                     unlimited)
 
 
-def link_settings(links: dict) -> dict[str, float]:
-    """``EmulatedNetwork.links()`` as the keywords of ``set_links`` that restore them."""
-    return {"intra_node": links["intra"].bandwidth, "inter_node": links["inter"].bandwidth,
-            "latency": links["intra"].latency}
+@contextlib.contextmanager
+def unlimited_links(network: Any) -> Iterator[None]:
+    """While open, ``network``'s links add nothing to gloo's own time; its links are put back
+    as they were after (call it on every rank, between steps, as ``set_links`` asks)."""
+    links = network.links()
+    network.set_links(**UNLIMITED_LINKS)
+    try:
+        yield
+    finally:
+        network.set_links(intra_node=links["intra"].bandwidth, inter_node=links["inter"].bandwidth,
+                          latency=links["intra"].latency)
 
 
-def _paired_steps(network: Any, links: dict, timed: Callable[[], tuple], stats: Any, unlimited: list[float],
+def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimited: list[float],
                   *, first: bool) -> tuple[float, float | None, float | None, Any]:
-    """One step on the network's ``links`` and one on unlimited links, the emulated one first
-    when ``first`` (alternating the order puts a cold cache on neither side). Returns the
-    emulated step's ``timed()`` and ``stats`` plus its window of the network's statistics;
-    appends the unlimited step's wall time to ``unlimited``."""
-    emulated = link_settings(links)
-    result = None
-    for on_links in ((True, False) if first else (False, True)):
-        network.set_links(**(emulated if on_links else UNLIMITED_LINKS))
-        if not on_links:
+    """One step on the network's links and one on unlimited links, the former first when
+    ``first`` (alternating the order puts a cold cache on neither side). Returns the former's
+    ``timed()`` and ``stats`` plus its window of the network's statistics; appends the
+    unlimited step's wall time to ``unlimited``."""
+    def on_unlimited_links() -> None:
+        with unlimited_links(network):
             unlimited.append(timed()[0])
-            continue
-        dist.barrier()  # nothing of the unlimited step is in flight: the window is this step's
-        network.reset_stats()
-        result = timed()
-        window = network.stats()
-        stats = window if stats is None else stats + window
-    network.set_links(**emulated)
-    assert result is not None
-    return (*result, stats)
+
+    if not first:
+        on_unlimited_links()
+    dist.barrier()  # nothing of an unlimited step is in flight: the window is this step's
+    network.reset_stats()
+    result = timed()
+    window = network.stats()
+    if first:
+        on_unlimited_links()
+    return (*result, window if stats is None else stats + window)
 
 
 def step_range(measured: Measured) -> tuple[float, float]:
