@@ -383,17 +383,24 @@ def test_matmul_calibration_is_the_median_pass_over_every_shape(monkeypatch):
     assert measure._matmul_flops(torch.float32, torch.device("cpu"), 3, sync=False) == pytest.approx(flops / 2.0)
 
 
-def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatch):
-    import collections
-    import time
+def _collectives_calibrated_in_a_world_of_two(monkeypatch, measure) -> None:
+    """``measure._collectives`` without a process group: two ranks, no barriers, this rank's
+    timings as the slowest."""
     from types import SimpleNamespace
-
-    from fsdp_compile.planning.calibration import collectives as measure
 
     monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(measure.dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(measure.dist, "group", SimpleNamespace(WORLD=SimpleNamespace(group_name="world")))
     monkeypatch.setattr(measure, "_slowest", lambda value, group: value)
+
+
+def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatch):
+    import collections
+    import time
+
+    from fsdp_compile.planning.calibration import collectives as measure
+
+    _collectives_calibrated_in_a_world_of_two(monkeypatch, measure)
     runs: collections.Counter = collections.Counter()
 
     def run_burst(kind, buffers, n, name):
@@ -421,14 +428,10 @@ def test_collectives_are_timed_beside_compute_where_ranks_fill_the_cores(monkeyp
     alone where a core is spare (the step's compute does not take it)."""
     import threading
     import time
-    from types import SimpleNamespace
 
     from fsdp_compile.planning.calibration import collectives as measure
 
-    monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(measure.dist, "barrier", lambda group=None: None)
-    monkeypatch.setattr(measure.dist, "group", SimpleNamespace(WORLD=SimpleNamespace(group_name="world")))
-    monkeypatch.setattr(measure, "_slowest", lambda value, group: value)
+    _collectives_calibrated_in_a_world_of_two(monkeypatch, measure)
     monkeypatch.setattr(measure, "_cores_per_thread", lambda: cores_per_thread)
     seen = []
 
