@@ -49,7 +49,7 @@ def full_shard_prediction(build, tokens_shape: tuple[int, int], cluster, world: 
     row = fsdp_compile.plan(build(), example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
                             strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=8 << 30).row("FULL_SHARD")
     return {"step_s": row.step_seconds, "compute_s": row.compute_seconds, "comm_s": row.comm_seconds,
-            "exposed_s": row.exposed_comm_seconds}
+            "exposed_s": row.exposed_comm_seconds, "backend_cpu_s": row.backend_cpu_seconds}
 
 
 def gpt_job(smoke: bool, *, vocab_size: int, n_layer: int) -> tuple:
@@ -74,6 +74,7 @@ def worker(args) -> None:
 
     import fsdp_compile
     from fsdp_compile.planning.cli import _cluster_numbers
+    from fsdp_compile.planning.compare import thread_times
     from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
@@ -107,7 +108,7 @@ def worker(args) -> None:
         x, y = data[:, :-1], data[:, 1:]
         dist.barrier()
         collections.clear()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, s0 = time.perf_counter(), time.thread_time(), thread_times()
         logits = compiled(x)
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
         t1 = time.perf_counter()
@@ -115,8 +116,8 @@ def worker(args) -> None:
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        t3 = time.perf_counter()
-        steps.append({"wall_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+        t3, s3 = time.perf_counter(), thread_times()
+        steps.append({"core_wait_s": s3.main_waiting - s0.main_waiting if s0 and s3 else None, "wall_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
                       "cpu_s": time.thread_time() - c0, "gc_s": sum(d for _, d in collections),
                       "gc_generations": [g for g, _ in collections]})
     gc.callbacks.remove(on_gc)
@@ -141,7 +142,24 @@ def attribution(run: dict, warmup: int) -> dict:
     gc_steps = sum(any(rank[i]["gc_s"] > 0 for rank in run["steps"]) for i in range(warmup, len(run["steps"][0])))
     gc_max = max(max(rank[i]["gc_s"] for rank in run["steps"]) for i in range(warmup, len(run["steps"][0])))
     return {"forward_s": med("forward_s"), "backward_s": med("backward_s"), "optimizer_s": med("optimizer_s"),
-            "cpu_s": med("cpu_s"), "gc_s_median": med("gc_s"), "gc_s_max": gc_max, "steps_with_gc": gc_steps}
+            "cpu_s": med("cpu_s"), "gc_s_median": med("gc_s"), "gc_s_max": gc_max, "steps_with_gc": gc_steps,
+            "split": step_split(run, warmup)}
+
+
+def step_split(run: dict, warmup: int) -> dict | None:
+    """Each rank's step three ways, the medians over the timed steps of the ranks' mean: the
+    main thread's CPU, its wait for a core, and the rest of its wall time (blocked in waits for
+    collectives). They add up to a rank's step; None without scheduler statistics."""
+    ranks, steps = run["steps"], range(warmup, len(run["steps"][0]))
+    if any(rank[i].get("core_wait_s") is None for rank in ranks for i in steps):
+        return None
+
+    def mean_over_ranks(i: int, part) -> float:
+        return statistics.mean(part(rank[i]) for rank in ranks)
+
+    parts = {"cpu_s": lambda s: s["cpu_s"], "core_wait_s": lambda s: s["core_wait_s"],
+             "blocked_s": lambda s: s["wall_s"] - s["cpu_s"] - s["core_wait_s"]}
+    return {name: statistics.median(mean_over_ranks(i, part) for i in steps) for name, part in parts.items()}
 
 
 def render(report: dict) -> str:
@@ -171,6 +189,24 @@ def render(report: dict) -> str:
                    f"{min(preds):.0f}-{max(preds):.0f} ms ({max(preds) / min(preds) - 1:.0%} apart) and "
                    f"measurements {min(meas):.0f}-{max(meas):.0f} ms ({max(meas) / min(meas) - 1:.0%} apart) "
                    "over the runs."), ""]
+    splits = [(i, run["attribution"].get("split"), run["predicted"]) for i, run in enumerate(report["runs"], 1)]
+    if any(split for _, split, _ in splits):
+        lines += ["## Where a step goes", "",
+                  "Per rank, measured against predicted: the main thread's CPU against the predicted compute "
+                  "(graphs, optimizer, runtime), its wait for a core (held by gloo's threads or the other "
+                  "rank) against the gloo CPU the plan charges to compute, and the rest of the step, where it "
+                  "was blocked in waits for collectives, against the plan's waits. The medians over the timed "
+                  "steps of the two ranks' mean, so the three add up to a rank's step.", "",
+                  "| run | main-thread CPU / predicted compute | waiting for a core / predicted gloo CPU | "
+                  "blocked / predicted waits | step / predicted |", "| --- | --- | --- | --- | --- |"]
+        for i, split, p in splits:
+            if not split:
+                continue
+            waits = p["exposed_s"] - (p.get("backend_cpu_s") or 0.0)
+            cells = [(split["cpu_s"], p["compute_s"]), (split["core_wait_s"], p.get("backend_cpu_s") or 0.0),
+                     (split["blocked_s"], waits), (sum(split.values()), p["step_s"])]
+            lines.append(f"| {i} | " + " | ".join(f"{m * 1e3:.0f} / {q * 1e3:.0f} ms" for m, q in cells) + " |")
+        lines.append("")
     if report.get("analysis"):
         lines += ["## Analysis", "", report["analysis"], ""]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -384,8 +385,11 @@ def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> No
         assert m["bytes_per_step"]["intra"] == pytest.approx(p["bytes_per_step"]["intra"], rel=0.01)
         # how much of the step the machine gave to other work is recorded beside it (Linux /proc)
         assert m["cpu_seconds"] > 0 and 0.0 <= m["cpu_wait_fraction"] <= 1.0 and m["load_average"] >= 0
+        # the main thread's wait for a core, against the gloo CPU the plan charges to compute
+        assert 0.0 <= m["core_wait_seconds"] <= m["step_seconds"] - m["cpu_seconds"]
+        assert 0.0 < p["backend_cpu_seconds"] <= p["exposed_comm_seconds"]
     assert (tmp_path / "compare.png").stat().st_size > 1000
-    assert "step ms" in proc.stdout and "pred ms" in proc.stdout
+    assert "step ms" in proc.stdout and "pred ms" in proc.stdout and "core wait ms" in proc.stdout
 
 
 @pytest.mark.slow
@@ -405,3 +409,29 @@ def test_accuracy_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     assert "ZeRO paper" in text and "## Measured on the CPU (" in text
     assert "Deepest model per strategy on one G5.48xlarge" in text
     assert "Where the compute time goes" in text and "Scale: Llama-3-70B" in text
+
+
+def test_thread_times_tell_a_blocked_main_thread_from_one_on_a_cpu() -> None:
+    from fsdp_compile.planning.compare import thread_times
+
+    before = thread_times()
+    if before is None:
+        pytest.skip("no /proc schedstat on this system")
+    time.sleep(0.2)  # blocked: neither on a CPU nor waiting for one
+    slept = thread_times()
+    assert slept.main_on_cpu - before.main_on_cpu < 0.05 and slept.main_waiting - before.main_waiting < 0.05
+    end = time.thread_time() + 0.2
+    while time.thread_time() < end:
+        pass
+    assert thread_times().main_on_cpu - slept.main_on_cpu >= 0.19
+
+
+def test_step_split_sets_the_main_threads_time_against_the_plans() -> None:
+    from fsdp_compile.planning.cli import step_split
+
+    measured = {"step_seconds": 0.18, "cpu_seconds": 0.14, "core_wait_seconds": 0.02}
+    predicted = {"compute_seconds": 0.13, "exposed_comm_seconds": 0.03, "backend_cpu_seconds": 0.02}
+    split = step_split(measured, predicted)
+    assert split["compute"] == (0.14, 0.13) and split["core_wait"] == (0.02, 0.02)
+    assert split["blocked"] == pytest.approx((0.02, 0.01))
+    assert step_split({**measured, "core_wait_seconds": None}, predicted) is None  # no /proc

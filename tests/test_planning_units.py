@@ -530,6 +530,8 @@ def test_backend_threads_take_their_cpu_from_the_compute_after_the_issue():
     compute_bound = [("issue", "x", 2.0, "intra", 0), ("backend_cpu", 1.0), ("compute", 4.0), ("wait", "x")]
     t = simulate_events(compute_bound)
     assert t.seconds == 5.0 and t.compute_seconds == 4.0 and t.exposed_comm_seconds == 1.0
+    # of the exposed time, the backend's CPU is told apart from waits, and steps add it up
+    assert t.backend_cpu_seconds == 1.0 and (t + t).backend_cpu_seconds == 2.0
     # where the link is, the wait absorbs it: the collective ends when it ends
     link_bound = [("issue", "x", 8.0, "intra", 0), ("backend_cpu", 1.0), ("compute", 4.0), ("wait", "x")]
     assert simulate_events(link_bound).seconds == 8.0

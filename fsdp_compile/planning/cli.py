@@ -311,6 +311,7 @@ def run_compare(args: argparse.Namespace) -> int:
                   f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
                   f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
                   f"{m['compile_seconds']:>11.1f}")
+        _print_split(rows)
         if unlimited_plan is not None:
             _print_exposed(rows)
         for line in within_noise(measured):
@@ -340,6 +341,30 @@ def _print_exposed(rows: list[dict[str, Any]]) -> None:
         print(f"{r['strategy']:<20}{m['unlimited_step_seconds'] * 1e3:>14.1f}{u['step_seconds'] * 1e3:>10.1f}"
               f"{(m['step_seconds'] - m['unlimited_step_seconds']) * 1e3:>12.1f}"
               f"{(p['step_seconds'] - u['step_seconds']) * 1e3:>10.1f}")
+
+
+def step_split(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, tuple[float, float]] | None:
+    """A step's time three ways, (measured, predicted) seconds each: the main thread's CPU
+    against the predicted compute, its wait for a core against the communication backend's CPU
+    the plan charges to compute, and the rest of the step (blocked in waits) against the plan's
+    waits. None where the machine gave no scheduler statistics."""
+    if measured.get("cpu_seconds") is None or measured.get("core_wait_seconds") is None:
+        return None
+    backend = predicted.get("backend_cpu_seconds") or 0.0
+    rest = measured["step_seconds"] - measured["cpu_seconds"] - measured["core_wait_seconds"]
+    return {"compute": (measured["cpu_seconds"], predicted["compute_seconds"]),
+            "core_wait": (measured["core_wait_seconds"], backend),
+            "blocked": (rest, predicted["exposed_comm_seconds"] - backend)}
+
+
+def _print_split(rows: list[dict[str, Any]]) -> None:
+    """Where each step goes, measured / predicted (see :func:`step_split`)."""
+    print(f"{'strategy':<20}{'main CPU ms':>12}{'pred':>8}{'core wait ms':>14}{'pred':>8}{'blocked ms':>12}{'pred':>8}")
+    for r in rows:
+        split = step_split(r["measured"], r["predicted"])
+        if split is not None:
+            cells = "".join(f"{m * 1e3:>{w}.1f}{p * 1e3:>8.1f}" for (m, p), w in zip(split.values(), (12, 14, 12)))
+            print(f"{r['strategy']:<20}{cells}")
 
 
 def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[str, Any] | None:

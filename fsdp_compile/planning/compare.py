@@ -24,7 +24,10 @@ few steps with AdamW and measures:
   0; on a shared one it is how far the measured wall time is from the machine's speed without other jobs.
   ``quiet_step_seconds`` is the median over the steps in which no rank waited for a core more
   than 5% of the step beyond what the job's own ranks make it wait when they outnumber the cores
-  (:func:`quiet_step_seconds`; None when fewer than two such steps);
+  (:func:`quiet_step_seconds`; None when fewer than two such steps). The main thread's own wait
+  for a core (``core_wait_seconds``) splits its step three ways: CPU, waiting for a core, and
+  the rest, blocked in waits for collectives; the plan splits its step the same way (compute,
+  ``backend_cpu_seconds``, and waits);
 * bytes per step: from the profiler's collective events (``gloo:*`` / ``nccl:*``), their
   buffers converted to wire bytes with the same ring formula as the planner. gloo runs a
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
@@ -48,7 +51,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,6 +77,9 @@ class Measured:
     collectives: dict[str, int] = field(default_factory=dict)
     cpu_seconds: float | None = None  # the main thread's CPU time per step (median, slowest rank)
     cpu_wait_fraction: float | None = None  # run-queue wait / wall time per step (median, largest rank)
+    # The main thread's wait for a core per step (median, largest rank): with cpu_seconds, what
+    # of the step was not blocked in waits (the planner's compute and backend CPU, its referee)
+    core_wait_seconds: float | None = None
     load_average: float | None = None  # the machine's 1-minute load average after the steps
     quiet_step_seconds: float | None = None  # median over steps no rank waited > 5% for a core
     wait_fractions: list[float] = field(default_factory=list)  # per step, the largest rank's
@@ -117,13 +123,24 @@ def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[flo
     return statistics.median(quiet) if len(quiet) >= 2 else None
 
 
-def _schedstat() -> tuple[float, float] | None:
-    """(seconds the main thread ran on a CPU, seconds this process's threads were runnable but
-    waiting for one) so far; None where ``/proc`` has no schedstat (not Linux)."""
+class ThreadTimes(NamedTuple):
+    """Seconds so far, from the kernel's scheduler statistics (Linux ``/proc``)."""
+
+    main_on_cpu: float  # the main thread ran on a CPU
+    main_waiting: float  # the main thread was runnable but waiting for a core
+    all_waiting: float  # the same, summed over this process's threads
+
+
+def thread_times() -> ThreadTimes | None:
+    """This process's :class:`ThreadTimes`; None where ``/proc`` has no schedstat (not Linux).
+
+    Over a step, the main thread's wall time is its CPU time, plus its wait for a core (held
+    by other threads: the communication backend's, the other ranks', other jobs'), plus the
+    rest, where it was blocked (waiting for a collective)."""
     import threading
 
     main = threading.get_native_id()
-    on_cpu = waiting = 0.0
+    on_cpu = main_waiting = waiting = 0.0
     try:
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -133,10 +150,10 @@ def _schedstat() -> tuple[float, float] | None:
                 continue
             waiting += int(waited) / 1e9
             if int(tid) == main:
-                on_cpu = int(ran) / 1e9
+                on_cpu, main_waiting = int(ran) / 1e9, int(waited) / 1e9
     except (OSError, ValueError):
         return None
-    return on_cpu, waiting
+    return ThreadTimes(on_cpu, main_waiting, waiting)
 
 
 def _load_average() -> float | None:
@@ -302,38 +319,42 @@ def measure_strategy(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def timed(inputs: Any, targets: Any) -> tuple[float, float | None, float | None]:
-        """(wall, main-thread CPU, run-queue wait over wall) of one step, each the slowest rank's."""
+    def timed(inputs: Any, targets: Any) -> tuple[float, float | None, float | None, float | None]:
+        """(wall, main-thread CPU, run-queue wait over wall, the main thread's wait for a core)
+        of one step, each the slowest rank's."""
         with _collector_between_steps(gc_between_steps):
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            before = _schedstat()
+            before = thread_times()
             start = time.perf_counter()
             step(inputs, targets)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
-            after = _schedstat()
+            after = thread_times()
         if before is None or after is None:
-            return _slowest(wall), None, None
-        return _slowest(wall), _slowest(after[0] - before[0]), _largest((after[1] - before[1]) / wall)
+            return _slowest(wall), None, None, None
+        return (_slowest(wall), _slowest(after.main_on_cpu - before.main_on_cpu),
+                _largest((after.all_waiting - before.all_waiting) / wall),
+                _largest(after.main_waiting - before.main_waiting))
 
-    times, cpu, waits, unlimited = [], [], [], []
+    times, cpu, waits, core_waits, unlimited = [], [], [], [], []
     network_stats = None
     for i, (inputs, targets) in enumerate(batches):
         if network is not None and i == warmup:
             dist.barrier()
             network.reset_stats()
         if unlimited_too and i >= warmup:
-            wall, step_cpu, wait, network_stats = _paired_steps(
+            wall, step_cpu, wait, core_wait, network_stats = _paired_steps(
                 network, functools.partial(timed, inputs, targets), network_stats, unlimited, first=i % 2 == 0)
         else:
-            wall, step_cpu, wait = timed(inputs, targets)
+            wall, step_cpu, wait, core_wait = timed(inputs, targets)
         times.append(wall)
         if step_cpu is not None:
             cpu.append(step_cpu)
             waits.append(wait)
+            core_waits.append(core_wait)
         if i == 0:
             gc.collect()
     if network is not None:
@@ -342,6 +363,7 @@ def measure_strategy(
     steady = times[warmup:] or times[-1:]
     step_seconds = statistics.median(steady)
     cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
+    core_wait_seconds = statistics.median(core_waits[warmup:] or core_waits[-1:]) if core_waits else None
     steady_waits = (waits[warmup:] or waits[-1:]) if waits else []
     wait_fraction = statistics.median(steady_waits) if steady_waits else None
     from .calibration.compute import _cpu_share
@@ -360,8 +382,8 @@ def measure_strategy(
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
-                    cpu_seconds, wait_fraction, _load_average(), quiet_step, steady_waits, network_stats, warmup,
-                    unlimited)
+                    cpu_seconds, wait_fraction, core_wait_seconds, _load_average(), quiet_step, steady_waits,
+                    network_stats, warmup, unlimited)
 
 
 @contextlib.contextmanager
@@ -378,7 +400,7 @@ def unlimited_links(network: Any) -> Iterator[None]:
 
 
 def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimited: list[float],
-                  *, first: bool) -> tuple[float, float | None, float | None, Any]:
+                  *, first: bool) -> tuple[float, float | None, float | None, float | None, Any]:
     """One step on the network's links and one on unlimited links, the former first when
     ``first`` (alternating the order puts a cold cache on neither side). Returns the former's
     ``timed()`` and ``stats`` plus its window of the network's statistics; appends the

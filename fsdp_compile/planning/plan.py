@@ -73,6 +73,8 @@ class PlanRow:
     model_states: dict[str, float] = field(default_factory=dict)
     tp: int = 1  # the tensor-parallel degree; FSDP shards over dp = world / tp
     tp_bytes_per_step: float = 0.0  # of bytes_per_step["intra"]: what the TP plan's collectives send
+    # Of exposed_comm_seconds: compute's time a CPU backend's threads take (the rest: waits)
+    backend_cpu_seconds: float | None = None
 
     def label(self) -> str:
         return candidate_label(self.strategy, self.tp, self.bucket, self.prefetch)
@@ -218,7 +220,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
         tokens_per_second=tokens / c.tp / step if step > 0 else None,
         mfu=float(timeline.flops) / (step * cluster.flops_for(compute_dtype)) if step > 0 else None,
         phase=phase, note=note, model_states={k: float(v) for k, v in states.items()}, tp=c.tp,
-        tp_bytes_per_step=float(tp_bytes))
+        tp_bytes_per_step=float(tp_bytes), backend_cpu_seconds=float(timeline.backend_cpu_seconds))
 
 
 def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float) -> PlanRow:

@@ -45,6 +45,9 @@ class Timeline:
     flops: Any = 0
     wire_bytes: dict[str, Any] = field(default_factory=lambda: {"intra": 0, "inter": 0})
     collectives: int = 0
+    # Of ``exposed_comm_seconds``: compute's time the backend's threads take (the rest is waits),
+    # so a measured step's split of its main thread (waiting for a core, blocked) has a referee.
+    backend_cpu_seconds: Any = 0.0
 
     def __add__(self, other: Timeline) -> Timeline:
         return Timeline(
@@ -52,7 +55,7 @@ class Timeline:
             self.comm_seconds + other.comm_seconds, self.exposed_comm_seconds + other.exposed_comm_seconds,
             self.flops + other.flops,
             {k: self.wire_bytes.get(k, 0) + other.wire_bytes.get(k, 0) for k in ("intra", "inter")},
-            self.collectives + other.collectives)
+            self.collectives + other.collectives, self.backend_cpu_seconds + other.backend_cpu_seconds)
 
 
 # Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key)
@@ -105,7 +108,7 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
         now = later
     hidden = comm - exposed
     penalty = (1.0 - comm_overlap) * hidden
-    return Timeline(now + penalty, busy, comm, exposed + penalty + backend_cpu, flops, wire, count)
+    return Timeline(now + penalty, busy, comm, exposed + penalty + backend_cpu, flops, wire, count, backend_cpu)
 
 
 def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
