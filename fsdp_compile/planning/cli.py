@@ -421,8 +421,7 @@ def _cluster_numbers(cluster: Any) -> dict[str, Any]:
             **{name: {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
                       for k, v in fits.items()}
                for name, fits in (("collectives", cluster.measured_collectives),
-                                  ("inter_node_collectives", cluster.measured_inter_collectives))},
-            "sources": dict(cluster.sources)}
+                                  ("inter_node_collectives", cluster.measured_inter_collectives))}}
 
 
 def _cross_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwi
 from .copies import _copy_kernels
 from .memory import _cpu_memory_per_rank
 from .outside_graphs import _optimizer_step, _runtime_per_tensor
-from .reference import ReferenceStep, compute_scale
+from .reference import compute_scale, timed_reference
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
@@ -155,11 +155,6 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     if world % nodes:
         raise ClusterError(f"nodes={nodes} does not divide the group's {world} ranks")
     sizes = sizes or _default_sizes(device)
-    # Timed before the operators' calibrations and again after them, the faster kept
-    # (ReferenceStep). Not in turns: what ranks time-slicing a core cost each other is part of
-    # what it measures.
-    reference = ReferenceStep(device)
-    first_reference = reference.seconds(repeats, group)
     # _slowest takes the largest value: negated, it gives the slowest rank's rate
     # Two rounds over the dtypes, the faster kept: a slowdown of the machine lasting seconds
     # (another tenant, frequency scaling) can outlast all repeats of one round, not both rounds.
@@ -184,8 +179,9 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
                                             group, device), group)
     copy_kernels = {name: tuple(_slowest(v, group) for v in fit) for name, fit in _in_turns(
         lambda sync: _copy_kernels(group, device, repeats, sync), group, device).items()}
-    second_reference = reference.seconds(repeats, group)
-    reference_seconds = min(first_reference, second_reference)
+    # Not in turns: what ranks time-slicing a core cost each other is part of what it measures.
+    reference_seconds, reference_graphs = timed_reference(repeats, device, group, sync=True)
+    reference_seconds = _slowest(reference_seconds, group)
     collectives, inter_collectives = _collectives_per_link(group, device, sizes, repeats, nodes)
     collective_issue = _issue_seconds(group, device, sizes, repeats)
     workspace = _collective_workspace(group, device)
@@ -211,8 +207,5 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
                                          "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
                                          "copy_kernels", "collective_issue", "collective_cpu",
                                          "collective_workspace", "compute_scale", "device_memory")})
-    if reference.graphs:
-        cluster.sources["compute_scale"] = (f"{where}; reference step {first_reference * 1e3:.1f} ms before the "
-                                            f"operators' calibrations, {second_reference * 1e3:.1f} ms after")
     # The same on every rank: each priced the same graphs on the same (slowest-rank) numbers.
-    return cluster.replace(compute_scale=compute_scale(reference_seconds, reference.graphs, cluster))
+    return cluster.replace(compute_scale=compute_scale(reference_seconds, reference_graphs, cluster))

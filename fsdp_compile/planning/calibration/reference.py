@@ -28,11 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 
 from ..cost import graph_costs
-from .compute import _compute_seconds, _slowest, _sync_ranks
+from .compute import _compute_seconds, _sync_ranks
 
 # The reference: a GPT block as the CPU demos and benchmarks train it (d_model 256, 4 heads,
 # 4 x 128 tokens), with its embeddings and output head, the loss inside the graph.
@@ -76,38 +75,18 @@ def _reference_graphs(device: torch.device) -> tuple[list[fx.GraphModule], Any]:
     return graphs, step
 
 
-class ReferenceStep:
-    """The reference's graphs (on a CPU; none elsewhere, where no scale is measured) and one
-    step of them, to be timed as often as a calibration needs.
-
-    :func:`.calibrate.measure_cluster` times it twice, before and after the operators'
-    calibrations, and keeps the faster: on a shared machine a slowdown lasting seconds (another
-    tenant) can cover every repeat of one round, and it only ever adds time. Timed once, the
-    scale read 1.12-1.54 over four fresh jobs at world 2 whose steps then ran on 210-252 ms of
-    main-thread CPU (``bench/results/plain_loop.md``, the run before the second round)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.graphs, self._step = _reference_graphs(device) if device.type == "cpu" else ([], None)
-
-    def seconds(self, repeats: int, group: Any = None, sync: bool = True) -> float:
-        """The median seconds of one step on the compute clock, the slowest rank's where a
-        process group exists; 0.0 off a CPU.
-
-        With ``sync`` the ranks start together, as they compute in training: a rank timed while
-        its peers idle would have the machine's shared cache and memory to itself."""
-        if self._step is None:
-            return 0.0
-        _sync_ranks(group, sync)
-        seconds = _compute_seconds(self._step, max(repeats, 5), self.device, typical=True)
-        return _slowest(seconds, group) if dist.is_initialized() else seconds
-
-
 def timed_reference(repeats: int, device: torch.device, group: Any = None,
                     sync: bool = True) -> tuple[float, list[fx.GraphModule]]:
-    """(one :class:`ReferenceStep` timing, its graphs): ``(0.0, [])`` off a CPU."""
-    reference = ReferenceStep(device)
-    return reference.seconds(repeats, group, sync), reference.graphs
+    """(this rank's median seconds of one reference step on the compute clock, its graphs) on a
+    CPU; ``(0.0, [])`` elsewhere, where no scale is measured.
+
+    With ``sync`` the ranks start together, as they compute in training: a rank timed while
+    its peers idle would have the machine's shared cache and memory to itself."""
+    if device.type != "cpu":
+        return 0.0, []
+    graphs, step = _reference_graphs(device)
+    _sync_ranks(group, sync)
+    return _compute_seconds(step, max(repeats, 5), device, typical=True), graphs
 
 
 def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
