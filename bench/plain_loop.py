@@ -117,7 +117,8 @@ def worker(args) -> None:
         opt.step()
         opt.zero_grad()
         t3, s3 = time.perf_counter(), thread_times()
-        steps.append({"core_wait_s": s3.main_waiting - s0.main_waiting if s0 and s3 else None, "wall_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+        steps.append({"wall_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+                      "core_wait_s": s3.main_waiting - s0.main_waiting if s0 and s3 else None,
                       "cpu_s": time.thread_time() - c0, "gc_s": sum(d for _, d in collections),
                       "gc_generations": [g for g, _ in collections]})
     gc.callbacks.remove(on_gc)

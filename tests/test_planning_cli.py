@@ -386,7 +386,7 @@ def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> No
         # how much of the step the machine gave to other work is recorded beside it (Linux /proc)
         assert m["cpu_seconds"] > 0 and 0.0 <= m["cpu_wait_fraction"] <= 1.0 and m["load_average"] >= 0
         # the main thread's wait for a core, against the gloo CPU the plan charges to compute
-        assert 0.0 <= m["core_wait_seconds"] <= m["step_seconds"] - m["cpu_seconds"]
+        assert 0.0 <= m["core_wait_seconds"] <= m["step_seconds"]
         assert 0.0 < p["backend_cpu_seconds"] <= p["exposed_comm_seconds"]
     assert (tmp_path / "compare.png").stat().st_size > 1000
     assert "step ms" in proc.stdout and "pred ms" in proc.stdout and "core wait ms" in proc.stdout

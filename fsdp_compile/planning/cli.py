@@ -347,7 +347,9 @@ def step_split(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str,
     """A step's time three ways, (measured, predicted) seconds each: the main thread's CPU
     against the predicted compute, its wait for a core against the communication backend's CPU
     the plan charges to compute, and the rest of the step (blocked in waits) against the plan's
-    waits. None where the machine gave no scheduler statistics."""
+    waits. None where the machine gave no scheduler statistics. Each measured figure is the
+    median of the slowest rank's, so the rest is near, not exactly, one rank's blocked time
+    (a few milliseconds below zero where nothing blocked)."""
     if measured.get("cpu_seconds") is None or measured.get("core_wait_seconds") is None:
         return None
     backend = predicted.get("backend_cpu_seconds") or 0.0
