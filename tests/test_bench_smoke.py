@@ -380,3 +380,23 @@ def test_cpu_breakdown_benchmark_splits_each_job_by_phase_and_operator_group(tmp
     # only the sharded job communicates: its collectives show in their own groups
     assert "issuing collectives" not in single["profiled_s"] and sharded["profiled_s"]["issuing collectives"] > 0
     assert "| FULL_SHARD, world 2, rank 0 |" in (tmp_path / "cpu_breakdown_smoke.md").read_text()
+
+
+@pytest.mark.slow
+def test_blocked_waits_benchmark_lists_each_blocking_wait_and_what_was_in_flight(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "blocked_waits.py"), "--smoke", "--steps", "2",
+                           "--warmup", "2", "--out", str(tmp_path)], check=False, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    strategies = json.loads((tmp_path / "blocked_waits_smoke.json").read_text())["strategies"]
+    assert list(strategies) == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    for name, row in strategies.items():
+        measured = row["measured"]
+        assert measured["blocked_s"] == pytest.approx(sum(w["blocked_s"] for w in measured["waits"]))
+        assert row["predicted_waits_s"] >= 0 and row["predicted_step_s"] > 0
+        kinds = {c["kind"] for w in measured["waits"] for c in w["in_flight"]}
+        # gloo runs a reduce-scatter as an all-reduce: the strategy names the collective behind it
+        assert not kinds & ({"reduce_scatter"} if name == "NO_SHARD" else {"all_reduce"}), (name, kinds)
+        assert all(w["phase"] in ("forward", "backward", "optimizer") for w in measured["waits"])
+    assert "| strategy | phase | at | blocked | in flight |" in (tmp_path / "blocked_waits_smoke.md").read_text()
