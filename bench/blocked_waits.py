@@ -21,23 +21,21 @@ compute, not to a collective's time on gloo's threads. Writes ``<out>/blocked_wa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from parts import parser, run_part
 from report_files import write_report
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -181,26 +179,11 @@ def render(report: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--analysis", type=Path)
-    p.add_argument("--part", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parser(__doc__, steps=5, warmup=4).parse_args()
     if args.part:
         worker(args)
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
-    with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / "waits.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(Path(__file__).resolve()), "--part", str(part), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]
-        print(" ".join(cmd), flush=True)
-        subprocess.run(cmd, env=env, check=True)
-        job = json.loads(part.read_text())
+    job = run_part(__file__, args)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     model = "gpt_tiny, batch 2 x 32" if args.smoke else "gpt_small (d_model 256, 4 layers), batch 4 x 128 per rank"

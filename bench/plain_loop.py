@@ -19,7 +19,6 @@ the calibration, or on neither. Writes ``<out>/plain_loop.json`` and ``.md``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -27,16 +26,16 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+from parts import parser, run_part
 
 
 def full_shard_prediction(build, tokens_shape: tuple[int, int], cluster, world: int) -> dict:
@@ -214,29 +213,16 @@ def render(report: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, steps=6, warmup=2)
     p.add_argument("--runs", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--analysis", type=Path)
-    p.add_argument("--part", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
         worker(args)
         return
     runs = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
     for i in range(args.runs):
-        with tempfile.TemporaryDirectory() as tmp:
-            part = Path(tmp) / "run.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   str(Path(__file__).resolve()), "--part", str(part), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]
-            print(f"run {i + 1}/{args.runs}:", " ".join(cmd), flush=True)
-            subprocess.run(cmd, env=env, check=True)
-            run = json.loads(part.read_text())
+        print(f"run {i + 1}/{args.runs}:", flush=True)
+        run = run_part(__file__, args)
         run["attribution"] = attribution(run, args.warmup)
         print(f"  predicted {run['predicted']['step_s'] * 1e3:.0f} ms, measured {run['measured_step_s'] * 1e3:.0f} ms,"
               f" collector {run['attribution']['gc_s_median'] * 1e3:.1f} ms/step (max "

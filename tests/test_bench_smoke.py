@@ -363,13 +363,17 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     assert (tmp_path / "plan_emulated_smoke_w2.png").stat().st_size > 1000
 
 
+def _run_smoke(script: str, out: Path, *options: str) -> None:
+    """``bench/<script> --smoke`` with its results under ``out``; fails with its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", *options, "--out", str(out)],
+                          check=False, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_cpu_breakdown_benchmark_splits_each_job_by_phase_and_operator_group(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_breakdown.py"), "--smoke", "--steps", "3",
-                           "--warmup", "2", "--out", str(tmp_path)], check=False, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_smoke("cpu_breakdown.py", tmp_path, "--steps", "3", "--warmup", "2")
     jobs = json.loads((tmp_path / "cpu_breakdown_smoke.json").read_text())["jobs"]
     assert [j["world"] for j in jobs] == [1, 1, 2]
     for job in jobs:
@@ -384,11 +388,7 @@ def test_cpu_breakdown_benchmark_splits_each_job_by_phase_and_operator_group(tmp
 
 @pytest.mark.slow
 def test_blocked_waits_benchmark_lists_each_blocking_wait_and_what_was_in_flight(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "blocked_waits.py"), "--smoke", "--steps", "2",
-                           "--warmup", "2", "--out", str(tmp_path)], check=False, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_smoke("blocked_waits.py", tmp_path, "--steps", "2", "--warmup", "2")
     strategies = json.loads((tmp_path / "blocked_waits_smoke.json").read_text())["strategies"]
     assert list(strategies) == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
     for name, row in strategies.items():

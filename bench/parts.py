@@ -1,0 +1,41 @@
+"""Benchmarks that measure in a torchrun job of their own script: the parent parses the options,
+starts the job with ``--part FILE``, and reads back what rank 0 wrote there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def parser(doc: str, *, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The options every such benchmark takes (``--part`` is the job's own, hidden)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--analysis", type=Path)
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    return p
+
+
+def run_part(script: str | Path, args: argparse.Namespace, world: int = 2) -> dict:
+    """Run ``script`` as a fresh torchrun job of ``world`` processes (one intra-op thread each)
+    with the parent's steps, warm-up and size, and return what its rank 0 wrote."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "part.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               str(Path(script).resolve()), "--part", str(part), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(part.read_text())
