@@ -4,7 +4,7 @@
     python bench/blocked_waits.py --smoke
 
 The planner predicts a step's waits for collectives from each collective's calibrated time on
-its link; on plain gloo at world 2 the main thread blocks 2-3x longer than it predicts
+its link; on plain gloo at world 2 the main thread blocks 2-4x longer than it predicts
 (``bench/results/plain_loop.md``, "Where a step goes"). This benchmark looks at the waits one
 by one. One job at world 2 calibrates the cluster, then per strategy (FULL_SHARD,
 SHARD_GRAD_OP, NO_SHARD) trains a few steps and profiles ``--steps`` more with
@@ -14,9 +14,9 @@ collectives running meanwhile on gloo's threads, with their durations and the ti
 calibration prices each of them at (``Cluster.measure()``'s fit for its kind and size). Per
 strategy, against the plan: the blocked time per step, measured (the median profiled step of
 the slowest rank) and predicted (the plan's waits: exposed communication minus the gloo CPU it
-charges to compute). A profiled step runs slower than an unprofiled one; the profiler adds to
-compute, not to a collective's time on gloo's threads. Writes ``<out>/blocked_waits.json`` and
-``.md``.
+charges to compute). A profiled step runs slower than an unprofiled one (the profiler records
+every operator of the main thread); ``plain_loop``'s unprofiled steps block as long. Writes
+``<out>/blocked_waits.json`` and ``.md``.
 """
 
 from __future__ import annotations
