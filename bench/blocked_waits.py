@@ -53,12 +53,11 @@ def _kind(event_name: str, strategy: str) -> str:
 
 
 def _priced_seconds(cluster, kind: str, elements: int, world: int) -> float:
-    """The calibration's time for a collective of ``kind`` whose buffer (an all-gather's output,
-    a reduce-scatter's input) holds ``elements`` float32 values."""
-    from fsdp_compile.runtime.ring import ring_steps, wire_bytes
+    """The planner's time for a collective of ``kind`` over the world's ranks on one node, whose
+    buffer (an all-gather's output, a reduce-scatter's input) holds ``elements`` float32 values."""
+    from fsdp_compile.planning.cost import Group, collective_cost
 
-    fit = cluster.measured_collectives[kind]
-    return fit.step_latency * ring_steps(kind, world) + wire_bytes(kind, elements * 4, world) / fit.bandwidth
+    return collective_cost(kind, elements * 4, Group(world, 1), cluster).seconds
 
 
 def _step_waits(events, world: int, cluster, strategy: str) -> dict:
