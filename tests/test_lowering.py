@@ -9,9 +9,11 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # noqa: F401  (registers the markers)
+from fsdp_compile.passes.bucketing import assign_buckets
 from fsdp_compile.passes.graph import COMM_META
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.runtime.collectives import CommSpec
+from fsdp_compile.runtime.markers import markers
 from fsdp_compile.sharding.units import parse_policy
 
 _c10d = torch.ops._c10d_functional
@@ -71,3 +73,42 @@ def test_a_lowered_bucket_adds_one_node_per_parameter_besides_its_collective() -
             want = (8, 8) if kind == "gather" else (4, 8)
             assert tuple(out.meta["val"].shape) == want, out.format_node()
             assert all(COMM_META not in user.meta for user in out.users), "a lowered output feeds another lowered node"
+
+
+def root_at_both_ends_graph():
+    """A transformer's shape: root parameters read first ("emb") and last ("head", plus "emb"
+    again, as a head tied to the embeddings reads it), a block "b0" between them; gradients in
+    the reverse order."""
+    def f(x, emb, w, head):
+        def read(shard, name, unit):
+            return torch.ops.fsdp_compile.unshard(shard, name, unit, 8, *GROUP_G.op_args())
+        e, b, h, tied = read(emb, "emb", ""), read(w, "w", "b0"), read(head, "head", ""), read(emb, "emb", "")
+        y = ((x @ e.t()) @ b.t()) @ h.t() + x @ tied.t()
+        grads = [torch.ops.fsdp_compile.reduce_grad(torch.tanh(p), name, unit, 4, p.dtype, *GROUP_G.op_args())
+                 for p, name, unit in ((h, "head", ""), (tied, "emb", ""), (b, "w", "b0"), (e, "emb", ""))]
+        return y, grads
+    return make_fx(f, tracing_mode="fake")(torch.randn(3, 8), *(torch.randn(4, 8) for _ in range(3)))
+
+
+def test_a_unit_read_at_both_ends_gets_a_tail_bucket() -> None:
+    gm = root_at_both_ends_graph()
+    module = parse_policy("module")
+    gathers = assign_buckets(markers(gm.graph, "unshard"), module)
+    # The head is gathered after the block, alone; the tied read of "emb" reuses the first gather.
+    assert [(b.key, b.fqns) for b in gathers] == [("<root>", ["emb", "emb"]), ("b0", ["w"]), ("<root>:tail", ["head"])]
+    reductions = assign_buckets(markers(gm.graph, "reduce_grad"), module)
+    # The head's gradients are reduced before the block's; the embeddings' last one, alone, at the end.
+    assert [(b.key, b.fqns) for b in reductions] == [("<root>", ["head", "emb"]), ("b0", ["w"]),
+                                                     ("<root>:tail", ["emb"])]
+    # Policies without units split nothing.
+    assert [b.fqns for b in assign_buckets(markers(gm.graph, "unshard"), parse_policy(1 << 20))] == [
+        ["emb", "w", "head", "emb"]]
+
+
+def test_a_unit_read_only_at_the_end_is_one_bucket() -> None:
+    def f(x, a, w):
+        block = torch.ops.fsdp_compile.unshard(w, "w", "b0", 8, *GROUP_G.op_args())
+        head = torch.ops.fsdp_compile.unshard(a, "a", "", 8, *GROUP_G.op_args())
+        return (x @ block.t()) @ head.t()
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), torch.randn(4, 8), torch.randn(4, 8))
+    assert [b.key for b in assign_buckets(markers(gm.graph, "unshard"), parse_policy("module"))] == ["b0", "<root>"]

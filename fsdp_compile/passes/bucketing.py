@@ -7,6 +7,16 @@ Under a unit policy a bucket is a unit's markers (units are decided when the mod
 until the bucket holds that many bytes of full tensors (in the collective's dtype; a larger
 tensor gets a bucket of its own); under ``"param"``, one per parameter. Markers only share a
 bucket when they communicate the same way (same :class:`CommSpec`) and read the same dtype.
+
+A unit read at both ends of a graph is two buckets: the root of a transformer (embeddings
+first, final norm and head last) would otherwise gather its head with its embeddings, before
+anything computes, and reduce the head's gradients with the embeddings', after the last
+gradient exists, where neither can hide under compute. So the graph's last run of markers, when
+its unit was also read earlier, is a bucket of its own, ``<unit>:tail`` (torchtitan shards
+``[norm, output]`` apart from the root by hand for this reason). A tail parameter already gathered
+earlier in the graph (a head tied to the embeddings) stays in the earlier bucket: one gather.
+On an emulated link (``bench/overlap.py``) the root's gather and reduction were most of what a
+FULL_SHARD step waited at its start and end.
 """
 
 from __future__ import annotations
@@ -18,6 +28,13 @@ import torch
 from ..runtime.collectives import CommSpec
 from ..runtime.markers import Marker
 from ..sharding.units import Policy
+
+TAIL = ":tail"  # a unit's bucket of the graph's last run of markers
+
+
+def unit_label(bucket_label: str) -> str:
+    """The unit a unit policy's bucket belongs to, by its label (its tail bucket included)."""
+    return bucket_label.removesuffix(TAIL)
 
 
 @dataclass
@@ -38,16 +55,28 @@ def _dtype(marker: Marker) -> torch.dtype:
     return marker.input.meta["val"].dtype
 
 
+def _tail_start(markers: list[Marker]) -> int:
+    """Index of the graph's last run of markers if its unit was read earlier, else len(markers)."""
+    start = len(markers)
+    while start > 0 and markers[start - 1].unit == markers[-1].unit:
+        start -= 1
+    earlier = any(m.unit == markers[-1].unit for m in markers[:start])
+    return start if earlier else len(markers)
+
+
 def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
     """Group markers (of one kind, in graph order) into buckets, ordered by first marker."""
+    tail = _tail_start(markers) if policy.uses_units and markers else len(markers)
+    gathered_before_tail = {m.fqn for m in markers[:tail] if m.kind == "unshard"}
     buckets: dict[tuple, Bucket] = {}
     open_bucket: dict[tuple, tuple] = {}  # for the bytes policy: compat key -> current key
     filled: dict[tuple, int] = {}
-    for marker in markers:
+    for i, marker in enumerate(markers):
         compat = (marker.spec, _dtype(marker))
         if policy.uses_units:
-            key = (marker.unit, *compat)
-            label = marker.unit or "<root>"
+            in_tail = i >= tail and marker.fqn not in gathered_before_tail
+            key = (marker.unit, in_tail, *compat)
+            label = (marker.unit or "<root>") + (TAIL if in_tail else "")
         elif policy.kind == "param":
             key = (marker.fqn, *compat)
             label = marker.fqn

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ..api import ConfigError, check_inflight_budget, check_prefetch
+from .bucketing import unit_label
 from .context import PassContext
 from .graph import (
     COLLECTIVE_OPS,
@@ -241,15 +242,19 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
 
     gathers = sorted((g for g in groups.values() if g.tag.kind == "gather" and not g.pinned),
                      key=lambda g: g.first_use)
-    by_bucket = {g.tag.bucket: g for g in gathers}
+    # Explicit orders name units; a unit read at both ends has a tail bucket too (bucketing):
+    # it starts being used with its first bucket, and a prefetch of it gathers every bucket.
+    first_of_unit: dict[str, _Group] = {}
+    for g in gathers:
+        first_of_unit.setdefault(unit_label(g.tag.bucket), g)
     triggered: dict[str, int] = {}
     for trigger, targets in (options.explicit_prefetch or {}).items():
-        if trigger in by_bucket:
+        if trigger in first_of_unit:
             for target in targets:
-                triggered[target] = min(triggered.get(target, end), by_bucket[trigger].first_use)
+                triggered[target] = min(triggered.get(target, end), first_of_unit[trigger].first_use)
     for i, group in enumerate(gathers):
-        if group.tag.bucket in triggered:
-            desired = triggered[group.tag.bucket]
+        if unit_label(group.tag.bucket) in triggered:
+            desired = triggered[unit_label(group.tag.bucket)]
         elif options.prefetch == 0:
             desired = group.first_use
         elif i >= options.prefetch:
