@@ -97,10 +97,11 @@ def test_bucketed_training_is_bitwise_equal_to_the_unbucketed_eager_runtime(stra
     assert_bitwise(out[policy]["params"], out["eager"]["params"], f"{policy} parameters")
 
 
+# The root is read at both ends of forward and backward: two buckets, "<root>" and "<root>:tail".
 EXPECTED_BUCKETS = {
-    "classes": ["<root>", "blocks.0", "blocks.1"],
+    "classes": ["<root>", "<root>:tail", "blocks.0", "blocks.1"],
     # attention and MLP of each block; layer norms of the blocks fall back to the root
-    "callable": ["<root>", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"],
+    "callable": ["<root>", "<root>:tail", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"],
 }
 
 

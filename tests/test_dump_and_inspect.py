@@ -84,10 +84,11 @@ def test_dump_has_every_graph_before_and_after_each_pass(dump: Path) -> None:
         assert "all_gather_into_tensor" in (graph / "forward/03_lower_markers.py").read_text()
         summary = json.loads((graph / "summary.json").read_text())
         forward, backward = summary["forward"], summary["backward"]
-        assert [b["bucket"] for b in forward["buckets"]] == ["<root>", "blocks.0", "blocks.1"]
+        # The root is read at both ends: embeddings first, final norm and head last.
+        assert [b["bucket"] for b in forward["buckets"]] == ["<root>", "blocks.0", "blocks.1", "<root>:tail"]
         first = forward["buckets"][0]["params"][0]
         assert first == {"fqn": "tok_emb.weight", "shape": [67, 32], "dtype": "float32", "bytes": 67 * 32 * 4}
-        assert [c["kind"] for c in forward["collectives"]] == ["all_gather"] * 3
+        assert [c["kind"] for c in forward["collectives"]] == ["all_gather"] * 4
         assert all(c["group_size"] == 2 and c["bytes"] > 0 for c in forward["collectives"])
         assert {c["kind"] for c in backward["collectives"]} == {"all_gather", "reduce_scatter"}
         assert forward["collectives"][2]["prefetch"] == 1
@@ -100,10 +101,10 @@ def test_inspect_reports_buckets_and_collectives(dump: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "FULL_SHARD, world size 2" in out
-    assert out.count("buckets: 3 gathered, 0 reduced") == 1  # forward
-    assert "buckets: 3 gathered, 3 reduced" in out  # backward re-gathers and reduces
-    assert "collectives: all_gather x3\n" in out
-    assert "collectives: all_gather x3, reduce_scatter x3" in out
+    assert out.count("buckets: 4 gathered, 0 reduced") == 1  # forward: the root's two, the blocks
+    assert "buckets: 3 gathered, 4 reduced" in out  # backward re-gathers all but the embeddings
+    assert "collectives: all_gather x4\n" in out
+    assert "collectives: all_gather x3, reduce_scatter x4" in out
     assert "bytes per step" in out and "reduce_scatter" in out
     assert "memory estimate: peak" in out and "schedule: budget" in out
 
@@ -147,7 +148,7 @@ def test_timeline_is_a_chrome_trace(dump: Path, tmp_path: Path) -> None:
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["ph"] for e in events} == {"X", "C"}
     collectives = [e for e in events if e.get("cat") == "collective"]
-    assert len(collectives) == 2 * 9  # 2 ranks x (3 forward + 6 backward)
+    assert len(collectives) == 2 * 11  # 2 ranks x (4 forward + 7 backward)
     assert all(e["dur"] >= 1 and isinstance(e["ts"], int) for e in collectives)
 
 

@@ -136,7 +136,7 @@ def explicit_prefetch_worker(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = GPT(TEST_CONFIG)
-        orders = {"forward_prefetch": {"blocks.0": ["blocks.1"]},
+        orders = {"forward_prefetch": {"blocks.0": ["blocks.1", "<root>"]},
                   "backward_prefetch": {model.blocks[1]: [model.blocks[0]]}} if name == "explicit" else {}
         backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", prefetch=0, **orders)
         backend.shard(model)
@@ -148,14 +148,16 @@ def explicit_prefetch_worker(rank: int, world: int) -> dict:
 
 
 def test_explicit_prefetch_orders_change_the_compiled_schedule() -> None:
-    """forward_prefetch={"blocks.0": ["blocks.1"]} and backward_prefetch={blocks[1]: [blocks[0]]}
-    with prefetch=0: the named gathers run under the trigger's compute, read off the graphs'
-    node order; without the orders every gather is waited right where it is issued."""
+    """forward_prefetch={"blocks.0": ["blocks.1", "<root>"]} and backward_prefetch={blocks[1]:
+    [blocks[0]]} with prefetch=0: the named gathers run under the trigger's compute, read off the
+    graphs' node order; without the orders every gather is waited right where it is issued. The
+    root's name reaches its tail bucket (final norm and head), the one not yet gathered then."""
 
     out = run_workers(explicit_prefetch_worker, 2)[0]
     explicit, none = out["explicit"], out["none"]
     assert explicit["forward"]["blocks.1"] > 0 and none["forward"]["blocks.1"] == 0
     assert explicit["backward"]["blocks.0"] > 0 and none["backward"]["blocks.0"] == 0
+    assert explicit["forward"]["<root>:tail"] > 0 and none["forward"]["<root>:tail"] == 0
     # Only the named buckets moved.
     assert explicit["forward"]["<root>"] == explicit["forward"]["blocks.0"] == 0
     assert explicit["backward"]["<root>"] == explicit["backward"]["blocks.1"] == 0

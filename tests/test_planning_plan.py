@@ -140,8 +140,9 @@ def test_every_bucket_policy_given_is_planned():
     gathers = {c.bucket_label(): collective_counts(t.records[0].forward)["all_gather"]
                for c, t in p._context.traced.items()}
     params = len(list(model.parameters()))
-    # One forward gather per block and the root's; per parameter; per 64 KiB of full parameters.
-    assert gathers["module"] == CFG.n_layer + 1 and gathers["param"] == params
+    # One forward gather per block and the root's two (embeddings; final norm and head); per
+    # parameter; per 64 KiB of full parameters.
+    assert gathers["module"] == CFG.n_layer + 2 and gathers["param"] == params
     assert gathers["module"] < gathers["0.0625MiB"] < params
     # Each collective pays its latency: one per parameter is the slowest.
     assert rows["param"].step_seconds > rows["module"].step_seconds
