@@ -253,8 +253,9 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             for target in targets:
                 triggered[target] = min(triggered.get(target, end), first_of_unit[trigger].first_use)
     for i, group in enumerate(gathers):
-        if unit_label(group.tag.bucket) in triggered:
-            desired = triggered[unit_label(group.tag.bucket)]
+        unit = unit_label(group.tag.bucket)
+        if unit in triggered:
+            desired = triggered[unit]
         elif options.prefetch == 0:
             desired = group.first_use
         elif i >= options.prefetch:
