@@ -140,6 +140,14 @@ def test_compare_prints_its_table_without_the_profilers_logging(tmp_path: Path) 
     assert noise == [], noise[:4]
     data = json.loads((tmp_path / "compare.json").read_text())
     assert data["gc_between_steps"] is False
+    # predicted at the speed compute_scale's reference ran at beside the steps, not the calibration's
+    (row,) = data["rows"]
+    scales, at_calibration = row["compute_scale"], row["predicted_at_calibration"]
+    assert row["measured"]["reference_seconds"] > 0
+    assert scales["beside_steps"] != scales["at_calibration"]  # two timings of a CPU never agree to the bit
+    moved = row["predicted"]["compute_seconds"] - at_calibration["compute_seconds"]
+    assert (moved > 0) == (scales["beside_steps"] > scales["at_calibration"]) and moved != 0
+    assert "predicted at the machine's speed beside each strategy's steps" in proc.stdout
 
 
 def test_the_profiler_speaks_only_when_asked() -> None:
@@ -246,6 +254,39 @@ def test_compare_reads_the_network_over_the_timed_steps_alone() -> None:
     for log in run_workers(network_window_worker, 2):
         # two warm-up steps, the window, three timed steps, the statistics, the profiled step
         assert log == ["step", "step", "reset", "step", "step", "step", "stats", "step"], log
+
+
+def reference_worker(rank: int, world: int) -> dict:
+    """compare times compute_scale's reference after every timed step, on the compute clock."""
+    import torch.nn.functional as F
+
+    log: list[str] = []
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log.append("step")
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def reference() -> None:
+        log.append("reference")
+        time.sleep(0.05)  # off the compute clock: not counted
+        start = time.thread_time()
+        while time.thread_time() - start < 0.02:
+            pass
+
+    measured = _tiny_steps(rank, loss_fn, reference=reference)
+    return {"log": log, "seconds": measured.reference_seconds,
+            "without": _tiny_steps(rank, loss_fn).reference_seconds}
+
+
+def test_compare_times_the_reference_after_every_timed_step() -> None:
+    from distributed import run_workers
+
+    for out in run_workers(reference_worker, 2):
+        # two warm-up steps, three timed steps each followed by the reference, the profiled step
+        assert out["log"][:9] == ["step", "step", "step", "reference", "step", "reference", "step", "reference",
+                                  "step"], out["log"]
+        assert 0.02 <= out["seconds"] < 0.05  # the thread's CPU, not the wall clock's sleep
+        assert out["without"] is None
 
 
 def unlimited_too_worker(rank: int, world: int) -> dict:

@@ -219,6 +219,7 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from .calibration.calibrate import measure_links
+    from .calibration.reference import compute_scale, reference_step
     from .cluster import Cluster
     from .compare import bar_chart, measure_strategy, step_range, unlimited_links, within_noise
     from .plan import plan
@@ -263,6 +264,8 @@ def run_compare(args: argparse.Namespace) -> int:
 
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30)
+    # compute_scale's reference, timed again beside each strategy's steps: the machine's speed moves
+    reference_graphs, reference = reference_step(torch.device("cpu")) if cluster.device_type == "cpu" else ([], None)
     unlimited_cluster = None
     if args.exposed:
         with unlimited_links(network):
@@ -275,22 +278,26 @@ def run_compare(args: argparse.Namespace) -> int:
             options = {"mesh": tp["mesh"]["dp"]}
         measured[name] = measure_strategy(name, tp["build"] if tp else build, batches, loss_fn, compiler=args.compiler,
                                           backend_options=options, gc_between_steps=gc_between_steps,
-                                          network=network, unlimited_too=args.exposed)
+                                          network=network, unlimited_too=args.exposed, reference=reference)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
-        def plan_on(on: Any) -> Any:
-            return plan(probe, example, cluster=on, loss_fn=_cross_entropy, world_size=world, strategies=names,
+        def plan_on(on: Any, strategies: list[str]) -> Any:
+            return plan(probe, example, cluster=on, loss_fn=_cross_entropy, world_size=world, strategies=strategies,
                         prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
                         parallelize_fn=tp["fn"] if tp else None)
 
-        predicted = plan_on(cluster)
-        unlimited_plan = plan_on(unlimited_cluster) if unlimited_cluster is not None else None
+        at_calibration = plan_on(cluster, names)
         for name in names:
+            scale = (compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
+                     if measured[name].reference_seconds else cluster.compute_scale)
             rows.append({"strategy": name, "measured": measured[name].as_dict(),
-                         "predicted": predicted.row(name).as_dict()})
-            if unlimited_plan is not None:
-                rows[-1]["predicted_unlimited"] = unlimited_plan.row(name).as_dict()
+                         "predicted": plan_on(cluster.replace(compute_scale=scale), [name]).row(name).as_dict(),
+                         "predicted_at_calibration": at_calibration.row(name).as_dict(),
+                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scale}})
+            if unlimited_cluster is not None:
+                rows[-1]["predicted_unlimited"] = plan_on(unlimited_cluster.replace(compute_scale=scale),
+                                                          [name]).row(name).as_dict()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq,
@@ -312,7 +319,8 @@ def run_compare(args: argparse.Namespace) -> int:
                   f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
                   f"{m['compile_seconds']:>11.1f}")
         _print_split(rows)
-        if unlimited_plan is not None:
+        _print_speed(rows)
+        if unlimited_cluster is not None:
             _print_exposed(rows)
         for line in within_noise(measured):
             print(line)
@@ -330,6 +338,18 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         dist.barrier()
     return 0
+
+
+def _print_speed(rows: list[dict[str, Any]]) -> None:
+    """How far the machine's speed moved from the calibration while each strategy ran, and what
+    the prediction would have been at the calibration's speed."""
+    if not any(r["measured"]["reference_seconds"] for r in rows):
+        return  # not timed (a GPU, where the CPU runs ahead and compute_scale is 1)
+    moved = [(r["strategy"], r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"],
+              r["predicted_at_calibration"]["step_seconds"]) for r in rows]
+    print("predicted at the machine's speed beside each strategy's steps (compute_scale's reference timed "
+          "after every step); the compute's speed there against the calibration's, and the prediction at it: "
+          + "; ".join(f"{name} {ratio:.2f}x the time, {seconds * 1e3:.1f} ms" for name, ratio, seconds in moved))
 
 
 def _print_exposed(rows: list[dict[str, Any]]) -> None:

@@ -33,6 +33,11 @@ few steps with AdamW and measures:
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
   it moves more bytes than a ring reduce-scatter would: the difference is gloo's, and shown.
 
+* with ``reference`` (a :func:`~.calibration.reference.reference_step`, compare's default on a
+  CPU): ``compute_scale``'s reference step timed after every timed step, all ranks at once,
+  its median the slowest rank's (``reference_seconds``), so the plan can be made at the speed
+  the machine had while this strategy's steps ran rather than at the calibration's;
+
 * with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
   again on unlimited links, alternating which goes first, so that the step minus the median of
   those is the communication the network exposes, with the machine's drift common to both.
@@ -90,6 +95,8 @@ class Measured:
     # With ``unlimited_too``: each timed step run again on unlimited links, in the same
     # processes (step - this = the exposed communication, free of run-to-run drift).
     unlimited_step_times: list[float] = field(default_factory=list)
+    # With ``reference``: its step's median on the compute clock beside the timed steps (slowest rank).
+    reference_seconds: float | None = None
 
     @property
     def unlimited_step_seconds(self) -> float | None:
@@ -284,7 +291,7 @@ def measure_strategy(
     strategy: ShardingStrategy | str, build: Callable[[], nn.Module], batches: Sequence[tuple],
     loss_fn: Callable, *, compiler: str = "aot_eager", warmup: int = 2, backend_options: dict | None = None,
     tokens_per_step: int | None = None, gc_between_steps: bool = True, network: Any = None,
-    unlimited_too: bool = False,
+    unlimited_too: bool = False, reference: Callable[[], None] | None = None,
 ) -> Measured:
     """Train ``len(batches)`` steps of ``strategy``; see the module docstring for what is measured.
 
@@ -294,7 +301,8 @@ def measure_strategy(
     ``unlimited_too`` (needs ``network``): each timed step runs twice, on the network's links and
     on unlimited ones (gloo's own speed), in alternating order, so that the difference of the
     two medians is the step's exposed communication with the machine's drift common to both.
-    The statistics then cover the steps on the network's links alone.
+    The statistics then cover the steps on the network's links alone. ``reference``: a step of
+    ``compute_scale``'s reference graphs, timed after each timed step (module docstring).
     """
     import fsdp_compile
 
@@ -339,7 +347,7 @@ def measure_strategy(
                 _largest((after.all_waiting - before.all_waiting) / wall),
                 _largest(after.main_waiting - before.main_waiting))
 
-    times, cpu, waits, core_waits, unlimited = [], [], [], [], []
+    times, cpu, waits, core_waits, unlimited, reference_times = [], [], [], [], [], []
     network_stats = None
     for i, (inputs, targets) in enumerate(batches):
         if network is not None and i == warmup:
@@ -355,6 +363,8 @@ def measure_strategy(
             cpu.append(step_cpu)
             waits.append(wait)
             core_waits.append(core_wait)
+        if reference is not None and i >= warmup:
+            reference_times.append(_timed_reference(reference, device, gc_between_steps))
         if i == 0:
             gc.collect()
     if network is not None:
@@ -369,6 +379,8 @@ def measure_strategy(
     from .calibration.compute import _cpu_share
 
     quiet_step = quiet_step_seconds(steady, steady_waits, _cpu_share(device))
+    # per rank, then the slowest rank's: the calibration's own order (``timed_reference``)
+    reference_seconds = _slowest(statistics.median(reference_times)) if reference_times else None
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
@@ -383,7 +395,16 @@ def measure_strategy(
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
                     cpu_seconds, wait_fraction, core_wait_seconds, _load_average(), quiet_step, steady_waits,
-                    network_stats, warmup, unlimited)
+                    network_stats, warmup, unlimited, reference_seconds)
+
+
+def _timed_reference(reference: Callable[[], None], device: torch.device, gc_between_steps: bool) -> float:
+    """One timing of ``reference`` on every rank at once, as the calibration times it."""
+    from .calibration.reference import time_reference
+
+    with _collector_between_steps(gc_between_steps):
+        dist.barrier()
+        return time_reference(reference, device)
 
 
 @contextlib.contextmanager

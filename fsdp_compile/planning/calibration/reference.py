@@ -21,17 +21,27 @@ as the reference does. With 4 ranks on 2 cores, the reference took 8% more CPU t
 once than two at a time, and timed two at a time it left world-4 steps on plain gloo
 predicted 13-16% short (their main threads spent 151 ms of CPU per FULL_SHARD step against
 132 ms priced); all at once, -12% to -4% (``bench/results/archive/plan_emulated_cross_job.md``).
+
+The machine's speed is not constant: on a shared virtual machine the same reference took 29 ms
+in one round and 37-40 ms in the next, a minute later, and within one ``compare`` job the main
+thread's CPU per step over the compute the calibration priced ranged 1.05-1.23 across three
+strategies (``bench/results/plan_emulated.md``, before this).
+``compare`` therefore times the reference again after every timed step
+(:func:`reference_step`, :func:`time_reference`) and predicts each strategy at the speed the
+machine had while that strategy's steps ran.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ..cost import graph_costs
-from .compute import _compute_seconds, _sync_ranks
+from .compute import _compute_clock, _compute_seconds, _cpu_share, _sync_ranks
 
 # The reference: a GPT block as the CPU demos and benchmarks train it (d_model 256, 4 heads,
 # 4 x 128 tokens), with its embeddings and output head, the loss inside the graph.
@@ -49,7 +59,7 @@ class _WithLoss(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def _reference_graphs(device: torch.device) -> tuple[list[fx.GraphModule], Any]:
+def reference_step(device: torch.device) -> tuple[list[fx.GraphModule], Callable[[], None]]:
     """The reference's forward and backward graphs as AOTAutograd lowers them (run as Python,
     as ``aot_eager`` runs them), and a function running one step of them."""
     from functorch.compile import aot_module, make_boxed_func
@@ -84,9 +94,19 @@ def timed_reference(repeats: int, device: torch.device, group: Any = None,
     its peers idle would have the machine's shared cache and memory to itself."""
     if device.type != "cpu":
         return 0.0, []
-    graphs, step = _reference_graphs(device)
+    graphs, step = reference_step(device)
     _sync_ranks(group, sync)
     return _compute_seconds(step, max(repeats, 5), device, typical=True), graphs
+
+
+def time_reference(step: Callable[[], None], device: torch.device) -> float:
+    """One run of a :func:`reference_step` on the compute clock, stretched by the rank's share
+    of a core as :func:`timed_reference` stretches its median: a sample of the same number."""
+    clock = _compute_clock(device)
+    start = clock()
+    step()
+    seconds = clock() - start
+    return seconds / _cpu_share(device) if clock is time.thread_time else seconds
 
 
 def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
