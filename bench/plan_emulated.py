@@ -27,6 +27,9 @@ calibration), so neither side carries the spread between two jobs' machine speed
 calibrations'. Targets, printed as held or not: predicted step within 15% of measured; predicted
 exposed communication within 25% of measured, or within 5% of the step, whichever is larger;
 the ranking of strategies kept at each point wherever measured times differ by more than 10%.
+``compare`` predicts each strategy at the speed the machine had while its steps ran (its
+reference timed after every step); the prediction at the calibration's speed is shown beside it,
+with its own count of the step target.
 Writes ``<out>/plan_emulated.json``, ``.md`` and ``plan_emulated_w<world>.png``.
 """
 
@@ -123,6 +126,11 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
             "measured_peak_bytes": m["peak_bytes"], "predicted_peak_bytes": p["peak_bytes"],
             "emulation": network.get("summary", "plain gloo" if ratio == 0 else "not recorded"),
             "overruns": overruns, "load_average": m.get("load_average"),
+            # compare predicts at the speed compute_scale's reference ran at beside the steps; the
+            # same plan at the calibration's speed, and how far the speed moved in between
+            "predicted_at_calibration_step_s": r.get("predicted_at_calibration", p)["step_seconds"],
+            "speed_moved": (r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"]
+                            if "compute_scale" in r else 1.0),
         })
     return out
 
@@ -149,7 +157,12 @@ def targets(rows: list[dict]) -> dict:
                     ranking.append({"world": key[0], "ratio": key[1], "pair": [a["strategy"], b["strategy"]],
                                     "agree": (a["measured_step_s"] < b["measured_step_s"])
                                     == (a["predicted_step_s"] < b["predicted_step_s"])})
-    return {"step": step, "exposed": exposed, "ranking": ranking}
+    at_calibration = [{"world": r["world"], "ratio": r["ratio"], "strategy": r["strategy"],
+                       "error": r["predicted_at_calibration_step_s"] / r["measured_step_s"] - 1}
+                      for r in rows if "predicted_at_calibration_step_s" in r]
+    for x in at_calibration:
+        x["held"] = abs(x["error"]) <= STEP_WITHIN
+    return {"step": step, "exposed": exposed, "ranking": ranking, "step_at_calibration": at_calibration}
 
 
 def point_name(ratio: float) -> str:
@@ -200,6 +213,14 @@ def _where_held(results: list[dict]) -> str:
             f"on plain gloo: {sum(x['held'] for x in resting)}/{len(resting)})")
 
 
+def at_calibration_text(row: dict) -> str:
+    if "predicted_at_calibration_step_s" not in row:
+        return "-"
+    error = row["predicted_at_calibration_step_s"] / row["measured_step_s"] - 1
+    return (f"{row['predicted_at_calibration_step_s'] * 1e3:.0f} ms, {error * 100:+.0f}% "
+            f"({row.get('speed_moved', 1.0):.2f}x)")
+
+
 def render(report: dict) -> str:
     t = report["targets"]
     lines = ["# The planner against an emulated network", "",
@@ -209,7 +230,11 @@ def render(report: dict) -> str:
               f"inter-node link is {report['inter_slowdown']:g}x slower than the intra-node one. A point's ratio is "
               "FULL_SHARD's modeled communication per step over its compute (its step on plain gloo); the other "
               "strategies move other bytes, so their ratios differ. Each run measured the cluster on the network "
-              "it ran on (`Cluster.measure()`), then measured and planned every strategy. *On unlimited links*: "
+              "it ran on (`Cluster.measure()`), then measured and planned every strategy. *Predicted*: at the "
+              "speed of the machine while that strategy's steps ran (`compute_scale`'s reference step timed after "
+              "each timed step); *at the calibration's speed*: the same plan at the speed the calibration "
+              "measured, and how long the reference took beside the steps against the calibration. "
+              "*On unlimited links*: "
               "the same strategy's step in the same job, each timed step run again with the links unlimited "
               "(gloo's own speed), alternating (`compare --exposed`), and its prediction from the same compute "
               "calibration with the links timed unlimited; *exposed* is the step minus it. *Gloo late per step*: "
@@ -220,10 +245,11 @@ def render(report: dict) -> str:
         here = [r for r in report["rows"] if r["world"] == world]
         lines += [f"## World {world}" + (" (2 nodes x 2)" if world == 4 else " (one node)"), "",
                   f"![step against link speed](plan_emulated_w{world}.png)", "",
-                  "| point | links intra / inter | strategy | measured step | predicted | error | on unlimited links "
+                  "| point | links intra / inter | strategy | measured step | predicted | error | at the calibration's "
+                  "speed (compute's time beside the steps / at calibration) | on unlimited links "
                   "measured / predicted | exposed measured | exposed predicted | gloo late per step "
                   "| emulation over the timed steps |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sorted(here, key=lambda r: (r["ratio"], ALL.index(r["strategy"]))):
             links = report["links"].get(f"{world}/{r['ratio']}")
             link_text = "gloo" if links is None else f"{links[0] / 1e6:.0f} / {links[1] / 1e6:.0f} MB/s"
@@ -234,7 +260,7 @@ def render(report: dict) -> str:
                          + ("" if r.get("exposed_in_job") else " (plain-gloo job)"))
             lines.append(f"| {point_name(r['ratio'])} | {link_text} | {r['strategy']} | "
                          f"{r['measured_step_s'] * 1e3:.0f} ms | {r['predicted_step_s'] * 1e3:.0f} ms | "
-                         f"{r['step_error'] * 100:+.0f}% | {unlimited} | {exposed} | {exposed_p} | {late_text(r)} | "
+                         f"{r['step_error'] * 100:+.0f}% | {at_calibration_text(r)} | {unlimited} | {exposed} | {exposed_p} | {late_text(r)} | "
                          f"{r['emulation']} |")
         lines.append("")
         winners = []
@@ -259,6 +285,11 @@ def render(report: dict) -> str:
               "".join(f"; missed {x['strategy']} at world {x['world']}, {point_name(x['ratio'])} "
                       f"({x['predicted_ms']:.0f} ms predicted, {x['measured_ms']:.0f} ms measured)"
                       for x in t["exposed"] if not x["held"]),
+              *([f"- the same, predicted at the calibration's speed: "
+                 f"{sum(x['held'] for x in t['step_at_calibration'])}/{len(t['step_at_calibration'])}"
+                 + "".join(f"; missed {x['strategy']} at world {x['world']}, {point_name(x['ratio'])} "
+                           f"({x['error'] * 100:+.0f}%)" for x in t["step_at_calibration"] if not x["held"])]
+                if t.get("step_at_calibration") else []),
               f"- ranking kept where measured steps differ by more than {RANK_GAP:.0%}: {rank_ok}/{len(t['ranking'])}"
               + "".join(f"; {x['pair'][0]} vs {x['pair'][1]} at world {x['world']}, {point_name(x['ratio'])}"
                         for x in t["ranking"] if not x["agree"]), ""]

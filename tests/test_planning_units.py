@@ -421,11 +421,12 @@ def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatc
         assert len(fit.samples) == 3
 
 
-@pytest.mark.parametrize("cores_per_thread, beside", [(1.0, True), (2.0, False)])
+@pytest.mark.parametrize("cores_per_thread, beside", [(1.0, True), (2.0, False), (0.5, False)])
 def test_collectives_are_timed_beside_compute_where_ranks_fill_the_cores(monkeypatch, cores_per_thread, beside):
     """A step's collectives run beside its compute; on a CPU whose ranks fill the cores gloo's
     threads then wait for a core, so the fit is timed beside a computing thread there, and
-    alone where a core is spare (the step's compute does not take it)."""
+    alone where a core is spare (the step's compute does not take it) or where the ranks
+    outnumber the cores (computing threads there turned the timings into noise on some hosts)."""
     import threading
     import time
 
