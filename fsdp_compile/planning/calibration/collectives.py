@@ -6,8 +6,9 @@ A collective's timing is the median run's, not the fastest (why: :mod:`.calibrat
 a line over the bytes each rank sends (:func:`fsdp_compile.runtime.ring.wire_bytes`): the slope
 is the bandwidth, the intercept spread over the ring's steps the latency per step.
 
-Where this node's ranks fill its cores (a CPU backend with one compute thread per core), each
-rank runs a thread of matmuls while its collectives are timed (:func:`_beside_compute`): a
+Where this node's ranks fill its cores (a CPU backend with one compute thread per core, one rank
+per core), each rank runs a thread of matmuls while its collectives are timed
+(:func:`_beside_compute`; not where ranks outnumber the cores, which it says why): a
 training step's collectives run beside its compute, and gloo's threads then wait for a core. On
 a 2-core Xeon at world 2, collectives of 1-4 MB took 1.3-3.3x longer beside compute than alone
 (two trials of every kind); with fits timed alone, steps planned from the same calibration
