@@ -356,6 +356,10 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     # exposed communication against the same job's steps on unlimited links, measured and planned
     assert all(r["exposed_in_job"] and r["unlimited_step_s"] > 0 and r["predicted_unlimited_step_s"] > 0
                for r in emulated), emulated
+    # predicted at the speed measured beside the steps, with the calibration's speed's prediction beside it
+    assert all(r["predicted_at_calibration_step_s"] > 0 and r["speed_moved"] > 0 and r["speed_moved"] != 1.0
+               for r in report["rows"])
+    assert len(report["targets"]["step_at_calibration"]) == len(report["rows"])
     intra, inter = report["links"]["2/1.0"]
     assert intra == inter > 0  # one node: one link speed
     text = (tmp_path / "plan_emulated_smoke.md").read_text()

@@ -86,7 +86,7 @@ def _beside_compute(device: torch.device) -> Iterator[None]:
     noise. On a 2-core Xeon VM at 2 x 2 ranks on an emulated network of 315 / 31.5 MB/s, a
     70 KB all-reduce's median burst took 20-129 ms beside compute against 1.7-2.2 ms alone,
     and the fitted links came out anywhere from 22 MB/s to unbounded; timed alone, every fit was
-    within 10% of the links on that host. On another host of the same kind the same setup fitted
+    within 13% of the links on that host. On another host of the same kind the same setup fitted
     the links well either way, and the planned world-4 steps differed by 1-4 points."""
     if device.type != "cpu" or _cores_per_thread() != 1.0:
         yield

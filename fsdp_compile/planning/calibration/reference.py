@@ -25,7 +25,7 @@ predicted 13-16% short (their main threads spent 151 ms of CPU per FULL_SHARD st
 The machine's speed is not constant: on a shared virtual machine the same reference took 29 ms
 in one round and 37-40 ms in the next, a minute later, and within one ``compare`` job the main
 thread's CPU per step over the compute the calibration priced ranged 1.05-1.23 across three
-strategies (``bench/results/plan_emulated.md``, before this).
+strategies (``bench/results/plan_emulated.md`` as run on ecd421c).
 ``compare`` therefore times the reference again after every timed step
 (:func:`reference_step`, :func:`time_reference`) and predicts each strategy at the speed the
 machine had while that strategy's steps ran.
