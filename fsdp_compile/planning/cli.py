@@ -222,7 +222,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from .calibration.reference import compute_scale, reference_step
     from .cluster import Cluster
     from .compare import bar_chart, measure_strategy, step_range, unlimited_links, within_noise
-    from .plan import plan
+    from .isolated import run_in_subprocess
 
     owns_group = not dist.is_initialized()
     network = None
@@ -282,22 +282,23 @@ def run_compare(args: argparse.Namespace) -> int:
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
-        def plan_on(on: Any, strategies: list[str]) -> Any:
-            return plan(probe, example, cluster=on, loss_fn=_cross_entropy, world_size=world, strategies=strategies,
-                        prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
-                        parallelize_fn=tp["fn"] if tp else None)
-
-        at_calibration = plan_on(cluster, names)
+        scales = {name: compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
+                  if measured[name].reference_seconds else cluster.compute_scale for name in names}
+        on = {"at_calibration": (cluster, names)}
         for name in names:
-            scale = (compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
-                     if measured[name].reference_seconds else cluster.compute_scale)
-            rows.append({"strategy": name, "measured": measured[name].as_dict(),
-                         "predicted": plan_on(cluster.replace(compute_scale=scale), [name]).row(name).as_dict(),
-                         "predicted_at_calibration": at_calibration.row(name).as_dict(),
-                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scale}})
+            on[name] = (cluster.replace(compute_scale=scales[name]), [name])
             if unlimited_cluster is not None:
-                rows[-1]["predicted_unlimited"] = plan_on(unlimited_cluster.replace(compute_scale=scale),
-                                                          [name]).row(name).as_dict()
+                on[f"{name} unlimited"] = (unlimited_cluster.replace(compute_scale=scales[name]), [name])
+        plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=_cross_entropy, world_size=world,
+                                  prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
+                                  parallelize_fn=tp["fn"] if tp else None)
+        for name in names:
+            rows.append({"strategy": name, "measured": measured[name].as_dict(),
+                         "predicted": plans[name].row(name).as_dict(),
+                         "predicted_at_calibration": plans["at_calibration"].row(name).as_dict(),
+                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scales[name]}})
+            if unlimited_cluster is not None:
+                rows[-1]["predicted_unlimited"] = plans[f"{name} unlimited"].row(name).as_dict()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq,
@@ -338,6 +339,17 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         dist.barrier()
     return 0
+
+
+def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[Any, list[str]]],
+              **kwargs: Any) -> dict[str, Any]:
+    """``plan(cluster=..., strategies=...)`` for each entry of ``on``, in one process: inside a job
+    with a real process group each ``plan()`` would start a planning subprocess of its own
+    (:mod:`.isolated`), and ``compare`` plans every strategy on a cluster of its own."""
+    from .plan import plan
+
+    return {key: plan(model, example_inputs, cluster=cluster, strategies=strategies, **kwargs)
+            for key, (cluster, strategies) in on.items()}
 
 
 def _print_speed(rows: list[dict[str, Any]]) -> None:
