@@ -129,6 +129,7 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
             # compare predicts at the speed compute_scale's reference ran at beside the steps; the
             # same plan at the calibration's speed, and how far the speed moved in between
             "predicted_at_calibration_step_s": r.get("predicted_at_calibration", p)["step_seconds"],
+            "at_calibration_error": r.get("predicted_at_calibration", p)["step_seconds"] / m["step_seconds"] - 1,
             "speed_moved": (r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"]
                             if "compute_scale" in r else 1.0),
         })
@@ -158,8 +159,7 @@ def targets(rows: list[dict]) -> dict:
                                     "agree": (a["measured_step_s"] < b["measured_step_s"])
                                     == (a["predicted_step_s"] < b["predicted_step_s"])})
     at_calibration = [{"world": r["world"], "ratio": r["ratio"], "strategy": r["strategy"],
-                       "error": r["predicted_at_calibration_step_s"] / r["measured_step_s"] - 1}
-                      for r in rows if "predicted_at_calibration_step_s" in r]
+                       "error": r["at_calibration_error"]} for r in rows if "at_calibration_error" in r]
     for x in at_calibration:
         x["held"] = abs(x["error"]) <= STEP_WITHIN
     return {"step": step, "exposed": exposed, "ranking": ranking, "step_at_calibration": at_calibration}
@@ -214,10 +214,9 @@ def _where_held(results: list[dict]) -> str:
 
 
 def at_calibration_text(row: dict) -> str:
-    if "predicted_at_calibration_step_s" not in row:
+    if "at_calibration_error" not in row:
         return "-"
-    error = row["predicted_at_calibration_step_s"] / row["measured_step_s"] - 1
-    return (f"{row['predicted_at_calibration_step_s'] * 1e3:.0f} ms, {error * 100:+.0f}% "
+    return (f"{row['predicted_at_calibration_step_s'] * 1e3:.0f} ms, {row['at_calibration_error'] * 100:+.0f}% "
             f"({row.get('speed_moved', 1.0):.2f}x)")
 
 

@@ -57,7 +57,12 @@ def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = 
     the thread's."""
     clock = _compute_clock(device)
     samples = _samples(fn, repeats, device, clock)
-    seconds = statistics.median(samples) if typical else min(samples)
+    return _stretched(statistics.median(samples) if typical else min(samples), clock, device)
+
+
+def _stretched(seconds: float, clock, device: torch.device) -> float:
+    """``seconds`` read on ``clock``, stretched by the rank's share of a core when that clock is
+    the thread's (which does not see the sharing; a step's wall clock does)."""
     return seconds / _cpu_share(device) if clock is time.thread_time else seconds
 
 

@@ -33,7 +33,6 @@ machine had while that strategy's steps ran.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch
 from torch import fx, nn
 
 from ..cost import graph_costs
-from .compute import _compute_clock, _compute_seconds, _cpu_share, _sync_ranks
+from .compute import _compute_clock, _compute_seconds, _stretched, _sync_ranks
 
 # The reference: a GPT block as the CPU demos and benchmarks train it (d_model 256, 4 heads,
 # 4 x 128 tokens), with its embeddings and output head, the loss inside the graph.
@@ -105,8 +104,7 @@ def time_reference(step: Callable[[], None], device: torch.device) -> float:
     clock = _compute_clock(device)
     start = clock()
     step()
-    seconds = clock() - start
-    return seconds / _cpu_share(device) if clock is time.thread_time else seconds
+    return _stretched(clock() - start, clock, device)
 
 
 def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
