@@ -157,6 +157,7 @@ def test_region_call_cost_benchmark_times_torchs_re_trace_of_every_region_call(t
 TRAIN_STEP_VARIANTS = ["fsdp_compile_scheduled", "fsdp_compile_unscheduled", "fsdp2_eager", "fsdp2_compile", "ddp"]
 
 
+@pytest.mark.slow  # a benchmark's whole run; benchmarks are run by hand, and with -m slow
 def test_train_step_benchmark_runs_rounds_with_spread(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -197,6 +198,7 @@ def test_train_step_benchmark_runs_rounds_with_spread(tmp_path: Path) -> None:
     assert "| process CPU vs FSDP2 eager |" in text
 
 
+@pytest.mark.slow  # a benchmark's whole run; benchmarks are run by hand, and with -m slow
 def test_single_gpu_benchmark_runs(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29600 + os.getpid() % 1000)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "single_gpu_step.py"), "--smoke", "--compiler",
@@ -256,6 +258,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a benchmark's whole run; benchmarks are run by hand, and with -m slow
 def test_single_gpu_benchmark_frees_each_variant_and_step_before_the_next(tmp_path: Path) -> None:
     # What is still allocated counts in the peak memory of what runs next: a variant's model
     # (sharded models live in reference cycles) while the next variant runs, a step's logits
@@ -321,6 +324,7 @@ def _check_overlap_report(report: dict, tmp_path: Path, strategy: str, variants:
     assert (tmp_path / report["plots"][strategy]).stat().st_size > 0
 
 
+@pytest.mark.slow  # a benchmark's whole run; benchmarks are run by hand, and with -m slow
 def test_overlap_benchmark_reports_rows_targets_and_overruns(tmp_path: Path) -> None:
     report = _run_overlap(tmp_path, ["NO_SHARD"])
     _check_overlap_report(report, tmp_path, "NO_SHARD", [*OVERLAP_VARIANTS, "ddp"])

@@ -76,6 +76,9 @@ def losses_by_step(stdout: str) -> dict[int, str]:
     return {int(step): loss for step, loss, _ in STEP_LINE.findall(stdout)}
 
 
+# Three demo jobs; tests/test_training_loop.py holds saving, resuming and accumulation to the
+# single-process results by default.
+@pytest.mark.slow
 def test_demo_saves_resumes_and_accumulates(tmp_path: Path) -> None:
     checkpoint = str(tmp_path / "checkpoint")
     common = ["--strategy", "FULL_SHARD", "--grad-accum", "2", "--layers", "1", "--seq-len", "32"]

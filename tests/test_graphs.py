@@ -138,6 +138,7 @@ def test_inductor_runs_the_collectives_in_the_scheduled_order(strategy):
     assert any(order["graph"][1][1]), "the scheduled backward overlaps nothing"
 
 
+@pytest.mark.slow  # Inductor's scheduler runs only on a cold cache: a fresh one costs about 50 s
 def test_inductor_reorders_for_memory_only_graphs_without_collectives(tmp_path):
     """Keeping our order costs Inductor's peak-memory reordering only where there is an order to
     keep: NO_SHARD's forward has no collective and is reordered as Inductor would by default;

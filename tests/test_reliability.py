@@ -40,6 +40,10 @@ from fsdp_compile.models.gpt import GPT, GPTConfig
 FLAT = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 HYBRID = ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 MODES = ("eager", "aot_eager")
+# The default run checks each failure once, on a flat strategy; the hybrid strategies' two
+# groups and the other modes run with -m slow (the default run's budget, README).
+SLOW = pytest.mark.slow
+FLAT_THEN_HYBRID = FLAT + [pytest.param(s, marks=SLOW) for s in HYBRID]
 
 
 def _model(layers: int = 2) -> GPT:
@@ -107,7 +111,7 @@ def _frozen_head(frozen: bool) -> GPT:
     return model
 
 
-@pytest.mark.parametrize("strategy", FLAT + HYBRID)
+@pytest.mark.parametrize("strategy", FLAT_THEN_HYBRID)
 def test_ranks_that_shard_differently_all_raise_naming_the_difference(strategy: str) -> None:
     strategies = FLAT if strategy in FLAT else HYBRID
     results = _agreement_run(tuple(strategies), WORLD[strategy])
@@ -173,7 +177,7 @@ def graph_agreement_worker(rank: int, world: int, strategies: list[str], mode: s
     return out
 
 
-@pytest.mark.parametrize("strategy", FLAT + HYBRID)
+@pytest.mark.parametrize("strategy", FLAT_THEN_HYBRID)
 def test_ranks_whose_graphs_would_communicate_differently_all_raise_before_communicating(strategy: str) -> None:
     strategies = FLAT if strategy in FLAT else HYBRID
     key = ("graph", tuple(strategies))
@@ -247,7 +251,8 @@ def uneven_worker(rank: int, world: int, strategies: list[str], steps: int, mode
     return out
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", pytest.param("NO_SHARD", marks=SLOW),
+                                      pytest.param("HYBRID_SHARD", marks=SLOW)])
 def test_uneven_sequence_lengths_train_without_hangs_or_recompilation_storms(strategy: str) -> None:
     steps = 6
     results = run_workers(uneven_worker, WORLD[strategy], [strategy], steps)
@@ -339,7 +344,7 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tens
     return state
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", pytest.param("HYBRID_SHARD", marks=SLOW)])
 def test_a_damaged_checkpoint_raises_on_every_rank_and_changes_nothing(strategy: str, tmp_path: Path) -> None:
     results = run_workers(damaged_checkpoint_worker, WORLD[strategy], strategy, str(tmp_path))
     files = results[0]["files"]
@@ -436,7 +441,9 @@ def dying_rank_worker(rank: int, world: int, where: str, mode: str, root: str,
 
 
 # The save path does not depend on the mode: it runs once.
-@pytest.mark.parametrize(("where", "mode"), [("forward", "eager"), ("backward", "eager"), ("forward", "aot_eager"),
+@pytest.mark.parametrize(("where", "mode"), [pytest.param("forward", "eager", marks=SLOW),
+                                             pytest.param("backward", "eager", marks=SLOW),
+                                             pytest.param("forward", "aot_eager", marks=SLOW),
                                              ("backward", "aot_eager"), ("save", "aot_eager")])
 def test_a_rank_that_dies_makes_the_others_raise_naming_what_waited(where: str, mode: str, tmp_path: Path) -> None:
     results = run_fresh(dying_rank_worker, 2, where, mode, str(tmp_path))
