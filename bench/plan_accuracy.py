@@ -96,7 +96,9 @@ def _torchrun(world: int, args: list[str], out: Path) -> dict | None:
         print(f"  {out / 'compare.json'} is missing: left out (--reuse-only)", flush=True)
         return None
     load = _wait_for_quiet()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
+    # PYTHONFAULTHANDLER: a rank that native code aborts prints every thread's Python stack first.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            "-m", "fsdp_compile", "compare", *args, "--out", str(out)]
     print("+", " ".join(cmd), flush=True)

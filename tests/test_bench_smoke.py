@@ -347,7 +347,7 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_emulated.py"), "--smoke", "--quiet-load", "100",
                            "--out", str(tmp_path)], check=False, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     report = json.loads((tmp_path / "plan_emulated_smoke.json").read_text())
     points = {(r["ratio"], r["strategy"]) for r in report["rows"]}
     assert points == {(p, s) for p in (0.0, 1.0) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
@@ -371,12 +371,23 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     assert (tmp_path / "plan_emulated_smoke_w2.png").stat().st_size > 1000
 
 
+NATIVE_FAULTS = ("Fatal Python error", "terminate called")
+
+
+def _failure(proc: subprocess.CompletedProcess) -> str:
+    """A failed benchmark's output tails, and where a rank aborted in native code: its fault
+    report (the benchmarks start ranks with PYTHONFAULTHANDLER) is long past the tail."""
+    output = proc.stdout + proc.stderr
+    faults = [output[i:i + 4000] for i in (output.find(m) for m in NATIVE_FAULTS) if i >= 0]
+    return "\n...\n".join([*faults, proc.stdout[-3000:] + proc.stderr[-3000:]])
+
+
 def _run_smoke(script: str, out: Path, *options: str) -> None:
     """``bench/<script> --smoke`` with its results under ``out``; fails with its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", *options, "--out", str(out)],
                           check=False, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
 
 
 @pytest.mark.slow

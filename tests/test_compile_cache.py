@@ -193,6 +193,7 @@ def test_restart_loads_the_compilation_and_trains_bitwise_equal(cold_and_warm) -
     assert (cache / "fsdp_compile_cache.json").exists()
 
 
+@pytest.mark.slow  # a third fresh two-rank run, Inductor compiling
 def test_dumping_reads_no_cache_entry(cold_and_warm, tmp_path: Path) -> None:
     # The warm cache holds this very compilation, which the warm run loaded; a dumping run must
     # compile instead (a hit runs no passes, so it would dump no graph) and train the same.
