@@ -279,8 +279,8 @@ def eager_fallback_worker(rank: int, world: int, strategy: str, steps: int) -> d
     return out if rank == 0 else {}
 
 
-# FULL_SHARD by default; tests/test_parity.py holds the eager runtime
-# bitwise to aot_eager for every strategy.
+# FULL_SHARD by default; tests/test_parity.py holds the eager runtime bitwise to aot_eager for
+# every strategy.
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", pytest.param("SHARD_GRAD_OP", marks=pytest.mark.slow),
                                       pytest.param("NO_SHARD", marks=pytest.mark.slow),
                                       pytest.param("HYBRID_SHARD", marks=pytest.mark.slow),

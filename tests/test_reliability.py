@@ -41,7 +41,7 @@ FLAT = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 HYBRID = ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 MODES = ("eager", "aot_eager")
 # The default run checks each failure once, on a flat strategy; the hybrid strategies' two
-# groups and the other modes run with -m slow (the default run's budget, README).
+# groups and the other modes run with -m slow (the default run stays within 20 minutes on 2 cores).
 SLOW = pytest.mark.slow
 FLAT_THEN_HYBRID = FLAT + [pytest.param(s, marks=SLOW) for s in HYBRID]
 
