@@ -113,6 +113,7 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
         predicted_compute = (r.get("predicted_unlimited") or b["predicted"])["step_seconds"]
         measured_exposed = m["step_seconds"] - compute
         predicted_exposed = p["step_seconds"] - predicted_compute
+        at_calibration = r.get("predicted_at_calibration", p)["step_seconds"]
         out.append({
             "world": data["world"], "ratio": ratio, "strategy": r["strategy"],
             "measured_step_s": m["step_seconds"], "predicted_step_s": p["step_seconds"],
@@ -128,8 +129,8 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
             "overruns": overruns, "load_average": m.get("load_average"),
             # compare predicts at the speed compute_scale's reference ran at beside the steps; the
             # same plan at the calibration's speed, and how far the speed moved in between
-            "predicted_at_calibration_step_s": r.get("predicted_at_calibration", p)["step_seconds"],
-            "at_calibration_error": r.get("predicted_at_calibration", p)["step_seconds"] / m["step_seconds"] - 1,
+            "predicted_at_calibration_step_s": at_calibration,
+            "at_calibration_error": at_calibration / m["step_seconds"] - 1,
             "speed_moved": (r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"]
                             if "compute_scale" in r else 1.0),
         })
