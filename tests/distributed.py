@@ -3,9 +3,12 @@
 ``run_workers(fn, world_size, *args)`` returns each rank's return value. Every rank uses
 ``OMP_NUM_THREADS=1`` (the CI machine has 2 cores), a process-group timeout, and ends its group
 with ``end_process_group()`` (a barrier that holds no earlier collective, then
-``destroy_process_group()``: gloo can abort at exit otherwise). When any rank raises, the
-others are killed at once and the failing rank's traceback is raised in the parent, so a test
-never waits on ranks blocked in a collective.
+``destroy_process_group()``: gloo can abort at exit otherwise). When any rank raises or dies,
+the others are killed within seconds and the parent raises every rank's failure, so a test
+never waits on ranks blocked in a collective. The rank that failed first leads the report, not
+the one whose error arrived first: when a rank dies, its peers' "connection reset" errors can
+reach the parent before the dead rank's own traceback, and a rank killed by a signal reports
+nothing but its exit code and the stack ``faulthandler`` wrote.
 
 The processes of one world size are kept for the whole test session and run one call after
 another: starting a rank and importing torch costs seconds, paid by dozens of tests. Each call
@@ -29,12 +32,13 @@ import itertools
 import os
 import pickle
 import queue
+import signal
 import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
 
@@ -44,6 +48,13 @@ DEFAULT_TIMEOUT_S = 900
 # a minute. A rank that fails does not leave the others waiting this long: the parent kills
 # them as soon as it hears of the failure.
 PG_TIMEOUT = datetime.timedelta(seconds=300)
+# How long the parent waits, after the first failure, for the other ranks to report theirs or
+# die. A rank that lost a peer fails within milliseconds; one blocked in a collective with a
+# rank that is still alive would wait out PG_TIMEOUT, and is reported as waiting instead.
+FAILURE_GRACE_S = 10.0
+# What a rank's error says when it failed because another rank went away, not on its own.
+PEER_LOSS_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "Another rank has most likely exited or is stuck")
 
 
 class WorkerError(RuntimeError):
@@ -56,11 +67,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_group: bool) -> None:
+def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_group: bool,
+           fault_path: str) -> None:
     """A rank's loop: run each task ``(id, fn, args, env)`` until told to stop (``None``)."""
-    # A rank killed by a signal (a heap corruption in native code aborts) prints every
-    # thread's Python stack first, so the failure names where it happened.
-    faulthandler.enable()
+    # A rank killed by a signal (a heap corruption in native code aborts) writes every
+    # thread's Python stack to its fault file first, which the parent's report quotes.
+    fault_file = open(fault_path, "w")  # noqa: SIM115 -- open until the process ends
+    faulthandler.enable(file=fault_file)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -111,8 +124,11 @@ class _Pool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.tasks[r], self.results, default_group),
-                                  daemon=True) for r in range(world)]
+        self.fault_paths = [_fault_path(r) for r in range(world)]
+        self.procs = [ctx.Process(target=_serve, daemon=True,
+                                  args=(r, world, port, self.tasks[r], self.results, default_group,
+                                        self.fault_paths[r]))
+                      for r in range(world)]
         for p in self.procs:
             p.start()
 
@@ -134,17 +150,57 @@ class _Pool:
             try:
                 done_id, rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in values]
-                if dead:
-                    raise WorkerError(f"rank {dead[0]} exited with code {self.procs[dead[0]].exitcode} "
-                                      "without a result") from None
+                if any(not p.is_alive() and r not in values for r, p in enumerate(self.procs)):
+                    self._fail(task_id, {}, values)
                 continue
             if done_id != task_id:
                 continue
             if status == "error":
-                raise WorkerError(f"rank {rank} failed:\n{payload}")
+                self._fail(task_id, {rank: payload}, values)
             values[rank] = pickle.loads(payload)
         return [values[r] for r in range(self.world)]
+
+    def _fail(self, task_id: int, errors: dict[int, str], values: dict[int, Any]) -> NoReturn:
+        """Wait up to FAILURE_GRACE_S for every rank's own outcome, then raise them all."""
+        grace_end = time.monotonic() + FAILURE_GRACE_S
+
+        def settled() -> bool:
+            return all(r in values or r in errors or not self.procs[r].is_alive() for r in range(self.world))
+
+        def take(timeout: float) -> bool:
+            try:
+                done_id, rank, status, payload = self.results.get(timeout=timeout)
+            except queue.Empty:
+                return False
+            if done_id == task_id and status == "error":
+                errors[rank] = payload
+            return True
+
+        while not settled() and time.monotonic() < grace_end:
+            take(0.2)
+        # A rank that reported and then exited has its report in the pipe already.
+        while take(0.2):
+            pass
+        raise WorkerError(self._report(errors, values))
+
+    def _report(self, errors: dict[int, str], values: dict[int, Any]) -> str:
+        """Every rank's outcome, ranks that failed on their own before those that lost a peer."""
+        causes, consequences = [], []
+        for rank, proc in enumerate(self.procs):
+            if rank in errors:
+                text = f"rank {rank} failed:\n{errors[rank]}"
+                lost_a_peer = any(sign in errors[rank] for sign in PEER_LOSS_SIGNS)
+                (consequences if lost_a_peer else causes).append(text)
+            elif rank in values:
+                continue
+            elif not proc.is_alive():
+                text = f"rank {rank} {_exit_status(proc.exitcode)} without a result"
+                fault = _read_tail(self.fault_paths[rank])
+                causes.append(f"{text}; its fault report:\n{fault}" if fault else text)
+            else:
+                consequences.append(f"rank {rank} was still running (most likely waiting in a collective "
+                                    f"for a failed rank) {FAILURE_GRACE_S:.0f}s after the first failure")
+        return "\n\n".join(causes + consequences)
 
     def close(self) -> None:
         for q in self.tasks:
@@ -158,6 +214,29 @@ class _Pool:
             if p.is_alive():
                 p.kill()
             p.join()
+        for path in self.fault_paths:
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def _fault_path(rank: int) -> str:
+    fd, path = tempfile.mkstemp(prefix=f"fsdp_compile_rank{rank}_", suffix=".fault")
+    os.close(fd)
+    return path
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    name = signal.Signals(-code).name
+    if name == "SIGKILL":
+        return "was killed by SIGKILL (the kernel's out-of-memory killer sends it, as does a kill -9)"
+    return f"was killed by {name}"
+
+
+def _read_tail(path: str, limit: int = 8000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-limit:].strip()
 
 
 _POOLS: dict[tuple[int, bool], _Pool] = {}

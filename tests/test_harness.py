@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -24,3 +25,38 @@ def test_a_failing_rank_ends_the_run_without_waiting_for_timeouts() -> None:
     assert "ValueError: rank 1 gives up" in str(err.value)
     # Rank 0 is blocked in all_reduce; it is killed, not left to the process-group timeout.
     assert time.monotonic() - start < PG_TIMEOUT.total_seconds() / 4
+
+
+def rank_goes_away_then_raises_worker(rank: int, world: int) -> None:
+    """Rank 1 leaves the group (rank 0 fails at once on the lost peer), then raises late."""
+    if rank == 1:
+        dist.destroy_process_group()
+        time.sleep(2.0)
+        raise ValueError("rank 1's own cause")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_the_rank_that_failed_on_its_own_leads_the_report() -> None:
+    """Rank 0's "connection closed" reaches the parent first; the report still opens with
+    rank 1's traceback, the cause, and keeps rank 0's after it."""
+    with pytest.raises(WorkerError) as err:
+        run_workers(rank_goes_away_then_raises_worker, 2)
+    report = str(err.value)
+    assert report.startswith("rank 1 failed"), report[:2000]
+    assert "ValueError: rank 1's own cause" in report
+    assert "rank 0 failed" in report
+
+
+def rank_aborts_worker(rank: int, world: int) -> None:
+    """Rank 1 dies of SIGABRT (as a native heap corruption does) while rank 0 waits for it."""
+    if rank == 1:
+        os.abort()
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack() -> None:
+    with pytest.raises(WorkerError) as err:
+        run_workers(rank_aborts_worker, 2)
+    report = str(err.value)
+    assert report.startswith("rank 1 was killed by SIGABRT without a result"), report[:2000]
+    assert "rank_aborts_worker" in report  # faulthandler's stack of the dying rank
