@@ -49,6 +49,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import rank_env, torchrun_command
+
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("plain", "plain_regions", "fsdp", "fsdp_no_regions", "fsdp_nosched", "fsdp_warm")
 ALL_VARIANTS = (*VARIANTS, "fsdp_cold_cached")
@@ -212,17 +215,14 @@ def run_config(args: argparse.Namespace, layers: int, compiler: str, variant: st
                cache_dir: str | None) -> dict:
     result = workdir / f"{compiler}_{layers}_{variant}.json"
     inductor_cache = tempfile.mkdtemp(prefix="inductor_", dir=workdir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(args.world), __file__, "--worker", "--layers", str(layers), "--compiler", compiler,
-               "--variant", variant, "--result", str(result), "--inductor-cache", inductor_cache,
-               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--device", args.device]
+    command = torchrun_command(args.world, __file__, "--worker", "--layers", str(layers), "--compiler", compiler,
+                               "--variant", variant, "--result", str(result), "--inductor-cache", inductor_cache,
+                               "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch),
+                               "--steps", str(args.steps), "--device", args.device)
     if cache_dir:
         command += ["--cache-dir", cache_dir]
     started = time.perf_counter()
-    proc = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(command, check=False, env=rank_env(), capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{compiler} {layers} layers {variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     ranks = json.loads(result.read_text())

@@ -41,6 +41,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from launch import rank_env, torchrun_command
 from plain_loop import full_shard_prediction, gpt_job
 from report_files import write_report
 
@@ -126,12 +127,11 @@ def worker(args) -> None:
 
 
 def _launch(mode: str, world: int, part: Path, args) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(Path(__file__).resolve()), "--part", str(part), "--mode", mode, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]
+    cmd = torchrun_command(world, str(Path(__file__).resolve()), "--part", str(part), "--mode", mode,
+                           "--steps", str(args.steps), "--warmup", str(args.warmup),
+                           *(["--smoke"] if args.smoke else []))
     print(" ".join(cmd), flush=True)
-    return subprocess.Popen(cmd, env=env)
+    return subprocess.Popen(cmd, env=rank_env())
 
 
 def render(report: dict) -> str:

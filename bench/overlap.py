@@ -71,6 +71,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import rank_env, torchrun_command
 from report_files import write_report
 from rounds import fmt_ratio, fmt_spread, rotated, spread
 
@@ -777,11 +778,9 @@ def driver(args) -> None:
             if not strategies:
                 continue
             part = Path(tmp) / f"world{world}.json"
-            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-                       __file__, *forwarded, "--strategies", *strategies, "--part", str(part)]
+            command = torchrun_command(world, __file__, *forwarded, "--strategies", *strategies, "--part", str(part))
             print(f"world {world}: {' '.join(strategies)}", flush=True)
-            proc = subprocess.run(command, env=env, check=False)
+            proc = subprocess.run(command, env=rank_env(os.environ.get("OMP_NUM_THREADS", "1")), check=False)
             if not part.exists():
                 raise SystemExit(f"the world-{world} job failed (exit status {proc.returncode}) before any result")
             parts.append(json.loads(part.read_text()))

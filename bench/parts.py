@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import rank_env, torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -30,12 +32,10 @@ def parser(doc: str, *, steps: int, warmup: int) -> argparse.ArgumentParser:
 def run_part(script: str | Path, args: argparse.Namespace, world: int = 2) -> dict:
     """Run ``script`` as a fresh torchrun job of ``world`` processes (one intra-op thread each)
     with the parent's steps, warm-up and size, and return what its rank 0 wrote."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
     with tempfile.TemporaryDirectory() as tmp:
         part = Path(tmp) / "part.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               str(Path(script).resolve()), "--part", str(part), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]
+        cmd = torchrun_command(world, str(Path(script).resolve()), "--part", str(part), "--steps", str(args.steps),
+                               "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else []))
         print(" ".join(cmd), flush=True)
-        subprocess.run(cmd, env=env, check=True)
+        subprocess.run(cmd, env=rank_env(), check=True)
         return json.loads(part.read_text())

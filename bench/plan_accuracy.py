@@ -38,6 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from launch import rank_env, torchrun_command
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
@@ -96,13 +99,9 @@ def _torchrun(world: int, args: list[str], out: Path) -> dict | None:
         print(f"  {out / 'compare.json'} is missing: left out (--reuse-only)", flush=True)
         return None
     load = _wait_for_quiet()
-    # PYTHONFAULTHANDLER: a rank that native code aborts prints every thread's Python stack first.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "fsdp_compile", "compare", *args, "--out", str(out)]
+    cmd = torchrun_command(world, "-m", "fsdp_compile", "compare", *args, "--out", str(out))
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, env=env, check=True)
+    subprocess.run(cmd, env=rank_env(), check=True)
     data = json.loads((out / "compare.json").read_text())
     data["load_at_start"] = load
     (out / "compare.json").write_text(json.dumps(data, indent=2))
