@@ -172,8 +172,11 @@ class _Pool:
                 done_id, rank, status, payload = self.results.get(timeout=timeout)
             except queue.Empty:
                 return False
-            if done_id == task_id and status == "error":
-                errors[rank] = payload
+            if done_id == task_id:
+                if status == "error":
+                    errors[rank] = payload
+                else:  # finished after all: not a rank to report
+                    values[rank] = pickle.loads(payload)
             return True
 
         while not settled() and time.monotonic() < grace_end:
