@@ -198,7 +198,7 @@ class _Pool:
                 continue
             elif not proc.is_alive():
                 text = f"rank {rank} {_exit_status(proc.exitcode)} without a result"
-                fault = _read_tail(self.fault_paths[rank])
+                fault = _fault_report(self.fault_paths[rank])
                 causes.append(f"{text}; its fault report:\n{fault}" if fault else text)
             else:
                 consequences.append(f"rank {rank} was still running (most likely waiting in a collective "
@@ -237,9 +237,13 @@ def _exit_status(code: int | None) -> str:
     return f"was killed by {name}"
 
 
-def _read_tail(path: str, limit: int = 8000) -> str:
+def _fault_report(path: str, limit: int = 12000) -> str:
+    """The stacks ``faulthandler`` wrote, the thread that received the signal first (faulthandler
+    writes it first), without its list of loaded extension modules (one per compiled kernel)."""
     with open(path, errors="replace") as f:
-        return f.read()[-limit:].strip()
+        lines = [line for line in f.read().splitlines() if not line.startswith("Extension modules:")]
+    text = "\n".join(lines).strip()
+    return text if len(text) <= limit else text[:limit] + "\n[... cut]"
 
 
 _POOLS: dict[tuple[int, bool], _Pool] = {}
