@@ -37,7 +37,6 @@ Writes ``compile_time_cpu.json`` and ``compile_time_cpu.md`` (``compile_time_smo
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import platform
@@ -76,8 +75,6 @@ BREAKDOWN = ("dynamo_trace", "dynamo_guards", "aot_trace", "partitioner", "ours"
 
 # ----------------------------------------------------------------------------- worker
 def worker(args: argparse.Namespace) -> None:
-    # A rank killed by a signal prints every thread's Python stack (the parent shows stderr).
-    faulthandler.enable()
     rank = int(os.environ["RANK"])
     # A cache directory per rank and run: ranks compiling the same graph must not reuse each
     # other's kernels, and no run may reuse an earlier run's.
