@@ -6,9 +6,9 @@ untied heads, and a GPT with tied embeddings and a frozen first block (``model_s
 One multi-process run per strategy compiles each model with the defaults (FULL_SHARD, the
 default strategy, every model by default; the other strategies the tied GPT-2 by default, every
 model with -m slow; and, with -m slow, another run with ``aot_eager`` and through the eager
-runtime); rank 0 also computes single-process
-gradients on the whole batch. The first step's gradients are compared (a wrong factor or a
-gradient computed from overwritten memory is far outside rounding).
+runtime); rank 0 also computes single-process gradients on the whole batch. The first step's
+gradients are compared (a wrong factor or a gradient computed from overwritten memory is far
+outside rounding).
 """
 
 from __future__ import annotations
