@@ -20,11 +20,12 @@ strategy.
 
 Per strategy and point: the measured step (median of the timed steps), the prediction, the
 exposed communication measured and predicted, and whether the emulation held over the timed
-steps. Exposed communication is the step minus the same strategy's step on unlimited links,
-both from the same job (``compare --exposed``: each timed step runs on the emulated links and
-on unlimited ones, alternating, and the links are calibrated both ways on one compute
+steps. Exposed communication is the median over the timed steps of each step minus its pair
+on unlimited links in the same job (``compare --exposed``: each timed step runs on the emulated
+links and on unlimited ones, alternating, and the links are calibrated both ways on one compute
 calibration), so neither side carries the spread between two jobs' machine speeds or two
-calibrations'. Targets, printed as held or not: predicted step within 15% of measured; predicted
+calibrations', and the pair's two steps share the machine's drift; beside it, the interval
+that holds the true median with 95% confidence (order statistics of the differences). Targets, printed as held or not: predicted step within 15% of measured; predicted
 exposed communication within 25% of measured, or within 5% of the step, whichever is larger;
 the ranking of strategies kept at each point wherever measured times differ by more than 10%.
 ``compare`` predicts each strategy at the speed the machine had while its steps ran (its
@@ -39,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plan_accuracy import QUIET, REUSE, _torchrun
+
+from fsdp_compile.planning.compare import median_interval
 
 MODEL = ("gpt_small", 4, 128)  # factory in bench/plan_accuracy.py, batch, seq
 SMOKE_MODEL = ("gpt_tiny", 2, 32)
@@ -111,7 +115,11 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
         # there, alternating, and the links calibrated both ways), else the plain-gloo job's.
         compute = m.get("unlimited_step_seconds") or b["measured"]["step_seconds"]
         predicted_compute = (r.get("predicted_unlimited") or b["predicted"])["step_seconds"]
-        measured_exposed = m["step_seconds"] - compute
+        # Exposed: the median of each timed step minus its pair on unlimited links (the pair ran
+        # back to back, so the machine's drift cancels), with its 95% interval.
+        paired = [a - u for a, u in zip(timed, m.get("unlimited_step_times") or [])]
+        measured_exposed = statistics.median(paired) if paired else m["step_seconds"] - compute
+        interval = median_interval(paired) if paired else None
         predicted_exposed = p["step_seconds"] - predicted_compute
         at_calibration = r.get("predicted_at_calibration", p)["step_seconds"]
         out.append({
@@ -123,6 +131,7 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
             "unlimited_step_s": compute, "predicted_unlimited_step_s": predicted_compute,
             "exposed_in_job": bool(m.get("unlimited_step_seconds")),
             "measured_exposed_s": measured_exposed, "predicted_exposed_s": predicted_exposed,
+            "measured_exposed_interval_s": interval,
             "planner_exposed_comm_s": p["exposed_comm_seconds"], "predicted_comm_s": p["comm_seconds"],
             "measured_peak_bytes": m["peak_bytes"], "predicted_peak_bytes": p["peak_bytes"],
             "emulation": network.get("summary", "plain gloo" if ratio == 0 else "not recorded"),
@@ -198,6 +207,10 @@ def plot(rows: list[dict], world: int, path: Path) -> None:
     plt.close(fig)
 
 
+def interval_text(interval: list[float] | None) -> str:
+    return "" if not interval else f" ({interval[0] * 1e3:.0f} to {interval[1] * 1e3:.0f})"
+
+
 def late_text(row: dict) -> str:
     """Gloo's lateness per step and its share of the step, or "-" on plain gloo."""
     if row["ratio"] == 0 or "gloo_late_per_step_s" not in row:
@@ -237,7 +250,9 @@ def render(report: dict) -> str:
               "*On unlimited links*: "
               "the same strategy's step in the same job, each timed step run again with the links unlimited "
               "(gloo's own speed), alternating (`compare --exposed`), and its prediction from the same compute "
-              "calibration with the links timed unlimited; *exposed* is the step minus it. *Gloo late per step*: "
+              "calibration with the links timed unlimited; *exposed* is the median over the timed steps of each "
+              "step minus its pair on unlimited links, with the interval that holds the true median with 95% "
+              "confidence (order statistics of the differences). *Gloo late per step*: "
               "the network's stats summed over the timed steps, how much later than the modeled link gloo "
               "finished its collectives, an upper bound of what the step owes to gloo on these cores rather than "
               "to the link. Produced by `python bench/plan_emulated.py`."), ""]
@@ -247,13 +262,14 @@ def render(report: dict) -> str:
                   f"![step against link speed](plan_emulated_w{world}.png)", "",
                   "| point | links intra / inter | strategy | measured step | predicted | error | at the calibration's "
                   "speed (compute's time beside the steps / at calibration) | on unlimited links "
-                  "measured / predicted | exposed measured | exposed predicted | gloo late per step "
+                  "measured / predicted | exposed measured (95% interval) | exposed predicted | gloo late per step "
                   "| emulation over the timed steps |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sorted(here, key=lambda r: (r["ratio"], ALL.index(r["strategy"]))):
             links = report["links"].get(f"{world}/{r['ratio']}")
             link_text = "gloo" if links is None else f"{links[0] / 1e6:.0f} / {links[1] / 1e6:.0f} MB/s"
-            exposed = ("-" if r["ratio"] == 0 else f"{r['measured_exposed_s'] * 1e3:.0f} ms")
+            exposed = ("-" if r["ratio"] == 0 else f"{r['measured_exposed_s'] * 1e3:.0f} ms"
+                       + interval_text(r.get("measured_exposed_interval_s")))
             exposed_p = ("-" if r["ratio"] == 0 else f"{r['predicted_exposed_s'] * 1e3:.0f} ms")
             unlimited = ("-" if r["ratio"] == 0 or "unlimited_step_s" not in r else
                          f"{r['unlimited_step_s'] * 1e3:.0f} / {r['predicted_unlimited_step_s'] * 1e3:.0f} ms"
@@ -303,7 +319,10 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=[2, 4])
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
     parser.add_argument("--inter-slowdown", type=float, default=10.0)
-    parser.add_argument("--steps", type=int, default=12, help="steps per strategy per run (two warm up)")
+    # 30 timed pairs: the exposed communication's 95% interval is then the 10th to 21st of the
+    # paired differences, about 1/sqrt(3) of its width with 10 pairs; at world 4, where 4 ranks
+    # share 2 cores, single differences spread by 25-60 ms (standard deviation).
+    parser.add_argument("--steps", type=int, default=32, help="steps per strategy per run (two warm up)")
     parser.add_argument("--quiet-load", type=float, default=QUIET["load"],
                         help="before each run, wait for the 1-minute load average to fall below this")
     parser.add_argument("--quiet-wait", type=float, default=QUIET["wait_s"])
@@ -336,6 +355,7 @@ def main() -> None:
     if args.reuse and earlier.exists():  # rendered again: the figures keep when and where they were measured
         measured = json.loads(earlier.read_text())
         when, commit = measured.get("when", when), measured.get("commit", commit)
+        args.steps = measured.get("steps", args.steps)
     report = {"when": when, "machine": f"{platform.machine()} {os.cpu_count()} cores",
               "torch": torch.__version__, "commit": commit or "?",
               "model": f"{model[0]} (bench/plan_accuracy.py), batch {model[1]} x {model[2]} per rank",

@@ -368,6 +368,7 @@ def test_plan_emulated_benchmark_measures_and_predicts_each_point(tmp_path: Path
     assert intra == inter > 0  # one node: one link speed
     text = (tmp_path / "plan_emulated_smoke.md").read_text()
     assert "## Targets" in text and "ranking kept" in text and "gloo late per step" in text
+    assert "exposed measured (95% interval)" in text
     assert (tmp_path / "plan_emulated_smoke_w2.png").stat().st_size > 1000
 
 

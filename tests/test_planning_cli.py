@@ -336,7 +336,8 @@ def unlimited_too_worker(rank: int, world: int) -> dict:
     return {"log": log, "network": measured.network, "unlimited": measured.unlimited_step_times,
             "median": measured.unlimited_step_seconds, "timed": measured.steady_step_times,
             "restored": restored == {k: (v.bandwidth, v.latency) for k, v in emulated.items()},
-            "as_dict": measured.as_dict()["unlimited_step_seconds"]}
+            "as_dict": measured.as_dict()["unlimited_step_seconds"], "exposed": measured.exposed_seconds,
+            "interval": measured.exposed_interval}
 
 
 def test_compare_exposed_runs_each_timed_step_on_unlimited_links_too() -> None:
@@ -354,6 +355,8 @@ def test_compare_exposed_runs_each_timed_step_on_unlimited_links_too() -> None:
         assert out["network"]["usage"]["all_gather/intra"]["count"] == 3  # the emulated steps alone
         assert len(out["unlimited"]) == len(out["timed"]) == 3 and out["restored"]
         assert out["median"] == out["as_dict"] == sorted(out["unlimited"])[1]
+        differences = sorted(a - b for a, b in zip(out["timed"], out["unlimited"]))
+        assert out["exposed"] == differences[1] and out["interval"] is None  # 3 pairs: too few for one
 
 
 def test_unlimited_steps_need_the_network() -> None:
@@ -387,6 +390,28 @@ def test_compare_says_which_strategies_are_within_noise() -> None:
     assert step_range(a) == pytest.approx((0.011, 0.013))  # the middle half: the warm-up and the outlier left out
     lines = within_noise({"FULL_SHARD": a, "NO_SHARD": b, "SHARD_GRAD_OP": c})
     assert len(lines) == 1 and lines[0].startswith("FULL_SHARD and NO_SHARD are within noise"), lines
+
+
+def test_exposed_communication_is_the_median_of_paired_differences() -> None:
+    from fsdp_compile.planning.compare import median_interval
+
+    # the machine's speed swings between pairs, both steps of a pair alike: 10 ms apart, except
+    # the last pair, whose unlimited step was disturbed alone
+    unlimited = [100, 200, 100, 200, 100, 200, 300]
+    steps = [110, 210, 110, 210, 110, 210, 120]
+    measured = _measured("FULL_SHARD", steps)
+    measured.unlimited_step_times = [t / 1e3 for t in unlimited]
+    assert measured.exposed_seconds == pytest.approx(0.010)
+    # the difference of the two medians: the swing and the one disturbed step make it -80 ms
+    assert measured.step_seconds - measured.unlimited_step_seconds == pytest.approx(-0.080)
+    assert measured.exposed_interval == pytest.approx((-0.180, 0.010))  # 7 pairs: the smallest and largest
+    assert measured.as_dict()["exposed_seconds"] == measured.exposed_seconds
+
+    # a distribution-free interval of the median: the k-th smallest and largest, k from the binomial
+    assert median_interval(range(5)) is None  # even the range holds the median with 94% only
+    assert median_interval(range(10)) == (1, 8)  # P(Binomial(10, 1/2) <= 1) = 1.1%
+    assert median_interval(range(30)) == (9, 20)  # P(Binomial(30, 1/2) <= 9) = 2.1%, <= 10: 4.9%
+    assert median_interval(range(30), confidence=0.5) == (12, 17)
 
 
 def test_compare_defaults_to_enough_steps_for_a_median() -> None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import os
 import statistics
 import time
@@ -103,12 +104,49 @@ class Measured:
         return statistics.median(self.unlimited_step_times) if self.unlimited_step_times else None
 
     @property
+    def exposed_differences(self) -> list[float]:
+        """With ``unlimited_too``: each timed step minus its pair's step on unlimited links."""
+        return [a - b for a, b in zip(self.steady_step_times, self.unlimited_step_times)]
+
+    @property
+    def exposed_seconds(self) -> float | None:
+        """The communication the network exposes: the median of the paired differences. The
+        pair's two steps ran back to back, so the machine's drift, which moves both, cancels
+        in each difference (steps of ranks sharing cores vary by tens of milliseconds)."""
+        differences = self.exposed_differences
+        return statistics.median(differences) if differences else None
+
+    @property
+    def exposed_interval(self) -> tuple[float, float] | None:
+        """A 95% distribution-free interval of ``exposed_seconds`` (:func:`median_interval`)."""
+        return median_interval(self.exposed_differences)
+
+    @property
     def steady_step_times(self) -> list[float]:
         """The timed steps (after warm-up), whose median is ``step_seconds``."""
         return self.step_times[self.warmup_steps:] or self.step_times[-1:]
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "unlimited_step_seconds": self.unlimited_step_seconds}
+        return {**self.__dict__, "unlimited_step_seconds": self.unlimited_step_seconds,
+                "exposed_seconds": self.exposed_seconds, "exposed_interval": self.exposed_interval}
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """An interval that holds the median of the distribution ``values`` were drawn from with at
+    least ``confidence``, whatever that distribution: the k-th smallest and k-th largest value,
+    k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None for fewer than 6
+    values (no order statistic reaches 95% then: the range is all there is)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, k = 0.0, 0
+    while True:
+        tail += math.comb(n, k) / 2 ** n
+        if tail > (1 - confidence) / 2:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
 
 
 def _slowest(value: float) -> float:
