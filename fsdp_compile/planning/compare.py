@@ -39,8 +39,9 @@ few steps with AdamW and measures:
   the machine had while this strategy's steps ran rather than at the calibration's;
 
 * with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
-  again on unlimited links, alternating which goes first, so that the step minus the median of
-  those is the communication the network exposes, with the machine's drift common to both.
+  again on unlimited links, alternating which goes first; the median of each step minus its
+  pair (``exposed_seconds``) is the communication the network exposes, the machine's drift
+  common to both steps of a pair.
 
 :func:`compare` returns the measured rows and the plan made for the machine it runs on, for the
 ``compare`` subcommand and ``bench/plan_accuracy.py``.
@@ -337,8 +338,8 @@ def measure_strategy(
     this rank; ``loss_fn(output, targets)``. ``network``: the :class:`~fsdp_compile.EmulatedNetwork`
     the process group runs on, if any; its statistics are read over the timed steps alone.
     ``unlimited_too`` (needs ``network``): each timed step runs twice, on the network's links and
-    on unlimited ones (gloo's own speed), in alternating order, so that the difference of the
-    two medians is the step's exposed communication with the machine's drift common to both.
+    on unlimited ones (gloo's own speed), in alternating order, so that the median of the
+    pairs' differences is the step's exposed communication with the machine's drift common to both.
     The statistics then cover the steps on the network's links alone. ``reference``: a step of
     ``compute_scale``'s reference graphs, timed after each timed step (module docstring).
     """
