@@ -46,7 +46,7 @@ import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, plan
 from fsdp_compile.planning.cli import _cross_entropy
-from fsdp_compile.planning.compare import quiet_step_seconds
+from fsdp_compile.planning.measured import quiet_step_seconds
 
 GB = 1e9
 GiB = 1 << 30

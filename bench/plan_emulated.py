@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from plan_accuracy import QUIET, REUSE, _torchrun
 
-from fsdp_compile.planning.compare import median_interval
+from fsdp_compile.planning.measured import median_interval
 
 MODEL = ("gpt_small", 4, 128)  # factory in bench/plan_accuracy.py, batch, seq
 SMOKE_MODEL = ("gpt_tiny", 2, 32)

@@ -375,14 +375,14 @@ def test_compare_exposed_needs_an_emulated_network(monkeypatch) -> None:
 
 
 def _measured(name: str, steps_ms: list[float]):
-    from fsdp_compile.planning.compare import Measured
+    from fsdp_compile.planning.measured import Measured
 
     times = [1.0, 1.0] + [t / 1e3 for t in steps_ms]  # two warm-up steps first
     return Measured(name, sorted(times[2:])[len(steps_ms) // 2], times, 0.0, 1.0, 1.0, 1.0, {})
 
 
 def test_compare_says_which_strategies_are_within_noise() -> None:
-    from fsdp_compile.planning.compare import step_range, within_noise
+    from fsdp_compile.planning.measured import step_range, within_noise
 
     a = _measured("FULL_SHARD", [10, 11, 12, 13, 30])
     b = _measured("NO_SHARD", [12.5, 13, 14, 15, 16])
@@ -393,7 +393,7 @@ def test_compare_says_which_strategies_are_within_noise() -> None:
 
 
 def test_exposed_communication_is_the_median_of_paired_differences() -> None:
-    from fsdp_compile.planning.compare import median_interval
+    from fsdp_compile.planning.measured import median_interval
 
     # the machine's speed swings between pairs, both steps of a pair alike: 10 ms apart, except
     # the last pair, whose unlimited step was disturbed alone

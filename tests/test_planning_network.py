@@ -119,7 +119,9 @@ def test_measure_links_times_the_links_as_they_are_now_and_keeps_the_rest() -> N
     """compare --exposed plans one calibration on two networks: the links timed again after
     ``set_links``, every compute number kept, so the predicted difference is the links' alone."""
     out = run_workers(relink_worker, 2, default_group=False)[0]
-    assert 0.9 * LINK <= out["slow"] <= 1.02 * LINK, out
+    # A fit of 3 sizes x 3 repeats trades latency against bandwidth: it came out 2.0% above the
+    # link once. How close the fits come is test_collective_fits_recover_the_emulated_link's.
+    assert 0.9 * LINK <= out["slow"] <= 1.05 * LINK, out
     assert out["fast"] > 1.5 * LINK, out  # the second timing sees the changed link
     assert out["kinds"] == ["all_gather", "all_reduce", "reduce_scatter"] and out["kept"], out
     assert out["source"].startswith("measured by measure_links()")

@@ -563,7 +563,7 @@ def test_symbolic_durations_give_expressions():
 
 
 def test_quiet_steps_leave_out_steps_that_waited_for_a_core():
-    from fsdp_compile.planning.compare import quiet_step_seconds
+    from fsdp_compile.planning.measured import quiet_step_seconds
 
     times, waits = [1.0, 5.0, 1.2, 4.0], [0.01, 0.6, 0.04, 0.3]
     assert quiet_step_seconds(times, waits) == pytest.approx(1.1)  # the steps another job slowed are left out

@@ -221,8 +221,9 @@ def run_compare(args: argparse.Namespace) -> int:
     from .calibration.calibrate import measure_links
     from .calibration.reference import compute_scale, reference_step
     from .cluster import Cluster
-    from .compare import bar_chart, measure_strategy, step_range, unlimited_links, within_noise
+    from .compare import bar_chart, measure_strategy, unlimited_links
     from .isolated import run_in_subprocess
+    from .measured import step_range, within_noise
 
     owns_group = not dist.is_initialized()
     network = None

@@ -52,12 +52,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -68,105 +66,13 @@ from ..api import ShardingStrategy
 from ..compilation.inner import collector_paused
 from ..network.links import UNLIMITED_LINKS
 from ..runtime.ring import wire_bytes
-
-
-@dataclass
-class Measured:
-    strategy: str
-    step_seconds: float
-    step_times: list[float]
-    compile_seconds: float
-    peak_bytes: float
-    resident_bytes: float
-    tokens_per_second: float
-    bytes_per_step: dict[str, float]  # what the compiled graphs' collectives move (ring formula)
-    backend_bytes_per_step: float = 0.0  # what gloo / NCCL ran (gloo: reduce-scatter as all-reduce)
-    collectives: dict[str, int] = field(default_factory=dict)
-    cpu_seconds: float | None = None  # the main thread's CPU time per step (median, slowest rank)
-    cpu_wait_fraction: float | None = None  # run-queue wait / wall time per step (median, largest rank)
-    # The main thread's wait for a core per step (median, largest rank): with cpu_seconds, what
-    # of the step was not blocked in waits (the planner's compute and backend CPU, its referee)
-    core_wait_seconds: float | None = None
-    load_average: float | None = None  # the machine's 1-minute load average after the steps
-    quiet_step_seconds: float | None = None  # median over steps no rank waited > 5% for a core
-    wait_fractions: list[float] = field(default_factory=list)  # per step, the largest rank's
-    # On an emulated network: what the links did in the timed steps alone (warm-up and
-    # compilation, where ranks drift apart by seconds, are left out), as NetworkStats.to_dict().
-    network: dict[str, Any] | None = None
-    warmup_steps: int = 2
-    # With ``unlimited_too``: each timed step run again on unlimited links, in the same
-    # processes (step - this = the exposed communication, free of run-to-run drift).
-    unlimited_step_times: list[float] = field(default_factory=list)
-    # With ``reference``: its step's median on the compute clock beside the timed steps (slowest rank).
-    reference_seconds: float | None = None
-
-    @property
-    def unlimited_step_seconds(self) -> float | None:
-        return statistics.median(self.unlimited_step_times) if self.unlimited_step_times else None
-
-    @property
-    def exposed_differences(self) -> list[float]:
-        """With ``unlimited_too``: each timed step minus its pair's step on unlimited links."""
-        return [a - b for a, b in zip(self.steady_step_times, self.unlimited_step_times)]
-
-    @property
-    def exposed_seconds(self) -> float | None:
-        """The communication the network exposes: the median of the paired differences. The
-        pair's two steps ran back to back, so the machine's drift, which moves both, cancels
-        in each difference (steps of ranks sharing cores vary by tens of milliseconds)."""
-        differences = self.exposed_differences
-        return statistics.median(differences) if differences else None
-
-    @property
-    def exposed_interval(self) -> tuple[float, float] | None:
-        """A 95% distribution-free interval of ``exposed_seconds`` (:func:`median_interval`)."""
-        return median_interval(self.exposed_differences)
-
-    @property
-    def steady_step_times(self) -> list[float]:
-        """The timed steps (after warm-up), whose median is ``step_seconds``."""
-        return self.step_times[self.warmup_steps:] or self.step_times[-1:]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "unlimited_step_seconds": self.unlimited_step_seconds,
-                "exposed_seconds": self.exposed_seconds, "exposed_interval": self.exposed_interval}
-
-
-def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
-    """An interval that holds the median of the distribution ``values`` were drawn from with at
-    least ``confidence``, whatever that distribution: the k-th smallest and k-th largest value,
-    k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None for fewer than 6
-    values (no order statistic reaches 95% then: the range is all there is)."""
-    ordered = sorted(values)
-    n = len(ordered)
-    tail, k = 0.0, 0
-    while True:
-        tail += math.comb(n, k) / 2 ** n
-        if tail > (1 - confidence) / 2:
-            break
-        k += 1
-    if k == 0:
-        return None
-    return ordered[k - 1], ordered[n - k]
+from .measured import Measured, quiet_step_seconds
 
 
 def _slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-QUIET_WAIT = 0.05  # a step whose ranks waited for a core at most this share of it counts as quiet
-
-
-def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[float],
-                       cpu_share: float = 1.0) -> float | None:
-    """The median of the steps whose ranks waited for a core at most ``QUIET_WAIT`` of the step
-    beyond ``1 - cpu_share`` (a rank sharing a core with the job's other ranks waits for it by
-    itself; see ``calibration.compute._cpu_share``); None when fewer than two steps qualify."""
-    limit = QUIET_WAIT + (1.0 - cpu_share)
-    quiet = [t for t, w in zip(step_times, wait_fractions) if w <= limit]
-    return statistics.median(quiet) if len(quiet) >= 2 else None
 
 
 class ThreadTimes(NamedTuple):
@@ -478,30 +384,6 @@ def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimite
     if first:
         on_unlimited_links()
     return (*result, window if stats is None else stats + window)
-
-
-def step_range(measured: Measured) -> tuple[float, float]:
-    """The middle half of the timed steps (first to third quartile): how much a step varies."""
-    steps = sorted(measured.steady_step_times)
-    if len(steps) < 4:
-        return steps[0], steps[-1]
-    q1, _, q3 = statistics.quantiles(steps, n=4, method="inclusive")
-    return q1, q3
-
-
-def within_noise(measured: dict[str, Measured]) -> list[str]:
-    """A line for each pair of strategies whose step times cannot be told apart: the middle
-    halves of their timed steps overlap, so which one is faster is not measured by this run."""
-    names = list(measured)
-    lines = []
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            (a_low, a_high), (b_low, b_high) = step_range(measured[a]), step_range(measured[b])
-            if a_low <= b_high and b_low <= a_high:
-                lines.append(f"{a} and {b} are within noise of each other: the middle halves of their steps "
-                             f"overlap ({a_low * 1e3:.1f}-{a_high * 1e3:.1f} ms and "
-                             f"{b_low * 1e3:.1f}-{b_high * 1e3:.1f} ms)")
-    return lines
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
