@@ -25,9 +25,10 @@ on unlimited links in the same job (``compare --exposed``: each timed step runs 
 links and on unlimited ones, alternating, and the links are calibrated both ways on one compute
 calibration), so neither side carries the spread between two jobs' machine speeds or two
 calibrations', and the pair's two steps share the machine's drift; beside it, the interval
-that holds the true median with 95% confidence (order statistics of the differences). Targets, printed as held or not: predicted step within 15% of measured; predicted
-exposed communication within 25% of measured, or within 5% of the step, whichever is larger;
-the ranking of strategies kept at each point wherever measured times differ by more than 10%.
+that holds the true median with 95% confidence (order statistics of the differences).
+Targets, printed as held or not: predicted step within 15% of measured; predicted exposed
+communication within 25% of measured, or within 5% of the step, whichever is larger; the
+ranking of strategies kept at each point wherever measured times differ by more than 10%.
 ``compare`` predicts each strategy at the speed the machine had while its steps ran (its
 reference timed after every step); the prediction at the calibration's speed is shown beside it,
 with its own count of the step target.
@@ -321,7 +322,7 @@ def main() -> None:
     parser.add_argument("--inter-slowdown", type=float, default=10.0)
     # 30 timed pairs: the exposed communication's 95% interval is then the 10th to 21st of the
     # paired differences, about 1/sqrt(3) of its width with 10 pairs; at world 4, where 4 ranks
-    # share 2 cores, single differences spread by 25-60 ms (standard deviation).
+    # share 2 cores, single differences spread by 23-64 ms (standard deviation).
     parser.add_argument("--steps", type=int, default=32, help="steps per strategy per run (two warm up)")
     parser.add_argument("--quiet-load", type=float, default=QUIET["load"],
                         help="before each run, wait for the 1-minute load average to fall below this")
