@@ -91,7 +91,10 @@ def test_collective_fits_recover_the_emulated_link() -> None:
     out = run_workers(fit_worker, 2, default_group=False)[0]
     for kind, (latency, bandwidth) in out.items():
         assert 0.5 * LATENCY <= latency <= 2 * LATENCY, (kind, latency)
-        assert 0.9 * LINK <= bandwidth <= 1.02 * LINK, (kind, bandwidth)
+        # No collective ends before the link would (test_network_distributed), but a straight
+        # line through 3 sizes comes out above the link where the time beyond it shrinks with
+        # size: by 2.0% and 2.5% in two full runs on a slower host.
+        assert 0.9 * LINK <= bandwidth <= 1.05 * LINK, (kind, bandwidth)
 
 
 def relink_worker(rank: int, world: int) -> dict:
@@ -119,8 +122,7 @@ def test_measure_links_times_the_links_as_they_are_now_and_keeps_the_rest() -> N
     """compare --exposed plans one calibration on two networks: the links timed again after
     ``set_links``, every compute number kept, so the predicted difference is the links' alone."""
     out = run_workers(relink_worker, 2, default_group=False)[0]
-    # A fit of 3 sizes x 3 repeats trades latency against bandwidth: it came out 2.0% above the
-    # link once. How close the fits come is test_collective_fits_recover_the_emulated_link's.
+    # the bound of test_collective_fits_recover_the_emulated_link, whose fit this is
     assert 0.9 * LINK <= out["slow"] <= 1.05 * LINK, out
     assert out["fast"] > 1.5 * LINK, out  # the second timing sees the changed link
     assert out["kinds"] == ["all_gather", "all_reduce", "reduce_scatter"] and out["kept"], out
