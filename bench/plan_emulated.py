@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -55,8 +54,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plan_accuracy import QUIET, REUSE, _torchrun
-
-from fsdp_compile.planning.measured import median_interval
 
 MODEL = ("gpt_small", 4, 128)  # factory in bench/plan_accuracy.py, batch, seq
 SMOKE_MODEL = ("gpt_tiny", 2, 32)
@@ -116,11 +113,11 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
         # there, alternating, and the links calibrated both ways), else the plain-gloo job's.
         compute = m.get("unlimited_step_seconds") or b["measured"]["step_seconds"]
         predicted_compute = (r.get("predicted_unlimited") or b["predicted"])["step_seconds"]
-        # Exposed: the median of each timed step minus its pair on unlimited links (the pair ran
-        # back to back, so the machine's drift cancels), with its 95% interval.
-        paired = [a - u for a, u in zip(timed, m.get("unlimited_step_times") or [])]
-        measured_exposed = statistics.median(paired) if paired else m["step_seconds"] - compute
-        interval = median_interval(paired) if paired else None
+        # Exposed: compare's paired median and its 95% interval (``Measured.exposed_seconds``);
+        # without pairs (plain gloo), the step minus the step on unlimited links.
+        paired = m.get("exposed_seconds")
+        measured_exposed = paired if paired is not None else m["step_seconds"] - compute
+        interval = m.get("exposed_interval")
         predicted_exposed = p["step_seconds"] - predicted_compute
         at_calibration = r.get("predicted_at_calibration", p)["step_seconds"]
         out.append({
