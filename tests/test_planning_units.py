@@ -239,6 +239,26 @@ def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost(
     assert timed_reference(1, torch.device("meta")) == (0.0, [])
 
 
+def test_compare_prices_the_models_own_step_as_its_reference():
+    # compare's reference beside the steps is the compared model with the user's loss, on this
+    # rank's batch: its graphs hold that model's layers and loss, and the step keeps no gradient
+    from fsdp_compile.planning.calibration.reference import compute_scale, model_reference_step
+
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    inputs, targets = (torch.randn(16, 24),), torch.randn(16, 8)
+    graphs, step = model_reference_step(model, inputs, targets, torch.nn.functional.mse_loss)
+    forward, backward = graphs
+    weights = [tuple(n.meta["val"].shape) for n in forward.graph.find_nodes(op="placeholder")]
+    assert (40, 24) in weights and (8, 40) in weights
+    assert forward.graph.find_nodes(op="call_function", target=torch.ops.aten.mse_loss.default)
+    assert backward.graph.find_nodes(op="call_function", target=torch.ops.aten.mse_loss_backward.default)
+    step()
+    assert all(p.grad is None for p in model.parameters())
+    cluster = small_cluster(op_overhead=1e-6)
+    priced = sum(c.seconds for gm in graphs for _, c in graph_costs(gm, cluster) if c.kind == "compute")
+    assert compute_scale(3 * priced, graphs, cluster) == pytest.approx(3.0)
+
+
 def test_attention_runs_at_its_own_measured_rate():
     def attention(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

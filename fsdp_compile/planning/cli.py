@@ -219,7 +219,7 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from .calibration.calibrate import measure_links
-    from .calibration.reference import compute_scale, reference_step
+    from .calibration.reference import compute_scale, model_reference_step
     from .cluster import Cluster
     from .compare import bar_chart, measure_strategy, unlimited_links
     from .isolated import run_in_subprocess
@@ -265,8 +265,12 @@ def run_compare(args: argparse.Namespace) -> int:
 
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30)
-    # compute_scale's reference, timed again beside each strategy's steps: the machine's speed moves
-    reference_graphs, reference = reference_step(torch.device("cpu")) if cluster.device_type == "cpu" else ([], None)
+    # The model's own step on one rank, timed again beside each strategy's steps: the machine's
+    # speed moves, and the model's price rests on the job's calibration (reference.py)
+    reference_graphs, reference = ([], None)
+    if cluster.device_type == "cpu":
+        inputs, targets = batches[0]
+        reference_graphs, reference = model_reference_step(build(), inputs, targets, loss_fn)
     unlimited_cluster = None
     if args.exposed:
         with unlimited_links(network):
@@ -360,8 +364,9 @@ def _print_speed(rows: list[dict[str, Any]]) -> None:
         return  # not timed (a GPU, where the CPU runs ahead and compute_scale is 1)
     moved = [(r["strategy"], r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"],
               r["predicted_at_calibration"]["step_seconds"]) for r in rows]
-    print("predicted at the machine's speed beside each strategy's steps (compute_scale's reference timed "
-          "after every step); the compute's speed there against the calibration's, and the prediction at it: "
+    print("predicted at the machine's speed beside each strategy's steps (the model's own forward and backward "
+          "on one rank, timed after every step); compute_scale there against the calibration's, and the "
+          "prediction at the calibration's: "
           + "; ".join(f"{name} {ratio:.2f}x the time, {seconds * 1e3:.1f} ms" for name, ratio, seconds in moved))
 
 

@@ -33,10 +33,11 @@ few steps with AdamW and measures:
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
   it moves more bytes than a ring reduce-scatter would: the difference is gloo's, and shown.
 
-* with ``reference`` (a :func:`~.calibration.reference.reference_step`, compare's default on a
-  CPU): ``compute_scale``'s reference step timed after every timed step, all ranks at once,
-  its median the slowest rank's (``reference_seconds``), so the plan can be made at the speed
-  the machine had while this strategy's steps ran rather than at the calibration's;
+* with ``reference`` (compare's default on a CPU: the model's own step on one rank,
+  :func:`~.calibration.reference.model_reference_step`): the reference step timed after every
+  timed step, all ranks at once, its median the slowest rank's (``reference_seconds``), so the
+  plan can be made at the speed the machine had while this strategy's steps ran rather than at
+  the calibration's;
 
 * with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
   again on unlimited links, alternating which goes first; the median of each step minus its
@@ -246,8 +247,8 @@ def measure_strategy(
     ``unlimited_too`` (needs ``network``): each timed step runs twice, on the network's links and
     on unlimited ones (gloo's own speed), in alternating order, so that the median of the
     pairs' differences is the step's exposed communication with the machine's drift common to both.
-    The statistics then cover the steps on the network's links alone. ``reference``: a step of
-    ``compute_scale``'s reference graphs, timed after each timed step (module docstring).
+    The statistics then cover the steps on the network's links alone. ``reference``: a function
+    running a reference step (the model's own on one rank), timed after each timed step (module docstring).
     """
     import fsdp_compile
 

@@ -26,9 +26,16 @@ The machine's speed is not constant: on a shared virtual machine the same refere
 in one round and 37-40 ms in the next, a minute later, and within one ``compare`` job the main
 thread's CPU per step over the compute the calibration priced ranged 1.05-1.23 across three
 strategies (``bench/results/plan_emulated.md`` as run on ecd421c).
-``compare`` therefore times the reference again after every timed step
-(:func:`reference_step`, :func:`time_reference`) and predicts each strategy at the speed the
-machine had while that strategy's steps ran.
+``compare`` therefore times a reference again after every timed step (:func:`time_reference`)
+and predicts each strategy at the speed the machine had while that strategy's steps ran. There
+the reference is the compared model itself, its forward, loss and backward on one rank's batch
+without collectives (:func:`model_reference_step`): a one-block reference priced through each
+job's operator calibration carried that calibration's spread into the whole model's price. In
+``bench/results/plan_emulated.md`` as run on a981643 (world 2), the model's priced compute over
+the one-block reference's time moved from 4.4 to 5.0 between jobs while the reference itself
+took 40-45 ms in each, and the jobs whose steps were predicted 15-22% short were those at the
+low end. Timing the model's own graphs leaves only the cost model's split of that time between
+strategies (sharded optimizer, collectives, the backend's copies) to the plan.
 """
 
 from __future__ import annotations
@@ -58,30 +65,55 @@ class _WithLoss(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def reference_step(device: torch.device) -> tuple[list[fx.GraphModule], Callable[[], None]]:
-    """The reference's forward and backward graphs as AOTAutograd lowers them (run as Python,
-    as ``aot_eager`` runs them), and a function running one step of them."""
+class _ModelLoss(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs: tuple, targets: Any) -> torch.Tensor:
+        return self.loss_fn(self.model(*inputs), targets)
+
+
+def _captured_step(module: nn.Module, args: tuple) -> tuple[list[fx.GraphModule], Callable[[], None]]:
+    """``module(*args)`` (a scalar loss)'s forward and backward graphs as AOTAutograd lowers
+    them (run as Python, as ``aot_eager`` runs them), and a function running one step of them."""
     from functorch.compile import aot_module, make_boxed_func
 
-    from ...models.gpt import GPT, GPTConfig
-
-    model = _WithLoss(GPT(GPTConfig(**_REFERENCE))).to(device)
     graphs: list[fx.GraphModule] = []
 
     def capture(gm: fx.GraphModule, _inputs: Any) -> Any:
         graphs.append(gm)
         return make_boxed_func(gm)
 
-    compiled = aot_module(model, fw_compiler=capture, bw_compiler=capture)
-    tokens = torch.randint(0, _REFERENCE["vocab_size"], (_BATCH, _REFERENCE["block_size"]), device=device)
+    compiled = aot_module(module, fw_compiler=capture, bw_compiler=capture)
 
     def step() -> None:
-        compiled(tokens).backward()
-        for p in model.parameters():  # no gradient accumulation outside the graphs
+        compiled(*args).backward()
+        for p in module.parameters():  # no gradient accumulation outside the graphs
             p.grad = None
 
     step()
     return graphs, step
+
+
+def reference_step(device: torch.device) -> tuple[list[fx.GraphModule], Callable[[], None]]:
+    """The calibration's reference (a one-block GPT with its loss): its forward and backward
+    graphs and a function running one step of them."""
+    from ...models.gpt import GPT, GPTConfig
+
+    model = _WithLoss(GPT(GPTConfig(**_REFERENCE))).to(device)
+    tokens = torch.randint(0, _REFERENCE["vocab_size"], (_BATCH, _REFERENCE["block_size"]), device=device)
+    return _captured_step(model, (tokens,))
+
+
+def model_reference_step(
+    model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> tuple[list[fx.GraphModule], Callable[[], None]]:
+    """``model``'s own step as a reference: ``loss_fn(model(*inputs), targets)`` forward and
+    backward on this rank alone, no collectives, its graphs and a function running one step.
+    ``model`` is trained by nothing else (its gradients are dropped after each step)."""
+    return _captured_step(_ModelLoss(model, loss_fn), (tuple(inputs), targets))
 
 
 def timed_reference(repeats: int, device: torch.device, group: Any = None,
