@@ -29,9 +29,9 @@ that holds the true median with 95% confidence (order statistics of the differen
 Targets, printed as held or not: predicted step within 15% of measured; predicted exposed
 communication within 25% of measured, or within 5% of the step, whichever is larger; the
 ranking of strategies kept at each point wherever measured times differ by more than 10%.
-``compare`` predicts each strategy at the speed the machine had while its steps ran (its
-reference timed after every step); the prediction at the calibration's speed is shown beside it,
-with its own count of the step target.
+``compare`` predicts each strategy at the speed the machine had while its steps ran (the
+model's own forward and backward on one rank, timed after every step); the prediction at the
+calibration's speed is shown beside it, with its own count of the step target.
 Writes ``<out>/plan_emulated.json``, ``.md`` and ``plan_emulated_w<world>.png``.
 """
 
@@ -134,12 +134,11 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
             "measured_peak_bytes": m["peak_bytes"], "predicted_peak_bytes": p["peak_bytes"],
             "emulation": network.get("summary", "plain gloo" if ratio == 0 else "not recorded"),
             "overruns": overruns, "load_average": m.get("load_average"),
-            # compare predicts at the speed compute_scale's reference ran at beside the steps; the
-            # same plan at the calibration's speed, and how far the speed moved in between
+            # compare predicts at the speed the model's own step ran at beside the steps; the same
+            # plan at the calibration's speed, and that step's time beside the steps over after the calibration
             "predicted_at_calibration_step_s": at_calibration,
             "at_calibration_error": at_calibration / m["step_seconds"] - 1,
-            "speed_moved": (r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"]
-                            if "compute_scale" in r else 1.0),
+            "speed_moved": r.get("cpu_slowdown", 1.0),
         })
     return out
 
@@ -242,9 +241,11 @@ def render(report: dict) -> str:
               "FULL_SHARD's modeled communication per step over its compute (its step on plain gloo); the other "
               "strategies move other bytes, so their ratios differ. Each run measured the cluster on the network "
               "it ran on (`Cluster.measure()`), then measured and planned every strategy. *Predicted*: at the "
-              "speed of the machine while that strategy's steps ran (`compute_scale`'s reference step timed after "
-              "each timed step); *at the calibration's speed*: the same plan at the speed the calibration "
-              "measured, and how long the reference took beside the steps against the calibration. "
+              "speed of the machine while that strategy's steps ran (the model's own forward, loss and backward "
+              "on one rank, without collectives, timed after each timed step: `compute_scale` is its measured "
+              "over its priced compute, and the optimizer, copy and runtime fits are stretched by its time there "
+              "over its time right after the calibration); *at the calibration's speed*: the same plan at the "
+              "calibration's numbers, and that ratio of the model's step times. "
               "*On unlimited links*: "
               "the same strategy's step in the same job, each timed step run again with the links unlimited "
               "(gloo's own speed), alternating (`compare --exposed`), and its prediction from the same compute "
@@ -259,7 +260,7 @@ def render(report: dict) -> str:
         lines += [f"## World {world}" + (" (2 nodes x 2)" if world == 4 else " (one node)"), "",
                   f"![step against link speed](plan_emulated_w{world}.png)", "",
                   "| point | links intra / inter | strategy | measured step | predicted | error | at the calibration's "
-                  "speed (compute's time beside the steps / at calibration) | on unlimited links "
+                  "speed (the model's step beside the steps / after the calibration) | on unlimited links "
                   "measured / predicted | exposed measured (95% interval) | exposed predicted | gloo late per step "
                   "| emulation over the timed steps |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
