@@ -135,10 +135,11 @@ def rows_of(data: dict, ratio: float, unlimited: dict) -> list[dict]:
             "emulation": network.get("summary", "plain gloo" if ratio == 0 else "not recorded"),
             "overruns": overruns, "load_average": m.get("load_average"),
             # compare predicts at the speed the model's own step ran at beside the steps; the same
-            # plan at the calibration's speed, and that step's time beside the steps over after the calibration
+            # plan at the calibration's speed, and how far compute_scale moved in between
             "predicted_at_calibration_step_s": at_calibration,
             "at_calibration_error": at_calibration / m["step_seconds"] - 1,
-            "speed_moved": r.get("cpu_slowdown", 1.0),
+            "speed_moved": (r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"]
+                            if "compute_scale" in r else 1.0),
         })
     return out
 
@@ -243,9 +244,8 @@ def render(report: dict) -> str:
               "it ran on (`Cluster.measure()`), then measured and planned every strategy. *Predicted*: at the "
               "speed of the machine while that strategy's steps ran (the model's own forward, loss and backward "
               "on one rank, without collectives, timed after each timed step: `compute_scale` is its measured "
-              "over its priced compute, and the optimizer, copy and runtime fits are stretched by its time there "
-              "over its time right after the calibration); *at the calibration's speed*: the same plan at the "
-              "calibration's numbers, and that ratio of the model's step times. "
+              "over its priced compute); *at the calibration's speed*: the same plan at the `compute_scale` "
+              "of the calibration's one-block reference, and the first scale over the second. "
               "*On unlimited links*: "
               "the same strategy's step in the same job, each timed step run again with the links unlimited "
               "(gloo's own speed), alternating (`compare --exposed`), and its prediction from the same compute "
@@ -260,7 +260,7 @@ def render(report: dict) -> str:
         lines += [f"## World {world}" + (" (2 nodes x 2)" if world == 4 else " (one node)"), "",
                   f"![step against link speed](plan_emulated_w{world}.png)", "",
                   "| point | links intra / inter | strategy | measured step | predicted | error | at the calibration's "
-                  "speed (the model's step beside the steps / after the calibration) | on unlimited links "
+                  "speed (`compute_scale` beside the steps / at calibration) | on unlimited links "
                   "measured / predicted | exposed measured (95% interval) | exposed predicted | gloo late per step "
                   "| emulation over the timed steps |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

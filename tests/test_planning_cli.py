@@ -148,13 +148,8 @@ def test_compare_prints_its_table_without_the_profilers_logging(tmp_path: Path) 
     # collectives (the calibration's one-block GPT of d_model 256 takes several times this step)
     assert row["measured"]["reference_seconds"] < row["measured"]["cpu_seconds"], row["measured"]
     assert scales["beside_steps"] != scales["at_calibration"]  # two timings of a CPU never agree to the bit
-    # the fits the roofline does not price move with the model's step beside the steps over after the calibration
-    slowdown = row["cpu_slowdown"]
-    assert slowdown == pytest.approx(row["measured"]["reference_seconds"] / row["reference_at_calibration_seconds"])
     moved = row["predicted"]["compute_seconds"] - at_calibration["compute_seconds"]
-    assert moved != 0
-    if (scales["beside_steps"] > scales["at_calibration"]) == (slowdown > 1):
-        assert (moved > 0) == (slowdown > 1)
+    assert (moved > 0) == (scales["beside_steps"] > scales["at_calibration"]) and moved != 0
     assert "predicted at the machine's speed beside each strategy's steps" in proc.stdout
 
 

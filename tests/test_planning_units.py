@@ -299,42 +299,6 @@ def test_runtime_work_per_parameter_is_added_outside_the_graphs():
     assert outside_graph_seconds("none", 1_000_000, 4_000_000, 10, cluster) == pytest.approx(10 * 3e-4)
 
 
-def test_a_slower_machine_stretches_the_fits_the_roofline_does_not_price():
-    from fsdp_compile.planning.cost import node_cost, outside_graph_seconds
-
-    cluster = small_cluster(optimizer_step={"adamw": (2e-4, 1e-9)}, runtime_per_tensor=3e-4, op_overhead=1e-6,
-                            copy_kernels={"copy_out": (1e-5, 1e-9)}, compute_scale=1.25)
-    slower = cluster.at_cpu_speed(1.5)
-    outside = outside_graph_seconds("adamw", 1_000_000, 4_000_000, 10, cluster)
-    assert outside_graph_seconds("adamw", 1_000_000, 4_000_000, 10, slower) == pytest.approx(1.5 * outside)
-    copy = _copy_out_node()
-    assert node_cost(copy, slower, {}).seconds - 1e-6 == pytest.approx(1.5 * (node_cost(copy, cluster, {}).seconds - 1e-6))
-    # the roofline's nodes move with compute_scale alone, and everything else stays
-    assert slower.replace(optimizer_step=cluster.optimizer_step, copy_kernels=cluster.copy_kernels,
-                          runtime_per_tensor=cluster.runtime_per_tensor) == cluster
-    for bad in (0.0, -1.0, float("nan"), "2"):
-        with pytest.raises(ClusterError, match="at_cpu_speed"):
-            cluster.at_cpu_speed(bad)
-
-
-def test_compare_plans_at_the_speed_its_reference_ran_at_beside_the_steps():
-    from fsdp_compile.planning.calibration.reference import at_speed_beside_steps, model_reference_step
-
-    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
-    graphs, _ = model_reference_step(model, (torch.randn(16, 24),), torch.randn(16, 8), torch.nn.functional.mse_loss)
-    cluster = small_cluster(op_overhead=1e-6, optimizer_step={"adamw": (2e-4, 1e-9)}, runtime_per_tensor=3e-4,
-                            copy_kernels={"copy_in": (1e-5, 1e-9)}, compute_scale=7.0)
-    priced = sum(c.seconds for gm in graphs for _, c in graph_costs(gm, cluster.replace(compute_scale=1.0))
-                 if c.kind == "compute")
-    # 3x its priced compute beside the steps, 1.2x as long as right after the calibration
-    beside = at_speed_beside_steps(cluster, graphs, 3 * priced, 2.5 * priced)
-    assert beside.compute_scale == pytest.approx(3.0)
-    assert beside.replace(compute_scale=7.0) == cluster.at_cpu_speed(1.2)
-    assert at_speed_beside_steps(cluster, graphs, None, 2.5 * priced) == cluster  # not timed: as calibrated
-    unstretched = at_speed_beside_steps(cluster, graphs, 3 * priced, None)  # no timing after the calibration
-    assert unstretched.replace(compute_scale=7.0) == cluster and unstretched.compute_scale == pytest.approx(3.0)
-
-
 def test_compute_calibrations_take_turns_when_ranks_outnumber_cores(monkeypatch):
     from fsdp_compile.planning.calibration import calibrate as measure
 

@@ -219,8 +219,7 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from .calibration.calibrate import measure_links
-    from .calibration.compute import _slowest
-    from .calibration.reference import at_speed_beside_steps, median_reference_seconds, model_reference_step
+    from .calibration.reference import compute_scale, model_reference_step
     from .cluster import Cluster
     from .compare import bar_chart, measure_strategy, unlimited_links
     from .isolated import run_in_subprocess
@@ -266,13 +265,12 @@ def run_compare(args: argparse.Namespace) -> int:
 
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30)
-    # The model's own step on one rank, timed now and again beside each strategy's steps: the
-    # machine's speed moves, and the model's price rests on the job's calibration (reference.py)
-    reference_graphs, reference, reference_at_calibration = [], None, None
+    # The model's own step on one rank, timed again beside each strategy's steps: the machine's
+    # speed moves, and the model's price rests on the job's calibration (reference.py)
+    reference_graphs, reference = ([], None)
     if cluster.device_type == "cpu":
         inputs, targets = batches[0]
         reference_graphs, reference = model_reference_step(build(), inputs, targets, loss_fn)
-        reference_at_calibration = _slowest(median_reference_seconds(reference, 5, torch.device("cpu")), None)
     unlimited_cluster = None
     if args.exposed:
         with unlimited_links(network):
@@ -289,16 +287,13 @@ def run_compare(args: argparse.Namespace) -> int:
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
+        scales = {name: compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
+                  if measured[name].reference_seconds else cluster.compute_scale for name in names}
         on = {"at_calibration": (cluster, names)}
         for name in names:
-            beside = measured[name].reference_seconds
-            on[name] = (at_speed_beside_steps(cluster, reference_graphs, beside, reference_at_calibration), [name])
+            on[name] = (cluster.replace(compute_scale=scales[name]), [name])
             if unlimited_cluster is not None:
-                on[f"{name} unlimited"] = (at_speed_beside_steps(unlimited_cluster, reference_graphs, beside,
-                                                                 reference_at_calibration), [name])
-        scales = {name: on[name][0].compute_scale for name in names}
-        slowdowns = {name: measured[name].reference_seconds / reference_at_calibration
-                     if measured[name].reference_seconds and reference_at_calibration else 1.0 for name in names}
+                on[f"{name} unlimited"] = (unlimited_cluster.replace(compute_scale=scales[name]), [name])
         plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=_cross_entropy, world_size=world,
                                   prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
                                   parallelize_fn=tp["fn"] if tp else None)
@@ -306,9 +301,7 @@ def run_compare(args: argparse.Namespace) -> int:
             rows.append({"strategy": name, "measured": measured[name].as_dict(),
                          "predicted": plans[name].row(name).as_dict(),
                          "predicted_at_calibration": plans["at_calibration"].row(name).as_dict(),
-                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scales[name]},
-                         "reference_at_calibration_seconds": reference_at_calibration,
-                         "cpu_slowdown": slowdowns[name]})
+                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scales[name]}})
             if unlimited_cluster is not None:
                 rows[-1]["predicted_unlimited"] = plans[f"{name} unlimited"].row(name).as_dict()
         args.out.mkdir(parents=True, exist_ok=True)
@@ -369,10 +362,11 @@ def _print_speed(rows: list[dict[str, Any]]) -> None:
     the prediction would have been at the calibration's speed."""
     if not any(r["measured"]["reference_seconds"] for r in rows):
         return  # not timed (a GPU, where the CPU runs ahead and compute_scale is 1)
-    moved = [(r["strategy"], r.get("cpu_slowdown", 1.0), r["predicted_at_calibration"]["step_seconds"]) for r in rows]
+    moved = [(r["strategy"], r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"],
+              r["predicted_at_calibration"]["step_seconds"]) for r in rows]
     print("predicted at the machine's speed beside each strategy's steps (the model's own forward and backward "
-          "on one rank, timed after every step); that step's time there over its time after the calibration, and "
-          "the prediction at the calibration's speed: "
+          "on one rank, timed after every step); compute_scale there against the calibration's, and the "
+          "prediction at the calibration's: "
           + "; ".join(f"{name} {ratio:.2f}x the time, {seconds * 1e3:.1f} ms" for name, ratio, seconds in moved))
 
 

@@ -219,22 +219,6 @@ class Cluster:
         """A copy with some numbers changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def at_cpu_speed(self, slowdown: float) -> Cluster:
-        """This cluster on a machine ``slowdown`` times slower than during its calibration, for
-        the work measured as whole fits rather than priced by roofline: the optimizer step, the
-        runtime's work per tensor and the backend's copies (``compute_scale`` carries the
-        roofline's share of the same change). ``compare`` measures the slowdown beside each
-        strategy's steps: the model's own step there over the same step timed after the
-        calibration."""
-        if not (isinstance(slowdown, (int, float)) and math.isfinite(slowdown) and slowdown > 0):
-            raise ClusterError(f"at_cpu_speed(slowdown={slowdown!r}): the slowdown must be a finite number > 0")
-
-        def scaled(fits: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
-            return {name: (fixed * slowdown, per_unit * slowdown) for name, (fixed, per_unit) in fits.items()}
-
-        return self.replace(optimizer_step=scaled(self.optimizer_step), copy_kernels=scaled(self.copy_kernels),
-                            runtime_per_tensor=self.runtime_per_tensor * slowdown)
-
     def describe(self) -> str:
         flops = ", ".join(f"{str(d).replace('torch.', '')} {v / TFLOPS:.4g} TFLOP/s"
                           for d, v in self.peak_flops.items())

@@ -126,15 +126,8 @@ def timed_reference(repeats: int, device: torch.device, group: Any = None,
     if device.type != "cpu":
         return 0.0, []
     graphs, step = reference_step(device)
-    return median_reference_seconds(step, repeats, device, group, sync), graphs
-
-
-def median_reference_seconds(step: Callable[[], None], repeats: int, device: torch.device, group: Any = None,
-                             sync: bool = True) -> float:
-    """This rank's median seconds of ``step`` (a reference step) on the compute clock, the
-    ranks started together with ``sync``."""
     _sync_ranks(group, sync)
-    return _compute_seconds(step, max(repeats, 5), device, typical=True)
+    return _compute_seconds(step, max(repeats, 5), device, typical=True), graphs
 
 
 def time_reference(step: Callable[[], None], device: torch.device) -> float:
@@ -154,15 +147,3 @@ def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster
     unscaled = cluster.replace(compute_scale=1.0)
     priced = sum(cost.seconds for gm in graphs for _, cost in graph_costs(gm, unscaled) if cost.kind == "compute")
     return measured_seconds / priced if priced > 0 else 1.0
-
-
-def at_speed_beside_steps(cluster: Any, graphs: list[fx.GraphModule], beside_seconds: float | None,
-                          at_calibration_seconds: float | None) -> Any:
-    """``cluster`` at the speed a reference step (``graphs``) ran at beside a strategy's steps:
-    ``compute_scale`` its measured over priced compute there, and the fits the roofline does not
-    price (:meth:`~fsdp_compile.planning.cluster.Cluster.at_cpu_speed`) stretched by its time
-    there over its time right after the calibration. ``cluster`` itself where nothing was timed."""
-    if not beside_seconds:
-        return cluster
-    scaled = cluster.replace(compute_scale=compute_scale(beside_seconds, graphs, cluster))
-    return scaled.at_cpu_speed(beside_seconds / at_calibration_seconds) if at_calibration_seconds else scaled
