@@ -367,7 +367,7 @@ def _print_speed(rows: list[dict[str, Any]]) -> None:
     print("predicted at the machine's speed beside each strategy's steps (the model's own forward and backward "
           "on one rank, timed after every step); compute_scale there against the calibration's, and the "
           "prediction at the calibration's: "
-          + "; ".join(f"{name} {ratio:.2f}x the time, {seconds * 1e3:.1f} ms" for name, ratio, seconds in moved))
+          + "; ".join(f"{name} {ratio:.2f}x, {seconds * 1e3:.1f} ms" for name, ratio, seconds in moved))
 
 
 def _print_exposed(rows: list[dict[str, Any]]) -> None:
