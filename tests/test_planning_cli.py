@@ -151,6 +151,12 @@ def test_compare_prints_its_table_without_the_profilers_logging(tmp_path: Path) 
     moved = row["predicted"]["compute_seconds"] - at_calibration["compute_seconds"]
     assert (moved > 0) == (scales["beside_steps"] > scales["at_calibration"]) and moved != 0
     assert "predicted at the machine's speed beside each strategy's steps" in proc.stdout
+    # the optimizer and runtime fits are timed beside the steps too, and the plan uses those
+    outside = row["outside_graphs"]
+    (adamw_beside,) = outside["beside_steps"]["optimizer_step"].values()
+    assert adamw_beside[0] > 0 and outside["beside_steps"]["runtime_per_tensor"] > 0
+    assert adamw_beside != outside["at_calibration"]["optimizer_step"]["adamw"]
+    assert row["predicted"]["compute_seconds"] != at_calibration["compute_seconds"]
 
 
 def test_the_profiler_speaks_only_when_asked() -> None:

@@ -259,6 +259,48 @@ def test_compare_prices_the_models_own_step_as_its_reference():
     assert compute_scale(3 * priced, graphs, cluster) == pytest.approx(3.0)
 
 
+def beside_steps_worker(rank: int, world: int) -> dict:
+    from fsdp_compile.planning.calibration.outside_graphs import BesideSteps
+
+    fits = {}
+    for optimizer in ("adamw", "sgd"):
+        probe = BesideSteps(None, torch.device("cpu"), optimizer)
+        before = probe.fits()
+        for _ in range(3):
+            probe.sample()
+        fits[optimizer] = (before, probe.fits())
+        probe.reset()
+        assert probe.fits() is None
+    return fits
+
+
+def test_optimizer_and_runtime_fits_are_timed_again_beside_the_steps():
+    # compare times the calibration's optimizer and runtime workloads after every step; the
+    # fits through their medians are of the workload timed (AdamW does more per tensor than SGD)
+    from distributed import run_workers
+
+    for fits in run_workers(beside_steps_worker, 2):
+        (no_adamw, adamw), (no_sgd, sgd) = fits["adamw"], fits["sgd"]
+        assert no_adamw is None and no_sgd is None  # nothing sampled, nothing to replace the calibration with
+        assert list(adamw["optimizer_step"]) == ["adamw"] and list(sgd["optimizer_step"]) == ["sgd"]
+        assert adamw["optimizer_step"]["adamw"][0] > sgd["optimizer_step"]["sgd"][0] > 0
+        assert adamw["runtime_per_tensor"] > 0 and sgd["runtime_per_tensor"] > 0
+
+
+def test_compare_plans_each_strategy_on_the_numbers_timed_beside_its_steps():
+    from fsdp_compile.planning.cli import beside_steps
+    from fsdp_compile.planning.cost import optimizer_seconds
+
+    cluster = small_cluster(optimizer_step={"adamw": (2e-4, 1e-9), "sgd": (1e-5, 1e-10)}, runtime_per_tensor=5e-5)
+    moved = beside_steps(cluster, {"compute_scale": 1.3, "optimizer_step": {"adamw": [4e-4, 2e-9]},
+                                   "runtime_per_tensor": 8e-5})
+    assert moved.compute_scale == 1.3 and moved.runtime_per_tensor == 8e-5
+    assert moved.optimizer_step == {"adamw": (4e-4, 2e-9), "sgd": (1e-5, 1e-10)}  # SGD was not timed there
+    assert optimizer_seconds("adamw", 10**6, 4e6, 10, moved) == pytest.approx(10 * 4e-4 + 4e6 * 2e-9)
+    # a job without the timings (a GPU) keeps the calibration's numbers
+    assert beside_steps(cluster, {}) == cluster
+
+
 def test_attention_runs_at_its_own_measured_rate():
     def attention(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -219,6 +219,7 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from .calibration.calibrate import measure_links
+    from .calibration.outside_graphs import BesideSteps
     from .calibration.reference import compute_scale, model_reference_step
     from .cluster import Cluster
     from .compare import bar_chart, measure_strategy, unlimited_links
@@ -267,10 +268,12 @@ def run_compare(args: argparse.Namespace) -> int:
                               device_memory=64 << 30)
     # The model's own step on one rank, timed again beside each strategy's steps: the machine's
     # speed moves, and the model's price rests on the job's calibration (reference.py)
-    reference_graphs, reference = ([], None)
+    # and so do the calibration's optimizer and runtime workloads (outside_graphs.py)
+    reference_graphs, reference, outside_graphs = ([], None, None)
     if cluster.device_type == "cpu":
         inputs, targets = batches[0]
         reference_graphs, reference = model_reference_step(build(), inputs, targets, loss_fn)
+        outside_graphs = BesideSteps(None, torch.device("cpu"))
     unlimited_cluster = None
     if args.exposed:
         with unlimited_links(network):
@@ -283,17 +286,19 @@ def run_compare(args: argparse.Namespace) -> int:
             options = {"mesh": tp["mesh"]["dp"]}
         measured[name] = measure_strategy(name, tp["build"] if tp else build, batches, loss_fn, compiler=args.compiler,
                                           backend_options=options, gc_between_steps=gc_between_steps,
-                                          network=network, unlimited_too=args.exposed, reference=reference)
+                                          network=network, unlimited_too=args.exposed, reference=reference,
+                                          outside_graphs=outside_graphs)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
         scales = {name: compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
                   if measured[name].reference_seconds else cluster.compute_scale for name in names}
+        beside = {name: {"compute_scale": scales[name], **(measured[name].outside_graphs or {})} for name in names}
         on = {"at_calibration": (cluster, names)}
         for name in names:
-            on[name] = (cluster.replace(compute_scale=scales[name]), [name])
+            on[name] = (beside_steps(cluster, beside[name]), [name])
             if unlimited_cluster is not None:
-                on[f"{name} unlimited"] = (unlimited_cluster.replace(compute_scale=scales[name]), [name])
+                on[f"{name} unlimited"] = (beside_steps(unlimited_cluster, beside[name]), [name])
         plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=_cross_entropy, world_size=world,
                                   prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
                                   parallelize_fn=tp["fn"] if tp else None)
@@ -301,7 +306,11 @@ def run_compare(args: argparse.Namespace) -> int:
             rows.append({"strategy": name, "measured": measured[name].as_dict(),
                          "predicted": plans[name].row(name).as_dict(),
                          "predicted_at_calibration": plans["at_calibration"].row(name).as_dict(),
-                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scales[name]}})
+                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scales[name]},
+                         "outside_graphs": {
+                             "at_calibration": {"optimizer_step": cluster.optimizer_step,
+                                                "runtime_per_tensor": cluster.runtime_per_tensor},
+                             "beside_steps": measured[name].outside_graphs}})
             if unlimited_cluster is not None:
                 rows[-1]["predicted_unlimited"] = plans[f"{name} unlimited"].row(name).as_dict()
         args.out.mkdir(parents=True, exist_ok=True)
@@ -346,6 +355,21 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
+    """``cluster`` with the numbers ``compare`` measured beside one strategy's steps in place of
+    the calibration's: ``compute_scale``, and the optimizer and runtime fits
+    (:class:`~.calibration.outside_graphs.BesideSteps`); an optimizer not timed there keeps its fit."""
+    changes: dict[str, Any] = {}
+    if "compute_scale" in measured:
+        changes["compute_scale"] = measured["compute_scale"]
+    if "optimizer_step" in measured:
+        changes["optimizer_step"] = {**cluster.optimizer_step,
+                                     **{name: tuple(line) for name, line in measured["optimizer_step"].items()}}
+    if "runtime_per_tensor" in measured:
+        changes["runtime_per_tensor"] = measured["runtime_per_tensor"]
+    return cluster.replace(**changes)
+
+
 def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[Any, list[str]]],
               **kwargs: Any) -> dict[str, Any]:
     """``plan(cluster=..., strategies=...)`` for each entry of ``on``, in one process: inside a job
@@ -365,8 +389,8 @@ def _print_speed(rows: list[dict[str, Any]]) -> None:
     moved = [(r["strategy"], r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"],
               r["predicted_at_calibration"]["step_seconds"]) for r in rows]
     print("predicted at the machine's speed beside each strategy's steps (the model's own forward and backward "
-          "on one rank, timed after every step); compute_scale there against the calibration's, and the "
-          "prediction at the calibration's: "
+          "on one rank, and the calibration's optimizer and runtime workloads, timed after every step); "
+          "compute_scale there against the calibration's, and the prediction at the calibration's: "
           + "; ".join(f"{name} {ratio:.2f}x, {seconds * 1e3:.1f} ms" for name, ratio, seconds in moved))
 
 

@@ -37,7 +37,9 @@ few steps with AdamW and measures:
   :func:`~.calibration.reference.model_reference_step`): the reference step timed after every
   timed step, all ranks at once, its median the slowest rank's (``reference_seconds``), so the
   plan can be made at the speed the machine had while this strategy's steps ran rather than at
-  the calibration's;
+  the calibration's; with ``outside_graphs`` (also compare's default on a CPU), the same for the
+  calibration's optimizer and runtime workloads, whose fits replace the calibration's
+  (:class:`~.calibration.outside_graphs.BesideSteps`);
 
 * with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
   again on unlimited links, alternating which goes first; the median of each step minus its
@@ -237,7 +239,7 @@ def measure_strategy(
     strategy: ShardingStrategy | str, build: Callable[[], nn.Module], batches: Sequence[tuple],
     loss_fn: Callable, *, compiler: str = "aot_eager", warmup: int = 2, backend_options: dict | None = None,
     tokens_per_step: int | None = None, gc_between_steps: bool = True, network: Any = None,
-    unlimited_too: bool = False, reference: Callable[[], None] | None = None,
+    unlimited_too: bool = False, reference: Callable[[], None] | None = None, outside_graphs: Any = None,
 ) -> Measured:
     """Train ``len(batches)`` steps of ``strategy``; see the module docstring for what is measured.
 
@@ -249,6 +251,8 @@ def measure_strategy(
     pairs' differences is the step's exposed communication with the machine's drift common to both.
     The statistics then cover the steps on the network's links alone. ``reference``: a function
     running a reference step (the model's own on one rank), timed after each timed step (module docstring).
+    ``outside_graphs``: a :class:`~.calibration.outside_graphs.BesideSteps` sampled after each
+    timed step; its fits, each the slowest rank's, become ``Measured.outside_graphs``.
     """
     import fsdp_compile
 
@@ -295,6 +299,8 @@ def measure_strategy(
 
     times, cpu, waits, core_waits, unlimited, reference_times = [], [], [], [], [], []
     network_stats = None
+    if outside_graphs is not None:
+        outside_graphs.reset()
     for i, (inputs, targets) in enumerate(batches):
         if network is not None and i == warmup:
             dist.barrier()
@@ -311,6 +317,9 @@ def measure_strategy(
             core_waits.append(core_wait)
         if reference is not None and i >= warmup:
             reference_times.append(_timed_reference(reference, device, gc_between_steps))
+        if outside_graphs is not None and i >= warmup:
+            with _all_ranks_at_once(gc_between_steps):
+                outside_graphs.sample()
         if i == 0:
             gc.collect()
     if network is not None:
@@ -327,6 +336,11 @@ def measure_strategy(
     quiet_step = quiet_step_seconds(steady, steady_waits, _cpu_share(device))
     # per rank, then the slowest rank's: the calibration's own order (``timed_reference``)
     reference_seconds = _slowest(statistics.median(reference_times)) if reference_times else None
+    fits = outside_graphs.fits() if outside_graphs is not None else None
+    if fits is not None:
+        fits = {"optimizer_step": {name: tuple(_slowest(v) for v in line)
+                                   for name, line in fits["optimizer_step"].items()},
+                "runtime_per_tensor": _slowest(fits["runtime_per_tensor"])}
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
@@ -341,15 +355,22 @@ def measure_strategy(
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
                     cpu_seconds, wait_fraction, core_wait_seconds, _load_average(), quiet_step, steady_waits,
-                    network_stats, warmup, unlimited, reference_seconds)
+                    network_stats, warmup, unlimited, reference_seconds, fits)
+
+
+@contextlib.contextmanager
+def _all_ranks_at_once(gc_between_steps: bool) -> Iterator[None]:
+    """Every rank starts together, as they compute in training, and the collector stays out."""
+    with _collector_between_steps(gc_between_steps):
+        dist.barrier()
+        yield
 
 
 def _timed_reference(reference: Callable[[], None], device: torch.device, gc_between_steps: bool) -> float:
     """One timing of ``reference`` on every rank at once, as the calibration times it."""
     from .calibration.reference import time_reference
 
-    with _collector_between_steps(gc_between_steps):
-        dist.barrier()
+    with _all_ranks_at_once(gc_between_steps):
         return time_reference(reference, device)
 
 

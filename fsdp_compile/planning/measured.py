@@ -45,6 +45,9 @@ class Measured:
     unlimited_step_times: list[float] = field(default_factory=list)
     # With ``reference``: its step's median on the compute clock beside the timed steps (slowest rank).
     reference_seconds: float | None = None
+    # With ``outside_graphs``: the optimizer and runtime fits timed beside the steps (slowest
+    # rank), as the Cluster fields they replace: {"optimizer_step": {...}, "runtime_per_tensor": s}.
+    outside_graphs: dict[str, Any] | None = None
 
     @property
     def unlimited_step_seconds(self) -> float | None:
