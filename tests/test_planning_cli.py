@@ -498,7 +498,29 @@ def test_thread_times_tell_a_blocked_main_thread_from_one_on_a_cpu() -> None:
     end = time.thread_time() + 0.2
     while time.thread_time() < end:
         pass
-    assert thread_times().main_on_cpu - slept.main_on_cpu >= 0.19
+    spun = thread_times()
+    assert spun.main_on_cpu - slept.main_on_cpu >= 0.19
+    # another thread's CPU (gloo's, in a step) is counted apart from the main thread's while
+    # that thread lives (gloo's live as long as the process group)
+    import threading
+
+    spun_once, done = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        spun_once.set()
+        done.wait()
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    spun_once.wait()
+    after = thread_times()
+    done.set()
+    worker.join()
+    assert after.others_on_cpu - spun.others_on_cpu >= 0.19
+    assert after.main_on_cpu - spun.main_on_cpu < 0.05
 
 
 def test_step_split_sets_the_main_threads_time_against_the_plans() -> None:

@@ -425,12 +425,17 @@ def step_split(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str,
 
 
 def _print_split(rows: list[dict[str, Any]]) -> None:
-    """Where each step goes, measured / predicted (see :func:`step_split`)."""
-    print(f"{'strategy':<20}{'main CPU ms':>12}{'pred':>8}{'core wait ms':>14}{'pred':>8}{'blocked ms':>12}{'pred':>8}")
+    """Where each step goes, measured / predicted (see :func:`step_split`), and the CPU of the
+    process's other threads (gloo's) against the backend CPU the plan charges to compute."""
+    print(f"{'strategy':<20}{'main CPU ms':>12}{'pred':>8}{'core wait ms':>14}{'pred':>8}{'blocked ms':>12}{'pred':>8}"
+          f"{'gloo CPU ms':>13}{'pred':>8}")
     for r in rows:
         split = step_split(r["measured"], r["predicted"])
         if split is not None:
             cells = "".join(f"{m * 1e3:>{w}.1f}{p * 1e3:>8.1f}" for (m, p), w in zip(split.values(), (12, 14, 12)))
+            others = r["measured"].get("others_cpu_seconds")
+            if others is not None:
+                cells += f"{others * 1e3:>13.1f}{(r['predicted'].get('backend_cpu_seconds') or 0.0) * 1e3:>8.1f}"
             print(f"{r['strategy']:<20}{cells}")
 
 

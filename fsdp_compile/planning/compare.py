@@ -84,6 +84,7 @@ class ThreadTimes(NamedTuple):
     main_on_cpu: float  # the main thread ran on a CPU
     main_waiting: float  # the main thread was runnable but waiting for a core
     all_waiting: float  # the same, summed over this process's threads
+    others_on_cpu: float = 0.0  # every other live thread of this process ran on a CPU (the backend's)
 
 
 def thread_times() -> ThreadTimes | None:
@@ -95,7 +96,7 @@ def thread_times() -> ThreadTimes | None:
     import threading
 
     main = threading.get_native_id()
-    on_cpu = main_waiting = waiting = 0.0
+    on_cpu = main_waiting = waiting = others = 0.0
     try:
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -106,9 +107,11 @@ def thread_times() -> ThreadTimes | None:
             waiting += int(waited) / 1e9
             if int(tid) == main:
                 on_cpu, main_waiting = int(ran) / 1e9, int(waited) / 1e9
+            else:
+                others += int(ran) / 1e9
     except (OSError, ValueError):
         return None
-    return ThreadTimes(on_cpu, main_waiting, waiting)
+    return ThreadTimes(on_cpu, main_waiting, waiting, others)
 
 
 def _load_average() -> float | None:
@@ -277,9 +280,9 @@ def measure_strategy(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def timed(inputs: Any, targets: Any) -> tuple[float, float | None, float | None, float | None]:
-        """(wall, main-thread CPU, run-queue wait over wall, the main thread's wait for a core)
-        of one step, each the slowest rank's."""
+    def timed(inputs: Any, targets: Any) -> tuple[float, float | None, float | None, float | None, float | None]:
+        """(wall, main-thread CPU, run-queue wait over wall, the main thread's wait for a core,
+        the other threads' CPU) of one step, each the slowest rank's."""
         with _collector_between_steps(gc_between_steps):
             dist.barrier()
             if device.type == "cuda":
@@ -292,12 +295,13 @@ def measure_strategy(
             wall = time.perf_counter() - start
             after = thread_times()
         if before is None or after is None:
-            return _slowest(wall), None, None, None
+            return _slowest(wall), None, None, None, None
         return (_slowest(wall), _slowest(after.main_on_cpu - before.main_on_cpu),
                 _largest((after.all_waiting - before.all_waiting) / wall),
-                _largest(after.main_waiting - before.main_waiting))
+                _largest(after.main_waiting - before.main_waiting),
+                _largest(after.others_on_cpu - before.others_on_cpu))
 
-    times, cpu, waits, core_waits, unlimited, reference_times = [], [], [], [], [], []
+    times, cpu, waits, core_waits, others_cpu, unlimited, reference_times = [], [], [], [], [], [], []
     network_stats = None
     if outside_graphs is not None:
         outside_graphs.reset()
@@ -306,15 +310,16 @@ def measure_strategy(
             dist.barrier()
             network.reset_stats()
         if unlimited_too and i >= warmup:
-            wall, step_cpu, wait, core_wait, network_stats = _paired_steps(
+            wall, step_cpu, wait, core_wait, other_cpu, network_stats = _paired_steps(
                 network, functools.partial(timed, inputs, targets), network_stats, unlimited, first=i % 2 == 0)
         else:
-            wall, step_cpu, wait, core_wait = timed(inputs, targets)
+            wall, step_cpu, wait, core_wait, other_cpu = timed(inputs, targets)
         times.append(wall)
         if step_cpu is not None:
             cpu.append(step_cpu)
             waits.append(wait)
             core_waits.append(core_wait)
+            others_cpu.append(other_cpu)
         if reference is not None and i >= warmup:
             reference_times.append(_timed_reference(reference, device, gc_between_steps))
         if outside_graphs is not None and i >= warmup:
@@ -329,6 +334,7 @@ def measure_strategy(
     step_seconds = statistics.median(steady)
     cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
     core_wait_seconds = statistics.median(core_waits[warmup:] or core_waits[-1:]) if core_waits else None
+    others_cpu_seconds = statistics.median(others_cpu[warmup:] or others_cpu[-1:]) if others_cpu else None
     steady_waits = (waits[warmup:] or waits[-1:]) if waits else []
     wait_fraction = statistics.median(steady_waits) if steady_waits else None
     from .calibration.compute import _cpu_share
@@ -355,7 +361,7 @@ def measure_strategy(
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
                     cpu_seconds, wait_fraction, core_wait_seconds, _load_average(), quiet_step, steady_waits,
-                    network_stats, warmup, unlimited, reference_seconds, fits)
+                    network_stats, warmup, unlimited, reference_seconds, fits, others_cpu_seconds)
 
 
 @contextlib.contextmanager
@@ -388,7 +394,7 @@ def unlimited_links(network: Any) -> Iterator[None]:
 
 
 def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimited: list[float],
-                  *, first: bool) -> tuple[float, float | None, float | None, float | None, Any]:
+                  *, first: bool) -> tuple[float, float | None, float | None, float | None, float | None, Any]:
     """One step on the network's links and one on unlimited links, the former first when
     ``first`` (alternating the order puts a cold cache on neither side). Returns the former's
     ``timed()`` and ``stats`` plus its window of the network's statistics; appends the

@@ -48,6 +48,9 @@ class Measured:
     # With ``outside_graphs``: the optimizer and runtime fits timed beside the steps (slowest
     # rank), as the Cluster fields they replace: {"optimizer_step": {...}, "runtime_per_tensor": s}.
     outside_graphs: dict[str, Any] | None = None
+    # The CPU time of the process's other threads per step (the communication backend's: gloo's
+    # threads; median, largest rank): the referee of the plan's backend_cpu_seconds.
+    others_cpu_seconds: float | None = None
 
     @property
     def unlimited_step_seconds(self) -> float | None:
