@@ -301,6 +301,42 @@ def test_compare_plans_each_strategy_on_the_numbers_timed_beside_its_steps():
     assert beside_steps(cluster, {}) == cluster
 
 
+def rank_skew_worker(rank: int, world: int) -> float:
+    from fsdp_compile.planning.calibration.collectives import _rank_skew
+
+    return _rank_skew(None, torch.device("cpu"), 3)
+
+
+def test_rank_skew_is_measured_only_where_ranks_time_slice_the_cores(monkeypatch):
+    from distributed import run_workers
+
+    from fsdp_compile.planning.calibration import collectives, compute
+
+    # a core per rank: no skew to measure, and nothing runs (no process group here)
+    monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert collectives._rank_skew(None, torch.device("cpu"), 3) == 0.0
+    monkeypatch.undo()
+    # 4 ranks on this machine's cores: measured, the same (slowest) figure on every rank
+    skews = run_workers(rank_skew_worker, 4)
+    assert len(set(skews)) == 1 and 0.0 <= skews[0] < 1.0, skews
+
+
+def test_each_collective_waits_the_rank_skew_for_the_last_rank():
+    from fsdp_compile.planning.cost import collective_cost
+
+    fair = small_cluster()
+    skewed = fair.replace(rank_skew=4e-3)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        base = collective_cost(kind, 1 << 20, Group(2, 1), fair)
+        assert collective_cost(kind, 1 << 20, Group(2, 1), skewed).seconds == pytest.approx(base.seconds + 4e-3)
+    # a group of one rank waits for nobody
+    assert collective_cost("all_reduce", 1 << 20, Group(1, 1), skewed).seconds == 0.0
+    with pytest.raises(ClusterError, match="rank_skew"):
+        fair.replace(rank_skew=-1e-3)
+
+
 def test_attention_runs_at_its_own_measured_rate():
     def attention(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -404,6 +440,7 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     monkeypatch.setattr(measure, "_issue_seconds", lambda *a: {})
     monkeypatch.setattr(measure, "_collective_workspace", lambda *a: {})
     monkeypatch.setattr(measure, "_collective_cpu", lambda *a: fit)
+    monkeypatch.setattr(measure, "_rank_skew", lambda *a: 0.0)
     measure.measure_cluster(Cluster, group=None, sizes=None, repeats=1, dtypes=(torch.float32,), nodes=1,
                             device="cpu", device_memory=1e9)
     assert synced.pop("reference") is True

@@ -487,7 +487,7 @@ def _cluster_numbers(cluster: Any) -> dict[str, Any]:
             "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
             "comm_overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
             "runtime_per_tensor": cluster.runtime_per_tensor, "compute_scale": cluster.compute_scale,
-            "copy_kernels": cluster.copy_kernels,
+            "rank_skew": cluster.rank_skew, "copy_kernels": cluster.copy_kernels,
             "collective_issue": cluster.collective_issue, "collective_cpu": cluster.collective_cpu,
             "collective_workspace": cluster.collective_workspace,
             **{name: {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}

@@ -70,6 +70,9 @@ class Cluster:
     (each shard's leaf checked against its parameter before a graph runs, the gradient
     accumulated into the leaf and wrapped into a DTensor ``.grad`` in backward; measured by
     :meth:`measure`, 0 in presets, where the CPU runs ahead of the GPU).
+    ``rank_skew`` is seconds each collective waits, beyond its own time, for the last rank of
+    its group where ranks time-slice a node's cores (a 2 x 2 world on 2 cores; measured by
+    :meth:`measure`, 0 where every rank has a core and in presets).
     ``measured_collectives`` maps a collective kind to its fitted ring model on the intra-node
     link (:meth:`measure`; a collective without one is priced from the bandwidths and
     latencies), ``measured_inter_collectives`` the same on the inter-node link (measured over
@@ -105,6 +108,7 @@ class Cluster:
     collective_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
+    rank_skew: float = 0.0
     attention_flops: dict[torch.dtype, float] = field(default_factory=dict)
     compute_scale: float = 1.0
     sources: dict[str, str] = field(default_factory=dict)
@@ -147,6 +151,7 @@ class Cluster:
         need("op_overhead", self.op_overhead, positive=False)
         need("comm_overlap", self.comm_overlap, positive=False, at_most=1.0)
         need("runtime_per_tensor", self.runtime_per_tensor, positive=False)
+        need("rank_skew", self.rank_skew, positive=False)
         need("compute_scale", self.compute_scale)
         if isinstance(self.nodes, int) and self.nodes > 1:
             # Several nodes talk over the inter-node link: it must be described.
@@ -323,8 +328,8 @@ class Cluster:
             (group size / ``nodes``) devices, with ``measured_collectives`` (and, over several
             nodes, ``measured_inter_collectives``),
             ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``),
-            ``runtime_per_tensor`` and, on a CPU, ``copy_kernels`` and ``collective_issue``
-            filled in, ``collective_latency`` and
+            ``runtime_per_tensor`` and, on a CPU, ``copy_kernels``, ``collective_issue`` and
+            ``rank_skew`` filled in, ``collective_latency`` and
             ``reserved_memory`` 0, and ``sources`` saying when, at what world size and on
             which device type each number was measured.
 

@@ -14,6 +14,8 @@
   nodes at the inter-node one, and the latency counts each intra- and inter-node ring step.
   Starting one costs the compute stream ``Cluster.collective_issue`` (a CPU backend's work on
   the issuing thread), and the backend's own threads take ``Cluster.collective_cpu`` from it.
+  Where ranks time-slice a node's cores, each also waits ``Cluster.rank_skew`` for the group's
+  last rank to reach it.
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.
@@ -168,7 +170,7 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
     fits = cluster.measured_inter_collectives if link == "inter" else {}
     measured = fits.get(kind) or cluster.measured_collectives.get(kind)
     if measured is not None:
-        seconds = steps * measured.step_latency + wire / measured.bandwidth
+        seconds = steps * measured.step_latency + wire / measured.bandwidth + cluster.rank_skew
         return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue, cpu_seconds=cpu)
     if group.nodes <= 1:
         latency = cluster.collective_latency + steps * cluster.intra_node_latency
@@ -178,8 +180,8 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
         latency = (cluster.collective_latency + (steps - inter_steps) * cluster.intra_node_latency
                    + inter_steps * cluster.inter_node_latency)
         bandwidth = min(cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
-    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire, issue_seconds=issue,
-                    cpu_seconds=cpu)
+    return NodeCost("collective", latency + wire / bandwidth + cluster.rank_skew, link=link, wire_bytes=wire,
+                    issue_seconds=issue, cpu_seconds=cpu)
 
 
 def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symbolic: bool = False) -> NodeCost:

@@ -42,7 +42,14 @@ import torch
 import torch.distributed as dist
 
 from ..numbers import ClusterError
-from .collectives import _collective_cpu, _collective_workspace, _collectives, _gpu_overlap, _issue_seconds
+from .collectives import (
+    _collective_cpu,
+    _collective_workspace,
+    _collectives,
+    _gpu_overlap,
+    _issue_seconds,
+    _rank_skew,
+)
 from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwidth, _op_overhead, _slowest
 from .copies import _copy_kernels
 from .memory import _cpu_memory_per_rank
@@ -189,6 +196,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     # from clocks (not from a race), are priced as such; nothing else of a collective is hidden
     # or not by the overlap share, which is a GPU's (a race against a copy engine).
     collective_cpu = _collective_cpu(group, device, sizes, repeats) if device.type == "cpu" else {}
+    rank_skew = _rank_skew(group, device, repeats)
     overlap = 1.0 if device.type == "cpu" else _gpu_overlap(group, device, repeats)
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
@@ -199,13 +207,14 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         device_memory=float(device_memory), peak_flops=flops, memory_bandwidth=bandwidth,
         **_link_fields(collectives, inter_collectives),
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
-        runtime_per_tensor=runtime_per_tensor, attention_flops=attention, device_type=device.type,
+        runtime_per_tensor=runtime_per_tensor, rank_skew=rank_skew, attention_flops=attention,
+        device_type=device.type,
         optimizer_step=optimizer_step, copy_kernels=copy_kernels, collective_issue=collective_issue,
         collective_cpu=collective_cpu,
         collective_workspace=workspace,
         sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
                                          "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
                                          "copy_kernels", "collective_issue", "collective_cpu",
-                                         "collective_workspace", "compute_scale", "device_memory")})
+                                         "collective_workspace", "rank_skew", "compute_scale", "device_memory")})
     # The same on every rank: each priced the same graphs on the same (slowest-rank) numbers.
     return cluster.replace(compute_scale=compute_scale(reference_seconds, reference_graphs, cluster))

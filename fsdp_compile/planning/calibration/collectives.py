@@ -251,3 +251,56 @@ def _collective_cpu(group: Any, device: torch.device, sizes: tuple[int, ...],
             samples.append((wire_bytes(kind, numel * 4, n), _slowest(typical, group)))
         fits[kind] = fit_line(samples)
     return fits
+
+
+# CPU seconds of compute between two of the skew calibration's collectives: about what a step
+# on a CPU runs between two bucket waits (a world-4 gpt_small step: 12-23 collectives in 200 ms
+# of each rank's CPU).
+_SKEW_INTERVAL = 0.01
+
+
+def _rank_skew(group: Any, device: torch.device, repeats: int) -> float:
+    """Seconds a blocking collective waits, beyond its own time, for the last rank of the group
+    to reach it, where this node's ranks outnumber its cores; 0 where every rank has a core.
+
+    Time-sliced ranks do not run their compute at an even share of a core: the scheduler
+    hands a core out in slices of milliseconds, so between two collectives one rank gets
+    further than another, and the collective waits for the last. The stretch of compute by
+    the rank's share of a core (:func:`.compute._cpu_share`) prices the average rank. At world 4
+    on 2 cores, every collective of a gpt_small step left the main thread blocked 2-7 ms more
+    than the plan's waits, on plain gloo and on emulated links alike, while at world 2 (a core
+    per rank) blocked and predicted agreed within a few milliseconds
+    (``bench/results/plan_emulated.md`` as run on cef9554). Measured as a step runs it: every
+    rank computes about ``_SKEW_INTERVAL`` of CPU, then all-reduces a few bytes, over and
+    over; each round's wall time beyond its compute stretched by the share of a core, and
+    beyond the same all-reduce's time from synchronized ranks, is the skew (median of the rounds,
+    slowest rank)."""
+    share = _cpu_share(device)
+    if share >= 1.0 or device.type != "cpu":
+        return 0.0
+    n = dist.get_world_size(group)
+    name = (group or dist.group.WORLD).group_name
+    _, (tiny,) = _local_buffers("all_reduce", 64, n, 1, device)
+    operand = torch.randn(128, 128, device=device)
+
+    def compute() -> None:
+        end = time.thread_time() + _SKEW_INTERVAL
+        while time.thread_time() < end:
+            operand.mul_(1.0)
+
+    alone = []
+    for _ in range(max(repeats, _COLLECTIVE_REPEATS)):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        _run_collective("all_reduce", tiny, n, name)
+        alone.append(time.perf_counter() - start)
+    rounds = max(4 * repeats, 20)
+    skews = []
+    dist.barrier(group=group)
+    for _ in range(rounds):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        compute()
+        _run_collective("all_reduce", tiny, n, name)
+        cpu = time.thread_time() - start_cpu
+        skews.append(time.perf_counter() - start - cpu / share)
+    return _slowest(max(statistics.median(skews) - statistics.median(alone), 0.0), group)
