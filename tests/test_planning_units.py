@@ -330,9 +330,16 @@ def test_each_collective_waits_the_rank_skew_for_the_last_rank():
     skewed = fair.replace(rank_skew=4e-3)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         base = collective_cost(kind, 1 << 20, Group(2, 1), fair)
-        assert collective_cost(kind, 1 << 20, Group(2, 1), skewed).seconds == pytest.approx(base.seconds + 4e-3)
+        cost = collective_cost(kind, 1 << 20, Group(2, 1), skewed)
+        assert cost.seconds == base.seconds and cost.skew_seconds == 4e-3 and base.skew_seconds == 0.0
     # a group of one rank waits for nobody
-    assert collective_cost("all_reduce", 1 << 20, Group(1, 1), skewed).seconds == 0.0
+    assert collective_cost("all_reduce", 1 << 20, Group(1, 1), skewed).skew_seconds == 0.0
+    # the collective starts when the last rank issues it: a wait right after exposes the skew ...
+    assert simulate_events([("issue", "x", 1.0, "intra", 0, 0.5), ("wait", "x")]).seconds == 1.5
+    # ... compute until the wait hides it, and a collective queued behind a busy link loses nothing
+    assert simulate_events([("issue", "x", 1.0, "intra", 0, 0.5), ("compute", 2.0), ("wait", "x")]).seconds == 2.0
+    queued = [("issue", "a", 3.0, "intra", 0, 0.5), ("issue", "b", 3.0, "intra", 0, 0.5), ("wait", "b")]
+    assert simulate_events(queued).seconds == 6.5
     with pytest.raises(ClusterError, match="rank_skew"):
         fair.replace(rank_skew=-1e-3)
 

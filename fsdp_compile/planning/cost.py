@@ -14,8 +14,9 @@
   nodes at the inter-node one, and the latency counts each intra- and inter-node ring step.
   Starting one costs the compute stream ``Cluster.collective_issue`` (a CPU backend's work on
   the issuing thread), and the backend's own threads take ``Cluster.collective_cpu`` from it.
-  Where ranks time-slice a node's cores, each also waits ``Cluster.rank_skew`` for the group's
-  last rank to reach it.
+  Where ranks time-slice a node's cores, each starts ``Cluster.rank_skew`` after this rank
+  issues it, when the group's last rank reaches it (the link does not wait: a collective
+  queued behind a busy link loses nothing to it).
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.
@@ -153,6 +154,7 @@ class NodeCost:
     wire_bytes: Any = 0  # collectives: bytes each rank sends
     issue_seconds: Any = 0.0  # collectives: the compute stream's time to start it
     cpu_seconds: Any = 0.0  # collectives: the backend threads' CPU, taken from compute
+    skew_seconds: Any = 0.0  # collectives: after this rank issues it, until the group's last rank does
 
 
 def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster) -> NodeCost:
@@ -170,8 +172,9 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
     fits = cluster.measured_inter_collectives if link == "inter" else {}
     measured = fits.get(kind) or cluster.measured_collectives.get(kind)
     if measured is not None:
-        seconds = steps * measured.step_latency + wire / measured.bandwidth + cluster.rank_skew
-        return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue, cpu_seconds=cpu)
+        seconds = steps * measured.step_latency + wire / measured.bandwidth
+        return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue, cpu_seconds=cpu,
+                        skew_seconds=cluster.rank_skew)
     if group.nodes <= 1:
         latency = cluster.collective_latency + steps * cluster.intra_node_latency
         bandwidth = cluster.intra_node_bandwidth
@@ -180,8 +183,8 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
         latency = (cluster.collective_latency + (steps - inter_steps) * cluster.intra_node_latency
                    + inter_steps * cluster.inter_node_latency)
         bandwidth = min(cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
-    return NodeCost("collective", latency + wire / bandwidth + cluster.rank_skew, link=link, wire_bytes=wire,
-                    issue_seconds=issue, cpu_seconds=cpu)
+    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire, issue_seconds=issue,
+                    cpu_seconds=cpu, skew_seconds=cluster.rank_skew)
 
 
 def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symbolic: bool = False) -> NodeCost:

@@ -58,7 +58,7 @@ class Timeline:
             self.collectives + other.collectives, self.backend_cpu_seconds + other.backend_cpu_seconds)
 
 
-# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key)
+# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes[, skew]) | ("wait", key)
 #         | ("backend_cpu", seconds): compute's time a communication backend's threads take
 Event = tuple
 
@@ -84,8 +84,9 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
             now = now + event[1]
             busy = busy + event[1]
         elif kind == "issue":
-            _, key, seconds, link, wire_bytes = event
-            start = maximum(now, comm_free.get(link, 0.0))
+            _, key, seconds, link, wire_bytes, *skew = event
+            # it starts once the group's last rank has issued it (``skew`` after this one) and the link is free
+            start = maximum(now + skew[0] if skew else now, comm_free.get(link, 0.0))
             comm_free[link] = start + seconds
             finish[key] = comm_free[link]
             comm = comm + seconds
@@ -119,7 +120,7 @@ def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
         elif cost.kind == "collective":
             if cost.issue_seconds:
                 events.append(("compute", cost.issue_seconds))  # the issuing thread's work comes first
-            events.append(("issue", node, cost.seconds, cost.link, cost.wire_bytes))
+            events.append(("issue", node, cost.seconds, cost.link, cost.wire_bytes, cost.skew_seconds))
             if cost.cpu_seconds:
                 events.append(("backend_cpu", cost.cpu_seconds))
         elif cost.kind == "wait":
