@@ -288,7 +288,7 @@ def test_optimizer_and_runtime_fits_are_timed_again_beside_the_steps():
 
 
 def test_compare_plans_each_strategy_on_the_numbers_timed_beside_its_steps():
-    from fsdp_compile.planning.cli import beside_steps
+    from fsdp_compile.planning.compare import beside_steps
     from fsdp_compile.planning.cost import optimizer_seconds
 
     cluster = small_cluster(optimizer_step={"adamw": (2e-4, 1e-9), "sgd": (1e-5, 1e-10)}, runtime_per_tensor=5e-5)

@@ -222,7 +222,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from .calibration.outside_graphs import BesideSteps
     from .calibration.reference import compute_scale, model_reference_step
     from .cluster import Cluster
-    from .compare import bar_chart, measure_strategy, unlimited_links
+    from .compare import bar_chart, beside_steps, measure_strategy, unlimited_links
     from .isolated import run_in_subprocess
     from .measured import step_range, within_noise
 
@@ -353,21 +353,6 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         dist.barrier()
     return 0
-
-
-def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
-    """``cluster`` with the numbers ``compare`` measured beside one strategy's steps in place of
-    the calibration's: ``compute_scale``, and the optimizer and runtime fits
-    (:class:`~.calibration.outside_graphs.BesideSteps`); an optimizer not timed there keeps its fit."""
-    changes: dict[str, Any] = {}
-    if "compute_scale" in measured:
-        changes["compute_scale"] = measured["compute_scale"]
-    if "optimizer_step" in measured:
-        changes["optimizer_step"] = {**cluster.optimizer_step,
-                                     **{name: tuple(line) for name, line in measured["optimizer_step"].items()}}
-    if "runtime_per_tensor" in measured:
-        changes["runtime_per_tensor"] = measured["runtime_per_tensor"]
-    return cluster.replace(**changes)
 
 
 def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[Any, list[str]]],

@@ -67,12 +67,9 @@ class Cluster:
     ``collective_cpu`` maps a kind to ``(seconds, seconds per wire byte)`` of CPU the backend's
     own threads spend on it, taken from compute when ranks fill the cores (gloo; measured).
     ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
-    (each shard's leaf checked against its parameter before a graph runs, the gradient
-    accumulated into the leaf and wrapped into a DTensor ``.grad`` in backward; measured by
-    :meth:`measure`, 0 in presets, where the CPU runs ahead of the GPU).
-    ``rank_skew`` is seconds each collective waits, beyond its own time, for the last rank of
-    its group where ranks time-slice a node's cores (a 2 x 2 world on 2 cores; measured by
-    :meth:`measure`, 0 where every rank has a core and in presets).
+    (leaf checks, gradient accumulation, DTensor ``.grad`` wrapping; measured, 0 in presets).
+    ``rank_skew``: seconds a collective waits for its group's last rank where ranks time-slice
+    the cores (measured; 0 with a core per rank and in presets).
     ``measured_collectives`` maps a collective kind to its fitted ring model on the intra-node
     link (:meth:`measure`; a collective without one is priced from the bandwidths and
     latencies), ``measured_inter_collectives`` the same on the inter-node link (measured over

@@ -364,6 +364,21 @@ def measure_strategy(
                     network_stats, warmup, unlimited, reference_seconds, fits, others_cpu_seconds)
 
 
+def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
+    """``cluster`` with the numbers ``compare`` measured beside one strategy's steps in place of
+    the calibration's: ``compute_scale``, and the optimizer and runtime fits
+    (:class:`~.calibration.outside_graphs.BesideSteps`); an optimizer not timed there keeps its fit."""
+    changes: dict[str, Any] = {}
+    if "compute_scale" in measured:
+        changes["compute_scale"] = measured["compute_scale"]
+    if "optimizer_step" in measured:
+        changes["optimizer_step"] = {**cluster.optimizer_step,
+                                     **{name: tuple(line) for name, line in measured["optimizer_step"].items()}}
+    if "runtime_per_tensor" in measured:
+        changes["runtime_per_tensor"] = measured["runtime_per_tensor"]
+    return cluster.replace(**changes)
+
+
 @contextlib.contextmanager
 def _all_ranks_at_once(gc_between_steps: bool) -> Iterator[None]:
     """Every rank starts together, as they compute in training, and the collector stays out."""

@@ -270,7 +270,7 @@ def _rank_skew(group: Any, device: torch.device, repeats: int) -> float:
     on 2 cores, every collective of a gpt_small step left the main thread blocked 2-7 ms more
     than the plan's waits, on plain gloo and on emulated links alike, while at world 2 (a core
     per rank) blocked and predicted agreed within a few milliseconds
-    (``bench/results/plan_emulated.md`` as run on cef9554). Measured as a step runs it: every
+    (``bench/results/archive/plan_emulated_w4_before_rank_skew.md``). Measured as a step runs it: every
     rank computes about ``_SKEW_INTERVAL`` of CPU, then all-reduces a few bytes, over and
     over; each round's wall time beyond its compute stretched by the share of a core, and
     beyond the same all-reduce's time from synchronized ranks, is the skew (median of the rounds,
