@@ -255,7 +255,7 @@ def measure_strategy(
     The statistics then cover the steps on the network's links alone. ``reference``: a function
     running a reference step (the model's own on one rank), timed after each timed step (module docstring).
     ``outside_graphs``: a :class:`~.calibration.outside_graphs.BesideSteps` sampled after each
-    timed step; its fits, each the slowest rank's, become ``Measured.outside_graphs``.
+    timed step; its fits become ``Measured.outside_graphs``.
     """
     import fsdp_compile
 
@@ -343,10 +343,6 @@ def measure_strategy(
     # per rank, then the slowest rank's: the calibration's own order (``timed_reference``)
     reference_seconds = _slowest(statistics.median(reference_times)) if reference_times else None
     fits = outside_graphs.fits() if outside_graphs is not None else None
-    if fits is not None:
-        fits = {"optimizer_step": {name: tuple(_slowest(v) for v in line)
-                                   for name, line in fits["optimizer_step"].items()},
-                "runtime_per_tensor": _slowest(fits["runtime_per_tensor"])}
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]

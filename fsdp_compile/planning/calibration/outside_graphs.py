@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compute import _cold_seconds, _compute_clock, _compute_seconds, _stretched, _sync_ranks
+from .compute import _cold_seconds, _compute_seconds, _slowest, _sync_ranks
+from .reference import time_reference
 
 
 def _sharded_params(count: int, numel: int, group: Any, device: torch.device) -> list[torch.nn.Parameter]:
@@ -131,6 +132,7 @@ class BesideSteps:
 
     def __init__(self, group: Any, device: torch.device, optimizer: str = "adamw") -> None:
         self.optimizer = optimizer
+        self._group = group
         self._device = device
         self._workloads = {
             **{("optimizer", point): _optimizer_workload(optimizer, *point, group, device)
@@ -142,23 +144,22 @@ class BesideSteps:
 
     def sample(self) -> None:
         """Time one run of every workload on this rank."""
-        clock = _compute_clock(self._device)
         for key, run in self._workloads.items():
-            start = clock()
-            run()
-            self._samples[key].append(_stretched(clock() - start, clock, self._device))
+            self._samples[key].append(time_reference(run, self._device))
 
     def reset(self) -> None:
         for samples in self._samples.values():
             samples.clear()
 
     def fits(self) -> dict[str, Any] | None:
-        """This rank's fits through the medians so far, as the :class:`Cluster` fields they replace:
+        """The fits through each rank's medians so far, each field the slowest rank's as the
+        calibration takes it, as the :class:`Cluster` fields they replace (call it on every rank):
         ``{"optimizer_step": {optimizer: (per tensor, per byte)}, "runtime_per_tensor": seconds}``;
-        None before any sample. Take each field's slowest rank as the calibration does."""
+        None before any sample."""
         if not all(self._samples.values()):
             return None
         median = {key: statistics.median(samples) for key, samples in self._samples.items()}
         optimizer = _optimizer_line(*(median["optimizer", point] for point in _OPTIMIZER_POINTS))
         runtime = _runtime_line(*(median["runtime", count] for count in _RUNTIME_COUNTS))
-        return {"optimizer_step": {self.optimizer: optimizer}, "runtime_per_tensor": runtime}
+        return {"optimizer_step": {self.optimizer: tuple(_slowest(v, self._group) for v in optimizer)},
+                "runtime_per_tensor": _slowest(runtime, self._group)}
