@@ -3,7 +3,8 @@ GPT with tied embeddings, sharded over ``mesh["dp"]``, against single-process tr
 against FSDP2 (``fully_shard(mesh=mesh["dp"])``) with the same TP plan.
 
 One spawn of 4 ranks runs every default case of a strategy (the parity run is cached per
-strategy and model); Inductor and the other strategies' cross-checks are ``slow``.
+strategy and model); the other strategies' cross-checks and the run of the 2-D features
+(``features_run``) are ``slow``.
 """
 
 from __future__ import annotations
@@ -606,6 +607,15 @@ def features_run() -> dict:
     return run_workers(features_worker, WORLD)[0]
 
 
+# The 2-D features' run (state dicts, meta-device init, no_sync, clipping, mixed precision against
+# FSDP2, the cache key and the report: 50 s on 4 ranks) runs with -m slow: with it the default run
+# took 20.2 minutes on CI. By default FSDP over TP still trains against single-process training
+# and FSDP2, under aot_eager and under Inductor with default options, and its checkpoints move to
+# and from other layouts.
+features = pytest.mark.slow
+
+
+@features
 def test_full_state_dict_round_trips_on_2d() -> None:
     out = features_run()
     # full_tensor() of the (_StridedShard, Shard) layout is the unsharded value: a wrong
@@ -616,6 +626,7 @@ def test_full_state_dict_round_trips_on_2d() -> None:
     assert (out["loaded_logits"] - out["ref_loaded_logits"]).abs().max().item() < 1e-5
 
 
+@features
 def test_meta_device_init_on_2d_draws_what_the_whole_model_draws() -> None:
     out = features_run()
     # Each TP parameter is initialized whole (its global shape) and cut to its TP-local part,
@@ -624,17 +635,20 @@ def test_meta_device_init_on_2d_draws_what_the_whole_model_draws() -> None:
     assert out["meta_placements"] == out["placements"]
 
 
+@features
 def test_tp_blocks_become_regions_by_default() -> None:
     out = features_run()
     assert out["default_regions"] > 0  # the modules inside both blocks read through the region
     assert out["inline_regions"] == 0
 
 
+@features
 def test_no_sync_accumulates_on_2d() -> None:
     out = features_run()
     assert_grads_close(out["accumulated"], out["ref_accumulated"], TP_GRAD_RTOL, "accumulated gradients")
 
 
+@features
 def test_clip_grad_norm_over_dp_and_tp_is_the_single_process_norm() -> None:
     out = features_run()
     # Parameters split on dp and tp, on dp only (the norms under sequence parallelism) in one model.
@@ -643,6 +657,7 @@ def test_clip_grad_norm_over_dp_and_tp_is_the_single_process_norm() -> None:
     assert_grads_close(out["clipped"], out["ref_clipped"], TP_GRAD_RTOL, "clipped gradients")
 
 
+@features
 def test_mixed_precision_on_2d_matches_fsdp2() -> None:
     out = features_run()
     mp = out["mixed_precision"]
@@ -654,6 +669,7 @@ def test_mixed_precision_on_2d_matches_fsdp2() -> None:
     assert_grads_close(mp["ours"]["grads"], mp["fsdp2"]["grads"], 2e-2, "bf16 gradients vs FSDP2 + TP")
 
 
+@features
 def test_cache_key_holds_the_tp_layout() -> None:
     key = features_run()["cache_key"]
     entries = {entry[0]: entry for entry in key["local_shards"]}
@@ -663,6 +679,7 @@ def test_cache_key_holds_the_tp_layout() -> None:
     assert key["groups"]["tensor_parallel"] == [[0, 1]]  # rank 0's tp group
 
 
+@features
 def test_inspect_shows_tp_collectives_apart_from_ours() -> None:
     from fsdp_compile.inspection.report import measured_bytes
 
