@@ -532,3 +532,9 @@ def test_step_split_sets_the_main_threads_time_against_the_plans() -> None:
     assert split["compute"] == (0.14, 0.13) and split["core_wait"] == (0.02, 0.02)
     assert split["blocked"] == pytest.approx((0.02, 0.01))
     assert step_split({**measured, "core_wait_seconds": None}, predicted) is None  # no /proc
+    assert "backend_cpu" not in split  # the other threads were not timed
+    # gloo's CPU against the plan's charge as CPU: at world 4 on 2 cores the charge is that CPU
+    # stretched by the rank's half share of a core, so the like-for-like figure is half of it
+    timed = {**measured, "others_cpu_seconds": 0.012}
+    assert step_split(timed, predicted)["backend_cpu"] == (0.012, 0.02)
+    assert step_split(timed, predicted, cpu_share=0.5)["backend_cpu"] == (0.012, 0.01)

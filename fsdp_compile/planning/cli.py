@@ -219,6 +219,7 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from .calibration.calibrate import measure_links
+    from .calibration.compute import _cpu_share
     from .calibration.outside_graphs import BesideSteps
     from .calibration.reference import compute_scale, model_reference_step
     from .cluster import Cluster
@@ -333,7 +334,7 @@ def run_compare(args: argparse.Namespace) -> int:
                   f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
                   f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
                   f"{m['compile_seconds']:>11.1f}")
-        _print_split(rows)
+        _print_split(rows, _cpu_share(torch.device(cluster.device_type)))
         _print_speed(rows)
         if unlimited_cluster is not None:
             _print_exposed(rows)
@@ -393,35 +394,38 @@ def _print_exposed(rows: list[dict[str, Any]]) -> None:
           "holds the true median with 95% confidence (fewer than 6 timed steps give none)")
 
 
-def step_split(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, tuple[float, float]] | None:
+def step_split(measured: dict[str, Any], predicted: dict[str, Any],
+               cpu_share: float = 1.0) -> dict[str, tuple[float, float]] | None:
     """A step's time three ways, (measured, predicted) seconds each: the main thread's CPU
     against the predicted compute, its wait for a core against the communication backend's CPU
     the plan charges to compute, and the rest of the step (blocked in waits) against the plan's
     waits. None where the machine gave no scheduler statistics. Each measured figure is the
     median of the slowest rank's, so the rest is near, not exactly, one rank's blocked time
-    (a few milliseconds below zero where nothing blocked)."""
+    (a few milliseconds below zero where nothing blocked). Where the process's other threads
+    were timed, a fourth pair: their CPU (gloo's) against the backend CPU the plan prices, as
+    CPU: the plan's charge times the rank's share of a core (``cpu_share``), the share it was
+    stretched by (2x at world 4 on 2 cores)."""
     if measured.get("cpu_seconds") is None or measured.get("core_wait_seconds") is None:
         return None
     backend = predicted.get("backend_cpu_seconds") or 0.0
     rest = measured["step_seconds"] - measured["cpu_seconds"] - measured["core_wait_seconds"]
-    return {"compute": (measured["cpu_seconds"], predicted["compute_seconds"]),
-            "core_wait": (measured["core_wait_seconds"], backend),
-            "blocked": (rest, predicted["exposed_comm_seconds"] - backend)}
+    split = {"compute": (measured["cpu_seconds"], predicted["compute_seconds"]),
+             "core_wait": (measured["core_wait_seconds"], backend),
+             "blocked": (rest, predicted["exposed_comm_seconds"] - backend)}
+    if measured.get("others_cpu_seconds") is not None:
+        split["backend_cpu"] = (measured["others_cpu_seconds"], backend * cpu_share)
+    return split
 
 
-def _print_split(rows: list[dict[str, Any]]) -> None:
-    """Where each step goes, measured / predicted (see :func:`step_split`), and the CPU of the
-    process's other threads (gloo's) against the backend CPU the plan charges to compute."""
+def _print_split(rows: list[dict[str, Any]], cpu_share: float) -> None:
+    """Where each step goes, measured / predicted (see :func:`step_split`)."""
     print(f"{'strategy':<20}{'main CPU ms':>12}{'pred':>8}{'core wait ms':>14}{'pred':>8}{'blocked ms':>12}{'pred':>8}"
           f"{'gloo CPU ms':>13}{'pred':>8}")
     for r in rows:
-        split = step_split(r["measured"], r["predicted"])
+        split = step_split(r["measured"], r["predicted"], cpu_share)
         if split is not None:
-            cells = "".join(f"{m * 1e3:>{w}.1f}{p * 1e3:>8.1f}" for (m, p), w in zip(split.values(), (12, 14, 12)))
-            others = r["measured"].get("others_cpu_seconds")
-            if others is not None:
-                cells += f"{others * 1e3:>13.1f}{(r['predicted'].get('backend_cpu_seconds') or 0.0) * 1e3:>8.1f}"
-            print(f"{r['strategy']:<20}{cells}")
+            print(f"{r['strategy']:<20}" + "".join(
+                f"{m * 1e3:>{w}.1f}{p * 1e3:>8.1f}" for (m, p), w in zip(split.values(), (12, 14, 12, 13))))
 
 
 def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[str, Any] | None:
