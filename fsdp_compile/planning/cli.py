@@ -402,9 +402,9 @@ def step_split(measured: dict[str, Any], predicted: dict[str, Any],
     waits. None where the machine gave no scheduler statistics. Each measured figure is the
     median of the slowest rank's, so the rest is near, not exactly, one rank's blocked time
     (a few milliseconds below zero where nothing blocked). Where the process's other threads
-    were timed, a fourth pair: their CPU (gloo's) against the backend CPU the plan prices, as
-    CPU: the plan's charge times the rank's share of a core (``cpu_share``), the share it was
-    stretched by (2x at world 4 on 2 cores)."""
+    were timed, a fourth pair: their CPU (gloo's) against the CPU the plan prices for them. The
+    plan's charge is that CPU stretched by the rank's share of a core (``cpu_share``; 2x at
+    world 4 on 2 cores), so the pair takes the charge times ``cpu_share``."""
     if measured.get("cpu_seconds") is None or measured.get("core_wait_seconds") is None:
         return None
     backend = predicted.get("backend_cpu_seconds") or 0.0
