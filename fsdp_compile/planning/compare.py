@@ -330,13 +330,19 @@ def measure_strategy(
     if network is not None:
         stats = network.stats() if network_stats is None else network_stats
         network_stats = {**stats.to_dict(), "summary": stats.overrun_summary()}
-    steady = times[warmup:] or times[-1:]
+    def after_warmup(values: list[float]) -> list[float]:  # the last value where all were warm-up
+        return values[warmup:] or values[-1:]
+
+    def median_after_warmup(values: list[float]) -> float | None:
+        return statistics.median(after_warmup(values)) if values else None
+
+    steady = after_warmup(times)
     step_seconds = statistics.median(steady)
-    cpu_seconds = statistics.median(cpu[warmup:] or cpu[-1:]) if cpu else None
-    core_wait_seconds = statistics.median(core_waits[warmup:] or core_waits[-1:]) if core_waits else None
-    others_cpu_seconds = statistics.median(others_cpu[warmup:] or others_cpu[-1:]) if others_cpu else None
-    steady_waits = (waits[warmup:] or waits[-1:]) if waits else []
-    wait_fraction = statistics.median(steady_waits) if steady_waits else None
+    cpu_seconds = median_after_warmup(cpu)
+    core_wait_seconds = median_after_warmup(core_waits)
+    others_cpu_seconds = median_after_warmup(others_cpu)
+    steady_waits = after_warmup(waits)
+    wait_fraction = median_after_warmup(waits)
     from .calibration.compute import _cpu_share
 
     quiet_step = quiet_step_seconds(steady, steady_waits, _cpu_share(device))
