@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -148,15 +149,23 @@ def test_compare_prints_its_table_without_the_profilers_logging(tmp_path: Path) 
     # collectives (the calibration's one-block GPT of d_model 256 takes several times this step)
     assert row["measured"]["reference_seconds"] < row["measured"]["cpu_seconds"], row["measured"]
     assert scales["beside_steps"] != scales["at_calibration"]  # two timings of a CPU never agree to the bit
-    moved = row["predicted"]["compute_seconds"] - at_calibration["compute_seconds"]
-    assert (moved > 0) == (scales["beside_steps"] > scales["at_calibration"]) and moved != 0
     assert "predicted at the machine's speed beside each strategy's steps" in proc.stdout
     # the optimizer and runtime fits are timed beside the steps too, and the plan uses those
     outside = row["outside_graphs"]
     (adamw_beside,) = outside["beside_steps"]["optimizer_step"].values()
+    adamw_at_calibration = outside["at_calibration"]["optimizer_step"]["adamw"]
     assert adamw_beside[0] > 0 and outside["beside_steps"]["runtime_per_tensor"] > 0
-    assert adamw_beside != outside["at_calibration"]["optimizer_step"]["adamw"]
-    assert row["predicted"]["compute_seconds"] != at_calibration["compute_seconds"]
+    assert adamw_beside != adamw_at_calibration
+    moved = row["predicted"]["compute_seconds"] - at_calibration["compute_seconds"]
+    assert moved != 0
+    # The plan's compute holds the graphs (times compute_scale) and the optimizer and runtime
+    # outside them: where every number moved the same way, so did the prediction. (gpt-tiny's
+    # graphs are small beside its optimizer: a faster AdamW can outweigh a slower compute_scale.)
+    changes = [scales["beside_steps"] - scales["at_calibration"],
+               *(b - c for b, c in zip(adamw_beside, adamw_at_calibration)),
+               outside["beside_steps"]["runtime_per_tensor"] - outside["at_calibration"]["runtime_per_tensor"]]
+    if all(c > 0 for c in changes) or all(c < 0 for c in changes):
+        assert (moved > 0) == (changes[0] > 0), (moved, changes)
 
 
 def test_the_profiler_speaks_only_when_asked() -> None:
@@ -165,8 +174,9 @@ def test_the_profiler_speaks_only_when_asked() -> None:
     code = ("import torch\n"
             "from fsdp_compile.planning.calibration.memory import _allocated_peak\n"
             "_allocated_peak(lambda: torch.ones(8).sum(), torch.device('cpu'))\n")
-    quiet = _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": None})
-    asked = _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": "5"})
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two processes, side by side
+        quiet, asked = pool.map(lambda level: _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": level}),
+                                (None, "5"))
     assert quiet.returncode == asked.returncode == 0, (quiet.stderr, asked.stderr)
     assert not any(word in quiet.stderr for word in PROFILER_LINES), quiet.stderr
     assert "profiler_start" in asked.stderr
