@@ -420,3 +420,15 @@ def test_blocked_waits_benchmark_lists_each_blocking_wait_and_what_was_in_flight
         assert not kinds & ({"reduce_scatter"} if name == "NO_SHARD" else {"all_reduce"}), (name, kinds)
         assert all(w["phase"] in ("forward", "backward", "optimizer") for w in measured["waits"])
     assert "| strategy | phase | at | blocked | in flight |" in (tmp_path / "blocked_waits_smoke.md").read_text()
+
+
+@pytest.mark.slow  # a benchmark's whole run; benchmarks are run by hand, and with -m slow
+def test_emulation_lateness_benchmark_splits_the_lateness_it_records(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "emulation_lateness.py"), "--smoke", "--out",
+                           str(tmp_path)], check=False, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, _failure(proc)
+    (row,) = json.loads((tmp_path / "emulation_lateness_smoke.json").read_text())["rows"]
+    assert row["collectives"] > 0 and 0 <= row["late"] <= row["collectives"]
+    assert 0 <= row["from_peers_seconds"] <= row["lateness_seconds"]
+    assert "| 2 | FULL_SHARD |" in (tmp_path / "emulation_lateness_smoke.md").read_text()

@@ -69,6 +69,7 @@ FRAGMENTS = {
                                            "torchrun",
     "docs/tensor-parallel.md#usage-2": "continues the example above, with 8 processes; "
                                        "tests/test_tensor_parallel.py runs it",
+    "docs/overlap.md#an-emulated-network-2": "continues the example above, after the warm-up steps",
 }
 # Blocks that run only where the named attribute exists.
 NEEDS = {

@@ -169,3 +169,32 @@ def test_a_network_is_set_up_only_as_the_default_group() -> None:
     finally:
         emulated._active = previous
     assert not dist.is_initialized()
+
+
+def test_lateness_is_split_between_a_late_peer_and_gloo() -> None:
+    from fsdp_compile.network.lateness import split_lateness
+
+    pair = (0, 1)
+    records = [
+        # (group ranks, index, kind, link, issued_at, modeled_end, gloo_done_at)
+        [(pair, 0, "all_reduce", "intra", 0.0, 0.003, 0.302),   # rank 1 came 0.3 s late: gloo waited for it
+         (pair, 1, "all_gather", "intra", 1.0, 1.003, 1.050),   # both on time, gloo slow: its own lateness
+         (pair, 2, "all_gather", "intra", 2.0, 2.100, 2.010),   # on time
+         (pair, 3, "all_gather", "intra", 3.0, 3.003, None),    # completion never seen: not counted
+         ((0, 2), 0, "all_reduce", "inter", 4.0, 4.003, 4.5)],  # rank 2 recorded nothing: not counted
+        [(pair, 0, "all_reduce", "intra", 0.3, 0.303, 0.302),   # the late rank itself was not late
+         (pair, 1, "all_gather", "intra", 1.0, 1.003, 1.050),
+         (pair, 2, "all_gather", "intra", 2.0, 2.100, 2.010),
+         (pair, 3, "all_gather", "intra", 3.0, 3.003, None)],
+    ]
+    causes = split_lateness(records)
+    assert (causes.collectives, causes.late) == (6, 3)
+    assert causes.lateness_seconds == pytest.approx(0.299 + 2 * 0.047)
+    # had gloo finished when rank 1 issued, rank 0 would still have been 0.297 s late; the slow
+    # gather owes nothing to a peer
+    assert causes.from_peers_seconds == pytest.approx(0.297)
+    assert causes.by_kind["all_gather/intra"]["from_peers_seconds"] == 0.0
+    assert causes.by_kind["all_reduce/intra"]["late"] == 1
+    assert causes.peer_wait_seconds[1] == pytest.approx(0.0) and causes.peer_wait_seconds[2] > 0.2
+    assert "from the group's last rank arriving late" in causes.summary()
+    assert split_lateness([[], []]).summary() == "none of 0 recorded collectives finished after the model"

@@ -220,6 +220,7 @@ def eager_worker(rank: int, world: int) -> dict:
     # Overruns: a peer that comes 0.3 s late makes gloo finish long after a ~3 ms model.
     dist.barrier(group=plain)
     net.reset_stats()
+    net.record()
     if rank == 1:
         time.sleep(0.3)
     work = dist.all_reduce(torch.ones(1024), async_op=True)
@@ -227,7 +228,9 @@ def eager_worker(rank: int, world: int) -> dict:
     _wait_observed(work)
     stats = net.stats()
     out["overrun"] = {"modeled": work.seconds, "total": stats.overruns(), "summary": stats.overrun_summary(),
-                      "table": str(stats)}
+                      "table": str(stats), "recorded": len(net.recorded()),
+                      "causes": fsdp_compile.network.lateness_causes(net)}
+    net.record(False)
 
     # A running network at a new speed: the groups made before it use the new link at once.
     dist.barrier(group=plain)
@@ -296,6 +299,11 @@ def test_stats_report_overruns() -> None:
     # Rank 1 came 0.3 s late; rank 0's gloo could not finish before it.
     assert 0.2 <= total.max_seconds == total.total_seconds, late_peer_waited_for["table"]
     assert late_peer_waited_for["summary"].startswith("emulation overran in 1 of 1 observed collectives")
+    # ... and the ranks' issue times say so: the lateness is the late peer's, not gloo's
+    causes = late_peer_waited_for["causes"]
+    assert late_peer_waited_for["recorded"] == 1
+    assert (causes.collectives, causes.late) == (2, 1), causes
+    assert causes.from_peers_share > 0.9, causes.summary()
 
 
 def test_a_running_network_takes_new_link_speeds() -> None:

@@ -201,6 +201,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         self._name = name
         self._desc = "undefined"
         self._gloo = _gloo_group(store, rank, size, timeout, gloo_ranks, name)
+        self._issued = 0
 
     def _issue(self, kind: str, link: str, buffer_bytes: int, call: Callable, args: tuple,
                kwargs: dict) -> EmulatedWork:
@@ -210,7 +211,10 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         issued_at = time.monotonic()
         inner = call(*args, **kwargs)
         start, seconds = self.network._reserve(kind, link, buffer_bytes, self.size(), issued_at)
-        return EmulatedWork(inner, self.network, kind, link, issued_at, start, seconds)
+        work = EmulatedWork(inner, self.network, kind, link, issued_at, start, seconds)
+        self.network._recorded_issue(tuple(self.global_ranks), self._issued, work)
+        self._issued += 1  # the i-th collective of a group is the same on every member
+        return work
 
     # ---- the names torch sets and reads; a Python group must hold them itself
     def getGroupName(self) -> str:
@@ -351,6 +355,7 @@ class EmulatedNetwork:
         self._lock = threading.Lock()
         self._free_at = {"intra": 0.0, "inter": 0.0}
         self._recorder = StatsRecorder()
+        self._records: list[tuple[tuple[int, ...], int, EmulatedWork]] | None = None
         self._alarm = Alarm()
         self._watchers = Watchers()
 
@@ -466,6 +471,22 @@ class EmulatedNetwork:
         """Start counting afresh (e.g. after warm-up steps); collectives in flight are counted
         at completion in the new window."""
         self._recorder.reset()
+
+    def record(self, on: bool = True) -> None:
+        """Keep every collective issued from now on, with its work, for :meth:`recorded` and
+        :func:`~.lateness.lateness_causes` (``on=False``: stop; either way the kept ones go)."""
+        with self._lock:
+            self._records = [] if on else None
+
+    def recorded(self) -> list[tuple[tuple[int, ...], int, EmulatedWork]]:
+        """Since :meth:`record`, in issue order: (group's global ranks, number in the group, work)."""
+        with self._lock:
+            return list(self._records or [])
+
+    def _recorded_issue(self, group_ranks: tuple[int, ...], index: int, work: EmulatedWork) -> None:
+        with self._lock:
+            if self._records is not None:
+                self._records.append((group_ranks, index, work))
 
     def __repr__(self) -> str:
         latency = format_seconds(self.intra.latency)
