@@ -85,8 +85,10 @@ def _case(strategy: str, mode: str):
 
 FEATURE_CASES = [_case(s, m) for s in WORLD for m in (*MODES, "inductor")]
 COMPILED_CASES = [_case(s, m) for s in WORLD for m in COMPILED]
-# Whose checkpoint each strategy loads: another strategy's, and for HYBRID_SHARD another world size's.
-FOREIGN = {"HYBRID_SHARD": "FULL_SHARD", "NO_SHARD": "FULL_SHARD"}
+# Whose checkpoint each strategy loads: another strategy's, and across world sizes (2 and 4)
+# for the hybrid strategies and SHARD_GRAD_OP.
+FOREIGN = {"HYBRID_SHARD": "FULL_SHARD", "NO_SHARD": "FULL_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD",
+           "HYBRID_SHARD_ZERO2": "FULL_SHARD"}
 
 
 # ---------------------------------------------------------------- the run per strategy
@@ -722,9 +724,11 @@ def foreign_load(strategy: str) -> dict:
                        f"{checkpoint_root(source)}/aot_eager")[0]
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("HYBRID_SHARD", marks=pytest.mark.slow), "NO_SHARD"])
+@pytest.mark.parametrize("strategy", [s if s == "NO_SHARD" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in FOREIGN])
 def test_checkpoint_loads_into_another_world_size_and_strategy(strategy: str) -> None:
-    # HYBRID_SHARD at world 4 and NO_SHARD at world 2 load what FULL_SHARD saved at world 2.
+    # NO_SHARD at world 2 loads what FULL_SHARD saved at world 2, the hybrid strategies at world 4
+    # what FULL_SHARD saved at world 2, SHARD_GRAD_OP at world 2 what HYBRID_SHARD saved at world 4.
     loaded = foreign_load(strategy)
     saved = rank0(FOREIGN[strategy])["aot_eager"]["checkpoint"]
     assert loaded["extra"] == {"step": 2}
