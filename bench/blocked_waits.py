@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from parts import parser, run_part
-from report_files import write_report
+from report_files import run_facts, write_report
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 PHASES = ("forward", "backward", "optimizer")
@@ -183,11 +180,8 @@ def main() -> None:
         worker(args)
         return
     job = run_part(__file__, args)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     model = "gpt_tiny, batch 2 x 32" if args.smoke else "gpt_small (d_model 256, 4 layers), batch 4 x 128 per rank"
-    report = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch": torch.__version__, "commit": commit, "model": model, "steps": args.steps,
+    report = {**run_facts(), "model": model, "steps": args.steps,
               "warmup": args.warmup, **job, "analysis": args.analysis.read_text() if args.analysis else None}
     table = render(report)
     write_report(args.out, "blocked_waits_smoke" if args.smoke else "blocked_waits", report, table)

@@ -26,7 +26,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from launch import rank_env, torchrun_command
 from plain_loop import full_shard_prediction, gpt_job
-from report_files import write_report
+from report_files import run_facts, write_report
 
 GROUPS = {  # operator group -> names (prefix match) in the profiler's table
     "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product"),
@@ -186,12 +185,9 @@ def main() -> None:
         if _launch("FULL_SHARD", 2, part, args).wait():
             raise SystemExit("the FULL_SHARD job failed")
         jobs.append({"name": "FULL_SHARD, world 2, rank 0", **json.loads(part.read_text())})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     model = ("GPT d_model 64, 2 layers, batch 2 x 32" if args.smoke else
              "GPT d_model 256, 4 layers, vocab 512, batch 4 x 128 per process")
-    report = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch": torch.__version__, "commit": commit, "model": model, "steps": args.steps,
+    report = {**run_facts(), "model": model, "steps": args.steps,
               "warmup": args.warmup, "jobs": jobs, "analysis": args.analysis.read_text() if args.analysis else None}
     table = render(report)
     write_report(args.out, "cpu_breakdown_smoke" if args.smoke else "cpu_breakdown", report, table)

@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from parts import parser, run_part
+from report_files import run_facts, write_report
 
 # (world, strategy, label, intra-node, inter-node): plan_emulated's points (its results file)
 POINTS = [
@@ -51,7 +48,7 @@ def _bandwidth(text: str) -> float | str:
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    """One point, on this torchrun job's ranks; rank 0 writes the result to ``args.result``."""
+    """One point, on this torchrun job's ranks; rank 0 writes the result to ``args.part``."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -81,7 +78,7 @@ def rank_main(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
 
-    for _ in range(2):  # compiles; ranks drift apart by seconds here
+    for _ in range(args.warmup):  # compiles; ranks drift apart by seconds here
         step()
     dist.barrier()
     net.reset_stats()
@@ -93,14 +90,14 @@ def rank_main(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     dist.barrier()
     causes = lateness_causes(net)
-    stats = net.stats().overruns()
     net.record(False)
     if rank == 0:
+        stats = net.stats()
         result = {"world": world, "strategy": args.strategy, "label": args.label, "intra": args.intra,
                   "inter": args.inter, "steps": args.steps, "step_seconds": statistics.median(times),
-                  "overrun_summary_rank0": net.stats().overrun_summary(), "overruns_rank0": stats.count,
+                  "overrun_summary_rank0": stats.overrun_summary(), "overruns_rank0": stats.overruns().count,
                   **causes.to_dict(), "summary": causes.summary()}
-        Path(args.result).write_text(json.dumps(result, indent=2))
+        Path(args.part).write_text(json.dumps(result, indent=2))
     end_process_group(exit_process=True)  # gloo's threads can abort a finalizing interpreter (its docstring)
 
 
@@ -113,7 +110,8 @@ def render(report: dict) -> str:
         "# Where the emulated network's collectives finish late",
         "",
         f"Run {report['when']} on {report['machine']}, torch {report['torch']}, commit {report['commit']}; "
-        f"{report['model']}, {report['steps']} timed steps after two warm-up steps, every rank's collectives of "
+        f"{report['model']}, {report['steps']} timed steps after {report['warmup']} warm-up steps, every rank's "
+        "collectives of "
         "the timed steps recorded. *Late*: gloo finished after the modeled link would have; *from a late peer*: "
         "how late it would still have been had gloo finished the moment the group's last rank issued it; the "
         "rest is gloo's own. *Wait for the last rank* and *gloo after it*: over the late collectives, 10th / "
@@ -137,48 +135,29 @@ def render(report: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--smoke", action="store_true", help="world 2, one point, a tiny model, 2 steps")
-    parser.add_argument("--analysis", type=Path, help="a Markdown file whose text goes into the Analysis section")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    # one point on this job's ranks (the driver starts these)
-    parser.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
-    for name in ("strategy", "label", "intra", "inter", "result"):
-        parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.rank_job:
+    p = parser(__doc__, steps=8, warmup=2)
+    # one point, given to the job's ranks by the parent
+    for name in ("strategy", "label", "intra", "inter"):
+        p.add_argument(f"--{name}", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.part:
         rank_main(args)
         return
-    import torch
-    from launch import rank_env, torchrun_command
-
-    points = SMOKE_POINTS if args.smoke else POINTS
-    steps = 2 if args.smoke else args.steps
-    name = "emulation_lateness_smoke" if args.smoke else "emulation_lateness"
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        args.steps = 2
     rows = []
-    for world, strategy, label, intra, inter in points:
-        result = args.out / f"{name}.point.json"
-        cmd = torchrun_command(world, str(Path(__file__).resolve()), "--rank-job", "--strategy", strategy,
-                               "--label", label, "--intra", intra, "--inter", inter, "--steps", str(steps),
-                               "--result", str(result), *(["--smoke"] if args.smoke else []))
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, env=rank_env(), check=True)
-        row = json.loads(result.read_text())
-        result.unlink()
+    for world, strategy, label, intra, inter in SMOKE_POINTS if args.smoke else POINTS:
+        row = run_part(__file__, args, world, ("--strategy", strategy, "--label", label, "--intra", intra,
+                                               "--inter", inter))
         print(f"  world {world} {strategy} {label}: {row['summary']}", flush=True)
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    report = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch": torch.__version__, "commit": commit or "?", "steps": steps,
+    report = {**run_facts(), "steps": args.steps, "warmup": args.warmup,
               "model": ("gpt_tiny, batch 2 x 32" if args.smoke else "gpt_small (bench/plan_accuracy.py), batch 4 x 128")
               + " per rank, AdamW, aot_eager",
               "rows": rows, "analysis": args.analysis.read_text() if args.analysis else None}
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (args.out / f"{name}.md").write_text(render(report))
-    print(render(report))
+    table = render(report)
+    write_report(args.out, "emulation_lateness_smoke" if args.smoke else "emulation_lateness", report, table)
+    print(table)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,14 @@ def parser(doc: str, *, steps: int, warmup: int) -> argparse.ArgumentParser:
     return p
 
 
-def run_part(script: str | Path, args: argparse.Namespace, world: int = 2) -> dict:
+def run_part(script: str | Path, args: argparse.Namespace, world: int = 2, extra: tuple[str, ...] = ()) -> dict:
     """Run ``script`` as a fresh torchrun job of ``world`` processes (one intra-op thread each)
-    with the parent's steps, warm-up and size, and return what its rank 0 wrote."""
+    with the parent's steps, warm-up and size, and ``extra`` arguments (a benchmark's point), and
+    return what its rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         part = Path(tmp) / "part.json"
         cmd = torchrun_command(world, str(Path(script).resolve()), "--part", str(part), "--steps", str(args.steps),
-                               "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else []))
+                               "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else []), *extra)
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, env=rank_env(), check=True)
         return json.loads(part.read_text())

@@ -22,9 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from parts import parser, run_part
+from report_files import run_facts
 
 
 def full_shard_prediction(build, tokens_shape: tuple[int, int], cluster, world: int) -> dict:
@@ -228,12 +227,9 @@ def main() -> None:
               f" collector {run['attribution']['gc_s_median'] * 1e3:.1f} ms/step (max "
               f"{run['attribution']['gc_s_max'] * 1e3:.1f})", flush=True)
         runs.append(run)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     model = ("GPT d_model 64, 2 layers, batch 2 x 32" if args.smoke else
              "GPT d_model 256, 6 layers, vocab 1024, batch 4 x 128 per rank")
-    report = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch": torch.__version__, "commit": commit, "model": model, "steps": args.steps,
+    report = {**run_facts(), "model": model, "steps": args.steps,
               "warmup": args.warmup, "runs": runs, "analysis": args.analysis.read_text() if args.analysis else None}
     name = "plain_loop_smoke" if args.smoke else "plain_loop"
     args.out.mkdir(parents=True, exist_ok=True)

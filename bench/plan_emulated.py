@@ -39,14 +39,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -54,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plan_accuracy import QUIET, REUSE, _torchrun
+from report_files import run_facts
 
 MODEL = ("gpt_small", 4, 128)  # factory in bench/plan_accuracy.py, batch, seq
 SMOKE_MODEL = ("gpt_tiny", 2, 32)
@@ -347,16 +342,13 @@ def main() -> None:
             links[f"{world}/{ratio}"] = speeds
             data = run_compare(world, strategies, model, args.steps, runs_dir / f"w{world}_{ratio:g}x", speeds)
             rows += rows_of(data, ratio, unlimited)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    when = time.strftime("%Y-%m-%d %H:%M")
+    facts = run_facts()
     earlier = args.out / f"{name}.json"
     if args.reuse and earlier.exists():  # rendered again: the figures keep when and where they were measured
         measured = json.loads(earlier.read_text())
-        when, commit = measured.get("when", when), measured.get("commit", commit)
+        facts.update(when=measured.get("when", facts["when"]), commit=measured.get("commit", facts["commit"]))
         args.steps = measured.get("steps", args.steps)
-    report = {"when": when, "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch": torch.__version__, "commit": commit or "?",
+    report = {**facts,
               "model": f"{model[0]} (bench/plan_accuracy.py), batch {model[1]} x {model[2]} per rank",
               "steps": args.steps, "inter_slowdown": args.inter_slowdown, "worlds": args.worlds,
               "links": links, "rows": rows, "targets": targets(rows),

@@ -4,7 +4,23 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_facts() -> dict[str, str]:
+    """When, on what machine, torch and commit a report's figures were measured (its header)."""
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "torch": torch.__version__, "commit": commit or "?"}
 
 
 def write_report(out: str | Path, stem: str, report: dict, table: str) -> None:
