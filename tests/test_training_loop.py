@@ -2,9 +2,9 @@
 CPU offload, checkpoints, full state dicts and meta-device initialization.
 
 Each strategy trains in one multi-process run (:func:`loop_worker`) with the eager runtime and
-compiled (aot_eager), and in a second run compiled with Inductor, the default inner compiler.
-FULL_SHARD, the default strategy, runs every mode by default; the other strategies run with
--m slow, and by default NO_SHARD loads FULL_SHARD's checkpoint in a small run of its own. Each
+compiled (aot_eager), and in a second run compiled with Inductor, the default inner compiler
+(offload and checkpoints in a third). FULL_SHARD, the default strategy, runs every mode by
+default but that third run; the other strategies run with -m slow, and by default NO_SHARD loads FULL_SHARD's checkpoint in a small run of its own. Each
 case's per-rank code sits above the tests that read its results.
 
 Tolerances against the single-process reference are those of tests/helpers.py and for the
@@ -78,12 +78,18 @@ LOOP_STRATEGIES = [s if s == "FULL_SHARD" else pytest.param(s, marks=pytest.mark
 COMPILED = ["aot_eager", "inductor"]
 
 
-def _case(strategy: str, mode: str):
-    default = strategy == "FULL_SHARD"
+def _case(strategy: str, mode: str, default: bool = True):
+    default = default and strategy == "FULL_SHARD"
     return pytest.param(strategy, mode, marks=() if default else pytest.mark.slow, id=f"{strategy}-{mode}")
 
 
 FEATURE_CASES = [_case(s, m) for s in WORLD for m in (*MODES, "inductor")]
+# The cases of a step's own path (accumulation, frozen parameters, activation checkpointing) run
+# under Inductor by default. Offload and checkpoints, options the backend handles outside the
+# compiled graphs, run under Inductor with -m slow, in a job of their own (16 s of the default
+# run), and by default in the eager runtime and with aot_eager.
+OUTSIDE_GRAPH_CASES = ("offload", "checkpoint")
+OUTSIDE_GRAPH_FEATURE_CASES = [_case(s, m, default=m != "inductor") for s in WORLD for m in (*MODES, "inductor")]
 COMPILED_CASES = [_case(s, m) for s in WORLD for m in COMPILED]
 # Whose checkpoint each strategy loads: another strategy's, and across world sizes (2 and 4)
 # for the hybrid strategies and SHARD_GRAD_OP.
@@ -186,19 +192,28 @@ def two_step_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, 
     return out, model, forward, opt, backend
 
 
-def loop_worker(rank: int, world: int, strategy: str, checkpoint_root: str, modes: tuple[str, ...] = MODES) -> dict:
+LOOP_CASES = ("accumulation", "frozen", "activation_checkpointing", "offload", "checkpoint")
+
+
+def run_case(name: str, rank: int, world: int, strategy: ShardingStrategy, mode: str, base: nn.Module,
+             checkpoint_root: str) -> dict:
+    if name == "checkpoint":
+        return checkpoint_case(rank, world, strategy, mode, base, os.path.join(checkpoint_root, mode))
+    case = {"accumulation": accumulation_case, "frozen": frozen_case, "offload": offload_case,
+            "activation_checkpointing": activation_checkpointing_case}[name]
+    return case(rank, world, strategy, mode, base)
+
+
+def loop_worker(rank: int, world: int, strategy: str, checkpoint_root: str, modes: tuple[str, ...] = MODES,
+                cases: tuple[str, ...] | None = None) -> dict:
+    """Every case in every mode (``cases``: only those, and none of the mode-free checks)."""
     strategy = ShardingStrategy.parse(strategy)
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)
     out: dict[str, Any] = {}
     for mode in modes:
-        out[mode] = {
-            "accumulation": accumulation_case(rank, world, strategy, mode, base),
-            "frozen": frozen_case(rank, world, strategy, mode, base),
-            "activation_checkpointing": activation_checkpointing_case(rank, world, strategy, mode, base),
-            "offload": offload_case(rank, world, strategy, mode, base),
-            "checkpoint": checkpoint_case(rank, world, strategy, mode, base, os.path.join(checkpoint_root, mode)),
-        }
+        out[mode] = {name: run_case(name, rank, world, strategy, mode, base, checkpoint_root)
+                     for name in (cases or LOOP_CASES)}
     if modes != MODES:
         return out if rank == 0 else {}
     out["checkpoint_errors"] = checkpoint_errors(rank, world, strategy, os.path.join(checkpoint_root, "aot_eager"))
@@ -231,14 +246,18 @@ def rank0(strategy: str) -> dict:
 
 
 @functools.cache
-def inductor_run(strategy: str) -> dict:
-    """Rank 0's results of every feature compiled with Inductor."""
+def inductor_run(strategy: str, cases: tuple[str, ...]) -> dict:
+    """Rank 0's results of ``cases`` compiled with Inductor."""
     root = tempfile.mkdtemp(prefix=f"fsdp_compile_inductor_{strategy.lower()}_")
-    return run_workers(loop_worker, WORLD[strategy], strategy, root, ("inductor",))[0]["inductor"]
+    return run_workers(loop_worker, WORLD[strategy], strategy, root, ("inductor",), cases)[0]["inductor"]
 
 
-def run_of(strategy: str, mode: str) -> dict:
-    return inductor_run(strategy) if mode == "inductor" else rank0(strategy)[mode]
+def run_of(strategy: str, mode: str, case: str) -> dict:
+    if mode != "inductor":
+        return rank0(strategy)[mode][case]
+    if case in OUTSIDE_GRAPH_CASES:
+        return inductor_run(strategy, OUTSIDE_GRAPH_CASES)[case]
+    return inductor_run(strategy, tuple(c for c in LOOP_CASES if c not in OUTSIDE_GRAPH_CASES))[case]
 
 
 def assert_close(ours: dict, ref: dict, atol: float, what: str) -> None:
@@ -311,7 +330,7 @@ def accumulation_case(rank: int, world: int, strategy: ShardingStrategy, mode: s
 
 @pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
 def test_accumulated_step_equals_one_big_batch_step(strategy: str, mode: str) -> None:
-    out = run_of(strategy, mode)["accumulation"]
+    out = run_of(strategy, mode, "accumulation")
     ref = out["reference"]
     for step, micro in enumerate(ACCUMULATION_PLAN):  # 1, 2, 3 and 2 micro-batches
         assert_grads_close(out["grads"][step], ref["grads"][step], GRAD_RTOL if step == 0 else LATER_GRAD_RTOL,
@@ -323,7 +342,7 @@ def test_accumulated_step_equals_one_big_batch_step(strategy: str, mode: str) ->
 def test_reduce_accumulated_gradients_ends_a_window_without_a_synced_backward(strategy: str, mode: str) -> None:
     # The last step's micro-batches all ran under no_sync: nothing reached param.grad until
     # backend.reduce_accumulated_gradients(), which then equals the reference's big-batch gradients.
-    out = run_of(strategy, mode)["accumulation"]
+    out = run_of(strategy, mode, "accumulation")
     assert out["grads_before_manual_reduce"] == 0
     assert_grads_close(out["grads"][-1], out["reference"]["grads"][-1], LATER_GRAD_RTOL, "manually reduced step")
 
@@ -331,7 +350,7 @@ def test_reduce_accumulated_gradients_ends_a_window_without_a_synced_backward(st
 @pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
 def test_no_sync_backward_reduces_nothing_and_gathers_only_what_every_backward_does(strategy: str,
                                                                                    mode: str) -> None:
-    out = run_of(strategy, mode)["accumulation"]
+    out = run_of(strategy, mode, "accumulation")
     # The positive control: the same profiler query sees every synchronized backward reduce
     # (gloo runs a reduce-scatter as all_reduce), so the checks below cannot pass because the
     # events were renamed or no longer recorded.
@@ -353,7 +372,7 @@ def test_no_sync_backward_reduces_nothing_and_gathers_only_what_every_backward_d
 
 @pytest.mark.parametrize("strategy,mode", COMPILED_CASES)
 def test_accumulation_adds_exactly_one_graph(strategy: str, mode: str) -> None:
-    out = run_of(strategy, mode)["accumulation"]
+    out = run_of(strategy, mode, "accumulation")
     assert out["graphs"] == 2  # the synchronized graph and the accumulating one, for 4 steps
     synced, accumulating = out["graph_collectives"]
     assert accumulating["backward"]["reduce_scatter"] == accumulating["backward"]["all_reduce"] == 0
@@ -363,7 +382,7 @@ def test_accumulation_adds_exactly_one_graph(strategy: str, mode: str) -> None:
 # ---------------------------------------------------------------- clipping
 @pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
 def test_clip_grad_norm_uses_the_global_norm(strategy: str, mode: str) -> None:
-    out = run_of(strategy, mode)["accumulation"]
+    out = run_of(strategy, mode, "accumulation")
     ref = out["reference"]
     assert all(n > MAX_NORM for n in ref["norms"])  # every step really clips
     for step, (ours, torch_own, ref_norm) in enumerate(zip(out["norms"], out["torch_norms"], ref["norms"])):
@@ -395,7 +414,7 @@ def frozen_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, ba
 
 @pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
 def test_frozen_parameters_train_correctly_and_get_no_gradient(strategy: str, mode: str) -> None:
-    out = run_of(strategy, mode)["frozen"]
+    out = run_of(strategy, mode, "frozen")
     frozen = out["frozen"]
     assert "blocks.1.mlp.fc.weight" in frozen and "blocks.1.mlp.fc.bias" not in frozen
     assert all(out["grad_is_none"][n] for n in frozen)
@@ -408,7 +427,7 @@ def test_frozen_parameters_train_correctly_and_get_no_gradient(strategy: str, mo
 
 @pytest.mark.parametrize("strategy,mode", COMPILED_CASES)
 def test_frozen_parameters_are_not_reduced(strategy: str, mode: str) -> None:
-    f = run_of(strategy, mode)["frozen"]["facts"]
+    f = run_of(strategy, mode, "frozen")["facts"]
     # blocks.0 is frozen whole: no reduction at all; blocks.1 reduces all but the frozen weight.
     assert sorted(f["reduce_buckets"]) == ["<root>", "<root>:tail", "blocks.1"]
     assert f["reduced_params"] == f["trainable"]
@@ -448,14 +467,14 @@ def activation_checkpointing_case(rank: int, world: int, strategy: ShardingStrat
 
 @pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
 def test_activation_checkpointing_trains_correctly(strategy: str, mode: str) -> None:
-    out = run_of(strategy, mode)["activation_checkpointing"]
+    out = run_of(strategy, mode, "activation_checkpointing")
     assert_grads_close(out["grads0"], out["reference"]["grads"][0], GRAD_RTOL, "first-step gradients")
     assert_close(out["params"], out["reference"]["params"], PARAM_ATOL, "parameters")
 
 
 @pytest.mark.parametrize("strategy,mode", COMPILED_CASES)
 def test_recomputed_forward_gathers_each_bucket_once(strategy: str, mode: str) -> None:
-    f = run_of(strategy, mode)["activation_checkpointing"]["facts"]
+    f = run_of(strategy, mode, "activation_checkpointing")["facts"]
     assert f["markers"]["backward"] == {"unshard": 0, "reduce_grad": 0}
     if strategy == "NO_SHARD":
         assert f["forward"]["all_gather"] == f["backward"]["all_gather"] == 0
@@ -586,7 +605,7 @@ def offload_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, b
     return out
 
 
-@pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
+@pytest.mark.parametrize("strategy,mode", OUTSIDE_GRAPH_FEATURE_CASES)
 def test_cpu_offload_keeps_shards_gradients_and_optimizer_on_the_host(strategy: str, mode: str) -> None:
     """Read after a compiled step in compiled mode. On a CPU-only machine host and compute
     device are one, so "cpu" alone would hold with offload= ignored (it is the check on a GPU
@@ -594,11 +613,10 @@ def test_cpu_offload_keeps_shards_gradients_and_optimizer_on_the_host(strategy: 
     copies go to (absent without offload=), and that the shards are the pinned host tensors
     shard() made where pinning is possible; tests/test_offload.py compiles the same markers for
     a device other than the host and checks the copies in the graphs."""
-    runs = run_of(strategy, mode)
-    out = runs["offload"]
+    out = run_of(strategy, mode, "offload")
     assert out["marker_compute_devices"] == ["cpu"]
     if mode != "eager":
-        assert runs["frozen"]["marker_compute_devices"] == ["None"]  # the same run without offload=
+        assert run_of(strategy, mode, "frozen")["marker_compute_devices"] == ["None"]  # the same run without offload=
     assert out["shard_devices"] == out["grad_devices"] == out["optimizer_state_devices"] == ["cpu"]
     # pin_memory=True pins exactly where an accelerator runtime can use pinned memory: every
     # shard once, the shards that trained are the pinned tensors themselves (no copy replaced
@@ -693,9 +711,9 @@ def checkpoint_errors(rank: int, world: int, strategy: ShardingStrategy, path: s
     return errors
 
 
-@pytest.mark.parametrize("strategy,mode", FEATURE_CASES)
+@pytest.mark.parametrize("strategy,mode", OUTSIDE_GRAPH_FEATURE_CASES)
 def test_resumed_training_is_bitwise_identical(strategy: str, mode: str) -> None:
-    out = run_of(strategy, mode)["checkpoint"]
+    out = run_of(strategy, mode, "checkpoint")
     assert out["extra"] == {"step": 2}
     assert out["resumed_losses"] == out["uninterrupted_losses"]
     assert_bitwise(out["resumed_params"], out["uninterrupted_params"], "parameters after resuming")
