@@ -4,8 +4,9 @@ CPU offload, checkpoints, full state dicts and meta-device initialization.
 Each strategy trains in one multi-process run (:func:`loop_worker`) with the eager runtime and
 compiled (aot_eager), and in a second run compiled with Inductor, the default inner compiler
 (offload and checkpoints in a third). FULL_SHARD, the default strategy, runs every mode by
-default but that third run; the other strategies run with -m slow, and by default NO_SHARD loads FULL_SHARD's checkpoint in a small run of its own. Each
-case's per-rank code sits above the tests that read its results.
+default but that third run; the other strategies run with -m slow, and by default NO_SHARD
+loads FULL_SHARD's checkpoint in a small run of its own. Each case's per-rank code sits above
+the tests that read its results.
 
 Tolerances against the single-process reference are those of tests/helpers.py and for the
 same reason: data parallelism averages per-rank means where the reference takes one mean, so
@@ -206,7 +207,8 @@ def run_case(name: str, rank: int, world: int, strategy: ShardingStrategy, mode:
 
 def loop_worker(rank: int, world: int, strategy: str, checkpoint_root: str, modes: tuple[str, ...] = MODES,
                 cases: tuple[str, ...] | None = None) -> dict:
-    """Every case in every mode (``cases``: only those, and none of the mode-free checks)."""
+    """Every case (or only ``cases``) in each of ``modes``; the checks that take no mode run
+    with the default modes only."""
     strategy = ShardingStrategy.parse(strategy)
     torch.manual_seed(0)
     base = GPT(TEST_CONFIG)
