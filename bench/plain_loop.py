@@ -71,7 +71,7 @@ def worker(args) -> None:
     import torch.nn.functional as F
 
     import fsdp_compile
-    from fsdp_compile.planning.cli import _cluster_numbers
+    from fsdp_compile.planning.cluster_numbers import cluster_numbers
     from fsdp_compile.planning.compare import thread_times
     from fsdp_compile.sharding.groups import end_process_group
 
@@ -126,7 +126,7 @@ def worker(args) -> None:
         timed = list(range(args.warmup, args.warmup + args.steps))
         # a step ends when its slowest rank ends
         per_step = [max(everyone[r][i]["wall_s"] for r in range(world)) for i in timed]
-        result = {"predicted": predicted, "cluster": _cluster_numbers(cluster), "steps": everyone,
+        result = {"predicted": predicted, "cluster": cluster_numbers(cluster), "steps": everyone,
                   "measured_step_s": statistics.median(per_step), "timed_steps_s": per_step,
                   "load": os.getloadavg()[0]}
         Path(args.part).write_text(json.dumps(result, default=str))

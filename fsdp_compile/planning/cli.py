@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..sharding.groups import end_process_group
+from .cluster_numbers import cluster_numbers
 
 # GPT-3 paper (Brown et al., 2020), Table 2.1: layers, d_model, heads; vocabulary 50257, context 2048.
 GPT_SIZES = {
@@ -316,12 +317,13 @@ def run_compare(args: argparse.Namespace) -> int:
                 rows[-1]["predicted_unlimited"] = plans[f"{name} unlimited"].row(name).as_dict()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
-            {"model": args.model, "world": world, "tp": args.tp, "batch": args.batch, "seq": args.seq,
+            {"model": args.model, "layers": args.layers, "world": world, "tp": args.tp, "batch": args.batch,
+             "seq": args.seq,
              "compiler": args.compiler,
              "gc_between_steps": gc_between_steps,
              "network": None if network is None else repr(network),
-             "cluster": cluster.describe(), "cluster_numbers": _cluster_numbers(cluster),
-             "unlimited_cluster_numbers": None if unlimited_cluster is None else _cluster_numbers(unlimited_cluster),
+             "cluster": cluster.describe(), "cluster_numbers": cluster_numbers(cluster),
+             "unlimited_cluster_numbers": None if unlimited_cluster is None else cluster_numbers(unlimited_cluster),
              "rows": rows},
             indent=2, default=str))
         print(f"{'strategy':<20}{'step ms':>10}{'range ms':>15}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}"
@@ -467,22 +469,6 @@ def _emulated_network(links: str, latency: str, devices_per_node: int | None) ->
                                devices_per_node=devices_per_node)
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"--emulate {links!r}: {exc}") from None
-
-
-def _cluster_numbers(cluster: Any) -> dict[str, Any]:
-    """Every number of a (measured) cluster, JSON-ready, so a run can be planned again later."""
-    return {"peak_flops": {str(k).replace("torch.", ""): v for k, v in cluster.peak_flops.items()},
-            "attention_flops": {str(k).replace("torch.", ""): v for k, v in cluster.attention_flops.items()},
-            "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
-            "comm_overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
-            "runtime_per_tensor": cluster.runtime_per_tensor, "compute_scale": cluster.compute_scale,
-            "rank_skew": cluster.rank_skew, "copy_kernels": cluster.copy_kernels,
-            "collective_issue": cluster.collective_issue, "collective_cpu": cluster.collective_cpu,
-            "collective_workspace": cluster.collective_workspace,
-            **{name: {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
-                      for k, v in fits.items()}
-               for name, fits in (("collectives", cluster.measured_collectives),
-                                  ("inter_node_collectives", cluster.measured_inter_collectives))}}
 
 
 def _cross_entropy(logits: torch.Tensor) -> torch.Tensor:

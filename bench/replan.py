@@ -1,0 +1,147 @@
+"""Plan published ``compare`` jobs again with the planner as it is now.
+
+    python bench/replan.py bench/results/plan_emulated/w2_1x bench/results/plan_emulated/w4_*x
+    python bench/replan.py --out /tmp/replan bench/results/plan_emulated/w*   # also JSON and Markdown
+
+Each job's ``compare.json`` holds the cluster it measured (``cluster_numbers``; with ``--exposed``
+also ``unlimited_cluster_numbers``) and, per strategy, the numbers measured beside its steps
+(``compute_scale``, the optimizer and runtime fits). This rebuilds the clusters
+(:func:`fsdp_compile.planning.cluster_numbers.cluster_from_numbers`), applies those numbers as
+``compare`` did, and plans every strategy again, so a change to the cost model is judged on
+published measurements in minutes. Unchanged, it reproduces the published predictions.
+Per strategy: the measured step, the published and the new prediction, and with ``--exposed``
+the same for exposed communication, each judged by ``bench/plan_emulated.py``'s targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from plan_emulated import EXPOSED_FLOOR, EXPOSED_WITHIN, STEP_WITHIN
+from report_files import run_facts, write_report
+
+from fsdp_compile.planning.cli import _cross_entropy, build_model, plan_each
+from fsdp_compile.planning.cluster_numbers import cluster_from_numbers
+from fsdp_compile.planning.compare import beside_steps
+
+
+def job_shape(job: dict) -> tuple[int, int]:
+    """(nodes, devices per node) of the job's cluster: recorded, or read from its description."""
+    numbers = job["cluster_numbers"]
+    if "nodes" in numbers:
+        return numbers["nodes"], numbers["devices_per_node"]
+    found = re.search(r"(\d+) node\(s\) x (\d+)", job.get("cluster", ""))
+    if not found:
+        raise SystemExit("compare.json says neither the cluster's nodes nor its description: cannot replan it")
+    return int(found[1]), int(found[2])
+
+
+def replan_job(job: dict) -> list[dict]:
+    """Every strategy of ``job`` planned again: one row per strategy."""
+    if job.get("tp", 1) != 1:
+        raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
+    nodes, per_node = job_shape(job)
+
+    def cluster(key: str):
+        return cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node)
+
+    torch.manual_seed(0)
+    model = build_model(job["model"], layers=job.get("layers"), seq=job["seq"], device="cpu")
+    example = (torch.zeros(job["batch"], job["seq"], dtype=torch.long),)
+    on = {}
+    for row in job["rows"]:
+        name = row["strategy"]
+        beside = {"compute_scale": row["compute_scale"]["beside_steps"],
+                  **(row["outside_graphs"]["beside_steps"] or {})}
+        on[name] = (beside_steps(cluster("cluster_numbers"), beside), [name])
+        if job.get("unlimited_cluster_numbers"):
+            on[f"{name} unlimited"] = (beside_steps(cluster("unlimited_cluster_numbers"), beside), [name])
+    plans = plan_each(model, example, on=on, loss_fn=_cross_entropy, world_size=job["world"], prefetch=(1,),
+                      memory_budget=64 << 30, tp_degrees=(1,), parallelize_fn=None)
+    rows = []
+    for row in job["rows"]:
+        name, measured = row["strategy"], row["measured"]
+        out = {"strategy": name, "measured_step_s": measured["step_seconds"],
+               "published_step_s": row["predicted"]["step_seconds"],
+               "replanned_step_s": plans[name].row(name).as_dict()["step_seconds"]}
+        if f"{name} unlimited" in plans and measured.get("exposed_seconds") is not None:
+            out.update(measured_exposed_s=measured["exposed_seconds"],
+                       published_exposed_s=out["published_step_s"] - row["predicted_unlimited"]["step_seconds"],
+                       replanned_exposed_s=out["replanned_step_s"]
+                       - plans[f"{name} unlimited"].row(name).as_dict()["step_seconds"])
+        rows.append(out)
+    return rows
+
+
+def held(row: dict, which: str) -> tuple[bool, bool | None]:
+    """(step within target, exposure within target or None) of one prediction."""
+    step = abs(row[f"{which}_step_s"] / row["measured_step_s"] - 1) <= STEP_WITHIN
+    if "measured_exposed_s" not in row:
+        return step, None
+    allowed = max(EXPOSED_WITHIN * abs(row["measured_exposed_s"]), EXPOSED_FLOOR * row["measured_step_s"])
+    return step, abs(row[f"{which}_exposed_s"] - row["measured_exposed_s"]) <= allowed
+
+
+def render(report: dict) -> str:
+    lines = ["# Published compare jobs planned again", "",
+             f"Run {report['when']} on {report['machine']}, torch {report['torch']}, commit {report['commit']}. "
+             "*Published*: the prediction in the job's compare.json; *replanned*: the same job's clusters "
+             "and beside-the-steps numbers planned with this commit. Produced by `python bench/replan.py`.", "",
+             "| job | strategy | measured step | published | replanned | exposed measured | published | replanned |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{1e3 * seconds:.0f} ms"
+
+    for r in report["rows"]:
+        marks = {w: held(r, w) for w in ("published", "replanned")}
+        lines.append(f"| {r['job']} | {r['strategy']} | {ms(r['measured_step_s'])} | "
+                     + " | ".join(f"{ms(r[f'{w}_step_s'])}{'' if marks[w][0] else ' (missed)'}"
+                                  for w in ("published", "replanned"))
+                     + f" | {ms(r.get('measured_exposed_s'))} | "
+                     + " | ".join(f"{ms(r.get(f'{w}_exposed_s'))}{' (missed)' if marks[w][1] is False else ''}"
+                                  for w in ("published", "replanned")) + " |")
+    lines += ["", "## Targets", ""]
+    for which in ("published", "replanned"):
+        steps = [held(r, which)[0] for r in report["rows"]]
+        exposed = [e for r in report["rows"] if (e := held(r, which)[1]) is not None]
+        lines.append(f"- {which}: step within {STEP_WITHIN:.0%} in {sum(steps)}/{len(steps)}; exposed within "
+                     f"{EXPOSED_WITHIN:.0%} or {EXPOSED_FLOOR:.0%} of the step in {sum(exposed)}/{len(exposed)}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("jobs", nargs="+", type=Path, help="directories holding a compare.json (or the files)")
+    p.add_argument("--out", type=Path, help="write replan.json and replan.md here")
+    args = p.parse_args()
+    rows = []
+    for path in args.jobs:
+        file = path / "compare.json" if path.is_dir() else path
+        if not file.exists():
+            raise SystemExit(f"{file}: no such compare.json")
+        for row in replan_job(json.loads(file.read_text())):
+            rows.append({"job": file.parent.name, **row})
+            print(f"{file.parent.name:12s} {row['strategy']:20s} step {1e3 * row['measured_step_s']:7.1f} measured, "
+                  f"{1e3 * row['published_step_s']:7.1f} published, {1e3 * row['replanned_step_s']:7.1f} replanned"
+                  + (f"; exposed {1e3 * row['measured_exposed_s']:6.1f} / {1e3 * row['published_exposed_s']:6.1f} / "
+                     f"{1e3 * row['replanned_exposed_s']:6.1f}" if "measured_exposed_s" in row else ""), flush=True)
+    report = {**run_facts(), "rows": rows}
+    table = render(report)
+    print(table)
+    if args.out:
+        write_report(args.out, "replan", report, table)
+
+
+if __name__ == "__main__":
+    main()
