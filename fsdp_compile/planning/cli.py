@@ -318,8 +318,7 @@ def run_compare(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare.json").write_text(json.dumps(
             {"model": args.model, "layers": args.layers, "world": world, "tp": args.tp, "batch": args.batch,
-             "seq": args.seq,
-             "compiler": args.compiler,
+             "seq": args.seq, "compiler": args.compiler,
              "gc_between_steps": gc_between_steps,
              "network": None if network is None else repr(network),
              "cluster": cluster.describe(), "cluster_numbers": cluster_numbers(cluster),
