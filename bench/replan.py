@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from plan_emulated import EXPOSED_FLOOR, EXPOSED_WITHIN, STEP_WITHIN
 from report_files import run_facts, write_report
 
-from fsdp_compile.planning.cli import _cross_entropy, build_model, plan_each
+from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, _cross_entropy, build_model, plan_each
 from fsdp_compile.planning.cluster_numbers import cluster_from_numbers
-from fsdp_compile.planning.compare import beside_steps
+from fsdp_compile.planning.compare import clusters_beside_steps
 
 
 def job_shape(job: dict) -> tuple[int, int]:
@@ -51,23 +51,16 @@ def replan_job(job: dict) -> list[dict]:
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
     nodes, per_node = job_shape(job)
-
-    def cluster(key: str):
-        return cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node)
-
+    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node) if job.get(key) else None
+                for key in ("cluster_numbers", "unlimited_cluster_numbers")}
     torch.manual_seed(0)
     model = build_model(job["model"], layers=job.get("layers"), seq=job["seq"], device="cpu")
     example = (torch.zeros(job["batch"], job["seq"], dtype=torch.long),)
-    on = {}
-    for row in job["rows"]:
-        name = row["strategy"]
-        beside = {"compute_scale": row["compute_scale"]["beside_steps"],
-                  **(row["outside_graphs"]["beside_steps"] or {})}
-        on[name] = (beside_steps(cluster("cluster_numbers"), beside), [name])
-        if job.get("unlimited_cluster_numbers"):
-            on[f"{name} unlimited"] = (beside_steps(cluster("unlimited_cluster_numbers"), beside), [name])
-    plans = plan_each(model, example, on=on, loss_fn=_cross_entropy, world_size=job["world"], prefetch=(1,),
-                      memory_budget=64 << 30, tp_degrees=(1,), parallelize_fn=None)
+    beside = {row["strategy"]: {"compute_scale": row["compute_scale"]["beside_steps"],
+                                **(row["outside_graphs"]["beside_steps"] or {})} for row in job["rows"]}
+    on = clusters_beside_steps(clusters["cluster_numbers"], clusters["unlimited_cluster_numbers"], beside)
+    plans = plan_each(model, example, on=on, loss_fn=_cross_entropy, world_size=job["world"], tp_degrees=(1,),
+                      parallelize_fn=None, **COMPARE_PLAN_OPTIONS)
     rows = []
     for row in job["rows"]:
         name, measured = row["strategy"], row["measured"]

@@ -89,6 +89,7 @@ FEATURE_CASES = [_case(s, m) for s in WORLD for m in (*MODES, "inductor")]
 # under Inductor by default. Offload and checkpoints, options the backend handles outside the
 # compiled graphs, run under Inductor with -m slow, in a job of their own (16 s of the default
 # run), and by default in the eager runtime and with aot_eager.
+STEP_PATH_CASES = ("accumulation", "frozen", "activation_checkpointing")
 OUTSIDE_GRAPH_CASES = ("offload", "checkpoint")
 OUTSIDE_GRAPH_FEATURE_CASES = [_case(s, m, default=m != "inductor") for s in WORLD for m in (*MODES, "inductor")]
 COMPILED_CASES = [_case(s, m) for s in WORLD for m in COMPILED]
@@ -193,7 +194,7 @@ def two_step_case(rank: int, world: int, strategy: ShardingStrategy, mode: str, 
     return out, model, forward, opt, backend
 
 
-LOOP_CASES = ("accumulation", "frozen", "activation_checkpointing", "offload", "checkpoint")
+LOOP_CASES = STEP_PATH_CASES + OUTSIDE_GRAPH_CASES
 
 
 def run_case(name: str, rank: int, world: int, strategy: ShardingStrategy, mode: str, base: nn.Module,
@@ -257,9 +258,7 @@ def inductor_run(strategy: str, cases: tuple[str, ...]) -> dict:
 def run_of(strategy: str, mode: str, case: str) -> dict:
     if mode != "inductor":
         return rank0(strategy)[mode][case]
-    if case in OUTSIDE_GRAPH_CASES:
-        return inductor_run(strategy, OUTSIDE_GRAPH_CASES)[case]
-    return inductor_run(strategy, tuple(c for c in LOOP_CASES if c not in OUTSIDE_GRAPH_CASES))[case]
+    return inductor_run(strategy, OUTSIDE_GRAPH_CASES if case in OUTSIDE_GRAPH_CASES else STEP_PATH_CASES)[case]
 
 
 def assert_close(ours: dict, ref: dict, atol: float, what: str) -> None:

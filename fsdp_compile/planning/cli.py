@@ -224,7 +224,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from .calibration.outside_graphs import BesideSteps
     from .calibration.reference import compute_scale, model_reference_step
     from .cluster import Cluster
-    from .compare import bar_chart, beside_steps, measure_strategy, unlimited_links
+    from .compare import bar_chart, clusters_beside_steps, measure_strategy, unlimited_links
     from .isolated import run_in_subprocess
     from .measured import step_range, within_noise
 
@@ -296,14 +296,10 @@ def run_compare(args: argparse.Namespace) -> int:
         scales = {name: compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
                   if measured[name].reference_seconds else cluster.compute_scale for name in names}
         beside = {name: {"compute_scale": scales[name], **(measured[name].outside_graphs or {})} for name in names}
-        on = {"at_calibration": (cluster, names)}
-        for name in names:
-            on[name] = (beside_steps(cluster, beside[name]), [name])
-            if unlimited_cluster is not None:
-                on[f"{name} unlimited"] = (beside_steps(unlimited_cluster, beside[name]), [name])
+        on = {"at_calibration": (cluster, names), **clusters_beside_steps(cluster, unlimited_cluster, beside)}
         plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=_cross_entropy, world_size=world,
-                                  prefetch=(1,), memory_budget=64 << 30, tp_degrees=(args.tp,),
-                                  parallelize_fn=tp["fn"] if tp else None)
+                                  tp_degrees=(args.tp,), parallelize_fn=tp["fn"] if tp else None,
+                                  **COMPARE_PLAN_OPTIONS)
         for name in names:
             rows.append({"strategy": name, "measured": measured[name].as_dict(),
                          "predicted": plans[name].row(name).as_dict(),
@@ -355,6 +351,10 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         dist.barrier()
     return 0
+
+
+# How compare plans each strategy (``bench/replan.py`` plans its published jobs again with them).
+COMPARE_PLAN_OPTIONS: dict[str, Any] = {"prefetch": (1,), "memory_budget": 64 << 30}
 
 
 def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[Any, list[str]]],

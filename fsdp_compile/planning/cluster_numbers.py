@@ -58,12 +58,8 @@ def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
                     for k, v in (numbers.get(key) or {}).items()}
             for key, field in _FITS}
     shape = {name: numbers[name] for name in _SHAPE if name in numbers}
-    if nodes is not None:
-        shape["nodes"] = nodes
-    if devices_per_node is not None:
-        shape["devices_per_node"] = devices_per_node
-    if device_memory is not None:
-        shape["device_memory"] = device_memory
+    given = {"nodes": nodes, "devices_per_node": devices_per_node, "device_memory": device_memory}
+    shape.update({name: value for name, value in given.items() if value is not None})
     missing = [name for name in ("nodes", "devices_per_node") if name not in shape]
     if missing:
         raise ValueError(f"cluster_from_numbers: the numbers do not say the cluster's {' or '.join(missing)}: "

@@ -381,6 +381,18 @@ def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
     return cluster.replace(**changes)
 
 
+def clusters_beside_steps(cluster: Any, unlimited_cluster: Any, beside: dict[str, dict[str, Any]]) -> dict[str, tuple]:
+    """``plan_each``'s ``on`` for every strategy of ``beside`` (name -> the numbers measured beside
+    its steps): ``cluster`` with them under the strategy's name, and ``unlimited_cluster`` (the
+    links timed unlimited; None: none) with them under "<name> unlimited"."""
+    on: dict[str, tuple] = {}
+    for name, numbers in beside.items():
+        on[name] = (beside_steps(cluster, numbers), [name])
+        if unlimited_cluster is not None:
+            on[f"{name} unlimited"] = (beside_steps(unlimited_cluster, numbers), [name])
+    return on
+
+
 @contextlib.contextmanager
 def _all_ranks_at_once(gc_between_steps: bool) -> Iterator[None]:
     """Every rank starts together, as they compute in training, and the collector stays out."""
