@@ -434,7 +434,7 @@ def test_emulation_lateness_benchmark_splits_the_lateness_it_records(tmp_path: P
     assert "| 2 | FULL_SHARD |" in (tmp_path / "emulation_lateness_smoke.md").read_text()
 
 
-@pytest.mark.slow  # plans three strategies twice: about 20 s
+@pytest.mark.slow  # plans three strategies twice: about 12 s
 def test_replan_reproduces_a_published_job_and_judges_it() -> None:
     replan = _bench_module("replan")
     job = json.loads((ROOT / "bench" / "results" / "plan_emulated" / "w2_1x" / "compare.json").read_text())

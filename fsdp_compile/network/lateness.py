@@ -94,14 +94,15 @@ def split_lateness(records: list[list[tuple]]) -> LatenessCauses:
             last = max(peers.values())
             # how late it would have been had gloo finished the moment the last rank issued it
             peers_part = min(done, max(last, modeled_end)) - modeled_end
+            overdue = done - modeled_end
             late += 1
-            lateness += done - modeled_end
+            lateness += overdue
             from_peers += peers_part
             waits.append(last - issued_at)
             after_last.append(done - last)
             row = by_kind.setdefault(f"{kind}/{link}", {"late": 0, "lateness_seconds": 0.0, "from_peers_seconds": 0.0})
             row["late"] += 1
-            row["lateness_seconds"] += done - modeled_end
+            row["lateness_seconds"] += overdue
             row["from_peers_seconds"] += peers_part
     return LatenessCauses(seen, late, lateness, from_peers, _quantiles(waits), _quantiles(after_last), by_kind)
 
