@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from plan_emulated import EXPOSED_FLOOR, EXPOSED_WITHIN, STEP_WITHIN
 from report_files import run_facts, write_report
 
+from fsdp_compile.planning.calibration.collectives import backend_share
 from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, _cross_entropy, build_model, plan_each
 from fsdp_compile.planning.cluster_numbers import cluster_from_numbers
 from fsdp_compile.planning.compare import clusters_beside_steps
@@ -46,13 +48,21 @@ def job_shape(job: dict) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
-def replan_job(job: dict) -> list[dict]:
-    """Every strategy of ``job`` planned again: one row per strategy."""
+def replan_job(job: dict, cores: int) -> list[dict]:
+    """Every strategy of ``job`` planned again: one row per strategy. Jobs written before the
+    cluster recorded the backend's own collectives and its share take the first from their
+    unlimited cluster's links and the second from ``cores`` (the machine's, all ranks on it)."""
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
     nodes, per_node = job_shape(job)
-    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node) if job.get(key) else None
-                for key in ("cluster_numbers", "unlimited_cluster_numbers")}
+    share = None if "backend_share" in job["cluster_numbers"] else backend_share(cores / job["world"])
+    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share)
+                if job.get(key) else None for key in ("cluster_numbers", "unlimited_cluster_numbers")}
+    unlimited = clusters["unlimited_cluster_numbers"]
+    if unlimited is not None and not clusters["cluster_numbers"].backend_collectives:
+        clusters["cluster_numbers"] = clusters["cluster_numbers"].replace(
+            backend_collectives=unlimited.measured_collectives,
+            backend_inter_collectives=unlimited.measured_inter_collectives)
     torch.manual_seed(0)
     model = build_model(job["model"], layers=job.get("layers"), seq=job["seq"], device="cpu")
     example = (torch.zeros(job["batch"], job["seq"], dtype=torch.long),)
@@ -117,13 +127,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("jobs", nargs="+", type=Path, help="directories holding a compare.json (or the files)")
     p.add_argument("--out", type=Path, help="write replan.json and replan.md here")
+    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                   help="cores of the machine the jobs ran on, for jobs that do not record the backend's share "
+                        "(default: this machine's)")
     args = p.parse_args()
     rows = []
     for path in args.jobs:
         file = path / "compare.json" if path.is_dir() else path
         if not file.exists():
             raise SystemExit(f"{file}: no such compare.json")
-        for row in replan_job(json.loads(file.read_text())):
+        for row in replan_job(json.loads(file.read_text()), args.cores):
             rows.append({"job": file.parent.name, **row})
             print(f"{file.parent.name:12s} {row['strategy']:20s} step {1e3 * row['measured_step_s']:7.1f} measured, "
                   f"{1e3 * row['published_step_s']:7.1f} published, {1e3 * row['replanned_step_s']:7.1f} replanned"

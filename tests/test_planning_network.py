@@ -50,6 +50,7 @@ def measure_worker(rank: int, world: int) -> dict:
             cluster = fsdp_compile.Cluster.measure(nodes=2, sizes=(1 << 18, 1 << 20), repeats=1, device_memory=1 << 30)
             return {"intra": {k: v.bandwidth for k, v in cluster.measured_collectives.items()},
                     "inter": {k: v.bandwidth for k, v in cluster.measured_inter_collectives.items()},
+                    "backend_inter": {k: v.bandwidth for k, v in cluster.backend_inter_collectives.items()},
                     "links": (cluster.intra_node_bandwidth, cluster.inter_node_bandwidth)}
     finally:
         end_process_group()
@@ -63,6 +64,9 @@ def test_cluster_measure_fits_each_emulated_link() -> None:
         assert bandwidth <= INTER * 1.02, (kind, bandwidth)  # never faster than the link
         assert bandwidth < out["intra"][kind], kind
     assert out["links"] == (out["intra"]["all_gather"], out["inter"]["all_gather"])
+    # gloo's own time, timed with the links unlimited, is faster than the slow link
+    assert set(out["backend_inter"]) == set(out["inter"])
+    assert all(out["backend_inter"][kind] > 2 * out["inter"][kind] for kind in out["inter"]), out
 
 
 LINK, LATENCY = 50e6, 1e-3
@@ -127,6 +131,47 @@ def test_measure_links_times_the_links_as_they_are_now_and_keeps_the_rest() -> N
     assert out["fast"] > 1.5 * LINK, out  # the second timing sees the changed link
     assert out["kinds"] == ["all_gather", "all_reduce", "reduce_scatter"] and out["kept"], out
     assert out["source"].startswith("measured by measure_links()")
+
+
+def backend_worker(rank: int, world: int) -> dict:
+    import torch
+
+    from fsdp_compile.planning.calibration.calibrate import _backend_collectives, _emulated_network, backend_links
+
+    net = fsdp_compile.EmulatedNetwork(intra_node=LINK, latency=LATENCY, devices_per_node=2)
+    net.init_process_group(timeout=datetime.timedelta(seconds=120))
+    try:
+        with collectives_timed_alone():
+            own, inter = _backend_collectives(None, torch.device("cpu"), (1 << 16, 1 << 18, 1 << 20), 3, 1)
+            link = fsdp_compile.Cluster.preset("a10g").replace(
+                device_type="cpu", devices_per_node=2, backend_collectives=own, backend_share=(0.5, 1.0))
+            unlimited = backend_links(link)
+            return {"found": _emulated_network(None) is net, "own": {k: v.bandwidth for k, v in own.items()},
+                    "inter": inter, "put_back": net.links()["intra"].bandwidth,
+                    "unlimited": (unlimited.measured_collectives == own, unlimited.backend_collectives,
+                                  unlimited.intra_node_bandwidth == own["all_gather"].bandwidth,
+                                  unlimited.backend_share)}
+    finally:
+        end_process_group()
+
+
+def test_the_backends_own_collectives_are_timed_with_the_links_unlimited() -> None:
+    """On an emulated network the planner also needs gloo's own time per collective (the
+    simulator's backend queue; ``compare --exposed``'s plan on unlimited links): timed with the
+    links made unlimited for the while, then put back."""
+    out = run_workers(backend_worker, 2, default_group=False)[0]
+    assert out["found"] and out["inter"] == {} and out["put_back"] == LINK, out
+    assert sorted(out["own"]) == ["all_gather", "all_reduce", "reduce_scatter"]
+    assert all(bandwidth > 2 * LINK for bandwidth in out["own"].values()), out  # not the link's pace
+    assert out["unlimited"] == (True, {}, True, (0.5, 1.0)), out
+
+
+def test_backend_links_needs_the_backends_own_collectives() -> None:
+    from fsdp_compile.planning.calibration.calibrate import backend_links
+    from fsdp_compile.planning.numbers import ClusterError
+
+    with pytest.raises(ClusterError, match=r"no backend_collectives: measure it with Cluster.measure\(\) on an "):
+        backend_links(fsdp_compile.Cluster.preset("a10g"))
 
 
 def test_measure_links_needs_a_process_group() -> None:

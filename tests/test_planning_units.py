@@ -654,6 +654,69 @@ def test_collective_cost_carries_the_backends_cpu_per_wire_byte():
     assert graph_events([("ag", cost)])[1:] == [("backend_cpu", cost.cpu_seconds)]
 
 
+def test_the_backends_own_work_runs_at_its_share_while_the_rank_computes():
+    half = (0.5, 1.0)
+    # plain gloo (the link is the backend): 1 s of gloo under 1 s of compute gets half done,
+    # the rest at full speed once the rank waits
+    events = [("issue", "x", 1.0, "intra", 0, 0.0, 1.0), ("compute", 1.0), ("wait", "x")]
+    assert simulate_events(events).seconds == 1.0
+    shared = simulate_events(events, backend_share=half)
+    assert shared.seconds == 1.5 and shared.exposed_comm_seconds == 0.5 and shared.comm_seconds == 1.0
+    # a link slower than the backend sets the end; the backend's share does not add to it
+    slow_link = [("issue", "x", 3.0, "intra", 0, 0.0, 1.0), ("compute", 1.0), ("wait", "x")]
+    assert simulate_events(slow_link, backend_share=half).seconds == 3.0
+    # one queue for the rank's backend, across links, in issue order: the second waits for the first
+    two = [("issue", "rs", 1.0, "intra", 0, 0.0, 1.0), ("issue", "ar", 1.0, "inter", 0, 0.0, 1.0),
+           ("wait", "ar")]
+    assert simulate_events(two).seconds == 1.0 and simulate_events(two, backend_share=half).seconds == 2.0
+    # a collective its group's last rank issues later starts later; compute before that costs it nothing
+    skewed = [("issue", "x", 1.0, "intra", 0, 2.0, 1.0), ("compute", 2.0), ("wait", "x")]
+    assert simulate_events(skewed, backend_share=half).seconds == 3.0
+    # the backend goes on with the next collective while the rank waits for a slow link
+    behind = [("issue", "a", 4.0, "intra", 0, 0.0, 1.0), ("issue", "b", 0.0, "inter", 0, 0.0, 2.0),
+              ("wait", "a"), ("compute", 1.0), ("wait", "b")]
+    assert simulate_events(behind, backend_share=half).seconds == 5.0
+    # the backend's CPU taken from compute is compute time for the queue too
+    cpu = [("issue", "x", 1.0, "intra", 0, 0.0, 1.0), ("backend_cpu", 1.0), ("wait", "x")]
+    assert simulate_events(cpu, backend_share=half).seconds == 1.5
+
+
+def test_symbolic_steps_leave_the_backends_share_out():
+    import sympy
+
+    b = sympy.Symbol("batch", positive=True)
+    events = [("issue", "x", 1.0, "intra", 0, 0.0, 1.0), ("compute", b), ("wait", "x")]
+    t = simulate_events(events, backend_share=(0.5, 1.0))
+    assert float(t.seconds.subs(b, 1)) == 1.0 and float(t.seconds.subs(b, 3)) == 3.0
+
+
+def test_collective_cost_carries_the_backends_own_time_on_a_cpu():
+    fit = MeasuredCollective(1e-4, 1e8, 2)
+    plain = small_cluster(device_type="cpu", devices_per_node=2, measured_collectives={"all_gather": fit})
+    cost = collective_cost("all_gather", 1 << 20, Group(2, 1), plain)
+    assert cost.backend_seconds == cost.seconds  # plain gloo: the link's fit is gloo's own
+    own = MeasuredCollective(1e-5, 1e9, 2)
+    emulated = plain.replace(backend_collectives={"all_gather": own},
+                             backend_inter_collectives={"all_gather": MeasuredCollective(2e-5, 5e8, 2)})
+    cost = collective_cost("all_gather", 1 << 20, Group(2, 1), emulated)
+    assert cost.backend_seconds == pytest.approx(1e-5 + (1 << 19) / 1e9) and cost.seconds > cost.backend_seconds
+    across = collective_cost("all_gather", 1 << 20, Group(2, 2), emulated)
+    assert across.backend_seconds == pytest.approx(2e-5 + (1 << 19) / 5e8)
+    on_gpu = collective_cost("all_gather", 1 << 20, Group(2, 1), emulated.replace(device_type="cuda"))
+    assert on_gpu.backend_seconds == 0.0
+
+
+def test_backend_share_follows_the_cores_per_thread():
+    from fsdp_compile.planning.calibration.collectives import backend_share
+
+    assert backend_share(1.0) == (0.5, 1.0)  # world 2 on 2 cores
+    assert backend_share(0.5) == (0.5, 1.0)  # world 4 on 2 cores: the fit already shared the cores
+    assert backend_share(2.0) == (1.0, 1.0) and backend_share(1.5) == (0.75, 1.0)
+    for bad in ((0.0, 1.0), (0.5, 1.5), (0.5,), "half"):
+        with pytest.raises(ClusterError, match="backend_share="):
+            small_cluster(backend_share=bad)
+
+
 def test_unwaited_collective_is_waited_at_the_end():
     t = simulate_events([("issue", "x", 5.0, "intra", 0), ("compute", 1.0)])
     assert t.seconds == 5.0 and t.exposed_comm_seconds == 4.0

@@ -9,8 +9,10 @@ group carries.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +109,19 @@ def wire_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
 # run on them is the step's compute plus what gloo itself costs (``compare --exposed``,
 # ``bench/overlap.py``).
 UNLIMITED_LINKS: dict[str, float] = {"intra_node": math.inf, "inter_node": math.inf, "latency": 1e-9}
+
+
+@contextlib.contextmanager
+def unlimited_links(network: Any) -> Iterator[None]:
+    """While open, ``network``'s links add nothing to gloo's own time; its links are put back
+    as they were after (call it on every rank, between steps, as ``set_links`` asks)."""
+    links = network.links()
+    network.set_links(**UNLIMITED_LINKS)
+    try:
+        yield
+    finally:
+        network.set_links(intra_node=links["intra"].bandwidth, inter_node=links["inter"].bandwidth,
+                          latency=links["intra"].latency)
 
 
 @dataclass(frozen=True)

@@ -219,12 +219,12 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from .calibration.calibrate import measure_links
+    from .calibration.calibrate import backend_links
     from .calibration.compute import _cpu_share
     from .calibration.outside_graphs import BesideSteps
     from .calibration.reference import compute_scale, model_reference_step
     from .cluster import Cluster
-    from .compare import bar_chart, clusters_beside_steps, measure_strategy, unlimited_links
+    from .compare import bar_chart, clusters_beside_steps, measure_strategy
     from .isolated import run_in_subprocess
     from .measured import step_range, within_noise
 
@@ -276,10 +276,7 @@ def run_compare(args: argparse.Namespace) -> int:
         inputs, targets = batches[0]
         reference_graphs, reference = model_reference_step(build(), inputs, targets, loss_fn)
         outside_graphs = BesideSteps(None, torch.device("cpu"))
-    unlimited_cluster = None
-    if args.exposed:
-        with unlimited_links(network):
-            unlimited_cluster = measure_links(cluster)
+    unlimited_cluster = backend_links(cluster) if args.exposed else None
     measured = {}
     gc_between_steps = not args.gc_during_steps
     for name in names:

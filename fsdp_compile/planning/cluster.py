@@ -74,6 +74,13 @@ class Cluster:
     link (:meth:`measure`; a collective without one is priced from the bandwidths and
     latencies), ``measured_inter_collectives`` the same on the inter-node link (measured over
     several nodes; a group spanning nodes without it uses ``measured_collectives``).
+    ``backend_collectives`` / ``backend_inter_collectives``: the same fits for the CPU backend's
+    own time where the links are slower than it (an :class:`~fsdp_compile.EmulatedNetwork`,
+    timed on unlimited links by :meth:`measure`); empty where the links' fits are the
+    backend's own (plain gloo). ``backend_share``: how fast that own work progresses, relative
+    to its fit, while the rank computes and while it is blocked in a wait (a CPU whose ranks
+    fill its cores, where compute and the backend's threads split the cores; (1, 1) elsewhere;
+    :mod:`.simulate`).
     ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
     (forward and backward, FLOPs as torch's flop counter counts them; measured by
     :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.
@@ -99,6 +106,9 @@ class Cluster:
     device_type: str = "cuda"
     measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     measured_inter_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+    backend_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+    backend_inter_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
+    backend_share: tuple[float, float] = (1.0, 1.0)
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
     copy_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_issue: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -179,6 +189,10 @@ class Cluster:
                 if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                     problems.append(f"attention_flops key {dtype!r} must be a floating-point torch.dtype")
                 need(f"attention_flops[{dtype}]", value)
+        if (not isinstance(self.backend_share, tuple) or len(self.backend_share) != 2
+                or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in self.backend_share)):
+            problems.append(f"backend_share={self.backend_share!r} must be (share while computing, share while "
+                            "waiting), each > 0 and <= 1")
         problems += _measured_problems(self)
         if problems:
             raise ClusterError(f"cluster {self.name!r}: " + "; ".join(problems))
@@ -277,11 +291,15 @@ class Cluster:
         * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run; where
           ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model
           (:mod:`fsdp_compile.runtime.ring`) as a latency per ring step and a bandwidth;
+        * on an :class:`~fsdp_compile.EmulatedNetwork`, the same collectives again with its
+          links unlimited: the backend's own fits (``backend_collectives``);
         * on a CPU, the issuing thread's time to start each kind (``collective_issue``);
         * the bytes the communication backend allocates beside each collective's result;
         * on a CPU, the CPU seconds the backend's own threads spend per collective
-          (``collective_cpu``); on a GPU how much of a collective's time can hide under
-          compute (``comm_overlap``), from a race of an all-reduce against matmuls.
+          (``collective_cpu``), and how fast their own work goes while the rank computes
+          (``backend_share``, from the cores per rank); on a GPU how much of a collective's
+          time can hide under compute (``comm_overlap``), from a race of an all-reduce against
+          matmuls.
 
         Compute is timed by the fastest repeat (the matmul and attention passes by the median);
         on a CPU with one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's default for several
@@ -344,7 +362,8 @@ def _measured_problems(cluster: Cluster) -> list[str]:
     """What is wrong with the measured fits of ``cluster`` (collectives, workspace, and the
     (fixed, per byte) pairs), each named."""
     problems: list[str] = []
-    for field_name in ("measured_collectives", "measured_inter_collectives"):
+    for field_name in ("measured_collectives", "measured_inter_collectives", "backend_collectives",
+                       "backend_inter_collectives"):
         for kind, fit in getattr(cluster, field_name).items():
             if kind not in COLLECTIVE_KINDS:
                 problems.append(f"{field_name}[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")

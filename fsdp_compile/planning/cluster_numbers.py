@@ -16,7 +16,8 @@ from .numbers import MeasuredCollective
 
 # Tuples of (fixed, per unit) seconds, by name.
 _LINES = ("optimizer_step", "copy_kernels", "collective_issue", "collective_cpu")
-_FITS = (("collectives", "measured_collectives"), ("inter_node_collectives", "measured_inter_collectives"))
+_FITS = (("collectives", "measured_collectives"), ("inter_node_collectives", "measured_inter_collectives"),
+         ("backend_collectives", "backend_collectives"), ("backend_inter_collectives", "backend_inter_collectives"))
 _SHAPE = ("name", "nodes", "devices_per_node", "device_memory", "device_type", "reserved_memory",
           "collective_latency", "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
           "inter_node_latency")
@@ -34,7 +35,7 @@ def cluster_numbers(cluster: Cluster) -> dict[str, Any]:
             "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
             "comm_overlap": cluster.comm_overlap, "runtime_per_tensor": cluster.runtime_per_tensor,
             "compute_scale": cluster.compute_scale, "rank_skew": cluster.rank_skew,
-            "collective_workspace": cluster.collective_workspace,
+            "backend_share": list(cluster.backend_share), "collective_workspace": cluster.collective_workspace,
             **{name: getattr(cluster, name) for name in _LINES},
             **{key: {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
                      for k, v in getattr(cluster, field).items()}
@@ -42,13 +43,15 @@ def cluster_numbers(cluster: Cluster) -> dict[str, Any]:
 
 
 def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
-                         devices_per_node: int | None = None, device_memory: float | None = None) -> Cluster:
+                         devices_per_node: int | None = None, device_memory: float | None = None,
+                         backend_share: tuple[float, float] | None = None) -> Cluster:
     """The :class:`Cluster` that :func:`cluster_numbers` wrote.
 
     Files written before the cluster's shape was recorded (``compare.json`` before it carried
     ``nodes``) need ``nodes`` and ``devices_per_node``; their links are each link's measured
     all-gather fit, as :meth:`Cluster.measure` sets them, their device is a CPU and their memory
-    ``device_memory`` (default 64 GiB, what ``compare`` plans against). An argument given
+    ``device_memory`` (default 64 GiB, what ``compare`` plans against). Files written before
+    ``backend_share`` was measured plan without it unless it is given. An argument given
     overrides the file.
     """
     def dtypes(values: dict[str, float]) -> dict[torch.dtype, float]:
@@ -78,6 +81,7 @@ def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
                    memory_bandwidth=numbers["memory_bandwidth"], op_overhead=numbers["op_overhead"],
                    comm_overlap=numbers["comm_overlap"], runtime_per_tensor=numbers["runtime_per_tensor"],
                    compute_scale=numbers["compute_scale"], rank_skew=numbers.get("rank_skew", 0.0),
+                   backend_share=tuple(backend_share or numbers.get("backend_share", (1.0, 1.0))),
                    collective_workspace=dict(numbers.get("collective_workspace", {})),
                    **{name: {k: tuple(v) for k, v in numbers.get(name, {}).items()} for name in _LINES},
                    **fits)

@@ -67,7 +67,7 @@ from torch import nn
 
 from ..api import ShardingStrategy
 from ..compilation.inner import collector_paused
-from ..network.links import UNLIMITED_LINKS
+from ..network.links import unlimited_links
 from ..runtime.ring import wire_bytes
 from .measured import Measured, quiet_step_seconds
 
@@ -407,19 +407,6 @@ def _timed_reference(reference: Callable[[], None], device: torch.device, gc_bet
 
     with _all_ranks_at_once(gc_between_steps):
         return time_reference(reference, device)
-
-
-@contextlib.contextmanager
-def unlimited_links(network: Any) -> Iterator[None]:
-    """While open, ``network``'s links add nothing to gloo's own time; its links are put back
-    as they were after (call it on every rank, between steps, as ``set_links`` asks)."""
-    links = network.links()
-    network.set_links(**UNLIMITED_LINKS)
-    try:
-        yield
-    finally:
-        network.set_links(intra_node=links["intra"].bandwidth, inter_node=links["inter"].bandwidth,
-                          latency=links["intra"].latency)
 
 
 def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimited: list[float],

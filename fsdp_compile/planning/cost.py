@@ -155,6 +155,12 @@ class NodeCost:
     issue_seconds: Any = 0.0  # collectives: the compute stream's time to start it
     cpu_seconds: Any = 0.0  # collectives: the backend threads' CPU, taken from compute
     skew_seconds: Any = 0.0  # collectives: after this rank issues it, until the group's last rank does
+    backend_seconds: Any = 0.0  # collectives on a CPU: the backend's own work on it, at full speed
+
+
+def _fit(kind: str, link: str, intra: dict[str, Any], inter: dict[str, Any]) -> Any:
+    """A collective's fit on ``link``: the inter-node one where there is one, else the intra-node one."""
+    return (inter.get(kind) if link == "inter" else None) or intra.get(kind)
 
 
 def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster) -> NodeCost:
@@ -169,12 +175,16 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
     cpu_fixed, cpu_per_byte = cluster.collective_cpu.get(kind, (0.0, 0.0))
     cpu = cpu_fixed + cpu_per_byte * wire
     steps = ring_steps(kind, n)
-    fits = cluster.measured_inter_collectives if link == "inter" else {}
-    measured = fits.get(kind) or cluster.measured_collectives.get(kind)
+    measured = _fit(kind, link, cluster.measured_collectives, cluster.measured_inter_collectives)
     if measured is not None:
         seconds = steps * measured.step_latency + wire / measured.bandwidth
+        backend = seconds
+        own = _fit(kind, link, cluster.backend_collectives, cluster.backend_inter_collectives)
+        if own is not None:  # the links are slower than the backend (an emulated network)
+            backend = steps * own.step_latency + wire / own.bandwidth
         return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue, cpu_seconds=cpu,
-                        skew_seconds=cluster.rank_skew)
+                        skew_seconds=cluster.rank_skew,
+                        backend_seconds=backend if cluster.device_type == "cpu" else 0.0)
     if group.nodes <= 1:
         latency = cluster.collective_latency + steps * cluster.intra_node_latency
         bandwidth = cluster.intra_node_bandwidth

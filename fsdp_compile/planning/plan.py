@@ -181,7 +181,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
             if gm is None:
                 continue
             costs = graph_costs(gm, cluster, groups)
-            timeline = timeline + simulate_graph(costs, cluster.comm_overlap)
+            timeline = timeline + simulate_graph(costs, cluster.comm_overlap, cluster.backend_share)
             tp_bytes += sum(cost.wire_bytes for node, cost in costs if cost.kind == "collective"
                             and traced.tp_ranks and group_ranks(node.args[-1], ranks) == traced.tp_ranks)
             held = {"param": max(0, states["params"] - input_bytes(gm, "param")),

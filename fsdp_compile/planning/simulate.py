@@ -17,16 +17,29 @@ waited for a core about as long as gloo's threads ran, 23 against 26 ms). Where 
 bottleneck, the wait absorbs that time; where compute is, it adds in full. It counts as
 exposed communication.
 
+There the backend's own work on a collective also runs slower while the rank computes than while
+it waits (``Cluster.backend_share``): each collective carries the backend's own time at full
+speed (``NodeCost.backend_seconds``: gloo's fit, timed on unlimited links where the links are an
+emulated network's), this rank's backend works through its collectives one at a time in issue
+order, and a collective completes when both its link and the backend are done with it. A wait
+for a collective the link has finished but the backend has not is exposed as any wait is. On
+plain gloo, whose link is the backend, that makes a collective issued under compute take longer
+than its fit; on an emulated link slower than gloo it only matters where gloo's share falls
+behind the link. Fitted on ``bench/plan_emulated.py``'s published jobs (``docs/planning.md``).
+Expressions (symbolic sizes) are simulated without it: a processor-shared queue has no closed form.
+
 Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory`),
 as ints or sympy expressions for graphs traced with symbolic sizes.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 from torch import fx
 
 from ..inspection.memory import ROLES, role_of, storage_lifetimes
@@ -58,17 +71,76 @@ class Timeline:
             self.collectives + other.collectives, self.backend_cpu_seconds + other.backend_cpu_seconds)
 
 
-# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes[, skew]) | ("wait", key)
-#         | ("backend_cpu", seconds): compute's time a communication backend's threads take
+# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes[, skew[, backend_seconds]])
+#         | ("wait", key) | ("backend_cpu", seconds): compute's time a communication backend's threads take
 Event = tuple
 
+NO_SHARING = (1.0, 1.0)
 
-def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0) -> Timeline:
+
+class BackendQueue:
+    """This rank's communication backend working through its collectives one at a time, in
+    issue order, at a share of its full speed that depends on what the rank is doing (computing
+    or blocked in a wait). ``clock`` is the rank's time up to which the queue has run."""
+
+    def __init__(self, share: tuple[float, float]) -> None:
+        self.computing, self.waiting = share
+        self.clock = 0.0
+        self.queue: deque[list] = deque()  # [key, when it can start, full-speed seconds left]
+        self.done: dict[Any, float] = {}
+
+    def add(self, key: Any, ready: float, seconds: float) -> None:
+        if seconds > 0:
+            self.queue.append([key, ready, seconds])
+        else:
+            self.done[key] = ready
+
+    def run(self, until: float, share: float, key: Any = None) -> None:
+        """Work at ``share`` until the rank's clock reaches ``until`` (or, with ``key``, until
+        that collective is done, however long it takes)."""
+        while self.queue and (key is not None or self.clock < until):
+            head = self.queue[0]
+            if head[1] > self.clock:  # its group's last rank has not issued it yet
+                if key is None and head[1] >= until:
+                    break
+                self.clock = head[1]
+                continue
+            finish = self.clock + head[2] / share
+            if key is None and finish > until:
+                head[2] -= (until - self.clock) * share
+                break
+            self.clock = finish
+            self.done[head[0]] = finish
+            self.queue.popleft()
+            if head[0] == key:
+                return
+        if key is None:
+            self.clock = max(self.clock, until)
+
+    def finished(self, key: Any) -> float:
+        """When the backend is done with ``key``, the rank blocked until then."""
+        if key not in self.done:
+            self.run(self.clock, self.waiting, key)
+        return self.done.pop(key)
+
+
+def _symbolic(events: list[Event]) -> bool:
+    return any(isinstance(x, sympy.Basic) for event in events for x in event[1:])
+
+
+def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0,
+                    backend_share: tuple[float, float] = NO_SHARING) -> Timeline:
     """Run ``events`` on one compute and one communication stream (see the module docstring).
 
+    ``backend_share``: how fast the backend's own work progresses while the rank computes and
+    while it waits (``Cluster.backend_share``; full speed: the link alone sets each collective's end).
     A collective never waited for is waited at the end (a graph's results are complete
     when it returns).
     """
+    events = list(events)
+    backend = None
+    if tuple(backend_share) != NO_SHARING and not _symbolic(events):
+        backend = BackendQueue(backend_share)
     now = 0.0  # the compute stream's clock
     comm_free: dict[str, Any] = {}  # link -> when it is next idle
     busy = 0.0
@@ -81,35 +153,48 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
     for event in events:
         kind = event[0]
         if kind == "compute":
+            if backend is not None:
+                backend.run(now + event[1], backend.computing)
             now = now + event[1]
             busy = busy + event[1]
         elif kind == "issue":
-            _, key, seconds, link, wire_bytes, *skew = event
+            _, key, seconds, link, wire_bytes, *extra = event
+            skew = extra[0] if extra else 0.0
             # it starts once the group's last rank has issued it (``skew`` after this one) and the link is free
-            start = maximum(now + skew[0] if skew else now, comm_free.get(link, 0.0))
+            start = maximum(now + skew, comm_free.get(link, 0.0))
+            if backend is not None:
+                backend.add(key, now + skew, extra[1] if len(extra) > 1 else seconds)
             comm_free[link] = start + seconds
             finish[key] = comm_free[link]
             comm = comm + seconds
             wire[link] = wire[link] + wire_bytes
             count += 1
         elif kind == "backend_cpu":  # compute's time taken by the backend's threads
+            if backend is not None:
+                backend.run(now + event[1], backend.computing)
             now = now + event[1]
             backend_cpu = backend_cpu + event[1]
         elif kind == "wait":
-            end = finish.pop(event[1], None)
-            if end is not None:
-                later = maximum(now, end)
-                exposed = exposed + (later - now)
-                now = later
+            if event[1] in finish:
+                now, exposed = _wait(event[1], finish.pop(event[1]), now, exposed, backend)
         else:
             raise ValueError(f"unknown event {event!r}")
-    for end in finish.values():
-        later = maximum(now, end)
-        exposed = exposed + (later - now)
-        now = later
+    for key, end in finish.items():
+        now, exposed = _wait(key, end, now, exposed, backend)
     hidden = comm - exposed
     penalty = (1.0 - comm_overlap) * hidden
     return Timeline(now + penalty, busy, comm, exposed + penalty + backend_cpu, flops, wire, count, backend_cpu)
+
+
+def _wait(key: Any, link_end: Any, now: Any, exposed: Any, backend: BackendQueue | None) -> tuple[Any, Any]:
+    """The rank blocks until its link, and its backend (if modelled), are done with ``key``:
+    (its clock after, exposed communication after)."""
+    end = link_end
+    if backend is not None:
+        end = max(end, backend.finished(key))
+        backend.run(end, backend.waiting)  # the backend goes on with the next while the rank waits
+    later = maximum(now, end)
+    return later, exposed + (later - now)
 
 
 def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
@@ -120,7 +205,8 @@ def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
         elif cost.kind == "collective":
             if cost.issue_seconds:
                 events.append(("compute", cost.issue_seconds))  # the issuing thread's work comes first
-            events.append(("issue", node, cost.seconds, cost.link, cost.wire_bytes, cost.skew_seconds))
+            events.append(("issue", node, cost.seconds, cost.link, cost.wire_bytes, cost.skew_seconds,
+                           cost.backend_seconds))
             if cost.cpu_seconds:
                 events.append(("backend_cpu", cost.cpu_seconds))
         elif cost.kind == "wait":
@@ -128,12 +214,13 @@ def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
     return events
 
 
-def simulate_graph(costs: list[tuple[fx.Node, NodeCost]], comm_overlap: float = 1.0) -> Timeline:
+def simulate_graph(costs: list[tuple[fx.Node, NodeCost]], comm_overlap: float = 1.0,
+                   backend_share: tuple[float, float] = NO_SHARING) -> Timeline:
     flops = 0
     for _, cost in costs:
         if cost.flops:
             flops = flops + cost.flops
-    return simulate_events(graph_events(costs), comm_overlap, flops)
+    return simulate_events(graph_events(costs), comm_overlap, flops, backend_share)
 
 
 def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..numbers import ClusterError
 from .collectives import (
+    _backend_share,
     _collective_cpu,
     _collective_workspace,
     _collectives,
@@ -125,6 +126,38 @@ def _link_fields(collectives: dict[str, Any], inter_collectives: dict[str, Any])
             "measured_collectives": collectives, "measured_inter_collectives": inter_collectives}
 
 
+def _emulated_network(group: Any) -> Any:
+    """The :class:`~fsdp_compile.EmulatedNetwork` ``group`` runs on, or None."""
+    from ...network.emulated import EmulatedProcessGroup
+
+    process_group = group if group is not None else dist.group.WORLD
+    return process_group.network if isinstance(process_group, EmulatedProcessGroup) else None
+
+
+def _backend_collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repeats: int,
+                         nodes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The backend's own fits on each link, where they differ from the links' (``group`` runs on
+    an emulated network: timed with its links unlimited for the while); ({}, {}) elsewhere."""
+    from ...network.links import unlimited_links
+
+    network = _emulated_network(group)
+    if network is None or device.type != "cpu":
+        return {}, {}
+    with unlimited_links(network):
+        return _collectives_per_link(group, device, sizes, repeats, nodes)
+
+
+def backend_links(cluster: Cluster) -> Cluster:
+    """``cluster`` with its links at the backend's own speed: what it is on an emulated
+    network's links made unlimited (``compare --exposed`` plans each strategy both ways from one
+    calibration, so that the predicted difference is the links' alone)."""
+    if not cluster.backend_collectives:
+        raise ClusterError(f"cluster {cluster.name!r} has no backend_collectives: measure it with Cluster.measure() "
+                           "on an EmulatedNetwork, whose links it then times unlimited too")
+    return cluster.replace(**_link_fields(cluster.backend_collectives, cluster.backend_inter_collectives),
+                           backend_collectives={}, backend_inter_collectives={})
+
+
 def measure_links(cluster: Cluster, *, group: Any = None, sizes: tuple[int, ...] | None = None,
                   repeats: int = 5) -> Cluster:
     """``cluster`` with its links timed again as they are now, every other number kept.
@@ -190,6 +223,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     reference_seconds, reference_graphs = timed_reference(repeats, device, group, sync=True)
     reference_seconds = _slowest(reference_seconds, group)
     collectives, inter_collectives = _collectives_per_link(group, device, sizes, repeats, nodes)
+    backend, backend_inter = _backend_collectives(group, device, sizes, repeats, nodes)
     collective_issue = _issue_seconds(group, device, sizes, repeats)
     workspace = _collective_workspace(group, device)
     # A CPU's communication threads take compute's cores: their CPU seconds per collective, read
@@ -210,11 +244,12 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         runtime_per_tensor=runtime_per_tensor, rank_skew=rank_skew, attention_flops=attention,
         device_type=device.type,
         optimizer_step=optimizer_step, copy_kernels=copy_kernels, collective_issue=collective_issue,
-        collective_cpu=collective_cpu,
-        collective_workspace=workspace,
+        collective_cpu=collective_cpu, backend_collectives=backend, backend_inter_collectives=backend_inter,
+        backend_share=_backend_share(device), collective_workspace=workspace,
         sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
                                          "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
                                          "copy_kernels", "collective_issue", "collective_cpu",
-                                         "collective_workspace", "rank_skew", "compute_scale", "device_memory")})
+                                         "collective_workspace", "rank_skew", "compute_scale", "device_memory",
+                                         "backend_collectives", "backend_share")})
     # The same on every rank: each priced the same graphs on the same (slowest-rank) numbers.
     return cluster.replace(compute_scale=compute_scale(reference_seconds, reference_graphs, cluster))

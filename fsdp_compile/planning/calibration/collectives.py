@@ -128,6 +128,24 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...],
     return fits
 
 
+def backend_share(cores_per_thread: float) -> tuple[float, float]:
+    """(while the rank computes, while it waits): how fast a CPU backend's own work on a
+    collective goes, relative to its fit (``Cluster.backend_share``), with ``cores_per_thread``
+    cores per compute thread on the node.
+
+    A computing rank runs two busy threads, its compute and its backend's; a waiting one only
+    the backend's. A thread then gets ``min(1, c / 2)`` of a core in the first case and
+    ``min(1, c)`` in the second, and the fit was timed at the second: half speed under compute
+    where the ranks fill the cores, full speed with two cores per rank or more. Planned again
+    with it, ``bench/plan_emulated.py``'s published jobs at world 2 held every exposure target
+    that gloo's own time under compute had made them miss (``docs/planning.md``)."""
+    return (min(1.0, cores_per_thread / 2) / min(1.0, cores_per_thread), 1.0)
+
+
+def _backend_share(device: torch.device) -> tuple[float, float]:
+    return (1.0, 1.0) if device.type != "cpu" else backend_share(_cores_per_thread())
+
+
 def _issue_seconds(group: Any, device: torch.device, sizes: tuple[int, ...],
                    repeats: int) -> dict[str, tuple[float, float]]:
     """``{kind: (seconds, seconds per buffer byte)}`` the issuing thread spends starting a
