@@ -101,38 +101,6 @@ def test_collective_fits_recover_the_emulated_link() -> None:
         assert 0.9 * LINK <= bandwidth <= 1.05 * LINK, (kind, bandwidth)
 
 
-def relink_worker(rank: int, world: int) -> dict:
-    from fsdp_compile.planning.calibration.calibrate import measure_links
-
-    net = fsdp_compile.EmulatedNetwork(intra_node=LINK, latency=LATENCY, devices_per_node=2)
-    net.init_process_group(timeout=datetime.timedelta(seconds=120))
-    try:
-        with collectives_timed_alone():
-            base = fsdp_compile.Cluster.preset("a10g").replace(device_type="cpu", devices_per_node=2, compute_scale=1.3)
-            sizes = (1 << 16, 1 << 18, 1 << 20)
-            slow = measure_links(base, sizes=sizes, repeats=3)
-            net.set_links(intra_node=2 * LINK)
-            fast = measure_links(slow, sizes=sizes, repeats=3)
-            return {"slow": slow.intra_node_bandwidth, "fast": fast.intra_node_bandwidth,
-                    "kinds": sorted(fast.measured_collectives),
-                    "kept": fast.peak_flops == base.peak_flops and fast.compute_scale == 1.3
-                    and fast.memory_bandwidth == base.memory_bandwidth and fast.device_type == "cpu",
-                    "source": fast.sources["collectives"]}
-    finally:
-        end_process_group()
-
-
-def test_measure_links_times_the_links_as_they_are_now_and_keeps_the_rest() -> None:
-    """compare --exposed plans one calibration on two networks: the links timed again after
-    ``set_links``, every compute number kept, so the predicted difference is the links' alone."""
-    out = run_workers(relink_worker, 2, default_group=False)[0]
-    # the bound of test_collective_fits_recover_the_emulated_link, whose fit this is
-    assert 0.9 * LINK <= out["slow"] <= 1.05 * LINK, out
-    assert out["fast"] > 1.5 * LINK, out  # the second timing sees the changed link
-    assert out["kinds"] == ["all_gather", "all_reduce", "reduce_scatter"] and out["kept"], out
-    assert out["source"].startswith("measured by measure_links()")
-
-
 def backend_worker(rank: int, world: int) -> dict:
     import torch
 
@@ -172,14 +140,6 @@ def test_backend_links_needs_the_backends_own_collectives() -> None:
 
     with pytest.raises(ClusterError, match=r"no backend_collectives: measure it with Cluster.measure\(\) on an "):
         backend_links(fsdp_compile.Cluster.preset("a10g"))
-
-
-def test_measure_links_needs_a_process_group() -> None:
-    from fsdp_compile.planning.calibration.calibrate import measure_links
-    from fsdp_compile.planning.numbers import ClusterError
-
-    with pytest.raises(ClusterError, match="measure_links\\(\\) times the current process group"):
-        measure_links(fsdp_compile.Cluster.preset("a10g"))
 
 
 @pytest.mark.parametrize("spec, message", [

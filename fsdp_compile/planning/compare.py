@@ -383,8 +383,8 @@ def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
 
 def clusters_beside_steps(cluster: Any, unlimited_cluster: Any, beside: dict[str, dict[str, Any]]) -> dict[str, tuple]:
     """``plan_each``'s ``on`` for every strategy of ``beside`` (name -> the numbers measured beside
-    its steps): ``cluster`` with them under the strategy's name, and ``unlimited_cluster`` (the
-    links timed unlimited; None: none) with them under "<name> unlimited"."""
+    its steps): ``cluster`` with them under the strategy's name, and ``unlimited_cluster`` (its
+    links at gloo's own speed: ``backend_links``; None: none) with them under "<name> unlimited"."""
     on: dict[str, tuple] = {}
     for name, numbers in beside.items():
         on[name] = (beside_steps(cluster, numbers), [name])

@@ -10,7 +10,9 @@ root (or the bound Dynamo's guards put on the size, e.g. a model's maximum seque
 
 What is assumed: the partitioner's choices (which it makes from the example's sizes) and the
 schedule do not change with the size; a real run compiles again for a new size and may
-choose differently.
+choose differently. The step time expression leaves out the CPU backend's share of the cores
+(``Cluster.backend_share``), which has no closed form (:mod:`.simulate`): on a CPU whose ranks
+fill the cores it is a little below ``plan()``'s step at the same size.
 """
 
 from __future__ import annotations

@@ -158,29 +158,6 @@ def backend_links(cluster: Cluster) -> Cluster:
                            backend_collectives={}, backend_inter_collectives={})
 
 
-def measure_links(cluster: Cluster, *, group: Any = None, sizes: tuple[int, ...] | None = None,
-                  repeats: int = 5) -> Cluster:
-    """``cluster`` with its links timed again as they are now, every other number kept.
-
-    For planning one calibration on two networks: an :class:`~fsdp_compile.EmulatedNetwork`
-    whose links were changed with ``set_links`` (``compare --emulate --exposed`` plans each
-    strategy on the emulated links and on unlimited ones), so that the predicted difference
-    is the links' alone, not two compute calibrations' spread. Collective over ``group`` as
-    :meth:`Cluster.measure` is; the same ``sizes`` and ``repeats`` as the cluster's calibration
-    keep the two fits comparable.
-    """
-    if not dist.is_initialized():
-        raise ClusterError("measure_links() times the current process group's collectives: call "
-                           "torch.distributed.init_process_group() first")
-    device = torch.device("cuda", torch.cuda.current_device()) if cluster.device_type == "cuda" else torch.device(
-        cluster.device_type)
-    collectives, inter_collectives = _collectives_per_link(group, device, sizes or _default_sizes(device), repeats,
-                                                           cluster.nodes)
-    where = f"measured by measure_links() ({time.strftime('%Y-%m-%d %H:%M')})"
-    return cluster.replace(**_link_fields(collectives, inter_collectives),
-                           sources={**cluster.sources, "collectives": where})
-
-
 def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | None, repeats: int,
                     dtypes: tuple[torch.dtype, ...], nodes: int, device: torch.device | str | None,
                     device_memory: float | None) -> Cluster:
