@@ -126,74 +126,7 @@ class Cluster:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise :class:`ClusterError` naming every missing or impossible number."""
-        problems = []
-
-        def need(name: str, value: Any, *, positive: bool = True, integer: bool = False,
-                 at_most: float | None = None) -> None:
-            if value is None:
-                problems.append(f"{name} is missing")
-                return
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                problems.append(f"{name}={value!r} must be a number")
-                return
-            if integer and int(value) != value:
-                problems.append(f"{name}={value!r} must be a whole number")
-            if math.isnan(value) or math.isinf(value):
-                problems.append(f"{name}={value!r} must be finite")
-            elif positive and value <= 0:
-                problems.append(f"{name}={value!r} must be > 0")
-            elif not positive and value < 0:
-                problems.append(f"{name}={value!r} must be >= 0")
-            elif at_most is not None and value > at_most:
-                problems.append(f"{name}={value!r} must be <= {at_most}")
-
-        need("nodes", self.nodes, integer=True)
-        need("devices_per_node", self.devices_per_node, integer=True)
-        need("device_memory", self.device_memory)
-        need("memory_bandwidth", self.memory_bandwidth)
-        need("intra_node_bandwidth", self.intra_node_bandwidth)
-        need("intra_node_latency", self.intra_node_latency, positive=False)
-        need("collective_latency", self.collective_latency, positive=False)
-        need("reserved_memory", self.reserved_memory, positive=False)
-        need("op_overhead", self.op_overhead, positive=False)
-        need("comm_overlap", self.comm_overlap, positive=False, at_most=1.0)
-        need("runtime_per_tensor", self.runtime_per_tensor, positive=False)
-        need("rank_skew", self.rank_skew, positive=False)
-        need("compute_scale", self.compute_scale)
-        if isinstance(self.nodes, int) and self.nodes > 1:
-            # Several nodes talk over the inter-node link: it must be described.
-            need("inter_node_bandwidth", self.inter_node_bandwidth)
-            need("inter_node_latency", self.inter_node_latency, positive=False)
-        else:
-            if self.inter_node_bandwidth is not None:
-                need("inter_node_bandwidth", self.inter_node_bandwidth)
-            if self.inter_node_latency is not None:
-                need("inter_node_latency", self.inter_node_latency, positive=False)
-        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
-            problems.append("peak_flops is missing: give {dtype: dense FLOP/s}, e.g. {torch.bfloat16: 989e12}")
-        else:
-            for dtype, value in self.peak_flops.items():
-                if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                    problems.append(f"peak_flops key {dtype!r} must be a floating-point torch.dtype")
-                need(f"peak_flops[{dtype}]", value)
-        if (isinstance(self.device_memory, (int, float)) and isinstance(self.reserved_memory, (int, float))
-                and self.device_memory > 0 and self.reserved_memory >= self.device_memory):
-            problems.append(f"reserved_memory={self.reserved_memory:.3g} leaves nothing of "
-                            f"device_memory={self.device_memory:.3g}")
-        if self.device_type not in ("cuda", "cpu"):
-            problems.append(f"device_type={self.device_type!r} must be 'cuda' or 'cpu'")
-        if not isinstance(self.attention_flops, dict):
-            problems.append(f"attention_flops={self.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
-        else:
-            for dtype, value in self.attention_flops.items():
-                if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                    problems.append(f"attention_flops key {dtype!r} must be a floating-point torch.dtype")
-                need(f"attention_flops[{dtype}]", value)
-        if (not isinstance(self.backend_share, tuple) or len(self.backend_share) != 2
-                or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in self.backend_share)):
-            problems.append(f"backend_share={self.backend_share!r} must be (share while computing, share while "
-                            "waiting), each > 0 and <= 1")
-        problems += _measured_problems(self)
+        problems = _problems(self) + _measured_problems(self)
         if problems:
             raise ClusterError(f"cluster {self.name!r}: " + "; ".join(problems))
 
@@ -356,6 +289,78 @@ class Cluster:
         """
         return measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
                                nodes=nodes, device=device, device_memory=device_memory)
+
+
+def _problems(cluster: Cluster) -> list[str]:
+    """What is wrong with ``cluster``'s numbers other than its measured fits, each named."""
+    problems = []
+
+    def need(name: str, value: Any, *, positive: bool = True, integer: bool = False,
+             at_most: float | None = None) -> None:
+        if value is None:
+            problems.append(f"{name} is missing")
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{name}={value!r} must be a number")
+            return
+        if integer and int(value) != value:
+            problems.append(f"{name}={value!r} must be a whole number")
+        if math.isnan(value) or math.isinf(value):
+            problems.append(f"{name}={value!r} must be finite")
+        elif positive and value <= 0:
+            problems.append(f"{name}={value!r} must be > 0")
+        elif not positive and value < 0:
+            problems.append(f"{name}={value!r} must be >= 0")
+        elif at_most is not None and value > at_most:
+            problems.append(f"{name}={value!r} must be <= {at_most}")
+
+    need("nodes", cluster.nodes, integer=True)
+    need("devices_per_node", cluster.devices_per_node, integer=True)
+    need("device_memory", cluster.device_memory)
+    need("memory_bandwidth", cluster.memory_bandwidth)
+    need("intra_node_bandwidth", cluster.intra_node_bandwidth)
+    need("intra_node_latency", cluster.intra_node_latency, positive=False)
+    need("collective_latency", cluster.collective_latency, positive=False)
+    need("reserved_memory", cluster.reserved_memory, positive=False)
+    need("op_overhead", cluster.op_overhead, positive=False)
+    need("comm_overlap", cluster.comm_overlap, positive=False, at_most=1.0)
+    need("runtime_per_tensor", cluster.runtime_per_tensor, positive=False)
+    need("rank_skew", cluster.rank_skew, positive=False)
+    need("compute_scale", cluster.compute_scale)
+    if isinstance(cluster.nodes, int) and cluster.nodes > 1:
+        # Several nodes talk over the inter-node link: it must be described.
+        need("inter_node_bandwidth", cluster.inter_node_bandwidth)
+        need("inter_node_latency", cluster.inter_node_latency, positive=False)
+    else:
+        if cluster.inter_node_bandwidth is not None:
+            need("inter_node_bandwidth", cluster.inter_node_bandwidth)
+        if cluster.inter_node_latency is not None:
+            need("inter_node_latency", cluster.inter_node_latency, positive=False)
+    if not isinstance(cluster.peak_flops, dict) or not cluster.peak_flops:
+        problems.append("peak_flops is missing: give {dtype: dense FLOP/s}, e.g. {torch.bfloat16: 989e12}")
+    else:
+        for dtype, value in cluster.peak_flops.items():
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                problems.append(f"peak_flops key {dtype!r} must be a floating-point torch.dtype")
+            need(f"peak_flops[{dtype}]", value)
+    if (isinstance(cluster.device_memory, (int, float)) and isinstance(cluster.reserved_memory, (int, float))
+            and cluster.device_memory > 0 and cluster.reserved_memory >= cluster.device_memory):
+        problems.append(f"reserved_memory={cluster.reserved_memory:.3g} leaves nothing of "
+                        f"device_memory={cluster.device_memory:.3g}")
+    if cluster.device_type not in ("cuda", "cpu"):
+        problems.append(f"device_type={cluster.device_type!r} must be 'cuda' or 'cpu'")
+    if not isinstance(cluster.attention_flops, dict):
+        problems.append(f"attention_flops={cluster.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
+    else:
+        for dtype, value in cluster.attention_flops.items():
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                problems.append(f"attention_flops key {dtype!r} must be a floating-point torch.dtype")
+            need(f"attention_flops[{dtype}]", value)
+    if (not isinstance(cluster.backend_share, tuple) or len(cluster.backend_share) != 2
+            or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in cluster.backend_share)):
+        problems.append(f"backend_share={cluster.backend_share!r} must be (share while computing, share while "
+                        "waiting), each > 0 and <= 1")
+    return problems
 
 
 def _measured_problems(cluster: Cluster) -> list[str]:
