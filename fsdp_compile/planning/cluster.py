@@ -277,7 +277,8 @@ class Cluster:
             nodes, ``measured_inter_collectives``),
             ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``),
             ``runtime_per_tensor`` and, on a CPU, ``copy_kernels``, ``collective_issue`` and
-            ``rank_skew`` filled in, ``collective_latency`` and
+            ``rank_skew`` and ``backend_share`` filled in (on an emulated network also
+            ``backend_collectives``), ``collective_latency`` and
             ``reserved_memory`` 0, and ``sources`` saying when, at what world size and on
             which device type each number was measured.
 

@@ -25,7 +25,7 @@ order, and a collective completes when both its link and the backend are done wi
 for a collective the link has finished but the backend has not is exposed as any wait is. On
 plain gloo, whose link is the backend, that makes a collective issued under compute take longer
 than its fit; on an emulated link slower than gloo it only matters where gloo's share falls
-behind the link. Fitted on ``bench/plan_emulated.py``'s published jobs (``docs/planning.md``).
+behind the link. Checked against ``bench/plan_emulated.py`` (``docs/planning.md``).
 Expressions (symbolic sizes) are simulated without it: a processor-shared queue has no closed form.
 
 Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory`),

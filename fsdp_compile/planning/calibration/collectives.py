@@ -136,9 +136,9 @@ def backend_share(cores_per_thread: float) -> tuple[float, float]:
     A computing rank runs two busy threads, its compute and its backend's; a waiting one only
     the backend's. A thread then gets ``min(1, c / 2)`` of a core in the first case and
     ``min(1, c)`` in the second, and the fit was timed at the second: half speed under compute
-    where the ranks fill the cores, full speed with two cores per rank or more. Planned again
-    with it, ``bench/plan_emulated.py``'s published jobs at world 2 held every exposure target
-    that gloo's own time under compute had made them miss (``docs/planning.md``)."""
+    where the ranks fill the cores, full speed with two cores per rank or more. With it,
+    ``bench/plan_emulated.py`` held every world-2 exposure target, which gloo's own time under
+    compute had made it miss before (``docs/planning.md``)."""
     return (min(1.0, cores_per_thread / 2) / min(1.0, cores_per_thread), 1.0)
 
 
