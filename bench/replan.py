@@ -48,14 +48,19 @@ def job_shape(job: dict) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
-def replan_job(job: dict, cores: int) -> list[dict]:
+def replan_job(job: dict, cores: int | None = None) -> list[dict]:
     """Every strategy of ``job`` planned again: one row per strategy. Jobs written before the
     cluster recorded the backend's own collectives and its share take the first from their
     unlimited cluster's links and the second from ``cores`` (the machine's, all ranks on it)."""
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
     nodes, per_node = job_shape(job)
-    share = None if "backend_share" in job["cluster_numbers"] else backend_share(cores / job["world"])
+    share = None
+    if "backend_share" not in job["cluster_numbers"]:
+        if cores is None:
+            raise SystemExit("replan: this compare.json predates the backend's share of the cores: give the cores "
+                             "of the machine it ran on (--cores)")
+        share = backend_share(cores / job["world"])
     clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share)
                 if job.get(key) else None for key in ("cluster_numbers", "unlimited_cluster_numbers")}
     unlimited = clusters["unlimited_cluster_numbers"]
