@@ -241,8 +241,8 @@ class Cluster:
         per rank (the reference step on all at once), and compute is stretched by each one's share.
 
         It costs seconds to tens of seconds: about 16 s with the defaults at world 2 on a busy
-        2-core CPU, longer with more ``repeats``, larger ``sizes`` or ranks taking turns on
-        shared cores. Its largest buffers: on a CPU 256 MB (the bandwidth operators' inputs),
+        2-core CPU, longer with more ``repeats``, larger ``sizes``, ranks taking turns on
+        shared cores, or an emulated network (whose collectives it times twice). Its largest buffers: on a CPU 256 MB (the bandwidth operators' inputs),
         on a GPU about 3 GB of float32 matmul operands and 2 GiB for the copy. On a CPU it runs
         :mod:`torch.profiler` briefly, for the collectives' allocations.
 
