@@ -242,7 +242,8 @@ class Cluster:
 
         It costs seconds to tens of seconds: about 16 s with the defaults at world 2 on a busy
         2-core CPU, longer with more ``repeats``, larger ``sizes``, ranks taking turns on
-        shared cores, or an emulated network (whose collectives it times twice). Its largest buffers: on a CPU 256 MB (the bandwidth operators' inputs),
+        shared cores, or an emulated network (whose collectives it times twice). Its largest
+        buffers: on a CPU 256 MB (the bandwidth operators' inputs),
         on a GPU about 3 GB of float32 matmul operands and 2 GiB for the copy. On a CPU it runs
         :mod:`torch.profiler` briefly, for the collectives' allocations.
 
