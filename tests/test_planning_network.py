@@ -104,13 +104,19 @@ def test_collective_fits_recover_the_emulated_link() -> None:
 def backend_worker(rank: int, world: int) -> dict:
     import torch
 
-    from fsdp_compile.planning.calibration.calibrate import _backend_collectives, _emulated_network, backend_links
+    from fsdp_compile.planning.calibration.calibrate import (
+        _backend_collectives,
+        _emulated_network,
+        _link_groups,
+        backend_links,
+    )
 
     net = fsdp_compile.EmulatedNetwork(intra_node=LINK, latency=LATENCY, devices_per_node=2)
     net.init_process_group(timeout=datetime.timedelta(seconds=120))
     try:
         with collectives_timed_alone():
-            own, inter = _backend_collectives(None, torch.device("cpu"), (1 << 16, 1 << 18, 1 << 20), 3, 1)
+            own, inter = _backend_collectives(None, _link_groups(None, 1), torch.device("cpu"),
+                                              (1 << 16, 1 << 18, 1 << 20), 3)
             link = fsdp_compile.Cluster.preset("a10g").replace(
                 device_type="cpu", devices_per_node=2, backend_collectives=own, backend_share=(0.5, 1.0))
             unlimited = backend_links(link)

@@ -84,32 +84,38 @@ def _in_turns(calibrate, group: Any, device: torch.device):
     return result
 
 
-def _collectives_per_link(group: Any, device: torch.device, sizes: tuple[int, ...], repeats: int,
-                          nodes: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The collectives' fits on each link: (intra-node, inter-node).
+def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
+    """This rank's groups to time each link on: (intra-node, inter-node; None on one node).
 
     On one node every collective runs on the intra-node link: ``group`` is timed. Over several
     nodes the two links differ (NVLink and InfiniBand; an emulated network's two rates), and a
-    group is bound by the slowest link it spans: the intra-node fits come from the groups of
-    one node's ranks, the inter-node fits from the groups of one rank per node (what a hybrid
-    strategy's replicate groups are), each set timed with all its groups at once, as a
-    training step runs them.
+    group is bound by the slowest link it spans: the intra-node link is timed on the groups of
+    one node's ranks, the inter-node one on the groups of one rank per node (what a hybrid
+    strategy's replicate groups are). Collective: every rank creates every group, in the same
+    order, so create them once per calibration.
     """
     if nodes <= 1:
-        return _collectives(group, device, sizes, repeats), {}
+        return group, None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     per_node = len(ranks) // nodes
     me = dist.get_rank()
-    fits = []
+    mine = []
     for layout in ([ranks[i * per_node:(i + 1) * per_node] for i in range(nodes)],  # one node each
                    [ranks[i::per_node] for i in range(per_node)]):  # one rank per node each
-        mine = None
-        for members in layout:  # every rank creates every group, in the same order
+        for members in layout:
             created = dist.new_group(members)
             if me in members:
-                mine = created
-        fits.append(_collectives(mine, device, sizes, repeats))
-    return fits[0], fits[1]
+                mine.append(created)
+    return mine[0], mine[1]
+
+
+def _collectives_per_link(groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
+                          repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The collectives' fits on each link of :func:`_link_groups`: (intra-node, inter-node), each
+    set timed with all its groups at once, as a training step runs them."""
+    intra, inter = groups
+    return (_collectives(intra, device, sizes, repeats),
+            {} if inter is None else _collectives(inter, device, sizes, repeats))
 
 
 def _default_sizes(device: torch.device) -> tuple[int, ...]:
@@ -134,17 +140,18 @@ def _emulated_network(group: Any) -> Any:
     return process_group.network if isinstance(process_group, EmulatedProcessGroup) else None
 
 
-def _backend_collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repeats: int,
-                         nodes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _backend_collectives(group: Any, groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
+                         repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The backend's own fits on each link, where they differ from the links' (``group`` runs on
-    an emulated network: timed with its links unlimited for the while); ({}, {}) elsewhere."""
+    an emulated network: ``groups``, :func:`_link_groups`' of it, timed with the links unlimited for
+    the while); ({}, {}) elsewhere."""
     from ...network.links import unlimited_links
 
     network = _emulated_network(group)
     if network is None or device.type != "cpu":
         return {}, {}
     with unlimited_links(network):
-        return _collectives_per_link(group, device, sizes, repeats, nodes)
+        return _collectives_per_link(groups, device, sizes, repeats)
 
 
 def backend_links(cluster: Cluster) -> Cluster:
@@ -199,8 +206,9 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     # Not in turns: what ranks time-slicing a core cost each other is part of what it measures.
     reference_seconds, reference_graphs = timed_reference(repeats, device, group, sync=True)
     reference_seconds = _slowest(reference_seconds, group)
-    collectives, inter_collectives = _collectives_per_link(group, device, sizes, repeats, nodes)
-    backend, backend_inter = _backend_collectives(group, device, sizes, repeats, nodes)
+    link_groups = _link_groups(group, nodes)
+    collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats)
+    backend, backend_inter = _backend_collectives(group, link_groups, device, sizes, repeats)
     collective_issue = _issue_seconds(group, device, sizes, repeats)
     workspace = _collective_workspace(group, device)
     # A CPU's communication threads take compute's cores: their CPU seconds per collective, read
