@@ -443,7 +443,15 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     monkeypatch.setattr(measure, "_copy_kernels", recorded("copies", {}))
     monkeypatch.setattr(measure, "timed_reference", recorded("reference", (0.0, [])))
     ring = MeasuredCollective(step_latency=1e-5, bandwidth=1e9, group_size=4)
-    monkeypatch.setattr(measure, "_collectives_per_link", lambda *a: ({k: ring for k in fit}, {}))
+    links_on: list = []
+
+    def collectives_per_link(groups, device, sizes, repeats, network=None):
+        links_on.append(network)
+        return {k: ring for k in fit}, {}
+
+    monkeypatch.setattr(measure, "_collectives_per_link", collectives_per_link)
+    monkeypatch.setattr(measure, "_emulated_network", lambda group: "the network")
+    monkeypatch.setattr(measure, "_backend_collectives", lambda *a: ({}, {}))
     monkeypatch.setattr(measure, "_issue_seconds", lambda *a: {})
     monkeypatch.setattr(measure, "_collective_workspace", lambda *a: {})
     monkeypatch.setattr(measure, "_collective_cpu", lambda *a: fit)
@@ -452,6 +460,8 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
                             device="cpu", device_memory=1e9)
     assert synced.pop("reference") is True
     assert synced and not any(synced.values()), synced  # local rank 1's turn: no inner barriers
+    # the links' fits read an emulated network's own account of its links (_modeled_seconds)
+    assert links_on == ["the network"]
 
 
 def test_cpu_communication_takes_no_compute_with_a_core_to_spare(monkeypatch):

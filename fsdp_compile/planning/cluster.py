@@ -224,8 +224,10 @@ class Cluster:
         * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run; where
           ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model
           (:mod:`fsdp_compile.runtime.ring`) as a latency per ring step and a bandwidth;
-        * on an :class:`~fsdp_compile.EmulatedNetwork`, the same collectives again with its
-          links unlimited: the backend's own fits (``backend_collectives``);
+        * on an :class:`~fsdp_compile.EmulatedNetwork`, the links' fits are the time its links
+          charged those collectives (its model, not the wall time, which is also gloo's), and
+          the same collectives are timed again with its links unlimited: the backend's own
+          fits (``backend_collectives``);
         * on a CPU, the issuing thread's time to start each kind (``collective_issue``);
         * the bytes the communication backend allocates beside each collective's result;
         * on a CPU, the CPU seconds the backend's own threads spend per collective
@@ -242,7 +244,7 @@ class Cluster:
 
         It costs seconds to tens of seconds: about 16 s with the defaults at world 2 on a busy
         2-core CPU, longer with more ``repeats``, larger ``sizes``, ranks taking turns on
-        shared cores, or an emulated network (whose collectives it times twice). Its largest
+        shared cores, or an emulated network (whose collectives it also runs unlimited). Its largest
         buffers: on a CPU 256 MB (the bandwidth operators' inputs),
         on a GPU about 3 GB of float32 matmul operands and 2 GiB for the copy. On a CPU it runs
         :mod:`torch.profiler` briefly, for the collectives' allocations.

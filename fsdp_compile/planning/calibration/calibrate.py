@@ -110,12 +110,12 @@ def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
 
 
 def _collectives_per_link(groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
-                          repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
+                          repeats: int, network: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The collectives' fits on each link of :func:`_link_groups`: (intra-node, inter-node), each
     set timed with all its groups at once, as a training step runs them."""
     intra, inter = groups
-    return (_collectives(intra, device, sizes, repeats),
-            {} if inter is None else _collectives(inter, device, sizes, repeats))
+    return (_collectives(intra, device, sizes, repeats, network),
+            {} if inter is None else _collectives(inter, device, sizes, repeats, network))
 
 
 def _default_sizes(device: torch.device) -> tuple[int, ...]:
@@ -207,7 +207,9 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     reference_seconds, reference_graphs = timed_reference(repeats, device, group, sync=True)
     reference_seconds = _slowest(reference_seconds, group)
     link_groups = _link_groups(group, nodes)
-    collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats)
+    # On an emulated network, the links' fits are what its links charge (its model), gloo's are timed apart.
+    collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats,
+                                                           _emulated_network(group))
     backend, backend_inter = _backend_collectives(group, link_groups, device, sizes, repeats)
     collective_issue = _issue_seconds(group, device, sizes, repeats)
     workspace = _collective_workspace(group, device)
