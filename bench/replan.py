@@ -2,6 +2,7 @@
 
     python bench/replan.py bench/results/plan_emulated/w2_1x bench/results/plan_emulated/w4_*x
     python bench/replan.py --out /tmp/replan bench/results/plan_emulated/w*   # also JSON and Markdown
+    python bench/replan.py --links-from-network OLD_RUN/w4_*x   # jobs whose links' fits were timed
 
 Each job's ``compare.json`` holds the cluster it measured (``cluster_numbers``; with ``--exposed``
 also ``unlimited_cluster_numbers``) and, per strategy, the numbers measured beside its steps
@@ -9,6 +10,8 @@ also ``unlimited_cluster_numbers``) and, per strategy, the numbers measured besi
 (:func:`fsdp_compile.planning.cluster_numbers.cluster_from_numbers`), applies those numbers as
 ``compare`` did, and plans every strategy again, so a change to the cost model is judged on
 published measurements in minutes. Unchanged, it reproduces the published predictions.
+``--links-from-network`` plans jobs on an emulated network, written when ``Cluster.measure()``
+still timed the links, on the links' fits it makes now (what the links charge).
 Per strategy: the measured step, the published and the new prediction, and with ``--exposed``
 the same for exposed communication, each judged by ``bench/plan_emulated.py``'s targets.
 """
@@ -31,10 +34,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from plan_emulated import EXPOSED_FLOOR, EXPOSED_WITHIN, STEP_WITHIN
 from report_files import run_facts, write_report
 
+from fsdp_compile.network.links import parse_bandwidth, parse_latency
 from fsdp_compile.planning.calibration.collectives import backend_share
 from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, _cross_entropy, build_model, plan_each
 from fsdp_compile.planning.cluster_numbers import cluster_from_numbers
 from fsdp_compile.planning.compare import clusters_beside_steps
+from fsdp_compile.runtime.ring import ring_steps
+
+_NETWORK = re.compile(r"EmulatedNetwork\(intra_node=([^,]+), inter_node=([^,]+), latency=([^,]+),")
 
 
 def job_shape(job: dict) -> tuple[int, int]:
@@ -46,6 +53,24 @@ def job_shape(job: dict) -> tuple[int, int]:
     if not found:
         raise SystemExit("compare.json says neither the cluster's nodes nor its description: cannot replan it")
     return int(found[1]), int(found[2])
+
+
+def links_from_network(job: dict) -> dict:
+    """``job`` with its links' fits as ``Cluster.measure()`` now makes them on an emulated
+    network: what the links charge (their latency per collective and bandwidth, from the job's
+    recorded network), not the timed bursts of jobs written before it read them so. Jobs on plain
+    gloo come back unchanged."""
+    found = _NETWORK.match(str(job.get("network") or ""))
+    if not found:
+        return job
+    intra, inter = parse_bandwidth(found[1]), parse_bandwidth(found[2])
+    latency = parse_latency(found[3])
+    numbers = dict(job["cluster_numbers"])
+    for key, bandwidth in (("collectives", intra), ("inter_node_collectives", inter)):
+        numbers[key] = {kind: {**fit, "step_latency": latency / max(ring_steps(kind, fit["group_size"]), 1),
+                               "bandwidth": bandwidth}
+                        for kind, fit in numbers.get(key, {}).items()}
+    return {**job, "cluster_numbers": numbers}
 
 
 def replan_job(job: dict, cores: int | None = None) -> list[dict]:
@@ -104,7 +129,10 @@ def render(report: dict) -> str:
     lines = ["# Published compare jobs planned again", "",
              f"Run {report['when']} on {report['machine']}, torch {report['torch']}, commit {report['commit']}. "
              "*Published*: the prediction in the job's compare.json; *replanned*: the same job's clusters "
-             "and beside-the-steps numbers planned with this commit. Produced by `python bench/replan.py`.", "",
+             "and beside-the-steps numbers planned with this commit"
+             + (", the links' fits of jobs on an emulated network taken from the links themselves, as the "
+                "calibration now fits them (`--links-from-network`)" if report.get("links_from_network") else "")
+             + ". Produced by `python bench/replan.py`.", "",
              "| job | strategy | measured step | published | replanned | exposed measured | published | replanned |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
@@ -135,19 +163,25 @@ def main() -> None:
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
                    help="cores of the machine the jobs ran on, for jobs that do not record the backend's share "
                         "(default: this machine's)")
+    p.add_argument("--links-from-network", action="store_true",
+                   help="plan emulated-network jobs on their links as the calibration now fits them (what the "
+                        "links charge), where the job's own fits were timed")
     args = p.parse_args()
     rows = []
     for path in args.jobs:
         file = path / "compare.json" if path.is_dir() else path
         if not file.exists():
             raise SystemExit(f"{file}: no such compare.json")
-        for row in replan_job(json.loads(file.read_text()), args.cores):
+        job = json.loads(file.read_text())
+        if args.links_from_network:
+            job = links_from_network(job)
+        for row in replan_job(job, args.cores):
             rows.append({"job": file.parent.name, **row})
             print(f"{file.parent.name:12s} {row['strategy']:20s} step {1e3 * row['measured_step_s']:7.1f} measured, "
                   f"{1e3 * row['published_step_s']:7.1f} published, {1e3 * row['replanned_step_s']:7.1f} replanned"
                   + (f"; exposed {1e3 * row['measured_exposed_s']:6.1f} / {1e3 * row['published_exposed_s']:6.1f} / "
                      f"{1e3 * row['replanned_exposed_s']:6.1f}" if "measured_exposed_s" in row else ""), flush=True)
-    report = {**run_facts(), "rows": rows}
+    report = {**run_facts(), "links_from_network": args.links_from_network, "rows": rows}
     table = render(report)
     print(table)
     if args.out:

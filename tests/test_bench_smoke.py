@@ -444,3 +444,26 @@ def test_replan_reproduces_a_published_job_and_judges_it() -> None:
         assert row["replanned_step_s"] == pytest.approx(row["published_step_s"], rel=1e-9), row["strategy"]
         assert row["replanned_exposed_s"] == pytest.approx(row["published_exposed_s"], rel=1e-6, abs=1e-9)
         assert replan.held(row, "replanned") == replan.held(row, "published")
+
+
+def test_replan_reads_an_old_jobs_links_as_the_calibration_now_fits_them() -> None:
+    """Jobs written while ``Cluster.measure()`` timed an emulated network's links are replanned on
+    the fits it makes now: the links' own latency and bandwidth. A job measured since then
+    already holds those fits (to the 4 digits its network's description keeps)."""
+    replan = _bench_module("replan")
+    job = json.loads((ROOT / "bench" / "results" / "plan_emulated" / "w4_1x" / "compare.json").read_text())
+    same = replan.links_from_network(job)
+    for key in ("collectives", "inter_node_collectives"):
+        for kind, fit in job["cluster_numbers"][key].items():
+            now = same["cluster_numbers"][key][kind]
+            assert now["bandwidth"] == pytest.approx(fit["bandwidth"], rel=1e-3), (key, kind)
+            assert now["step_latency"] == pytest.approx(fit["step_latency"], rel=1e-3), (key, kind)
+    timed = {**job, "network": "EmulatedNetwork(intra_node=642MB/s, inter_node=64.2MB/s, latency=20us, "
+                               "devices_per_node=2)",
+             "cluster_numbers": {**job["cluster_numbers"], "inter_node_collectives": {
+                 "all_reduce": {"step_latency": 9e-4, "bandwidth": 6.5e7, "group_size": 2}}}}
+    fit = replan.links_from_network(timed)["cluster_numbers"]["inter_node_collectives"]["all_reduce"]
+    assert fit == pytest.approx({"step_latency": 1e-5, "bandwidth": 64.2e6, "group_size": 2})  # 2 ring steps share 20 us
+    assert timed["cluster_numbers"]["inter_node_collectives"]["all_reduce"]["bandwidth"] == 6.5e7  # not mutated
+    plain = {**job, "network": None}
+    assert replan.links_from_network(plain) is plain
