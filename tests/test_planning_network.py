@@ -119,7 +119,8 @@ def modeled_fit_worker(rank: int, world: int) -> dict:
             timed, _ = _collectives_per_link(groups, cpu, sizes, 1)
             return {"modeled": {kind: (fit.step_latency * ring_steps(kind, world), fit.bandwidth)
                                 for kind, fit in modeled.items()},
-                    "timed": {kind: fit.bandwidth for kind, fit in timed.items()}}
+                    "timed": {kind: (fit.step_latency * ring_steps(kind, world), fit.bandwidth)
+                              for kind, fit in timed.items()}}
     finally:
         end_process_group()
 
@@ -133,7 +134,11 @@ def test_an_emulated_networks_link_fits_are_its_links_not_gloos_time() -> None:
     for kind, (latency, bandwidth) in out["modeled"].items():
         assert latency == pytest.approx(FAST_LATENCY, rel=1e-6), kind
         assert bandwidth == pytest.approx(FAST, rel=1e-6), kind
-        assert out["timed"][kind] < FAST / 10, kind  # what timing them would have fitted
+        # What timing them fits instead: gloo's time, a line that either rises with size far
+        # more steeply than this link or starts far above its latency (gloo's times at these
+        # sizes are mostly fixed costs, so which of the two varies from run to run).
+        timed_latency, timed_bandwidth = out["timed"][kind]
+        assert timed_latency > 10 * FAST_LATENCY or timed_bandwidth < FAST / 10, (kind, out["timed"][kind])
 
 
 def backend_worker(rank: int, world: int) -> dict:

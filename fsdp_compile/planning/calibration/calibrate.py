@@ -112,7 +112,8 @@ def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
 def _collectives_per_link(groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
                           repeats: int, network: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The collectives' fits on each link of :func:`_link_groups`: (intra-node, inter-node), each
-    set timed with all its groups at once, as a training step runs them."""
+    set run on all its groups at once, as a training step runs them; timed, or on ``network``
+    (an emulated network) read from what its links charged."""
     intra, inter = groups
     return (_collectives(intra, device, sizes, repeats, network),
             {} if inter is None else _collectives(inter, device, sizes, repeats, network))
