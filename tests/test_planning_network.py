@@ -155,7 +155,7 @@ def backend_worker(rank: int, world: int) -> dict:
     net.init_process_group(timeout=datetime.timedelta(seconds=120))
     try:
         with collectives_timed_alone():
-            own, inter = _backend_collectives(None, _link_groups(None, 1), torch.device("cpu"),
+            own, inter = _backend_collectives(_emulated_network(None), _link_groups(None, 1), torch.device("cpu"),
                                               (1 << 16, 1 << 18, 1 << 20), 3)
             link = fsdp_compile.Cluster.preset("a10g").replace(
                 device_type="cpu", devices_per_node=2, backend_collectives=own, backend_share=(0.5, 1.0))

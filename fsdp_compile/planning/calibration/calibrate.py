@@ -141,14 +141,13 @@ def _emulated_network(group: Any) -> Any:
     return process_group.network if isinstance(process_group, EmulatedProcessGroup) else None
 
 
-def _backend_collectives(group: Any, groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
+def _backend_collectives(network: Any, groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
                          repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The backend's own fits on each link, where they differ from the links' (``group`` runs on
-    an emulated network: ``groups``, :func:`_link_groups`' of it, timed with the links unlimited for
-    the while); ({}, {}) elsewhere."""
+    """The backend's own fits on each link, where they differ from the links' (``network``, the
+    emulated network ``groups`` (:func:`_link_groups`) run on: timed with its links unlimited for
+    the while); ({}, {}) elsewhere (``network`` None)."""
     from ...network.links import unlimited_links
 
-    network = _emulated_network(group)
     if network is None or device.type != "cpu":
         return {}, {}
     with unlimited_links(network):
@@ -208,10 +207,10 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     reference_seconds, reference_graphs = timed_reference(repeats, device, group, sync=True)
     reference_seconds = _slowest(reference_seconds, group)
     link_groups = _link_groups(group, nodes)
+    network = _emulated_network(group)
     # On an emulated network, the links' fits are what its links charge (its model), gloo's are timed apart.
-    collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats,
-                                                           _emulated_network(group))
-    backend, backend_inter = _backend_collectives(group, link_groups, device, sizes, repeats)
+    collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats, network)
+    backend, backend_inter = _backend_collectives(network, link_groups, device, sizes, repeats)
     collective_issue = _issue_seconds(group, device, sizes, repeats)
     workspace = _collective_workspace(group, device)
     # A CPU's communication threads take compute's cores: their CPU seconds per collective, read
