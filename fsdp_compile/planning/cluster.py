@@ -318,6 +318,12 @@ def _problems(cluster: Cluster) -> list[str]:
         elif at_most is not None and value > at_most:
             problems.append(f"{name}={value!r} must be <= {at_most}")
 
+    def per_dtype(name: str, rates: dict) -> None:
+        for dtype, value in rates.items():
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                problems.append(f"{name} key {dtype!r} must be a floating-point torch.dtype")
+            need(f"{name}[{dtype}]", value)
+
     need("nodes", cluster.nodes, integer=True)
     need("devices_per_node", cluster.devices_per_node, integer=True)
     need("device_memory", cluster.device_memory)
@@ -343,10 +349,7 @@ def _problems(cluster: Cluster) -> list[str]:
     if not isinstance(cluster.peak_flops, dict) or not cluster.peak_flops:
         problems.append("peak_flops is missing: give {dtype: dense FLOP/s}, e.g. {torch.bfloat16: 989e12}")
     else:
-        for dtype, value in cluster.peak_flops.items():
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                problems.append(f"peak_flops key {dtype!r} must be a floating-point torch.dtype")
-            need(f"peak_flops[{dtype}]", value)
+        per_dtype("peak_flops", cluster.peak_flops)
     if (isinstance(cluster.device_memory, (int, float)) and isinstance(cluster.reserved_memory, (int, float))
             and cluster.device_memory > 0 and cluster.reserved_memory >= cluster.device_memory):
         problems.append(f"reserved_memory={cluster.reserved_memory:.3g} leaves nothing of "
@@ -356,10 +359,7 @@ def _problems(cluster: Cluster) -> list[str]:
     if not isinstance(cluster.attention_flops, dict):
         problems.append(f"attention_flops={cluster.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
     else:
-        for dtype, value in cluster.attention_flops.items():
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                problems.append(f"attention_flops key {dtype!r} must be a floating-point torch.dtype")
-            need(f"attention_flops[{dtype}]", value)
+        per_dtype("attention_flops", cluster.attention_flops)
     if (not isinstance(cluster.backend_share, tuple) or len(cluster.backend_share) != 2
             or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in cluster.backend_share)):
         problems.append(f"backend_share={cluster.backend_share!r} must be (share while computing, share while "
