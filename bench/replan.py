@@ -73,10 +73,12 @@ def links_from_network(job: dict) -> dict:
     return {**job, "cluster_numbers": numbers}
 
 
-def replan_job(job: dict, cores: int | None = None) -> list[dict]:
-    """Every strategy of ``job`` planned again: one row per strategy. Jobs written before the
-    cluster recorded the backend's own collectives and its share take the first from their
-    unlimited cluster's links and the second from ``cores`` (the machine's, all ranks on it)."""
+def job_clusters(job: dict, cores: int | None = None) -> dict[str, tuple]:
+    """``plan_each``'s ``on`` for ``job``: per strategy, the job's cluster with the numbers
+    measured beside that strategy's steps, and with ``--exposed`` the same on unlimited links
+    (under "<strategy> unlimited"). Jobs written before the cluster recorded the backend's own
+    collectives and its share take the first from their unlimited cluster's links and the
+    second from ``cores`` (the machine's, all ranks on it)."""
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
     nodes, per_node = job_shape(job)
@@ -93,12 +95,22 @@ def replan_job(job: dict, cores: int | None = None) -> list[dict]:
         clusters["cluster_numbers"] = clusters["cluster_numbers"].replace(
             backend_collectives=unlimited.measured_collectives,
             backend_inter_collectives=unlimited.measured_inter_collectives)
-    torch.manual_seed(0)
-    model = build_model(job["model"], layers=job.get("layers"), seq=job["seq"], device="cpu")
-    example = (torch.zeros(job["batch"], job["seq"], dtype=torch.long),)
     beside = {row["strategy"]: {"compute_scale": row["compute_scale"]["beside_steps"],
                                 **(row["outside_graphs"]["beside_steps"] or {})} for row in job["rows"]}
-    on = clusters_beside_steps(clusters["cluster_numbers"], clusters["unlimited_cluster_numbers"], beside)
+    return clusters_beside_steps(clusters["cluster_numbers"], clusters["unlimited_cluster_numbers"], beside)
+
+
+def job_model(job: dict) -> tuple[torch.nn.Module, tuple]:
+    """The job's model as ``compare`` built it, and one rank's example inputs."""
+    torch.manual_seed(0)
+    model = build_model(job["model"], layers=job.get("layers"), seq=job["seq"], device="cpu")
+    return model, (torch.zeros(job["batch"], job["seq"], dtype=torch.long),)
+
+
+def replan_job(job: dict, cores: int | None = None) -> list[dict]:
+    """Every strategy of ``job`` planned again: one row per strategy (see :func:`job_clusters`)."""
+    on = job_clusters(job, cores)
+    model, example = job_model(job)
     plans = plan_each(model, example, on=on, loss_fn=_cross_entropy, world_size=job["world"], tp_degrees=(1,),
                       parallelize_fn=None, **COMPARE_PLAN_OPTIONS)
     rows = []

@@ -467,3 +467,35 @@ def test_replan_reads_an_old_jobs_links_as_the_calibration_now_fits_them() -> No
     assert timed["cluster_numbers"]["inter_node_collectives"]["all_reduce"]["bandwidth"] == 6.5e7  # not mutated
     plain = {**job, "network": None}
     assert replan.links_from_network(plain) is plain
+
+
+def test_exposure_trace_simulates_what_the_plan_prices() -> None:
+    """The per-collective trace of a published job's step is the plan's own timeline: its waits
+    add up to the plan's (exposed communication less the backend's CPU), on both links."""
+    trace = _bench_module("exposure_trace")
+    job = trace.load_job(ROOT / "bench" / "results" / "plan_emulated" / "w2_1x", smoke=False)
+    simulated = trace.simulated(job, "FULL_SHARD")
+    for where in ("network", "unlimited"):
+        collectives = simulated[where]["collectives"]
+        assert {c["kind"] for c in collectives} == {"all_gather", "reduce_scatter"}
+        assert all(c["issued"] <= c["start"] < c["end"] and c["wait_called"] <= c["wait_returned"] for c in collectives)
+        waits = sum(c["wait_returned"] - c["wait_called"] for c in collectives)
+        assert waits == pytest.approx(simulated[where]["planned_waits_ms"], rel=1e-6, abs=1e-6), where
+    # the links of the network job are slower than unlimited ones: its collectives take longer
+    assert sum(c["modeled_ms"] for c in simulated["network"]["collectives"]) > \
+        sum(c["modeled_ms"] for c in simulated["unlimited"]["collectives"])
+
+
+@pytest.mark.slow  # a benchmark's whole run; benchmarks are run by hand, and with -m slow
+def test_exposure_trace_benchmark_holds_each_measured_collective_against_the_plan(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "exposure_trace.py"), "--smoke", "--strategy",
+                           "FULL_SHARD", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "exposure_trace_w2_1x_full_shard_smoke.json").read_text())
+    for where in ("network", "unlimited"):
+        measured, simulated = report["measured"][where], report["simulated"][where]
+        assert measured["counts"] == [len(simulated["collectives"])], where  # every step, every collective
+        assert [c["kind"] for c in measured["collectives"]] == [c["kind"] for c in simulated["collectives"]]
+        assert measured["ranks_cpu_ms"] > 0 and measured["mean_rank_blocked_ms"] >= 0
+    assert "| links | step measured |" in (tmp_path / "exposure_trace_w2_1x_full_shard_smoke.md").read_text()

@@ -621,6 +621,23 @@ def test_collectives_on_one_link_take_turns_in_issue_order():
     assert t.seconds == 4.0 and t.exposed_comm_seconds == 1.0
 
 
+def test_the_trace_says_when_each_collective_ran_and_blocked():
+    # "b" queues behind "a" on the link; "a" is hidden under compute, "b" is waited at once
+    events = [("issue", "a", 2.0, "intra", 0), ("compute", 1.0), ("issue", "b", 2.0, "intra", 0),
+              ("compute", 2.0), ("wait", "a"), ("wait", "b"), ("issue", "never_waited", 1.0, "inter", 0)]
+    trace: list[dict] = []
+    t = simulate_events(events, trace=trace)
+    assert [r["key"] for r in trace] == ["a", "b", "never_waited"]
+    a, b, last = trace
+    assert (a["issued"], a["start"], a["end"], a["wait_called"], a["wait_returned"]) == (0.0, 0.0, 2.0, 3.0, 3.0)
+    assert (b["issued"], b["start"], b["end"], b["wait_called"], b["wait_returned"]) == (1.0, 2.0, 4.0, 3.0, 4.0)
+    # a collective never waited for is waited at the graph's end, as the timeline counts it
+    assert (last["link"], last["start"], last["wait_called"], last["wait_returned"]) == ("inter", 4.0, 4.0, 5.0)
+    blocked = sum(r["wait_returned"] - r["wait_called"] for r in trace)
+    assert blocked == t.exposed_comm_seconds == 2.0 and t.seconds == 5.0
+    assert simulate_events(events).seconds == t.seconds  # tracing changes nothing
+
+
 def test_each_link_runs_its_own_collectives():
     # A hybrid step's reduce-scatter in the node and all-reduce across nodes: separate links
     # (FSDP2 runs the all-reduce on a stream of its own; the emulated network has one link of

@@ -129,13 +129,16 @@ def _symbolic(events: list[Event]) -> bool:
 
 
 def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0,
-                    backend_share: tuple[float, float] = NO_SHARING) -> Timeline:
+                    backend_share: tuple[float, float] = NO_SHARING, trace: list[dict] | None = None) -> Timeline:
     """Run ``events`` on one compute and one communication stream (see the module docstring).
 
     ``backend_share``: how fast the backend's own work progresses while the rank computes and
     while it waits (``Cluster.backend_share``; full speed: the link alone sets each collective's end).
     A collective never waited for is waited at the end (a graph's results are complete
-    when it returns).
+    when it returns). ``trace``: a list that receives, per collective in issue order, when it
+    was issued, started and ended on its link, and when its wait was reached and returned
+    (seconds from the events' start), to hold against a measured step's
+    (``bench/exposure_trace.py``).
     """
     events = list(events)
     backend = None
@@ -147,6 +150,7 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
     comm = 0.0
     exposed = 0.0
     finish: dict[Any, Any] = {}
+    traced: dict[Any, dict] = {}
     wire = {"intra": 0, "inter": 0}
     count = 0
     backend_cpu = 0.0
@@ -166,6 +170,10 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
                 backend.add(key, now + skew, extra[1] if len(extra) > 1 else seconds)
             comm_free[link] = start + seconds
             finish[key] = comm_free[link]
+            if trace is not None:
+                traced[key] = {"key": key, "link": link, "seconds": seconds, "issued": now, "start": start,
+                               "end": comm_free[link], "wait_called": None, "wait_returned": None}
+                trace.append(traced[key])
             comm = comm + seconds
             wire[link] = wire[link] + wire_bytes
             count += 1
@@ -176,24 +184,27 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
             backend_cpu = backend_cpu + event[1]
         elif kind == "wait":
             if event[1] in finish:
-                now, exposed = _wait(event[1], finish.pop(event[1]), now, exposed, backend)
+                now, exposed = _wait(event[1], finish.pop(event[1]), now, exposed, backend, traced.get(event[1]))
         else:
             raise ValueError(f"unknown event {event!r}")
     for key, end in finish.items():
-        now, exposed = _wait(key, end, now, exposed, backend)
+        now, exposed = _wait(key, end, now, exposed, backend, traced.get(key))
     hidden = comm - exposed
     penalty = (1.0 - comm_overlap) * hidden
     return Timeline(now + penalty, busy, comm, exposed + penalty + backend_cpu, flops, wire, count, backend_cpu)
 
 
-def _wait(key: Any, link_end: Any, now: Any, exposed: Any, backend: BackendQueue | None) -> tuple[Any, Any]:
+def _wait(key: Any, link_end: Any, now: Any, exposed: Any, backend: BackendQueue | None,
+          record: dict | None = None) -> tuple[Any, Any]:
     """The rank blocks until its link, and its backend (if modelled), are done with ``key``:
-    (its clock after, exposed communication after)."""
+    (its clock after, exposed communication after). ``record``: the collective's trace entry."""
     end = link_end
     if backend is not None:
         end = max(end, backend.finished(key))
         backend.run(end, backend.waiting)  # the backend goes on with the next while the rank waits
     later = maximum(now, end)
+    if record is not None:
+        record.update(wait_called=now, wait_returned=later)
     return later, exposed + (later - now)
 
 
@@ -215,12 +226,12 @@ def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
 
 
 def simulate_graph(costs: list[tuple[fx.Node, NodeCost]], comm_overlap: float = 1.0,
-                   backend_share: tuple[float, float] = NO_SHARING) -> Timeline:
+                   backend_share: tuple[float, float] = NO_SHARING, trace: list[dict] | None = None) -> Timeline:
     flops = 0
     for _, cost in costs:
         if cost.flops:
             flops = flops + cost.flops
-    return simulate_events(graph_events(costs), comm_overlap, flops, backend_share)
+    return simulate_events(graph_events(costs), comm_overlap, flops, backend_share, trace)
 
 
 def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
