@@ -168,9 +168,13 @@ def _simulated(job: dict, strategy: str) -> dict:
                                                                           "wait_returned")}})
                 clock += timeline.seconds
         row = result.row(strategy)
+        backend_cpu = row.backend_cpu_seconds or 0.0
         out[where] = {"step_ms": row.step_seconds * 1e3, "graphs_ms": clock * 1e3, "collectives": records,
-                      # the plan's waits: its exposed communication less the backend's CPU it charges compute
-                      "planned_waits_ms": (row.exposed_comm_seconds - (row.backend_cpu_seconds or 0.0)) * 1e3}
+                      # what the plan's step is made of: the CPU it prices on one rank's timeline (compute,
+                      # stretched where ranks share cores, and the backend's CPU it charges to compute),
+                      # and its waits (its exposed communication less that backend CPU)
+                      "planned_cpu_ms": (row.compute_seconds + backend_cpu) * 1e3,
+                      "planned_waits_ms": (row.exposed_comm_seconds - backend_cpu) * 1e3}
     return out
 
 
@@ -252,13 +256,52 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(reports: list[dict], analysis: str | None) -> str:
+    """One table over several jobs' reports: each step split into CPU and idle cores, measured
+    and planned, and the exposure (network minus unlimited links) both ways."""
+    lines = ["# Inside the planner's exposure misses: the cores' account", "",
+             "Each row is one `bench/exposure_trace.py` report (linked): a published `bench/plan_emulated.py` job's "
+             "strategy, traced again on the job's network and on unlimited links, with the planner's simulation "
+             "of the same step from the job's own clusters. Per links: the step, measured (the slowest rank, "
+             "median over steps) / planned; the ranks' CPU over the cores, measured / the CPU the plan prices on "
+             "its one rank's timeline; and the cores' idle time over the cores, measured / the plan's waits "
+             "(where every rank waits at once, as the plan assumes, the cores idle for as long as one rank "
+             "waits). *Exposed*: network minus unlimited links, measured / planned. ms.", "",
+             "| job | strategy | step, network | step, unlimited | exposed | CPU / cores, network | "
+             "CPU / cores, unlimited | idle / cores, network | idle / cores, unlimited |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in reports:
+        m, s, cores = r["measured"], r["simulated"], r["cores"]
+
+        def pair(a: float, b: float) -> str:
+            return f"{a:.0f} / {b:.0f}"
+
+        name = f"exposure_trace_{r['job']}_{r['strategy'].lower()}.md"
+        lines.append(
+            f"| [{r['job']}]({name}) | {r['strategy']} | {pair(m['network']['step_ms'], s['network']['step_ms'])} | "
+            f"{pair(m['unlimited']['step_ms'], s['unlimited']['step_ms'])} | "
+            f"{pair(m['network']['step_ms'] - m['unlimited']['step_ms'], s['network']['step_ms'] - s['unlimited']['step_ms'])} | "
+            + " | ".join(pair(m[w]["ranks_cpu_ms"] / cores, s[w]["planned_cpu_ms"]) for w in ("network", "unlimited"))
+            + " | " + " | ".join(pair(m[w]["idle_core_ms"] / cores, s[w]["planned_waits_ms"])
+                                 for w in ("network", "unlimited")) + " |")
+    if analysis:
+        lines += ["", "## Analysis", "", analysis]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = parser(__doc__, steps=6, warmup=2)
     p.add_argument("--job", type=Path, help="a bench/plan_emulated.py job directory (its compare.json; default: "
                    "w4_2x of bench/results/plan_emulated, with --smoke w2_1x)")
     p.add_argument("--strategy", default="HYBRID_SHARD")
     p.add_argument("--reuse", action="store_true", help="simulate and render again from the ranks' traces already written")
+    p.add_argument("--summary", nargs="+", type=Path, metavar="REPORT",
+                   help="write <out>/exposure_trace.md: one table over these reports (exposure_trace_*.json)")
     args = p.parse_args()
+    if args.summary:
+        reports = [json.loads(path.read_text()) for path in args.summary]
+        (args.out / "exposure_trace.md").write_text(summary(reports, args.analysis.read_text() if args.analysis else None))
+        return
     args.job = args.job or (SMOKE_JOB if args.smoke else PUBLISHED / "w4_2x")
     if args.part:
         worker(args)
