@@ -266,7 +266,8 @@ def summary(reports: list[dict], analysis: str | None) -> str:
              "median over steps) / planned; the ranks' CPU over the cores, measured / the CPU the plan prices on "
              "its one rank's timeline; and the cores' idle time over the cores, measured / the plan's waits "
              "(where every rank waits at once, as the plan assumes, the cores idle for as long as one rank "
-             "waits). *Exposed*: network minus unlimited links, measured / planned. ms.", "",
+             "waits). *Exposed*: network minus unlimited links, measured / planned. ms. Produced by "
+             "`python bench/exposure_trace.py --summary REPORT...`.", "",
              "| job | strategy | step, network | step, unlimited | exposed | CPU / cores, network | "
              "CPU / cores, unlimited | idle / cores, network | idle / cores, unlimited |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
