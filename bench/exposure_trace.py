@@ -8,10 +8,10 @@ planner's simulation of the same step.
 communication (the step on the network's links minus the same step on unlimited links). Where
 an exposure misses, this looks inside. It starts a job of the published job's world on the
 job's network (its links, latency and nodes), trains ``--warmup`` steps of one strategy as
-``compare`` does, then ``--steps`` pairs of steps, one on the network's links and one on
-unlimited links in alternating order (``compare --exposed``), every rank recording each
-collective's issue, modeled start and end, gloo's completion, and when its wait was called and
-returned (``bench/overlap.py``'s tracer). The planner simulates the same step on the job's own
+``compare`` does (Python's collector between the steps, not inside them), then ``--steps``
+pairs of steps, one on the network's links and one on unlimited links in alternating order
+(``compare --exposed``), every rank recording each collective's issue, modeled start and end,
+gloo's completion, and when its wait was called and returned (``bench/overlap.py``'s tracer). The planner simulates the same step on the job's own
 clusters (the numbers measured beside that strategy's steps, rebuilt as ``bench/replan.py``
 does) with a trace of the same events (``simulate_events(trace=...)``).
 
@@ -24,6 +24,8 @@ Writes ``<out>/exposure_trace_<job>_<strategy>.json`` and ``.md``.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import json
 import os
 import statistics
@@ -69,6 +71,7 @@ def worker(args) -> None:
     from overlap import Tracer
 
     import fsdp_compile
+    from fsdp_compile.compilation.inner import collector_paused
     from fsdp_compile.network.links import unlimited_links
     from fsdp_compile.planning.cli import build_model
     from fsdp_compile.sharding.groups import end_process_group
@@ -98,12 +101,14 @@ def worker(args) -> None:
         optimizer.zero_grad(set_to_none=True)
 
     def traced() -> dict:
-        dist.barrier()
-        tracer = Tracer()
-        start, cpu = time.monotonic(), time.process_time()
-        with tracer.active():
-            step()
-        wall, cpu = time.monotonic() - start, time.process_time() - cpu
+        gc.collect(1)  # as compare runs its steps: the collector between them, not inside
+        with collector_paused():
+            dist.barrier()
+            tracer = Tracer()
+            start, cpu = time.monotonic(), time.process_time()
+            with tracer.active():
+                step()
+            wall, cpu = time.monotonic() - start, time.process_time() - cpu
         deadline = time.monotonic() + 10  # gloo's completion is seen on the network's own threads
         while any(w.gloo_done_at is None for w in tracer.works) and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -188,6 +193,7 @@ def measured(ranks: list, where: str, cores: int) -> dict:
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
+    shared = shared_waits(ranks, where, cores)
     rows = []
     for i in range(n):
         same = [s["trace"][i] for s in slowest]
@@ -196,9 +202,37 @@ def measured(ranks: list, where: str, cores: int) -> dict:
         late = [c["gloo_done"] - c["end"] if c["gloo_done"] is not None else None for c in same]
         rows.append({"kind": first["kind"], "link": first["link"], "modeled_ms": median([c["modeled_ms"] for c in same]),
                      "issued": median([c["issued"] for c in same]), "blocked_ms": median(blocked),
-                     "gloo_late_ms": median(late)})
+                     "gloo_late_ms": median(late), "idling_share": shared["idling_share"].get(i)})
     return {"step_ms": statistics.median(s["wall"] for s in slowest) * 1e3, "counts": sorted(counts),
-            "collectives": rows, **core_account(ranks, where, cores)}
+            "collectives": rows, "waits_idle_core_ms": shared["idle_core_ms"], **core_account(ranks, where, cores)}
+
+
+def shared_waits(ranks: list, where: str, cores: int) -> dict:
+    """How the ranks' waits line up in time. A core idles while fewer ranks than cores can run
+    (their main threads; gloo's are not counted). ``idle_core_ms``: the median over steps of the
+    core time idled so; ``idling_share``: per collective (issue order), the share of the ranks'
+    waits on it, over every rank and step, during which a core idled. The ranks' clocks are
+    their own steps' starts, which follow one barrier."""
+    world = len(ranks)
+    idle, blocked, idling = [], {}, {}
+    for i in range(len(ranks[0])):
+        waits = [[(c["wait_called"], c["wait_returned"], k) for k, c in enumerate(r[i][where]["trace"])
+                  if c["wait_called"] is not None and c["wait_returned"] > c["wait_called"]] for r in ranks]
+        edges = sorted({t for rank in waits for a, b, _ in rank for t in (a, b)})
+        total = 0.0
+        for lo, hi in itertools.pairwise(edges):
+            inside = [[k for a, b, k in rank if a <= lo and hi <= b] for rank in waits]
+            waiting = sum(1 for ks in inside if ks)
+            short = max(0, cores - (world - waiting))  # cores with no rank to run
+            total += short * (hi - lo)
+            for ks in inside:
+                for k in ks:
+                    blocked[k] = blocked.get(k, 0.0) + (hi - lo)
+                    if short:
+                        idling[k] = idling.get(k, 0.0) + (hi - lo)
+        idle.append(total)
+    return {"idle_core_ms": statistics.median(idle) if idle else 0.0,
+            "idling_share": {k: idling.get(k, 0.0) / v for k, v in blocked.items() if v > 0}}
 
 
 def core_account(ranks: list, where: str, cores: int) -> dict:
@@ -228,28 +262,31 @@ def render(report: dict) -> str:
              "step the slowest rank, the median over steps. Produced by `python bench/exposure_trace.py`.", ""]
     cores = report["cores"]
     lines += [f"| links | step measured | planned step (its graphs) | ranks' CPU / {cores} cores | idle cores / "
-              f"{cores} | a rank blocked in waits, measured (mean over ranks) | simulated |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              f"{cores} | of it while fewer ranks than cores could run | a rank blocked in waits, measured (mean "
+              "over ranks) | simulated |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for where in ("network", "unlimited"):
         blocked_s = sum(c["wait_returned"] - c["wait_called"] for c in s[where]["collectives"])
         lines.append(f"| {where} | {f(m[where]['step_ms'])} ms | {f(s[where]['step_ms'])} ms "
                      f"({f(s[where]['graphs_ms'])} ms) | {f(m[where]['ranks_cpu_ms'] / cores)} ms | "
-                     f"{f(m[where]['idle_core_ms'] / cores)} ms | {f(m[where]['mean_rank_blocked_ms'])} ms | "
-                     f"{f(blocked_s)} ms |")
+                     f"{f(m[where]['idle_core_ms'] / cores)} ms | {f(m[where]['waits_idle_core_ms'] / cores)} ms | "
+                     f"{f(m[where]['mean_rank_blocked_ms'])} ms | {f(blocked_s)} ms |")
     lines += ["", f"Collectives per step: measured {m['network']['counts']} (network), {m['unlimited']['counts']} "
               f"(unlimited), simulated {len(s['network']['collectives'])}."
               + ("" if m["network"]["counts"] == [len(s["network"]["collectives"])] else
                  " The counts differ: rows are matched by issue order up to the shorter list."), "",
               "| # | phase | kind | link | MB sent | modeled ms | issued at, measured / simulated | blocked on the "
-              "network, measured / simulated | gloo after the modeled end | blocked on unlimited links, measured / "
-              "simulated |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "network, measured / simulated | of the ranks' waits on it, the share with a core idle | gloo after "
+              "the modeled end | blocked on unlimited links, measured / simulated |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, (mn, sn) in enumerate(zip(m["network"]["collectives"], s["network"]["collectives"])):
         mu = m["unlimited"]["collectives"][i] if i < len(m["unlimited"]["collectives"]) else {}
         su = s["unlimited"]["collectives"][i] if i < len(s["unlimited"]["collectives"]) else None
         lines.append(
             f"| {i} | {sn['phase']} | {mn['kind']} | {mn['link']} | {sn['wire_mb']:.2f} | {f(mn['modeled_ms'])} | "
             f"{f(mn['issued'])} / {f(sn['issued'])} | {f(mn['blocked_ms'])} / "
-            f"{f(sn['wait_returned'] - sn['wait_called'])} | {f(mn['gloo_late_ms'])} | {f(mu.get('blocked_ms'))} / "
+            f"{f(sn['wait_returned'] - sn['wait_called'])} | "
+            f"{'-' if mn.get('idling_share') is None else format(mn['idling_share'], '.0%')} | "
+            f"{f(mn['gloo_late_ms'])} | {f(mu.get('blocked_ms'))} / "
             f"{f(su['wait_returned'] - su['wait_called']) if su else '-'} |")
     if report.get("analysis"):
         lines += ["", "## Analysis", "", report["analysis"]]

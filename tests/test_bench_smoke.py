@@ -486,6 +486,28 @@ def test_exposure_trace_simulates_what_the_plan_prices() -> None:
         sum(c["modeled_ms"] for c in simulated["unlimited"]["collectives"])
 
 
+def test_exposure_trace_counts_a_core_idle_only_while_too_few_ranks_can_run() -> None:
+    """4 ranks on 2 cores: a core idles while 3 ranks wait, both while 4 do; a wait the other
+    ranks' compute fills idles nothing."""
+    trace = _bench_module("exposure_trace")
+
+    def step(*waits):  # one rank's step: (collective index, wait called, wait returned), ms
+        records = [{"wait_called": None, "wait_returned": None}] * 2
+        for k, a, b in waits:
+            records[k] = {"wait_called": a, "wait_returned": b}
+        return {"network": {"trace": records}}
+
+    ranks = [[step((0, 0, 10))], [step((0, 0, 10))], [step((0, 5, 10), (1, 20, 30))], [step((0, 8, 10))]]
+    shared = trace.shared_waits(ranks, "network", cores=2)
+    # 0-5: 2 ranks wait, none idle; 5-8: 3 wait, 1 core idle; 8-10: 4 wait, 2 idle; 20-30: 1 waits
+    assert shared["idle_core_ms"] == pytest.approx(3 * 1 + 2 * 2)
+    # collective 0: 10 + 10 + 5 + 2 ms of waits, of which 5 + 5 + 5 + 2 with a core idle
+    assert shared["idling_share"][0] == pytest.approx(17 / 27)
+    assert shared["idling_share"][1] == 0.0  # the other three ranks compute meanwhile
+    # with a core per rank, every wait idles its rank's core
+    assert trace.shared_waits(ranks, "network", cores=4)["idling_share"] == {0: 1.0, 1: 1.0}
+
+
 @pytest.mark.slow  # a benchmark's whole run; benchmarks are run by hand, and with -m slow
 def test_exposure_trace_benchmark_holds_each_measured_collective_against_the_plan(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "exposure_trace.py"), "--smoke", "--strategy",
