@@ -262,8 +262,8 @@ def render(report: dict) -> str:
              "step the slowest rank, the median over steps. Produced by `python bench/exposure_trace.py`.", ""]
     cores = report["cores"]
     lines += [f"| links | step measured | planned step (its graphs) | ranks' CPU / {cores} cores | idle cores / "
-              f"{cores} | of it while fewer ranks than cores could run | a rank blocked in waits, measured (mean "
-              "over ranks) | simulated |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              f"{cores} | the same, counting the main threads alone | a rank blocked in waits, measured (mean over "
+              "ranks) | simulated |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for where in ("network", "unlimited"):
         blocked_s = sum(c["wait_returned"] - c["wait_called"] for c in s[where]["collectives"])
         lines.append(f"| {where} | {f(m[where]['step_ms'])} ms | {f(s[where]['step_ms'])} ms "
@@ -351,13 +351,13 @@ def main() -> None:
     extra = ("--job", str(args.job.resolve()), "--strategy", args.strategy)
     stem = f"exposure_trace_{args.job.name}_{args.strategy.lower()}" + ("_smoke" if args.smoke else "")
     raw = args.out / f"{stem}_ranks.json"
-    if args.reuse and raw.exists():
+    if args.reuse and raw.exists():  # rendered again: the figures keep when and where they were measured
         part = json.loads(raw.read_text())
     else:
-        part = run_part(__file__, args, job["world"], extra)
+        part = {**run_part(__file__, args, job["world"], extra), "facts": run_facts()}
         args.out.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps(part))
-    report = {**run_facts(), "job": args.job.name, "strategy": args.strategy, "model": job["model"],
+    report = {**(part.get("facts") or run_facts()), "job": args.job.name, "strategy": args.strategy, "model": job["model"],
               "network": job["network"], "steps": args.steps, "warmup": args.warmup,
               "load_average": part["load_average"], "simulated": simulated(job, args.strategy),
               "cores": part["cores"],
