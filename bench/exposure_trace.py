@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from parts import parser, run_part
-from replan import _NETWORK, job_clusters, job_model, job_shape
+from replan import job_clusters, job_model, job_network, job_shape
 from report_files import run_facts, write_report
 
 PUBLISHED = ROOT / "bench" / "results" / "plan_emulated"
@@ -58,11 +58,11 @@ def load_job(path: Path, smoke: bool) -> dict:
 
 
 def _network_args(job: dict) -> dict:
-    found = _NETWORK.match(str(job.get("network") or ""))
-    if not found:
+    links = job_network(job)
+    if links is None:
         raise SystemExit("exposure_trace: the job ran on plain gloo; give a job of an emulated network")
     _, per_node = job_shape(job)
-    return {"intra_node": found[1], "inter_node": found[2], "latency": found[3], "devices_per_node": per_node}
+    return {**links, "devices_per_node": per_node}
 
 
 def worker(args) -> None:
@@ -109,9 +109,7 @@ def worker(args) -> None:
             with tracer.active():
                 step()
             wall, cpu = time.monotonic() - start, time.process_time() - cpu
-        deadline = time.monotonic() + 10  # gloo's completion is seen on the network's own threads
-        while any(w.gloo_done_at is None for w in tracer.works) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        tracer.gloo_seen_done()
         return {"wall": wall, "process_cpu": cpu, "trace": tracer.records(start)}
 
     for _ in range(args.warmup):

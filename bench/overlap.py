@@ -181,6 +181,13 @@ class Tracer:
         finally:
             group._issue, work_cls.wait = issue, wait
 
+    def gloo_seen_done(self, timeout: float = 10.0) -> None:
+        """Wait until gloo's completion of every traced work has been seen (on the network's
+        own threads: the step itself waited only for the modeled ends), at most ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while any(w.gloo_done_at is None for w in self.works) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
     def waited(self) -> tuple[float, float, int]:
         """(seconds the step spent in waits, seconds of them past the modeled ends, waits): the
         second is what the step owes to gloo (or to waking up) rather than to the emulated link."""
@@ -235,11 +242,7 @@ class Variant:
         wall = time.monotonic() - start
         out = {"wall": wall, "main_cpu": time.thread_time() - start_thread,
                "process_cpu": time.process_time() - start_process}
-        # Gloo's completion is observed on the network's own threads; wait for it before reading
-        # the overruns (the step itself waited only for the modeled ends).
-        deadline = time.monotonic() + 10
-        while any(w.gloo_done_at is None for w in tracer.works) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        tracer.gloo_seen_done()  # before reading the overruns
         stats = net.stats()
         out["busy"] = {link: stats.total(link=link).busy_seconds for link in ("intra", "inter")}
         out["count"] = {link: stats.count(link=link) for link in ("intra", "inter")}

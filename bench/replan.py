@@ -55,16 +55,23 @@ def job_shape(job: dict) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
+def job_network(job: dict) -> dict[str, str] | None:
+    """The emulated network the job ran on, as ``EmulatedNetwork``'s ``intra_node``,
+    ``inter_node`` and ``latency`` arguments (read from its recorded description); None on plain gloo."""
+    found = _NETWORK.match(str(job.get("network") or ""))
+    return None if found is None else {"intra_node": found[1], "inter_node": found[2], "latency": found[3]}
+
+
 def links_from_network(job: dict) -> dict:
     """``job`` with its links' fits as ``Cluster.measure()`` now makes them on an emulated
     network: what the links charge (their latency per collective and bandwidth, from the job's
     recorded network), not the timed bursts of jobs written before it read them so. Jobs on plain
     gloo come back unchanged."""
-    found = _NETWORK.match(str(job.get("network") or ""))
-    if not found:
+    links = job_network(job)
+    if links is None:
         return job
-    intra, inter = parse_bandwidth(found[1]), parse_bandwidth(found[2])
-    latency = parse_latency(found[3])
+    intra, inter = parse_bandwidth(links["intra_node"]), parse_bandwidth(links["inter_node"])
+    latency = parse_latency(links["latency"])
     numbers = dict(job["cluster_numbers"])
     for key, bandwidth in (("collectives", intra), ("inter_node_collectives", inter)):
         numbers[key] = {kind: {**fit, "step_latency": latency / max(ring_steps(kind, fit["group_size"]), 1),
