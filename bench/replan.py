@@ -80,12 +80,14 @@ def links_from_network(job: dict) -> dict:
     return {**job, "cluster_numbers": numbers}
 
 
-def job_clusters(job: dict, cores: int | None = None) -> dict[str, tuple]:
+def job_clusters(job: dict, cores: int | None = None, rank_drift: float | None = None) -> dict[str, tuple]:
     """``plan_each``'s ``on`` for ``job``: per strategy, the job's cluster with the numbers
     measured beside that strategy's steps, and with ``--exposed`` the same on unlimited links
     (under "<strategy> unlimited"). Jobs written before the cluster recorded the backend's own
     collectives and its share take the first from their unlimited cluster's links and the
-    second from ``cores`` (the machine's, all ranks on it)."""
+    second from ``cores`` (the machine's, all ranks on it). ``rank_drift`` plans a job whose
+    world outnumbers ``cores`` with its ranks played together at that drift
+    (``Cluster.rank_drift``), for jobs measured before the calibration read it."""
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
     nodes, per_node = job_shape(job)
@@ -95,7 +97,14 @@ def job_clusters(job: dict, cores: int | None = None) -> dict[str, tuple]:
             raise SystemExit("replan: this compare.json predates the backend's share of the cores: give the cores "
                              "of the machine it ran on (--cores)")
         share = backend_share(cores / job["world"])
-    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share)
+    sharing = {}
+    if rank_drift is not None:
+        if cores is None:
+            raise SystemExit("replan: --rank-drift needs the cores of the machine the job ran on (--cores)")
+        sharing = ({"core_sharing": (job["world"], cores), "rank_drift": rank_drift} if job["world"] > cores
+                   else {"core_sharing": None, "rank_drift": 0.0})
+    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share,
+                                          **sharing)
                 if job.get(key) else None for key in ("cluster_numbers", "unlimited_cluster_numbers")}
     unlimited = clusters["unlimited_cluster_numbers"]
     if unlimited is not None and not clusters["cluster_numbers"].backend_collectives:
@@ -114,9 +123,9 @@ def job_model(job: dict) -> tuple[torch.nn.Module, tuple]:
     return model, (torch.zeros(job["batch"], job["seq"], dtype=torch.long),)
 
 
-def replan_job(job: dict, cores: int | None = None) -> list[dict]:
+def replan_job(job: dict, cores: int | None = None, rank_drift: float | None = None) -> list[dict]:
     """Every strategy of ``job`` planned again: one row per strategy (see :func:`job_clusters`)."""
-    on = job_clusters(job, cores)
+    on = job_clusters(job, cores, rank_drift)
     model, example = job_model(job)
     plans = plan_each(model, example, on=on, loss_fn=_cross_entropy, world_size=job["world"], tp_degrees=(1,),
                       parallelize_fn=None, **COMPARE_PLAN_OPTIONS)
@@ -151,6 +160,9 @@ def render(report: dict) -> str:
              "and beside-the-steps numbers planned with this commit"
              + (", the links' fits of jobs on an emulated network taken from the links themselves, as the "
                 "calibration now fits them (`--links-from-network`)" if report.get("links_from_network") else "")
+             + (f", jobs whose world outnumbers the cores played on every rank together at a drift of "
+                f"{report['rank_drift'] * 1e3:.1f} ms per square root of a second (`--rank-drift`)"
+                if report.get("rank_drift") else "")
              + ". Produced by `python bench/replan.py`.", "",
              "| job | strategy | measured step | published | replanned | exposed measured | published | replanned |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -185,6 +197,9 @@ def main() -> None:
     p.add_argument("--links-from-network", action="store_true",
                    help="plan emulated-network jobs on their links as the calibration now fits them (what the "
                         "links charge), where the job's own fits were timed")
+    p.add_argument("--rank-drift", type=float,
+                   help="plan jobs whose world outnumbers --cores with every rank played together at this drift "
+                        "(Cluster.rank_drift, seconds per square root of a second), where the job did not measure it")
     args = p.parse_args()
     rows = []
     for path in args.jobs:
@@ -194,13 +209,14 @@ def main() -> None:
         job = json.loads(file.read_text())
         if args.links_from_network:
             job = links_from_network(job)
-        for row in replan_job(job, args.cores):
+        for row in replan_job(job, args.cores, args.rank_drift):
             rows.append({"job": file.parent.name, **row})
             print(f"{file.parent.name:12s} {row['strategy']:20s} step {1e3 * row['measured_step_s']:7.1f} measured, "
                   f"{1e3 * row['published_step_s']:7.1f} published, {1e3 * row['replanned_step_s']:7.1f} replanned"
                   + (f"; exposed {1e3 * row['measured_exposed_s']:6.1f} / {1e3 * row['published_exposed_s']:6.1f} / "
                      f"{1e3 * row['replanned_exposed_s']:6.1f}" if "measured_exposed_s" in row else ""), flush=True)
-    report = {**run_facts(), "links_from_network": args.links_from_network, "rows": rows}
+    report = {**run_facts(), "links_from_network": args.links_from_network, "rank_drift": args.rank_drift,
+              "rows": rows}
     table = render(report)
     print(table)
     if args.out:

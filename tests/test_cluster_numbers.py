@@ -25,7 +25,7 @@ def measured_like() -> Cluster:
         optimizer_step={"adamw": (7e-4, 3e-9)}, copy_kernels={"copy_in": (1e-5, 2e-10)},
         collective_issue={"all_gather": (3e-4, 1e-10)}, collective_cpu={"reduce_scatter": (1e-3, 2e-9)},
         collective_workspace={"all_gather": 1.0}, runtime_per_tensor=2e-4, rank_skew=1.5e-3,
-        attention_flops={torch.float32: 3e10}, compute_scale=1.2)
+        core_sharing=(4, 2), rank_drift=0.03, attention_flops={torch.float32: 3e10}, compute_scale=1.2)
 
 
 def test_every_number_the_planner_reads_survives_the_round_trip() -> None:

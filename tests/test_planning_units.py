@@ -456,9 +456,11 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     monkeypatch.setattr(measure, "_collective_workspace", lambda *a: {})
     monkeypatch.setattr(measure, "_collective_cpu", lambda *a: fit)
     monkeypatch.setattr(measure, "_rank_skew", lambda *a: 0.0)
-    measure.measure_cluster(Cluster, group=None, sizes=None, repeats=1, dtypes=(torch.float32,), nodes=1,
-                            device="cpu", device_memory=1e9)
+    monkeypatch.setattr(measure, "rank_drift", lambda *a: 0.03)
+    cluster = measure.measure_cluster(Cluster, group=None, sizes=None, repeats=1, dtypes=(torch.float32,), nodes=1,
+                                      device="cpu", device_memory=1e9)
     assert synced.pop("reference") is True
+    assert (cluster.core_sharing, cluster.rank_drift) == ((4, 2), 0.03)  # its step is played on every rank
     assert synced and not any(synced.values()), synced  # local rank 1's turn: no inner barriers
     # the links' fits read an emulated network's own account of its links (_modeled_seconds)
     assert links_on == ["the network"]

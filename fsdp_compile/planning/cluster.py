@@ -70,6 +70,11 @@ class Cluster:
     (leaf checks, gradient accumulation, DTensor ``.grad`` wrapping; measured, 0 in presets).
     ``rank_skew``: seconds a collective waits for its group's last rank where ranks time-slice
     the cores (measured; 0 with a core per rank and in presets).
+    ``core_sharing``: ``(ranks, cores)`` of each machine whose ranks outnumber its cores (a CPU
+    world larger than its cores; measured), None where every rank has a core of its own.
+    ``rank_drift``: how far such ranks drift apart computing side by side, seconds of standard
+    deviation of their finish times per square root of a second of compute (measured; 0
+    elsewhere). With both, a step is played on every rank together (:mod:`.shared_cores`).
     ``measured_collectives`` maps a collective kind to its fitted ring model on the intra-node
     link (:meth:`measure`; a collective without one is priced from the bandwidths and
     latencies), ``measured_inter_collectives`` the same on the inter-node link (measured over
@@ -116,6 +121,8 @@ class Cluster:
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
     rank_skew: float = 0.0
+    core_sharing: tuple[int, int] | None = None
+    rank_drift: float = 0.0
     attention_flops: dict[torch.dtype, float] = field(default_factory=dict)
     compute_scale: float = 1.0
     sources: dict[str, str] = field(default_factory=dict)
@@ -336,6 +343,13 @@ def _problems(cluster: Cluster) -> list[str]:
     need("comm_overlap", cluster.comm_overlap, positive=False, at_most=1.0)
     need("runtime_per_tensor", cluster.runtime_per_tensor, positive=False)
     need("rank_skew", cluster.rank_skew, positive=False)
+    need("rank_drift", cluster.rank_drift, positive=False)
+    sharing = cluster.core_sharing
+    if sharing is not None and (not isinstance(sharing, tuple) or len(sharing) != 2
+                                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sharing)
+                                or sharing[0] <= sharing[1]):
+        problems.append(f"core_sharing={sharing!r} must be (ranks, cores) of a machine with more ranks than "
+                        "cores, or None where every rank has a core")
     need("compute_scale", cluster.compute_scale)
     if isinstance(cluster.nodes, int) and cluster.nodes > 1:
         # Several nodes talk over the inter-node link: it must be described.

@@ -32,6 +32,7 @@ from .cluster import Cluster
 from .cost import Group, graph_costs, group_ranks, outside_graph_seconds
 from .isolated import run_in_subprocess
 from .numbers import OPTIMIZER_STATES, ClusterError, GiB, PlanError
+from .shared_cores import planned_step
 from .simulate import Timeline, memory_timeline, simulate_graph
 from .states import model_state_bytes  # noqa: F401 (re-exported: tests and benches import it here)
 from .symbolic import symbolic_analysis
@@ -173,6 +174,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
     """Cost, simulate and walk the memory of one traced candidate."""
     groups: dict[str, Group] = {}
     timeline = Timeline()
+    costed = []
     tp_bytes, ranks = 0.0, {}
     peak, peak_roles, phase = -1.0, {}, ""
     optimizer_bytes = states["optimizer"]
@@ -181,6 +183,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
             if gm is None:
                 continue
             costs = graph_costs(gm, cluster, groups)
+            costed.append(costs)
             timeline = timeline + simulate_graph(costs, cluster.comm_overlap, cluster.backend_share)
             tp_bytes += sum(cost.wire_bytes for node, cost in costs if cost.kind == "collective"
                             and traced.tp_ranks and group_ranks(node.args[-1], ranks) == traced.tp_ranks)
@@ -205,6 +208,10 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
     numel = states["grads"] / 4
     outside_seconds = outside_graph_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
     step = timeline.seconds + outside_seconds
+    exposed = timeline.exposed_comm_seconds
+    shared = planned_step(costed, cluster, outside_seconds)
+    if shared is not None:  # ranks time-slice the cores: what lockstep's waits cost them instead
+        exposed, step = exposed + shared - step, shared
     memory = {k: float(peak_roles.get(k, 0)) for k in MEMORY_KEYS}
     c = traced.candidate
     failed = [f"{f['pass']} ({f['phase']})" for record in traced.records for f in record.fallbacks]
@@ -213,7 +220,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
     return PlanRow(
         strategy=c.strategy.name, bucket=c.bucket_label(), prefetch=c.prefetch, fits=peak <= budget,
         peak_bytes=float(peak), memory=memory, step_seconds=float(step),
-        exposed_comm_seconds=float(timeline.exposed_comm_seconds),
+        exposed_comm_seconds=float(exposed),
         bytes_per_step={k: float(v) for k, v in timeline.wire_bytes.items()},
         compute_seconds=float(timeline.compute_seconds + outside_seconds), comm_seconds=float(timeline.comm_seconds),
         # the ranks of a tp group compute on the same tokens: a device's share is 1 / tp of them

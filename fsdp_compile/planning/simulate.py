@@ -124,7 +124,8 @@ class BackendQueue:
         return self.done.pop(key)
 
 
-def _symbolic(events: list[Event]) -> bool:
+def symbolic_events(events: list[Event]) -> bool:
+    """Whether any of ``events``' numbers is an expression (a graph traced with symbolic sizes)."""
     return any(isinstance(x, sympy.Basic) for event in events for x in event[1:])
 
 
@@ -142,7 +143,7 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
     """
     events = list(events)
     backend = None
-    if tuple(backend_share) != NO_SHARING and not _symbolic(events):
+    if tuple(backend_share) != NO_SHARING and not symbolic_events(events):
         backend = BackendQueue(backend_share)
     now = 0.0  # the compute stream's clock
     comm_free: dict[str, Any] = {}  # link -> when it is next idle

@@ -27,8 +27,8 @@ The calibrations themselves: :mod:`.compute` (FLOP/s, memory bandwidth, operator
 and the clocks), :mod:`.outside_graphs` (optimizer step, runtime work per parameter),
 :mod:`.copies` (the backend's copies around each collective), :mod:`.reference` (a whole
 graph's measured compute over its priced cost), :mod:`.collectives` (ring fits,
-issuing, workspace, overlap) and :mod:`.memory` (allocator peaks, a
-CPU rank's memory).
+issuing, workspace, overlap), :mod:`.drift` (how far ranks sharing cores drift apart) and
+:mod:`.memory` (allocator peaks, a CPU rank's memory).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from .collectives import (
 )
 from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwidth, _op_overhead, _slowest
 from .copies import _copy_kernels
+from .drift import core_sharing, rank_drift
 from .memory import _cpu_memory_per_rank
 from .outside_graphs import _optimizer_step, _runtime_per_tensor
 from .reference import compute_scale, timed_reference
@@ -218,6 +219,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     # or not by the overlap share, which is a GPU's (a race against a copy engine).
     collective_cpu = _collective_cpu(group, device, sizes, repeats) if device.type == "cpu" else {}
     rank_skew = _rank_skew(group, device, repeats)
+    drift = rank_drift(group, device, repeats)
     overlap = 1.0 if device.type == "cpu" else _gpu_overlap(group, device, repeats)
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
@@ -229,6 +231,7 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         **_link_fields(collectives, inter_collectives),
         collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
         runtime_per_tensor=runtime_per_tensor, rank_skew=rank_skew, attention_flops=attention,
+        core_sharing=core_sharing(device) if drift > 0 else None, rank_drift=drift,
         device_type=device.type,
         optimizer_step=optimizer_step, copy_kernels=copy_kernels, collective_issue=collective_issue,
         collective_cpu=collective_cpu, backend_collectives=backend, backend_inter_collectives=backend_inter,
@@ -236,7 +239,8 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
                                          "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
                                          "copy_kernels", "collective_issue", "collective_cpu",
-                                         "collective_workspace", "rank_skew", "compute_scale", "device_memory",
+                                         "collective_workspace", "rank_skew", "core_sharing", "rank_drift",
+                                         "compute_scale", "device_memory",
                                          "backend_collectives", "backend_share")})
     # The same on every rank: each priced the same graphs on the same (slowest-rank) numbers.
     return cluster.replace(compute_scale=compute_scale(reference_seconds, reference_graphs, cluster))

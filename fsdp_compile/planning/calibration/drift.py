@@ -1,0 +1,69 @@
+"""How far ranks that time-slice a machine's cores drift apart: ``Cluster.core_sharing`` and
+``Cluster.rank_drift``, which :mod:`..shared_cores` plays a step with.
+
+Four ranks on two cores do not progress evenly: the scheduler serves some more than others for
+a while, so ranks that start a span of compute together finish it at different times. On a
+2-core x86 machine, four ranks computing 0.19 s side by side finished with a standard deviation
+of 8-29 ms from one round to the next (median 14 ms), and at that drift the planner priced the
+world-4 exposures of ``bench/plan_emulated.py``'s published runs within target where lockstep
+had missed 2-3 in each (``docs/planning.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..shared_cores import REFERENCE_SPAN
+from .compute import _node_ranks
+
+_DRIFT_ROUNDS = 8
+
+
+def core_sharing(device: torch.device) -> tuple[int, int] | None:
+    """``(ranks, cores)`` of this machine where its ranks' compute threads outnumber its
+    cores (each rank's intra-op threads counting as one rank per thread's worth of cores);
+    None where every rank has a core of its own, and on a GPU."""
+    if device.type != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = max(_node_ranks(), 1)
+    cores = max(cores // torch.get_num_threads(), 1)
+    return (ranks, cores) if ranks > cores else None
+
+
+def rank_drift(group: Any, device: torch.device, repeats: int) -> float:
+    """Seconds of standard deviation of the ranks' finish times per square root of a second
+    of compute, where this machine's ranks outnumber its cores; 0 elsewhere.
+
+    Every rank computes the same CPU time (its thread's clock: equal work, whatever the
+    scheduler gives it) from a barrier, about ``REFERENCE_SPAN`` of wall time at its share of
+    the cores, and the ranks' wall times are gathered; per round their standard deviation,
+    and the median over rounds over the square root of the span, the statistic
+    :func:`..shared_cores.spread` plays. The same on every rank."""
+    sharing = core_sharing(device)
+    if sharing is None or not dist.is_initialized():
+        return 0.0
+    ranks, cores = sharing
+    cpu_span = REFERENCE_SPAN * cores / ranks
+    operand = torch.randn(128, 128)
+    n = dist.get_world_size(group)
+    deviations, spans = [], []
+    for _ in range(max(repeats, _DRIFT_ROUNDS)):
+        dist.barrier(group=group)
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        while time.thread_time() - start_cpu < cpu_span:
+            operand.mul_(1.0)
+        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        walls = [torch.empty_like(wall) for _ in range(n)]
+        dist.all_gather(walls, wall, group=group)
+        values = [float(w) for w in walls]
+        deviations.append(statistics.pstdev(values))
+        spans.append(statistics.fmean(values))
+    return statistics.median(deviations) / math.sqrt(statistics.median(spans))
