@@ -13,7 +13,10 @@ pairs of steps, one on the network's links and one on unlimited links in alterna
 (``compare --exposed``), every rank recording each collective's issue, modeled start and end,
 gloo's completion, and when its wait was called and returned (``bench/overlap.py``'s tracer). The planner simulates the same step on the job's own
 clusters (the numbers measured beside that strategy's steps, rebuilt as ``bench/replan.py``
-does) with a trace of the same events (``simulate_events(trace=...)``).
+does) with a trace of the same events (``simulate_events(trace=...)``). That trace is one
+rank's timeline (lockstep); where the job's ranks outnumber its cores and its cluster measured
+their drift, the plan's step is every rank played together (``planning.shared_cores``), which
+it does not trace: its planned step is that one, its collectives lockstep's.
 
 Per collective in issue order, on the network and on unlimited links: when it was issued and
 how long its wait blocked, measured (per step the slowest rank, then the median over steps) and

@@ -16,7 +16,8 @@
   the issuing thread), and the backend's own threads take ``Cluster.collective_cpu`` from it.
   Where ranks time-slice a node's cores, each starts ``Cluster.rank_skew`` after this rank
   issues it, when the group's last rank reaches it (the link does not wait: a collective
-  queued behind a busy link loses nothing to it).
+  queued behind a busy link loses nothing to it); that is for one rank's timeline, and where
+  the ranks' drift is measured they are played together instead (:mod:`.shared_cores`).
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.

@@ -3,12 +3,13 @@
 :mod:`.simulate` plays one rank's timeline and prices the others by symmetry: compute stretched
 by the rank's share of a core, every wait blocking as if all ranks waited at once (lockstep).
 Ranks that time-slice a machine's cores are not in lockstep. The scheduler serves them unevenly,
-so they drift apart between the collectives that tie them (a gpt_small step at world 4 on 2
-cores issued the same collective up to 30 ms apart on FULL_SHARD's ranks and up to 160 ms apart
-on HYBRID_SHARD's, ``bench/results/exposure_trace.md``), and while one rank waits another
-computes on its core: a wait in the middle of a step costs the machine less than its length,
-while a wait every rank reaches with nothing left to compute (the end of backward) costs all of
-it. Lockstep over-priced the first and under-priced the second.
+so they drift apart between the collectives that tie them: in a gpt_small step at world 4 on 2
+cores the ranks issued the same collective a median of up to 30 ms apart under FULL_SHARD and
+up to 94 ms apart under HYBRID_SHARD (the issue times in
+``bench/results/exposure_trace_*_ranks.json``). While one rank waits another computes on its
+core, so a wait in the middle of a step costs the machine less than its length, while a wait
+every rank reaches with nothing left to compute (the end of backward) costs all of it. Lockstep
+over-priced the first and under-priced the second.
 
 This plays every rank of the world: each runs the same events (:func:`.simulate.graph_events`,
 a graph's unwaited collectives waited at its end, then the step's work outside the graphs) on
@@ -70,7 +71,7 @@ def partition(ranks0: Sequence[int], world: int) -> list[tuple[int, ...]] | None
     return groups
 
 
-def shares(running: Sequence[int], weights: Sequence[float], cores: int) -> dict[int, float]:
+def shares(running: Sequence[int], weights: Sequence[float] | dict[int, float], cores: int) -> dict[int, float]:
     """The cores split over ``running`` ranks in proportion to their weights, none above one core."""
     if len(running) <= cores:
         return {r: 1.0 for r in running}
@@ -195,6 +196,9 @@ def _play(program: list[Event], groups: dict[Any, list[tuple[int, ...]]], world:
                 end = backend_end.get((key, outstanding[r][key]))
                 if end is not None:
                     step = min(step, max(end, link_end[r][key]) - now)
+        if not rates and all(backend_end.get((key, outstanding[r][key])) is None
+                             for r, key in enumerate(blocked) if key is not None):
+            raise RuntimeError("shared_step: every rank waits for a collective some rank of its group never issues")
         step = max(step, 0.0)
         for r, rate in rates.items():
             left[r] -= rate * step

@@ -28,6 +28,10 @@ than its fit; on an emulated link slower than gloo it only matters where gloo's 
 behind the link. Checked against ``bench/plan_emulated.py`` (``docs/planning.md``).
 Expressions (symbolic sizes) are simulated without it: a processor-shared queue has no closed form.
 
+This is one rank's timeline, the others priced by symmetry (lockstep). Where a machine's ranks
+outnumber its cores they are not in lockstep, and :func:`~fsdp_compile.planning.plan.plan`
+plays every rank together instead (:mod:`.shared_cores`).
+
 Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory`),
 as ints or sympy expressions for graphs traced with symbolic sizes.
 """
