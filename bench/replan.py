@@ -87,7 +87,8 @@ def job_clusters(job: dict, cores: int | None = None, rank_drift: float | None =
     collectives and its share take the first from their unlimited cluster's links and the
     second from ``cores`` (the machine's, all ranks on it). ``rank_drift`` plans a job whose
     world outnumbers ``cores`` with its ranks played together at that drift
-    (``Cluster.rank_drift``), for jobs measured before the calibration read it."""
+    (``Cluster.rank_drift``) whatever the job measured (jobs measured before the calibration
+    read it have none); 0 plans it in lockstep, one rank's timeline."""
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
     nodes, per_node = job_shape(job)
@@ -101,11 +102,11 @@ def job_clusters(job: dict, cores: int | None = None, rank_drift: float | None =
     if rank_drift is not None:
         if cores is None:
             raise SystemExit("replan: --rank-drift needs the cores of the machine the job ran on (--cores)")
-        sharing = ({"core_sharing": (job["world"], cores), "rank_drift": rank_drift} if job["world"] > cores
-                   else {"core_sharing": None, "rank_drift": 0.0})
-    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share,
-                                          **sharing)
-                if job.get(key) else None for key in ("cluster_numbers", "unlimited_cluster_numbers")}
+        sharing = ({"core_sharing": (job["world"], cores), "rank_drift": rank_drift}
+                   if job["world"] > cores and rank_drift > 0 else {"core_sharing": None, "rank_drift": 0.0})
+    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share)
+                .replace(**sharing) if job.get(key) else None
+                for key in ("cluster_numbers", "unlimited_cluster_numbers")}
     unlimited = clusters["unlimited_cluster_numbers"]
     if unlimited is not None and not clusters["cluster_numbers"].backend_collectives:
         clusters["cluster_numbers"] = clusters["cluster_numbers"].replace(
@@ -160,9 +161,11 @@ def render(report: dict) -> str:
              "and beside-the-steps numbers planned with this commit"
              + (", the links' fits of jobs on an emulated network taken from the links themselves, as the "
                 "calibration now fits them (`--links-from-network`)" if report.get("links_from_network") else "")
-             + (f", jobs whose world outnumbers the cores played on every rank together at a drift of "
+             + ("" if report.get("rank_drift") is None else
+                f", jobs whose world outnumbers the cores played on every rank together at a drift of "
                 f"{report['rank_drift'] * 1e3:.1f} ms per square root of a second (`--rank-drift`)"
-                if report.get("rank_drift") else "")
+                if report["rank_drift"] > 0 else
+                ", jobs whose world outnumbers the cores planned in lockstep, one rank's timeline (`--rank-drift 0`)")
              + ". Produced by `python bench/replan.py`.", "",
              "| job | strategy | measured step | published | replanned | exposed measured | published | replanned |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -199,7 +202,8 @@ def main() -> None:
                         "links charge), where the job's own fits were timed")
     p.add_argument("--rank-drift", type=float,
                    help="plan jobs whose world outnumbers --cores with every rank played together at this drift "
-                        "(Cluster.rank_drift, seconds per square root of a second), where the job did not measure it")
+                        "(Cluster.rank_drift, seconds per square root of a second), whatever the job measured; "
+                        "0: in lockstep, one rank's timeline")
     args = p.parse_args()
     rows = []
     for path in args.jobs:

@@ -524,3 +524,23 @@ def test_exposure_trace_benchmark_holds_each_measured_collective_against_the_pla
     header = next(i for i, line in enumerate(table) if line.startswith("| links | step measured |"))
     # every row of the table has the header's columns
     assert {table[header + k].count("|") for k in range(4)} == {table[header].count("|")}
+
+
+def test_replan_plays_a_jobs_ranks_together_at_a_given_drift_or_in_lockstep() -> None:
+    """A world-4 job on 2 cores plans with the drift it measured; ``--rank-drift`` overrides it
+    (jobs measured before the calibration read one), and 0 plans in lockstep."""
+    replan = _bench_module("replan")
+    job = json.loads((ROOT / "bench" / "results" / "plan_emulated" / "w4_1x" / "compare.json").read_text())
+    measured = job["cluster_numbers"]["rank_drift"]
+    assert measured > 0 and job["cluster_numbers"]["core_sharing"] == [4, 2]
+
+    def sharing(**kw):
+        cluster = replan.job_clusters(job, **kw)["FULL_SHARD"][0]
+        return cluster.core_sharing, cluster.rank_drift
+
+    assert sharing() == ((4, 2), measured)
+    assert sharing(cores=2, rank_drift=0.03) == ((4, 2), 0.03)
+    assert sharing(cores=2, rank_drift=0.0) == (None, 0.0)
+    assert sharing(cores=4, rank_drift=0.03) == (None, 0.0)  # a core per rank: lockstep is exact
+    with pytest.raises(SystemExit, match="--cores"):
+        replan.job_clusters(job, rank_drift=0.03)

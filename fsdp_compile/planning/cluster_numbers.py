@@ -46,16 +46,16 @@ def cluster_numbers(cluster: Cluster) -> dict[str, Any]:
 
 def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
                          devices_per_node: int | None = None, device_memory: float | None = None,
-                         backend_share: tuple[float, float] | None = None,
-                         core_sharing: tuple[int, int] | None = None, rank_drift: float | None = None) -> Cluster:
+                         backend_share: tuple[float, float] | None = None) -> Cluster:
     """The :class:`Cluster` that :func:`cluster_numbers` wrote.
 
     Files written before the cluster's shape was recorded (``compare.json`` before it carried
     ``nodes``) need ``nodes`` and ``devices_per_node``; their links are each link's measured
     all-gather fit, as :meth:`Cluster.measure` sets them, their device is a CPU and their memory
     ``device_memory`` (default 64 GiB, what ``compare`` plans against). Files written before
-    ``backend_share``, ``core_sharing`` or ``rank_drift`` were measured plan without them unless
-    they are given. An argument given overrides the file.
+    ``backend_share`` was measured plan without it unless it is given, and those written before
+    ``core_sharing`` and ``rank_drift`` were measured plan in lockstep. An argument given
+    overrides the file.
     """
     def dtypes(values: dict[str, float]) -> dict[torch.dtype, float]:
         return {getattr(torch, name): v for name, v in values.items()}
@@ -84,9 +84,8 @@ def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
                    memory_bandwidth=numbers["memory_bandwidth"], op_overhead=numbers["op_overhead"],
                    comm_overlap=numbers["comm_overlap"], runtime_per_tensor=numbers["runtime_per_tensor"],
                    compute_scale=numbers["compute_scale"], rank_skew=numbers.get("rank_skew", 0.0),
-                   core_sharing=core_sharing or (tuple(numbers["core_sharing"]) if numbers.get("core_sharing")
-                                                 else None),
-                   rank_drift=numbers.get("rank_drift", 0.0) if rank_drift is None else rank_drift,
+                   core_sharing=tuple(numbers["core_sharing"]) if numbers.get("core_sharing") else None,
+                   rank_drift=numbers.get("rank_drift", 0.0),
                    backend_share=tuple(backend_share or numbers.get("backend_share", (1.0, 1.0))),
                    collective_workspace=dict(numbers.get("collective_workspace", {})),
                    **{name: {k: tuple(v) for k, v in numbers.get(name, {}).items()} for name in _LINES},
