@@ -3,10 +3,10 @@
 
 Four ranks on two cores do not progress evenly: the scheduler serves some more than others for
 a while, so ranks that start a span of compute together finish it at different times. On a
-2-core x86 machine, four ranks computing 0.19 s side by side finished with a standard deviation
-of 8-29 ms from one round to the next (median 14 ms), and at that drift the planner priced the
-world-4 exposures of ``bench/plan_emulated.py``'s published runs within target where lockstep
-had missed 2-3 in each (``docs/planning.md``).
+2-core x86 machine the five world-4 calibrations of one ``bench/plan_emulated.py`` run read 32-58
+ms per square root of a second (14-26 ms of standard deviation over 0.2 s), and with the ranks
+played together at such drifts the planner held every exposure of that run, and 19-20 of 20 at
+world 4 in each of the four runs before, where lockstep had missed 2-3 (``docs/results.md``).
 """
 
 from __future__ import annotations
