@@ -109,8 +109,8 @@ class _Machines:
 
 
 def _play(program: list[Event], groups: dict[Any, list[tuple[int, ...]]], world: int, per_machine: int,
-          cores: int, quantum: float, rng: random.Random) -> float:
-    """One draw: when the slowest rank finishes ``program``."""
+          cores: int, quantum: float, rng: random.Random) -> list[float]:
+    """One draw: when each rank finishes ``program``."""
     speedup = per_machine / cores  # calibrated seconds per second on a core of one's own
     machines = _Machines(math.ceil(world / per_machine), per_machine, quantum, rng)
     pc = [0] * world
@@ -179,7 +179,7 @@ def _play(program: list[Event], groups: dict[Any, list[tuple[int, ...]]], world:
                         raise ValueError(f"unknown event {event!r}")
                     pc[r] += 1
         if all(d is not None for d in done):
-            return max(done)
+            return done
         rates: dict[int, float] = {}
         for m in range(len(machines.weights)):
             ranks = range(m * per_machine, min(world, (m + 1) * per_machine))
@@ -225,7 +225,7 @@ def shared_step(graphs: Sequence[Sequence[Event]], groups: dict[Any, list[tuple[
     if tail_seconds:
         program.append(("compute", tail_seconds))
     q = quantum(drift, per_machine, cores)
-    return statistics.fmean(_play(program, groups, world, per_machine, cores, q, random.Random(seed))
+    return statistics.fmean(max(_play(program, groups, world, per_machine, cores, q, random.Random(seed)))
                             for seed in range(draws))
 
 
@@ -235,24 +235,8 @@ def spread(span: float, quantum_seconds: float, per_machine: int, cores: int, ro
     ``span`` seconds side by side, over and over; the median over rounds of their finish times'
     standard deviation, over the square root of ``span``."""
     rng = random.Random(seed)
-    speedup = per_machine / cores
-    deviations = []
-    for _ in range(rounds):
-        machines = _Machines(1, per_machine, quantum_seconds, rng)
-        left = [span] * per_machine
-        finish: list[float | None] = [None] * per_machine
-        now = 0.0
-        while any(f is None for f in finish):
-            machines.advance(now)
-            running = [r for r in range(per_machine) if finish[r] is None]
-            rates = {r: s * speedup for r, s in shares(running, machines.weights[0], cores).items()}
-            step = min(min(left[r] / rate for r, rate in rates.items()), machines.next[0] - now)
-            for r, rate in rates.items():
-                left[r] -= rate * step
-                if left[r] <= 1e-12:
-                    finish[r] = now + step
-            now += step
-        deviations.append(statistics.pstdev(finish))
+    deviations = [statistics.pstdev(_play([("compute", span)], {}, per_machine, per_machine, cores,
+                                          quantum_seconds, rng)) for _ in range(rounds)]
     return statistics.median(deviations) / math.sqrt(span)
 
 
@@ -287,10 +271,12 @@ def planned_step(graph_costs: Sequence[list[tuple[fx.Node, NodeCost]]], cluster:
     per_machine, cores = min(cluster.core_sharing[0], world), cluster.core_sharing[1]
     if per_machine <= cores:
         return None
+    if isinstance(tail_seconds, sympy.Basic):
+        return None
     graphs, groups, names = [], {}, {}
     for costs in graph_costs:
         events = graph_events(costs)
-        if symbolic_events(events) or isinstance(tail_seconds, sympy.Basic):
+        if symbolic_events(events):
             return None
         for node, cost in costs:
             if cost.kind == "collective":

@@ -45,10 +45,14 @@ def _cpu_share(device: torch.device) -> float:
     return 1.0 if device.type != "cpu" else min(1.0, _cores_per_thread())
 
 
+def _machine_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _cores_per_thread() -> float:
     """This node's cores over the compute threads its ranks run (ranks x intra-op threads)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores / (max(_node_ranks(), 1) * torch.get_num_threads())
+    return _machine_cores() / (max(_node_ranks(), 1) * torch.get_num_threads())
 
 
 def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = False) -> float:

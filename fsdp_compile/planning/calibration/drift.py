@@ -12,7 +12,6 @@ world 4 in each of the four runs before, where lockstep had missed 2-3 (``docs/r
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..shared_cores import REFERENCE_SPAN
-from .compute import _node_ranks
+from .compute import _machine_cores, _node_ranks
 
 _DRIFT_ROUNDS = 8
 
@@ -32,9 +31,8 @@ def core_sharing(device: torch.device) -> tuple[int, int] | None:
     None where every rank has a core of its own, and on a GPU."""
     if device.type != "cpu":
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = max(_node_ranks(), 1)
-    cores = max(cores // torch.get_num_threads(), 1)
+    cores = max(_machine_cores() // torch.get_num_threads(), 1)
     return (ranks, cores) if ranks > cores else None
 
 
