@@ -133,6 +133,14 @@ class CPUOffload:
 
 __version__ = "0.1.0"  # the one definition; readers look it up when they need it
 COMPILERS = ("inductor", "aot_eager", "eager")
+# strict= when the backend is not given it: set, every fallback to the eager runtime raises (CI
+# runs that way: a test of a compiled path cannot pass through one unless it says so).
+STRICT_ENV = "FSDP_COMPILE_STRICT"
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than 0/false/no."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def check_prefetch(prefetch: Any) -> None:
@@ -191,7 +199,7 @@ class BackendOptions:
         forward_prefetch: Any,
         backward_prefetch: Any,
         dump_dir: str | os.PathLike | None,
-        strict: bool,
+        strict: bool | None,
         passes: dict[str, Sequence[Callable]] | None,
         offload: CPUOffload | None,
         verify: bool,
@@ -233,6 +241,10 @@ class BackendOptions:
             raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(offload).__name__}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify= takes a bool, got {type(verify).__name__}")
+        if strict is None:
+            strict = env_flag(STRICT_ENV)
+        elif not isinstance(strict, bool):
+            raise TypeError(f"strict= takes a bool (or None: {STRICT_ENV} decides), got {type(strict).__name__}")
         if isinstance(verify_gradients, bool):
             pass
         elif not isinstance(verify_gradients, (int, float)) or not 0 < verify_gradients < 1:

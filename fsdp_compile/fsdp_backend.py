@@ -85,7 +85,8 @@ class FSDPBackend:
         dump_dir: write every graph before and after each pass, and a JSON summary per graph
             (or ``FSDP_COMPILE_DUMP=<dir>``); read with ``python -m fsdp_compile inspect``.
         strict: raise when a pass fails, instead of running that graph's markers through the
-            eager runtime with a warning.
+            eager runtime with a warning (default: ``FSDP_COMPILE_STRICT=1`` in the environment
+            says to raise).
         passes: extra passes ``{"forward" | "backward": [fn(GraphModule)]}``, run after ours.
         offload: a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.
         verify: check at ``shard()`` and on the first run of every compiled graph that all ranks
@@ -124,7 +125,7 @@ class FSDPBackend:
         forward_prefetch: dict | None = None,
         backward_prefetch: dict | None = None,
         dump_dir: str | os.PathLike | None = None,
-        strict: bool = False,
+        strict: bool | None = None,
         passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
         offload: CPUOffload | None = None,
         verify: bool = True,
@@ -268,7 +269,7 @@ class FSDPBackend:
                               sync=self._gradient_sync, offload=self.options.offload, init_fn=init_fn,
                               init_device=init_device or current_device(state.topology.mesh.device_type),
                               materialize=materialize, region_copies=self.region_copies(),
-                              mesh_given=self.options.mesh is not None)
+                              region_fallback=state.region_fallback, mesh_given=self.options.mesh is not None)
         infos = result.infos
         state.local_shards.add(result.shards)
         if result.peak_full_bytes is not None:

@@ -347,6 +347,16 @@ def assert_inductor_keeps_the_order(order: dict) -> None:
         assert lost == [], f"{phase}: collectives {lost} no longer overlap compute"
 
 
+def compiled_regions(backend: fsdp_compile.FSDPBackend) -> tuple[int, int]:
+    """(region calls, distinct bodies) in the forward graphs the backend compiled, after every
+    pass of ours: what ran, where Dynamo's captured graph has the calls our passes inline too."""
+    from fsdp_compile.passes.regions import is_region_call
+
+    calls = [node for record in backend.graphs if record.forward is not None
+             for node in record.forward.graph.nodes if is_region_call(node)]
+    return len(calls), len({(id(c.graph), c.args[0].target) for c in calls})
+
+
 def graph_facts(backend: fsdp_compile.FSDPBackend, model: nn.Module, inductor_code: list[str] | None = None) -> dict:
     """What the backend's (single) compiled graph pair communicates and keeps for backward; with
     Inductor's wrapper code of the pair (forward's first), the order of the collectives in our

@@ -27,6 +27,7 @@ from helpers import (
     WORLD,
     assert_bitwise,
     assert_grads_close,
+    compiled_regions,
     full,
     hybrid_options,
     lm_loss,
@@ -87,9 +88,7 @@ def shapes_worker(rank: int, world: int, strategy: str, modes: tuple[str, ...], 
             backend.shard(model)
             forward = model if mode == "eager" else torch.compile(model, backend=backend)
             runs[mode] = first_step_grads(model, forward, local_slice(x, rank), local_slice(y, rank))
-            runs[mode]["region_calls"] = sum(
-                1 for r in backend.graphs for n in r.dynamo.graph.nodes
-                if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph)
+            runs[mode]["region_calls"] = compiled_regions(backend)[0]
         if rank == 0:
             reference = copy.deepcopy(base)
             runs["reference"] = first_step_grads(reference, reference, x, y)

@@ -271,43 +271,6 @@ def test_a_shared_input_read_twice_in_a_block_inlines_that_block() -> None:
     assert_bitwise(out["regions"], out["eager"], "encoder-decoder gradients vs the eager runtime")
 
 
-class BreakingBlock(torch.nn.Module):
-    """A block whose forward Dynamo cannot capture whole."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.lin(x))
-        torch._dynamo.graph_break()
-        return x
-
-
-def graph_break_worker(rank: int, world: int) -> dict:
-    out: dict[str, Any] = {}
-    for regions in (2, False):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(BreakingBlock(), BreakingBlock(), torch.nn.Linear(8, 2))
-        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions)
-        backend.shard(model)
-        try:
-            torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
-            out[regions] = "trained"
-        except Exception as exc:  # Dynamo's error, as the user sees it
-            out[regions] = str(exc)
-    return out
-
-
-def test_a_graph_break_inside_a_repeated_block_says_to_turn_regions_off() -> None:
-    # torch.compile has to capture a region whole and offers no fallback, so the error is
-    # Dynamo's; it quotes the line of ours that calls the region, which names the way out.
-    out = run_workers(graph_break_worker, 2)[0]
-    assert "graph break in this block? use backend(regions=False)" in out[2], out[2][-2000:]
-    assert out[False] == "trained"
-
-
 def copies_worker(rank: int, world: int) -> dict:
     out = {}
     for compiler, regions in (("inductor", True), ("aot_eager", True), ("aot_eager", 3), ("aot_eager", 4),

@@ -26,6 +26,7 @@ from helpers import (
     PER_RANK_BATCH,
     assert_bitwise,
     assert_grads_close,
+    compiled_regions,
     full,
     local_slice,
     max_diff,
@@ -37,7 +38,6 @@ import fsdp_compile
 from fsdp_compile import ShardingStrategy
 from fsdp_compile.models.llama import Llama, LlamaConfig, apply_tp
 from fsdp_compile.passes.graph import COLLECTIVES, COMM_META
-from fsdp_compile.passes.regions import is_region_call
 
 WORLD, DP, TP = 4, 2, 2
 SEQ, STEPS = 16, 3
@@ -188,8 +188,7 @@ def parity_worker(rank: int, world: int, model_name: str, strategy: str, modes: 
         out[mode] = train(model, forward, data, dp_rank)
         out[mode]["graphs"] = len(backend.graphs)
         if backend.graphs:
-            calls = [n for n in backend.graphs[0].dynamo.graph.nodes if is_region_call(n)]
-            out[mode]["regions"] = (len(calls), len({c.args[0].target for c in calls}))
+            out[mode]["regions"] = compiled_regions(backend)
         out[mode]["placements"] = _placements(model)
     if rank == 0:
         reference = copy.deepcopy(base)
@@ -404,8 +403,7 @@ def regions_worker(rank: int, world: int, mesh_per_block: bool) -> dict:
             model.zero_grad()
         out[mode] = {"grads": grads}
         if forward is not None:
-            calls = [n for n in backend.graphs[0].dynamo.graph.nodes if is_region_call(n)]
-            out[mode]["regions"] = (len(calls), len({c.args[0].target for c in calls}))
+            out[mode]["regions"] = compiled_regions(backend)
             out[mode]["graphs"] = len(backend.graphs)
     return out if rank == 0 else {}
 

@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..api import BackendOptions
+from ..api import BackendOptions, env_flag
 from ..checks.gradients import GradientCheck, requested
 from ..inspection.dump import Dumper, graph_code, manifest_for
 from ..inspection.graphinfo import is_gathered
@@ -57,8 +57,9 @@ from .records import CompiledGraph, JointCapture, PhaseResult
 log = logging.getLogger("fsdp_compile")
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+class StrictFallbackError(RuntimeError):
+    """``strict=True`` (or ``FSDP_COMPILE_STRICT=1``): a pass failed on a graph, which would
+    otherwise have run its markers through the eager runtime."""
 
 
 class Compiler:
@@ -82,7 +83,7 @@ class Compiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """Dynamo's backend entry: compile one captured graph (see the module docstring)."""
         self._check_inputs(gm, example_inputs)
-        compiler = "eager" if _env_flag("FSDP_COMPILE_EAGER") else self.options.compiler
+        compiler = "eager" if env_flag("FSDP_COMPILE_EAGER") else self.options.compiler
         record = CompiledGraph(index=len(self.graphs), dynamo=gm, compiler=compiler)
         self.graphs.append(record)
         dumper = self._dumper()
@@ -154,7 +155,7 @@ class Compiler:
         """A pass failed on a graph: raise under strict=True, else warn; the caller falls back."""
         where = f"graph {record.index} ({phase})"
         if self.options.strict:
-            raise RuntimeError(f"fsdp_compile: {failure} on {where}") from failure.__cause__
+            raise StrictFallbackError(f"fsdp_compile: {failure} on {where}") from failure.__cause__
         message = (f"fsdp_compile: {failure} on {where}; running that graph with its FSDP markers "
                    "executed by the eager runtime (same results, no bucketing or scheduling). "
                    "Pass strict=True to raise instead.")
@@ -191,6 +192,11 @@ class Compiler:
         except PassFailure as failure:
             self._fail(record, "captured", failure)
             results = failure.results
+        for inlined in ctx.results.get("inline_mutating_regions") or ():
+            self.state.region_fallback.inlined_by_pass(
+                inlined.block_class, f"in a graph that trains, they update an input in place ({inlined.written}: "
+                "a buffer such as BatchNorm's running statistics), which AOTAutograd cannot differentiate "
+                "through a region")
         record.pass_seconds["captured"] = {r.name: r.seconds for r in results}
         dumper = self._dumper()
         if dumper is not None:

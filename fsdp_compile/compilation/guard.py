@@ -91,6 +91,7 @@ class StepGuard:
         first_run = [True]
 
         def run(*args: Any) -> Any:
+            self.state.region_fallback.graph_runs += 1
             replaced = self.refresh_leaves()
             if replaced is not None:
                 return self.run_eagerly_once(record, compiled, args, replaced)

@@ -85,7 +85,7 @@ def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
         if key not in entries:  # a parameter read twice is gathered once
             entries[key] = len(inputs)
             inputs.append(marker.input)
-            full_shapes.append(tuple(marker.node.meta["val"].shape))
+            full_shapes.append(marker.full_shape)
     spec = bucket.spec
     size = _buffer_bytes(full_shapes, spec.compute_dtype(inputs[0].meta["val"].dtype), spec)
     outputs = _splice(graph, bucket.markers[0].node,
@@ -104,7 +104,7 @@ def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
     grad_dtypes = [m.grad_dtype for m in bucket.markers]
     spec = bucket.spec
     values = [n.meta["val"] for n in inputs]
-    size = _buffer_bytes([v.shape for v in values], spec.grad_reduce_dtype(values[0].dtype), spec)
+    size = _buffer_bytes([m.full_shape for m in bucket.markers], spec.grad_reduce_dtype(values[0].dtype), spec)
     # Every gradient of the bucket exists once its last marker's input does.
     outputs = _splice(graph, bucket.markers[-1].node,
                       lambda *grads: reduce_grads(list(grads), local_rows, grad_dtypes, spec), inputs,

@@ -24,6 +24,7 @@ import torch.fx as fx
 from ..api import ConfigError
 from .context import STAGES, GraphPass, PassContext
 from .lowering import lower_markers_pass
+from .region_mutations import inline_mutating_regions_pass
 from .region_outputs import unalias_region_outputs_pass
 from .regions import hoist_region_markers_pass, inline_reordering_regions_pass, route_region_inputs_pass
 from .reshard import elide_trivial_unshard_pass, tag_reshard_policy_pass
@@ -33,8 +34,11 @@ from .scheduling import schedule_collectives_pass
 Pass = tuple[str, Callable[[fx.GraphModule], Any]]
 
 PIPELINE: tuple[GraphPass, ...] = (
-    # The captured graph: markers of compile regions' bodies move to the call sites.
+    # The captured graph: markers of compile regions' bodies move to the call sites; calls that
+    # AOTAutograd could not differentiate, or whose gradients it would sum in another order,
+    # are inlined.
     GraphPass("hoist_region_markers", hoist_region_markers_pass, "captured"),
+    GraphPass("inline_mutating_regions", inline_mutating_regions_pass, "captured"),
     GraphPass("inline_reordering_regions", inline_reordering_regions_pass, "captured"),
     # Joint graph: region calls take gathered parameters from the gather, not from an earlier
     # call; then the strategy's reshard policy as partitioner tags.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from .collectives import CommSpec, gather_params, reduce_grads
 from .faults import reraise_named
@@ -161,20 +162,39 @@ class Marker:
         return value.dtype if self.kind == "unshard" else self.spec.grad_reduce_dtype(value.dtype)
 
     @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape of :attr:`full_value`, every size an int (see :func:`static_int`)."""
+        return tuple(static_int(size) for size in self.full_value.shape)
+
+    @property
     def full_bytes(self) -> int:
-        return self.full_value.numel() * self.comm_dtype.itemsize
+        return static_int(self.full_value.numel()) * self.comm_dtype.itemsize
+
+
+def static_int(value: object) -> int:
+    """A size a marker communicates, as an int.
+
+    A parameter's sizes never change, but Dynamo may still make them symbolic: when one frame
+    reads several parameters through the same code (a parameter read that Dynamo compiles as
+    a frame of its own after a graph break), a size that differs between them becomes a SymInt
+    on the next compile. The lowered collectives are traced with their sizes baked in, so each
+    such size is specialized to the value it has (a guard: another parameter compiles anew).
+    A size passed as a graph value (a SymInt argument of a marker) is read from that node."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val", value.meta.get("example_value"))
+    return guard_int(value) if isinstance(value, torch.SymInt) else int(value)
 
 
 def decode(node: fx.Node) -> Marker:
     if node.target is UNSHARD:
         tensor, fqn, unit, rows, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, rows, CommSpec.from_op_args(*spec_args))
+        return Marker(node, tensor, fqn, unit, static_int(rows), CommSpec.from_op_args(*spec_args))
     if node.target is UNSHARD_NO_SYNC:
         tensor, _accumulator, fqn, unit, rows, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, rows, CommSpec.from_op_args(*spec_args))
+        return Marker(node, tensor, fqn, unit, static_int(rows), CommSpec.from_op_args(*spec_args))
     if node.target is REDUCE_GRAD:
         tensor, fqn, unit, rows, grad_dtype, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, rows, CommSpec.from_op_args(*spec_args), grad_dtype)
+        return Marker(node, tensor, fqn, unit, static_int(rows), CommSpec.from_op_args(*spec_args), grad_dtype)
     raise ValueError(f"{node.format_node()} is not an fsdp_compile marker")
 
 

@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .groups import Topology
 from .local_shards import LocalShards
+from .region_fallback import RegionFallback
 from .sharded_param import ShardedParamInfo
 from .units import ROOT_UNIT
 
@@ -39,6 +40,9 @@ class ShardingState:
     # the report marks (see inspection/bucket_advice.py).
     oversized_buckets: dict[str, dict[str, Any]] = field(default_factory=dict)
     init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
+    # The switches of the block classes compiled as regions, and the count of compiled-graph
+    # calls that tells the fallback whether a failed call had run anything.
+    region_fallback: RegionFallback = field(default_factory=RegionFallback)
     _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
 
     def group_roles(self) -> dict[str, str]:

@@ -17,10 +17,11 @@ nowhere else, because the reads that use it are traced:
   pitfall seen in SimpleFSDP.
 
 Shared by reference: the model's :class:`~.local_shards.LocalShards` (its leaves, and the
-per-forward state the root's forward sets) and the backend's :class:`~.grad_sync.GradientSync`.
-The module's own: its parameters' specs, the precomputed reads (one tuple of marker arguments
-per name: one guard per read), the :class:`~.regions.RegionReads` of a module inside a region,
-the root's mixed precision policy.
+per-forward state the root's forward sets), the backend's :class:`~.grad_sync.GradientSync`, and
+a region unit's :class:`~.regions.RegionClass` switch. The module's own: its parameters' specs,
+the precomputed reads (one tuple of marker arguments per name: one guard per read), the
+:class:`~.regions.RegionReads` of a module inside a region, the root's mixed precision policy and,
+in a model with regions, the root's :class:`~.region_fallback.ModelRegions`.
 
 One registry remains, for tensors rather than modules: the weak map in :mod:`.sharded_param`
 from DTensor parameters and leaves to their names, which the compiler needs about a graph's
@@ -37,7 +38,8 @@ import torch.nn as nn
 from ..api import MixedPrecision
 from .grad_sync import GradientSync
 from .local_shards import LocalShards
-from .regions import RegionReads
+from .region_fallback import ModelRegions
+from .regions import RegionClass, RegionReads
 from .sharded_param import ShardedParamInfo
 from .tensor_parallel import TPSpec
 
@@ -55,6 +57,8 @@ class ModuleState:
     sync: GradientSync | None  # the backend's, shared by all the models it shards
     region: RegionReads | None = None  # inside a unit compiled as a region
     mixed_precision: MixedPrecision | None = None  # the root's, when it casts inputs or the output
+    region_class: RegionClass | None = None  # a unit compiled as a region: its class's switch
+    regions: ModelRegions | None = None  # the root of a model with regions: their classes, the fallback
     # local parameter name -> (fqn, the unshard marker's arguments): what a read passes on.
     reads: dict[str, tuple[str, tuple]] = field(init=False)
     # local parameter name -> its TP spec, for tensor-parallel parameters (a read rebuilds the

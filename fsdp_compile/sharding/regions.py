@@ -22,6 +22,14 @@ A unit is compiled as a region only when it repeats (two or more units of its cl
 no parameter tied to one outside it, and gradients are synchronized (under ``no_sync`` the
 blocks run inline: their reads carry per-parameter accumulators). Eager runs are unaffected:
 outside ``torch.compile`` a region is a plain call.
+
+A region body may not do everything a block may (torch's rules, in docs/design.md). One rule is
+kept by construction here: a block that returns one of its inputs as it came (T5's position
+bias, handed from block to block) would make the body return an alias of its input, which
+``invoke_subgraph`` refuses; the body returns a reference to that input instead and the call
+site hands the input itself back. What else torch refuses, the block class runs inline for:
+each class has a :class:`RegionClass` switch, shared by its units, that the captured graph's
+passes and the model's call (:mod:`.region_fallback`) turn off, with one warning.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 # From how many copies of a block a region pays for its fixed cost (one more trace of the body,
 # torch's per-call schema for the region), by compiler, measured for bench/compile_time.py's GPT
@@ -56,6 +64,30 @@ def regions_supported() -> bool:
     return region is not None and "max_reuse_entries" in inspect.signature(region).parameters
 
 
+@dataclass(eq=False)
+class RegionClass:
+    """The units of one block class compiled as regions, shared by their states: whether Dynamo
+    still traces them as a region (``enabled``, which the traced forward reads) and, once some
+    or all of their calls compile inline, why (``reason``)."""
+
+    key: str  # module.QualifiedName of the class
+    units: list[str]
+    enabled: bool = True
+    reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit(".", 1)[-1]
+
+    def describe_units(self) -> str:
+        shown = ", ".join(self.units[:3])
+        return shown + (", ..." if len(self.units) > 3 else "")
+
+
+def class_key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 @dataclass
 class RegionReads:
     """What a sharded module inside a region reads, keyed by the parameter's local name: its
@@ -66,6 +98,7 @@ class RegionReads:
     leaves: dict[str, nn.Parameter]
     args: dict[str, tuple]
     sync: Any  # the backend's GradientSync: regions only while gradients are synchronized
+    region_class: RegionClass  # the unit's class: regions only while it is enabled
 
 
 def region_copies(regions: bool | int, compiler: str) -> int | None:
@@ -156,24 +189,75 @@ def relative_marker_args(fqn: str, unit: str, unshard_args: tuple) -> tuple:
 _MAX_REUSE_ENTRIES = 1 << 16
 
 
+# Which region was traced last: set while Dynamo traces a region's call (a constant-result
+# function runs at trace time), so that an error torch raises about a region names its class.
+_LAST_TRACED: list[str | None] = [None]
+
+
+@torch.compiler.assume_constant_result
+def _tracing_region(key: str) -> bool:
+    _LAST_TRACED[0] = key
+    return True
+
+
+def last_traced_region() -> str | None:
+    """The key of the block class whose region Dynamo traced last (see :func:`_tracing_region`)."""
+    return _LAST_TRACED[0]
+
+
+def forget_traced_region() -> None:
+    _LAST_TRACED[0] = None
+
+
+# What a region body returns in place of an output that is one of its inputs, followed by that
+# input's position among the call's tensors. No block returns a string starting with NUL.
+_INPUT_REFERENCE = "\x00fsdp_compile:input:"
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+def _reference_inputs(inputs: list[torch.Tensor], output: torch.Tensor) -> torch.Tensor | str:
+    for position, value in enumerate(inputs):
+        if output is value:
+            return f"{_INPUT_REFERENCE}{position}"
+    return output
+
+
+def _resolve_inputs(inputs: list[torch.Tensor], output: str) -> torch.Tensor | str:
+    if output.startswith(_INPUT_REFERENCE):
+        return inputs[int(output[len(_INPUT_REFERENCE):])]
+    return output
+
+
 def make_region_forward(cls: type, tensor_parallel: bool = False):
     """The generated unit class's forward: the original one, as a region while gradients are
-    synchronized. ``tensor_parallel``: the block holds TP parameters (see :func:`region_input`)."""
+    synchronized and the class's :class:`RegionClass` is enabled. ``tensor_parallel``: the
+    block holds TP parameters (see :func:`region_input`)."""
     original_forward = cls.forward
-    body = original_forward
-    if tensor_parallel:
-        def body(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    key = class_key(cls)
+
+    def body(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if tensor_parallel:
             args, kwargs = tree_map_only(torch.Tensor, region_input, (args, kwargs))
-            return original_forward(self, *args, **kwargs)
+        output = original_forward(self, *args, **kwargs)
+        # An output that is an input would alias it, which invoke_subgraph refuses: return
+        # where it came from instead (the identity test is decided while Dynamo traces).
+        return tree_map_only(torch.Tensor, functools.partial(_reference_inputs, _tensors(args, kwargs)), output)
 
     region = torch.compiler.nested_compile_region(body, max_reuse_entries=_MAX_REUSE_ENTRIES)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self._fsdp_state.sync.accumulating:
+        state = self._fsdp_state
+        if state.sync.accumulating or not state.region_class.enabled:
             return original_forward(self, *args, **kwargs)
-        # torch.compile must capture a region whole: a graph break inside the block raises, and
-        # Dynamo's message quotes the line below, so it says what to do.
-        return region(self, *args, **kwargs)  # a graph break in this block? use backend(regions=False)
+        if torch.compiler.is_compiling():
+            _tracing_region(key)
+        # torch.compile must capture a region whole: where it cannot, the model's call retries
+        # with this class inline (sharding/region_fallback.py) and says so.
+        output = region(self, *args, **kwargs)
+        return tree_map_only(str, functools.partial(_resolve_inputs, _tensors(args, kwargs)), output)
 
     forward.__doc__ = original_forward.__doc__
     return forward

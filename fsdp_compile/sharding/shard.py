@@ -28,7 +28,8 @@ from .local_shards import LocalShards
 from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
 from .module_state import ModuleState, set_module_state
-from .regions import RegionReads, region_units, relative_marker_args, tp_mesh_split_classes
+from .region_fallback import ModelRegions, RegionFallback
+from .regions import RegionClass, RegionReads, region_units, relative_marker_args, tp_mesh_split_classes
 from .sharded_class import sharded_class
 from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
 from .tensor_parallel import tp_local, tp_spec
@@ -54,6 +55,7 @@ def shard_module(
     init_device: torch.device | None = None,
     materialize: bool = True,
     region_copies: int | None = None,
+    region_fallback: RegionFallback | None = None,
     mesh_given: bool = False,
 ) -> ShardResult:
     """Shard every parameter of ``model`` in place; returns the info of each, by name.
@@ -62,7 +64,8 @@ def shard_module(
     on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
     with ``materialize=False`` they become meta shards instead (planning: shapes only).
     ``region_copies``: compile the units of a class with that many copies or more as regions
-    (see :mod:`.regions`; needs ``sync``); None: no regions. Tensor-parallel blocks whose hooks
+    (see :mod:`.regions`; needs ``sync``); None: no regions. ``region_fallback``: the backend's
+    switches of region classes (:mod:`.region_fallback`; a new one by default). Tensor-parallel blocks whose hooks
     hold different mesh objects compile inline, with a warning
     (:func:`.regions.tp_mesh_split_classes`). Parameters that are already
     tensor-parallel DTensors are sharded over ``topology``'s dp mesh (see
@@ -146,25 +149,37 @@ def shard_module(
                 if region_copies is not None and sync is not None else set())
     if tensor_parallel and regional:
         regional = _without_split_meshes(model, regional)
+    fallback = region_fallback if region_fallback is not None else RegionFallback()
+    region_classes = _region_classes(model, regional, fallback)
     for module, specs in per_module.items():
         unit = unit_of(module_names[module], units)
-        region = _region_reads(specs, unit, shards, sync) if unit in regional else None
+        region = _region_reads(specs, unit, shards, sync, region_classes[unit]) if unit in regional else None
         for name, info in specs.items():
             shards.register(module, name, info.fqn)
         root = module is model
+        regions = ModelRegions(list(dict.fromkeys(region_classes.values())), fallback) if root and regional else None
         set_module_state(module, ModuleState(specs, shards, sync, region,
-                                             mixed_precision if root and casts else None))
+                                             mixed_precision if root and casts else None,
+                                             region_class=region_classes.get(module_names[module]), regions=regions))
         module.__class__ = sharded_class(type(module), tuple(sorted(specs)), root,
                                          region_forward=not root and module_names[module] in regional,
                                          in_region=region is not None,
                                          tp_names=tuple(sorted(n for n, i in specs.items() if i.tp is not None)),
-                                         tp_region=tensor_parallel)
+                                         tp_region=tensor_parallel, region_fallback=regions is not None)
     for unit in sorted(regional):
         module = model.get_submodule(unit)
         if module not in per_module:  # a block whose parameters all live in its submodules
-            set_module_state(module, ModuleState({}, shards, sync))
+            set_module_state(module, ModuleState({}, shards, sync, region_class=region_classes[unit]))
             module.__class__ = sharded_class(type(module), (), region_forward=True, tp_region=tensor_parallel)
     return ShardResult(infos, shards, peak)
+
+
+def _region_classes(model: nn.Module, regional: set[str], fallback: RegionFallback) -> dict[str, RegionClass]:
+    """Each unit compiled as a region -> the switch of its class (one per class, the backend's)."""
+    by_class: dict[type, list[str]] = {}
+    for unit in sorted(regional):
+        by_class.setdefault(type(model.get_submodule(unit)), []).append(unit)
+    return {unit: fallback.region_class(cls, units) for cls, units in by_class.items() for unit in units}
 
 
 def _without_split_meshes(model: nn.Module, regional: set[str]) -> set[str]:
@@ -185,12 +200,12 @@ def _without_split_meshes(model: nn.Module, regional: set[str]) -> set[str]:
 
 
 def _region_reads(specs: dict[str, ShardedParamInfo], unit: str, shards: LocalShards,
-                  sync: GradientSync | None) -> RegionReads:
+                  sync: GradientSync | None, region_class: RegionClass) -> RegionReads:
     """A module's reads inside the region ``unit``, named relative to the unit, their leaves
     kept current by ``shards``."""
     reads = RegionReads({name: shards.leaves[info.fqn] for name, info in specs.items()},
                         {name: relative_marker_args(info.fqn, unit, info.unshard_args)
-                         for name, info in specs.items()}, sync)
+                         for name, info in specs.items()}, sync, region_class)
     for name, info in specs.items():
         shards.mirror(info.fqn, reads.leaves, name)
     return reads

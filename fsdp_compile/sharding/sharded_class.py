@@ -23,26 +23,32 @@ from torch.utils._pytree import tree_map_only
 
 from ..api import MixedPrecision
 from .local_shards import LocalShards
+from .region_fallback import region_fallback_call
 from .regions import make_region_forward, region_input
 from .tensor_parallel import as_tp_dtensor
 
-_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...], bool], type] = {}
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...], bool, bool], type] = {}
 
 
 def sharded_class(cls: type, names: tuple[str, ...], root: bool = False, region_forward: bool = False,
-                  in_region: bool = False, tp_names: tuple[str, ...] = (), tp_region: bool = False) -> type:
+                  in_region: bool = False, tp_names: tuple[str, ...] = (), tp_region: bool = False,
+                  region_fallback: bool = False) -> type:
     """The generated subclass: a gathering property per parameter (``in_region``: for a module
     inside a unit compiled as a region), for the root a forward that sets up the reads (and
     applies mixed precision casts), for a unit compiled as a region (``region_forward``) a
     forward that runs as one (see :mod:`.regions`). ``tp_names``: the tensor-parallel parameters,
     whose reads return the tp DTensor (:mod:`.tensor_parallel`); ``tp_region``: a region of a
-    tensor-parallel model (:func:`.regions.region_input`)."""
-    key = (cls, names, root, region_forward, in_region, tp_names, tp_region)
+    tensor-parallel model (:func:`.regions.region_input`); ``region_fallback``: the root of a
+    model with regions, whose call retries with the regions torch refused inline
+    (:mod:`.region_fallback`)."""
+    key = (cls, names, root, region_forward, in_region, tp_names, tp_region, region_fallback)
     if key not in _CLASS_CACHE:
         namespace: dict[str, Any] = {name: _make_property(name, in_region, name in tp_names) for name in names}
         namespace["_fsdp_region"] = _REGION_READS
         if root:
             namespace["forward"] = _make_root_forward(cls)
+            if region_fallback:
+                namespace["__call__"] = region_fallback_call(cls)
         elif region_forward:
             namespace["forward"] = make_region_forward(cls, tp_region)
         namespace["__module__"] = cls.__module__
@@ -77,7 +83,7 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
 
     def read_in_region(self: nn.Module) -> torch.Tensor:
         region = self._fsdp_state.region
-        if not region.sync.accumulating and torch.compiler.is_compiling():
+        if not region.sync.accumulating and region.region_class.enabled and torch.compiler.is_compiling():
             # Inside a compile region (sharding/regions.py): nothing here may name the block,
             # or the next block could not reuse this trace, nor read the root's per-forward
             # state (Dynamo does not reuse a region that read what the outer frame wrote).
@@ -107,7 +113,8 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
 
         def read_tp_in_region(self: nn.Module) -> torch.Tensor:
             gathered = plain(self)
-            if not self._fsdp_state.region.sync.accumulating:
+            region = self._fsdp_state.region
+            if not region.sync.accumulating and region.region_class.enabled:
                 gathered = region_input(gathered)  # the marker moves out of the region body
             return as_tp_dtensor(gathered, self._fsdp_state.tp[name])
 

@@ -1,0 +1,278 @@
+"""Blocks torch cannot compile as a region run inline instead: the defaults never fail because of regions.
+
+Regions only shorten compilation (:mod:`.regions`): a model that trains with
+``regions=False`` must train with the defaults too. Torch refuses some blocks as regions
+(its rules, and the sources that decide them, are in docs/design.md), at two moments:
+
+* **While AOTAutograd traces the graph** (a block that updates a buffer in place while
+  training, such as BatchNorm's running statistics): decided from the captured graph before
+  AOTAutograd runs, by the pass ``inline_mutating_regions`` (passes/region_mutations.py), which
+  inlines those calls.
+* **While Dynamo traces the model** (a graph break inside the block, a tensor it keeps in an
+  object outside itself that aliases one of its inputs, an output that is a view of an
+  input): the compile raises before any of the step has run. The model's call catches it
+  (the root's ``__call__``, :func:`region_fallback_call`), turns the block's class off (the
+  class whose region Dynamo traced last, else every class of the model) and calls again, which
+  traces that class inline. The result is the call's as if ``regions=False`` had been given
+  for that class; one warning per class says which, and why.
+
+A compile that fails after part of the step has run (a graph break before the blocks splits
+the step, and the blocks compile in a later frame) is not retried: running the first part
+again would repeat its side effects. The error then carries a note, and the class is off for
+the calls after it.
+
+The root's ``__call__`` runs as Python when it is the frame ``torch.compile`` starts at, and is
+traced like any code when a function the user compiles calls the model (no graph break there;
+no retry either: that function's compile is the user's).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .regions import RegionClass, class_key, forget_traced_region, last_traced_region
+
+log = logging.getLogger("fsdp_compile")
+
+# Plain words for the rules torch enforces on region bodies, matched on the message it raises.
+_CAUSES = (
+    ("intermediate tensor", "the block keeps a tensor that aliases one of its inputs in an object that outlives "
+                            "the call (a buffer updated in place and assigned back, a KV cache)"),
+    ("Encountered aliasing", "the block returns a view of one of its inputs"),
+    ("does not currently support training with in-place", "the block updates a buffer or an input in place "
+                                                           "while training (BatchNorm's running statistics)"),
+    ("graph break", "a graph break inside the block (a torch.compiler.disable'd call, a data-dependent branch)"),
+    ("Graph break", "a graph break inside the block (a torch.compiler.disable'd call, a data-dependent branch)"),
+)
+
+
+def describe_failure(error: BaseException) -> str:
+    """Why torch refused a region, in plain words where its message says, with torch's own
+    words (the graph break's, for a region Dynamo could not capture whole)."""
+    text = str(error)
+    lines = [line.strip() for line in text.split("Got graph break/error:")[-1].splitlines() if line.strip()]
+    quoted = lines[0] if lines else ""
+    if len(quoted) > _QUOTED_CHARS:
+        quoted = quoted[:_QUOTED_CHARS].rsplit(" ", 1)[0] + " ..."
+    cause = next((words for sign, words in _CAUSES if sign in text), None)
+    raised = f"{type(error).__name__}: {quoted}" if quoted else type(error).__name__
+    return f"{cause} ({raised})" if cause else raised
+
+
+_QUOTED_CHARS = 160
+
+
+@dataclass(eq=False)
+class RegionFallback:
+    """One backend's region classes, by key, and what the fallback needs to know."""
+
+    classes: dict[str, RegionClass] = field(default_factory=dict)
+    graph_runs: int = 0  # calls of this backend's compiled graphs (the step guard counts them)
+    warned: set[str] = field(default_factory=set)
+
+    def region_class(self, cls: type, units: list[str]) -> RegionClass:
+        """The switch of ``cls``'s regions, shared by every model this backend shards."""
+        key = class_key(cls)
+        if key not in self.classes:
+            self.classes[key] = RegionClass(key, [])
+        self.classes[key].units.extend(u for u in units if u not in self.classes[key].units)
+        return self.classes[key]
+
+    def inlined(self) -> list[RegionClass]:
+        """The classes whose blocks compile inline (all calls, or in graphs that train), with
+        their reasons."""
+        return [c for c in self.classes.values() if c.reason is not None]
+
+    def inlined_by_pass(self, block_class: type | None, reason: str) -> None:
+        """A captured graph's pass inlined ``block_class``'s calls: say so once. The class stays
+        on for Dynamo, whose guards on it every compiled graph holds (turning it off would
+        recompile them all); each graph that needs it inlines again."""
+        region_class = self.classes.get(class_key(block_class)) if block_class is not None else None
+        if region_class is None:
+            return
+        if region_class.reason is None:
+            region_class.reason = reason
+        self.warn(region_class)
+
+    def turn_off(self, region_class: RegionClass, reason: str) -> None:
+        """Compile ``region_class``'s blocks inline from now on, and say so once."""
+        region_class.enabled = False
+        region_class.reason = reason
+        self.warn(region_class)
+
+    def warn(self, region_class: RegionClass, reason: str | None = None) -> None:
+        """One warning per class (on rank 0; every rank logs it)."""
+        if region_class.key in self.warned:
+            return
+        self.warned.add(region_class.key)
+        message = (f"fsdp_compile: the {region_class.name} blocks ({region_class.describe_units()}) compile "
+                   f"inline, not as one region: {reason or region_class.reason}. Inline they train as with "
+                   "regions=False; only compile time differs. Pass regions=False to compile every block inline "
+                   "without trying.")
+        log.warning(message)
+        if not (dist.is_initialized() and dist.get_rank() != 0):
+            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
+
+
+@dataclass(eq=False)
+class _Attempt:
+    """One call of the model, across its retries."""
+
+    graph_runs: int  # the backend's count when the call began
+    turned_off: list[RegionClass] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class ModelRegions:
+    """The region classes of one sharded model (its root's state holds this), and the steps of
+    the call that retries without the regions torch refused (:func:`region_fallback_call`).
+
+    The steps run with Dynamo off: the call runs them from the frame ``torch.compile`` does
+    not compile, and every frame that frame calls would otherwise be compiled."""
+
+    classes: list[RegionClass]
+    fallback: RegionFallback
+
+    @torch.compiler.disable
+    def begin(self) -> _Attempt:
+        forget_traced_region()
+        return _Attempt(self.fallback.graph_runs)
+
+    @torch.compiler.disable
+    def failed(self, attempt: _Attempt, error: Exception) -> None:
+        """The call raised ``error``: turn the class to blame off for another try, or raise."""
+        if _raised_by_fsdp_compile(error):  # a named error of ours (strict=True, bad options): the user's to see
+            self.succeeded(attempt)
+            raise error
+        enabled = [c for c in self.classes if c.enabled]
+        if self.fallback.graph_runs != attempt.graph_runs:
+            self._ran_before_failing(error, enabled, attempt)
+            raise error
+        if not enabled:
+            self._no_region_to_blame(error, attempt)
+        attempt.errors.append(error)
+        traced = last_traced_region()
+        for region_class in [c for c in enabled if c.key == traced] or enabled:
+            region_class.enabled = False
+            region_class.reason = ("torch.compile could not capture one as a nested_compile_region: "
+                                   + describe_failure(error))
+            attempt.turned_off.append(region_class)
+        forget_traced_region()
+
+    @torch.compiler.disable
+    def succeeded(self, attempt: _Attempt) -> None:
+        for region_class in attempt.turned_off:
+            self.fallback.warn(region_class)
+
+    def _ran_before_failing(self, error: BaseException, enabled: list[RegionClass], attempt: _Attempt) -> None:
+        """A compile failed after part of the call ran: not retried. Classes turned off by
+        earlier tries stay off (their failures were before anything ran); the class traced
+        last is turned off for the next calls, and the error says so."""
+        self.succeeded(attempt)
+        traced = next((c for c in enabled if c.key == last_traced_region()), None)
+        if traced is None:
+            return
+        self.fallback.turn_off(traced, "torch.compile raised while tracing it as a nested_compile_region, "
+                                       "after part of the step had run: " + describe_failure(error))
+        _add_note(error, f"fsdp_compile: this error was raised while torch.compile traced the {traced.name} "
+                         "blocks as one region, after part of this step had run (a graph break before them), so "
+                         "the step was not retried; later calls compile those blocks inline. Pass regions=False "
+                         "to compile every block inline from the start.")
+
+    def _no_region_to_blame(self, error: BaseException, attempt: _Attempt) -> None:
+        """Compiling failed with every class inline too: regions were not the cause. The
+        classes go back on and the first error is raised, the last one noted beside it."""
+        for region_class in attempt.turned_off:
+            region_class.enabled = True
+            region_class.reason = None
+        if not attempt.errors:
+            raise error
+        _add_note(attempt.errors[0], "fsdp_compile: compiling with every block inline (as regions=False) "
+                                     "failed too: " + describe_failure(error))
+        raise attempt.errors[0]
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package and torch (the user's call):
+    the fallback warns from inside torch.compile's frames, how many depends on the path."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _raised_by_fsdp_compile(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from (Dynamo wraps what a backend raises),
+    is one of this package's named errors."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if type(current).__module__.split(".")[0] == __name__.split(".")[0]:
+            return True
+        stack += [current.__cause__, current.__context__, getattr(current, "inner_exception", None)]
+    return False
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    add_note = getattr(error, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(note)
+
+
+def _top_frame_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run as Python when it is the frame ``torch.compile`` starts at (so it can catch
+    what compiling the frames it calls raises), and traced like any code when a function being
+    compiled calls it.
+
+    ``torch.compiler.disable(fn, recursive=False)`` gives the first half: torch skips a frame
+    its non-recursive wrapper calls and compiles the frames after it. Its wrapper is also marked
+    disabled, which breaks the graph of any compiled function that calls it (and fails one
+    compiled with ``fullgraph=True``); the same wrapper unmarked is inlined there instead.
+    """
+    from torch._dynamo import external_utils
+
+    wrap = getattr(external_utils, "get_nonrecursive_disable_wrapper", None)
+    if wrap is None:  # a torch without it: still retried; a compiled caller breaks its graph here
+        return torch.compiler.disable(fn, recursive=False)
+    return wrap(fn)
+
+
+def region_fallback_call(cls: type) -> Callable[..., Any]:
+    """The root class's ``__call__``: ``cls``'s, retried with the regions torch refused inline
+    (see the module docstring). The loop is in this frame, the one ``torch.compile`` skips:
+    compiling the model happens inside ``original_call``, so what it raises is caught here."""
+    original_call = cls.__call__
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # inside a function the user compiles
+            return original_call(self, *args, **kwargs)
+        regions = self._fsdp_state.regions
+        attempt = regions.begin()
+        while True:
+            try:
+                result = original_call(self, *args, **kwargs)
+            except Exception as error:
+                regions.failed(attempt, error)  # raises unless a class was turned off to try again
+                continue
+            regions.succeeded(attempt)
+            return result
+
+    return _top_frame_only(call)
