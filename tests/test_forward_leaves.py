@@ -104,8 +104,10 @@ def gather_inputs(backend: Any, forward: Any, batch: tuple, rank: int) -> dict[s
 
     class Log(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if is_gather(func):
-                seen.setdefault(args[1], set()).add("DTensor" if isinstance(args[0], DTensor) else "plain tensor")
+            if is_gather(func):  # one parameter's marker, or a bucket's (reads that run as Python)
+                shards, fqns = (args[0], args[1]) if isinstance(args[0], list) else ([args[0]], [args[1]])
+                for shard, fqn in zip(shards, fqns):
+                    seen.setdefault(fqn, set()).add("DTensor" if isinstance(shard, DTensor) else "plain tensor")
             return func(*args, **(kwargs or {}))
 
     x, _ = (local_slice(t, rank) for t in batch)

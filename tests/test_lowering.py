@@ -112,3 +112,23 @@ def test_a_unit_read_only_at_the_end_is_one_bucket() -> None:
         return (x @ block.t()) @ head.t()
     gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), torch.randn(4, 8), torch.randn(4, 8))
     assert [b.key for b in assign_buckets(markers(gm.graph, "unshard"), parse_policy("module"))] == ["b0", "<root>"]
+
+
+def test_markers_with_symbolic_sizes_lower_with_their_sizes_specialized() -> None:
+    # A parameter read that Dynamo compiles once per parameter (a frame of its own after a graph
+    # break) may come back with its size a SymInt once two of them differ. The lowered
+    # collectives are traced with sizes baked in: each is specialized to the value it has.
+    def f(x, a, b, rows):
+        w = torch.ops.fsdp_compile.unshard(a, "a", "b0", rows, *GROUP_G.op_args())
+        v = torch.ops.fsdp_compile.unshard(b, "b", "b0", 6, *GROUP_G.op_args())
+        g = torch.ops.fsdp_compile.reduce_grad(torch.tanh(w), "a", "b0", a.shape[0], w.dtype, *GROUP_G.op_args())
+        return x @ w.t(), v, g
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(3, 6), torch.randn(4, 6), torch.randn(3), 8)
+    assert isinstance(next(n for n in gm.graph.nodes if n.name == "rows_1").meta["val"], torch.SymInt)
+    buckets = lower_markers(gm, parse_policy("module"))
+    assert not markers(gm.graph)
+    (gather,) = buckets["unshard"]
+    (copy_out,) = [n for n in gm.graph.nodes if n.target is torch.ops.fsdp_compile.copy_out.default]
+    assert copy_out.args[3] == [8, 6, 6]  # the flat shapes: a's full [8, 6], b's [6], as ints
+    assert [m.full_shape for m in gather.markers] == [(8, 6), (6,)]

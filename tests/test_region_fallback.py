@@ -111,6 +111,7 @@ def fallback_worker(rank: int, world: int, name: str) -> dict:
         run["warnings"] = [str(w.message) for w in caught if "compile inline" in str(w.message)]
         run["inlined"] = {c.name: c.reason for c in backend._state.region_fallback.inlined()}
         run["region_calls"] = compiled_regions(backend)[0]
+        run["report"] = backend.report()
         out[regions] = run
     return out
 
@@ -125,6 +126,7 @@ def test_a_block_torch_refuses_compiles_inline_with_one_warning(name: str) -> No
         cls = BLOCKS[name].__name__
         assert list(with_regions["inlined"]) == [cls] and CAUSES[name] in with_regions["inlined"][cls]
         assert with_regions["region_calls"] == 0
+        assert f"{cls} blocks compile inline, not as one region: " in with_regions["report"]
         # One warning, on rank 0 only (every rank logs it), naming the class, its blocks and why.
         expected = 1 if rank == 0 else 0
         assert len(with_regions["warnings"]) == expected, with_regions["warnings"]

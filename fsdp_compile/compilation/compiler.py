@@ -46,7 +46,9 @@ from ..passes.graph import ROLE_META, SAVED_STORAGE_META, copy_graph_module
 from ..passes.pipeline import PassFailure, run_stage
 from ..passes.regions import PARAM_META, has_regions, inline_regions, is_region_body_joint
 from ..passes.scheduling import ScheduleOptions
+from ..runtime.markers import UNSHARD
 from ..sharding.backend_state import ShardingState
+from ..sharding.sharded_class import gathered_parameter
 from ..sharding.sharded_param import leaf_owner, sharded_name
 from . import planning_seam
 from .cache import CacheState, compile_cache_key, prepare_directory, user_pass_uuids
@@ -86,6 +88,9 @@ class Compiler:
         compiler = "eager" if env_flag("FSDP_COMPILE_EAGER") else self.options.compiler
         record = CompiledGraph(index=len(self.graphs), dynamo=gm, compiler=compiler)
         self.graphs.append(record)
+        read = lone_read(gm)
+        if read is not None:
+            return self._python_read(record, read, example_inputs)
         dumper = self._dumper()
         if dumper is not None:
             dumper.write_graph(record.index, "dynamo.py", graph_code(gm))
@@ -105,6 +110,26 @@ class Compiler:
             inner = compile_aot_eager if compiler == "aot_eager" else compile_inductor
             compiled = inner(self, gm, example_inputs, record)
         return self.guard.wrap(compiled, record)
+
+    def _python_read(self, record: CompiledGraph, read: fx.Node, example_inputs: Sequence[Any]) -> Callable:
+        """A graph that is nothing but one parameter read: Dynamo compiled the read as a frame of
+        its own, called from code it runs as Python (after a graph break). It runs as Python
+        too, as that code's other reads do, so that it gathers with its bucket
+        (sharding/eager_buckets.py) instead of as a bucket of one."""
+        fqn, *_ = read.args[1:]
+        placeholders = [n for n in record.dynamo.graph.nodes if n.op == "placeholder"]
+        leaf = example_inputs[placeholders.index(read.args[0])]
+        shards = next(s for s in self.state.local_shards if s.leaves.get(fqn) is leaf)
+        marker_args = shards.read_args[fqn]
+        record.python_read = fqn
+        fallback = self.state.region_fallback
+
+        def run(*args: Any) -> tuple[torch.Tensor]:
+            fallback.graph_runs += 1
+            return (gathered_parameter(fqn, marker_args, shards),)
+
+        self._write_summary(record)
+        return run
 
     def _check_inputs(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -313,6 +338,19 @@ class Compiler:
     def replay_for_planning(self, *args: Any, **kwargs: Any) -> tuple[CompiledGraph, tuple[fx.GraphModule, ...]]:
         """See :func:`.planning_seam.replay_for_planning`."""
         return planning_seam.replay_for_planning(self, *args, **kwargs)
+
+
+def lone_read(gm: fx.GraphModule) -> fx.Node | None:
+    """The read, when a captured graph does nothing but read one sharded parameter (an
+    ``unshard`` marker on an input, returned as the graph's only output); else None."""
+    nodes = [n for n in gm.graph.nodes if n.op != "placeholder"]
+    if len(nodes) != 2 or nodes[0].op != "call_function" or nodes[0].target not in (UNSHARD, UNSHARD.overloadpacket):
+        return None
+    marker, output = nodes
+    returned = output.args[0]
+    if not (isinstance(returned, (tuple, list)) and list(returned) == [marker]) and returned is not marker:
+        return None
+    return marker if marker.args[0].op == "placeholder" else None
 
 
 def tag_saved_inputs(gm: fx.GraphModule, forward_output_roles: list[str], forward_output_storages: list[Any]) -> None:

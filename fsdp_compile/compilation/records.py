@@ -58,6 +58,8 @@ class CompiledGraph:
     # forward/backward graphs here), "miss" (compiled and stored), or "off: <why>".
     cache: str = ""
     cache_key: str | None = None
+    # A graph that only read this parameter, run as Python (see Compiler._python_read).
+    python_read: str | None = None
 
     def phase(self, kind: str) -> PhaseResult:
         """The four results of phase ``kind`` ("forward" or "backward")."""

@@ -114,6 +114,9 @@ def graph_summary(record, strategy, state) -> dict[str, Any]:
         "oversized_buckets": dict(state.oversized_buckets),
         "dynamo_nodes": len(record.dynamo.graph.nodes),
         "cache": getattr(record, "cache", ""),
+        "python_read": record.python_read,
+        # The block classes compiled inline, not as regions, and why (backend-wide, so far).
+        "inline_regions": {c.name: c.reason for c in state.region_fallback.inlined()},
         **{name: _phase_summary(*record.phase(name), record.pass_seconds.get(name))
            for name in ("forward", "backward")},
     }
@@ -182,6 +185,9 @@ def render_report(summaries: Iterable[dict[str, Any]], manifest: dict[str, Any] 
                      f"{manifest.get('strategy')}, world size {manifest.get('world_size')}")
     if not summaries:
         lines.append("no graph compiled yet")
+    inline = {name: reason for s in summaries for name, reason in (s.get("inline_regions") or {}).items()}
+    for name, reason in inline.items():
+        lines.append(f"{name} blocks compile inline, not as one region: {reason}")
     for s in summaries:
         lines += _render_graph(s)
     return "\n".join(lines) + "\n"
@@ -195,6 +201,10 @@ def _render_graph(s: dict[str, Any]) -> list[str]:
         lines.append(f"  ! pass {fb['pass']} failed on the {fb['phase']} graph ({fb['error']}); "
                      "that graph runs its markers through the eager runtime")
     oversized, explained = s.get("oversized_buckets", {}), set()
+    if s.get("python_read"):
+        lines.append(f"  only reads {s['python_read']} (a frame of its own, after a graph break): runs as Python, "
+                     "gathered with its bucket")
+        return lines
     if s["compiler"] == "eager":
         lines.append(f"  runs as captured ({s['dynamo_nodes']} nodes), every marker through the eager runtime")
         return lines

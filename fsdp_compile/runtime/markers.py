@@ -126,6 +126,49 @@ def _unshard_no_sync_backward(ctx, grad: torch.Tensor):
 
 unshard_no_sync.register_autograd(_unshard_no_sync_backward, setup_context=_unshard_no_sync_setup_context)
 
+# A bucket's gather and reduction as one op each: what a read that runs as Python issues
+# (sharding/eager_buckets.py, which gives them their autograd). Never in a graph; ops rather than
+# plain calls so that what the eager runtime communicates is seen, spec and all, by whatever
+# watches the dispatcher (a TorchDispatchMode, the profiler), as the markers' own calls are.
+@torch.library.custom_op(f"{NAMESPACE}::unshard_bucket", mutates_args=(),
+                         schema=f"(Tensor[] shards, str[] fqns, SymInt[] full_rows, {SPEC_SCHEMA}) -> Tensor[]")
+def unshard_bucket(shards: list[torch.Tensor], fqns: list[str], full_rows: list[int], *spec_args) -> list[torch.Tensor]:
+    """Every parameter of a bucket, gathered with one collective."""
+    spec = CommSpec.from_op_args(*spec_args)
+    try:
+        return gather_params(shards, [_full_shape(s, r, spec) for s, r in zip(shards, full_rows)], spec)
+    except Exception as exc:
+        reraise_named(exc, f"the gather of {_bucket_label(fqns)} (eager runtime)", None)
+
+
+@unshard_bucket.register_fake
+def _unshard_bucket_fake(shards, fqns, full_rows, *spec_args):
+    spec = CommSpec.from_op_args(*spec_args)
+    return [_gathered_fake(s, r, spec) for s, r in zip(shards, full_rows)]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::reduce_grad_bucket", mutates_args=(),
+                         schema=f"(Tensor[] grads, str[] fqns, SymInt[] local_rows, ScalarType[] grad_dtypes, "
+                                f"{SPEC_SCHEMA}) -> Tensor[]")
+def reduce_grad_bucket(grads: list[torch.Tensor], fqns: list[str], local_rows: list[int],
+                       grad_dtypes: list[torch.dtype], *spec_args) -> list[torch.Tensor]:
+    """The gradients of a bucket's shards, reduced with one collective (copied out of the
+    reduced buffer: an op's outputs may not share storage)."""
+    try:
+        return [g.clone() for g in reduce_grads(grads, local_rows, grad_dtypes, CommSpec.from_op_args(*spec_args))]
+    except Exception as exc:
+        reraise_named(exc, f"the gradient reduction of {_bucket_label(fqns)} (eager runtime)", None)
+
+
+@reduce_grad_bucket.register_fake
+def _reduce_grad_bucket_fake(grads, fqns, local_rows, grad_dtypes, *spec_args):
+    return [_reduce_grad_fake(g, f, "", r, d, *spec_args) for g, f, r, d in zip(grads, fqns, local_rows, grad_dtypes)]
+
+
+def _bucket_label(fqns: list[str]) -> str:
+    return "the bucket of " + ", ".join(fqns[:3]) + (", ..." if len(fqns) > 3 else "")
+
+
 UNSHARD = torch.ops.fsdp_compile.unshard.default
 UNSHARD_NO_SYNC = torch.ops.fsdp_compile.unshard_no_sync.default
 # Both gather a parameter in forward; they differ only in where the gradient goes.

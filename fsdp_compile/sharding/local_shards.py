@@ -65,18 +65,31 @@ class LocalShards:
         self.leaves: dict[str, nn.Parameter] = {}
         # Tied parameters (registered under several names): (fqn, marker arguments).
         self.shared: list[tuple[str, tuple]] = []
+        # fqn -> the marker's arguments after the tensor (a read's, see ShardedParamInfo).
+        self.read_args: dict[str, tuple] = {}
         # Set by the root's forward for its duration: whether gradients accumulate without
         # synchronization (read once per forward, one guard under Dynamo), and the tied
         # parameters' gathered values.
         self.in_forward = False
         self.accumulating = False
         self.shared_gathered: dict[str, torch.Tensor] | None = None
-        self.plain_reads = False  # in_forward, not accumulating, no tied parameters
+        self.plain_reads = False  # in_forward, traced, not accumulating, no tied parameters
+        # Reads that run as Python in this forward (eager_buckets.py): what they gathered for
+        # reads still to come, and which parameters were gathered.
+        self.prefetched: dict[str, torch.Tensor] = {}
+        self.read_in_forward: set[str] = set()
         # fqn -> the (dict, key) places besides ``leaves`` that hold its leaf (region reads).
         self.mirrors: dict[str, list[tuple[dict, str]]] = {}
         self._snapshot: tuple[list, ...] | None = None  # what _unchanged compares, in parallel lists
 
-    def add(self, fqn: str, param: nn.Parameter) -> None:
+    @property
+    def tied(self) -> set[str]:
+        return {fqn for fqn, _ in self.shared}
+
+    def add(self, fqn: str, param: nn.Parameter, read_args: tuple | None = None) -> None:
+        """Stand ``param`` in for ``fqn``; ``read_args``: its marker's arguments after the tensor."""
+        if read_args is not None:
+            self.read_args[fqn] = read_args
         shard = ShardedParam(fqn, param, self)
         self.shards.append(shard)
         self.leaves[fqn] = shard.leaf

@@ -138,7 +138,7 @@ def shard_module(
     per_module.setdefault(model, {})
     shards = LocalShards(sync)
     for sharded, info in seen.values():
-        shards.add(info.fqn, sharded)
+        shards.add(info.fqn, sharded, info.unshard_args)
     shards.shared = [(info.fqn, info.unshard_args) for key, (sharded, info) in seen.items() if registrations[key] > 1]
     module_names = {module: name for name, module in model.named_modules()}
     tied = {fqn for fqn, _ in shards.shared}

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..api import MixedPrecision
+from .eager_buckets import eager_read
 from .local_shards import LocalShards
 from .region_fallback import region_fallback_call
 from .regions import make_region_forward, region_input
@@ -79,21 +80,25 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
         shards = state.shards
         if shards.plain_reads:
             return torch.ops.fsdp_compile.unshard(shards.leaves[fqn], *marker_args)
-        return _gathered_parameter(fqn, marker_args, shards)
+        return gathered_parameter(fqn, marker_args, shards)
 
     def read_in_region(self: nn.Module) -> torch.Tensor:
         region = self._fsdp_state.region
-        if not region.sync.accumulating and region.region_class.enabled and torch.compiler.is_compiling():
+        if not region.sync.accumulating and torch.compiler.is_compiling():
             # Inside a compile region (sharding/regions.py): nothing here may name the block,
             # or the next block could not reuse this trace, nor read the root's per-forward
-            # state (Dynamo does not reuse a region that read what the outer frame wrote).
+            # state (Dynamo does not reuse a region that read what the outer frame wrote). A
+            # class compiled inline reads the same way: a frame Dynamo compiles for one of its
+            # blocks (after a graph break) then serves the others, where reads naming the
+            # block would recompile it for each (and past Dynamo's recompile limit, run the
+            # rest as Python). The captured graph's pass names every read at its call site.
             return torch.ops.fsdp_compile.unshard(region.leaves[name], *region.args[name])
         state = self._fsdp_state
         fqn, marker_args = state.reads[name]
         shards = state.shards
         if shards.plain_reads:
             return torch.ops.fsdp_compile.unshard(shards.leaves[fqn], *marker_args)
-        return _gathered_parameter(fqn, marker_args, shards)
+        return gathered_parameter(fqn, marker_args, shards)
 
     def write(self: nn.Module, value: object) -> None:
         info = self._fsdp_state.specs.get(name)
@@ -125,9 +130,10 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
     return property(plain, write, doc=f"Full value of sharded parameter {name!r} (gathers it).")
 
 
-def _gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
+def gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
     """A read that is not the plain case of :func:`_make_property`: a tied parameter, gradient
-    accumulation without synchronization, or a read outside the model's forward."""
+    accumulation without synchronization, a read outside the model's forward, or one that runs
+    as Python (the compiler runs a graph that is nothing but one read through this too)."""
     shared = shards.shared_gathered
     if shared is not None and fqn in shared:  # a tied parameter: gathered once at the root
         return shared[fqn]
@@ -135,7 +141,8 @@ def _gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> to
 
 
 def _gather(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
-    """One marker: the gathered parameter (its gradient reduced, or accumulated under no_sync)."""
+    """One marker: the gathered parameter (its gradient reduced, or accumulated under no_sync);
+    a read in a forward that runs as Python gathers with its bucket (:mod:`.eager_buckets`)."""
     local = shards.leaves[fqn]
     if shards.in_forward:
         accumulating = shards.accumulating
@@ -143,36 +150,60 @@ def _gather(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
         accumulating = shards.sync is not None and shards.sync.accumulating
     if accumulating and local.requires_grad:
         return torch.ops.fsdp_compile.unshard_no_sync(local, shards.sync.accumulators[fqn], *marker_args)
+    if shards.in_forward and not torch.compiler.is_compiling():
+        return eager_read(shards, fqn)
     return torch.ops.fsdp_compile.unshard(local, *marker_args)
 
 
 def _make_root_forward(cls: type) -> Callable[..., Any]:
     original_forward = cls.forward
 
+    def run(self: nn.Module, shards: LocalShards, args: tuple, kwargs: dict) -> Any:
+        shards.shared_gathered = {fqn: _gather(fqn, args_, shards) for fqn, args_ in shards.shared}
+        policy = self._fsdp_state.mixed_precision
+        if policy is None:
+            return original_forward(self, *args, **kwargs)
+        args, kwargs = cast_inputs(policy, args, kwargs)
+        return cast_output(policy, original_forward(self, *args, **kwargs))
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
         # own, so hooks would add graphs; this way all of it is part of the model's graph.
-        state = self._fsdp_state
-        shards = state.shards
-        if not torch.compiler.is_compiling():
-            # The eager runtime; compiled graphs refresh before they run (Compiler._guarded).
-            shards.refresh()
-        shards.accumulating = shards.sync is not None and shards.sync.accumulating
-        shards.in_forward = True
-        shards.plain_reads = not shards.accumulating and not shards.shared
+        shards = self._fsdp_state.shards
+        if torch.compiler.is_compiling():
+            # No try/finally while traced: Dynamo cannot resume a frame inside one, so a graph
+            # break anywhere in the model would make it give up on this whole frame and run the
+            # root's code after the break as Python. The state is reset by the graph after the
+            # break instead (after an exception, by the next forward).
+            _begin_forward(shards, traced=True)
+            output = run(self, shards, args, kwargs)
+            _end_forward(shards)
+            return output
+        shards.refresh()  # the eager runtime; compiled graphs refresh before they run
+        _begin_forward(shards, traced=False)
         try:
-            shards.shared_gathered = {fqn: _gather(fqn, args_, shards) for fqn, args_ in shards.shared}
-            policy = state.mixed_precision
-            if policy is None:
-                return original_forward(self, *args, **kwargs)
-            args, kwargs = cast_inputs(policy, args, kwargs)
-            return cast_output(policy, original_forward(self, *args, **kwargs))
+            return run(self, shards, args, kwargs)
         finally:
-            shards.in_forward = False
-            shards.plain_reads = False
-            shards.shared_gathered = None
+            _end_forward(shards)
 
     return forward
+
+
+def _begin_forward(shards: LocalShards, traced: bool) -> None:
+    shards.accumulating = shards.sync is not None and shards.sync.accumulating
+    shards.in_forward = True
+    # Traced reads are markers, one per read; reads that run as Python gather by bucket
+    # (through gathered_parameter), which the plain read would skip.
+    shards.plain_reads = traced and not shards.accumulating and not shards.shared
+    shards.prefetched = {}
+    shards.read_in_forward = set()
+
+
+def _end_forward(shards: LocalShards) -> None:
+    shards.in_forward = False
+    shards.plain_reads = False
+    shards.shared_gathered = None
+    shards.prefetched = {}
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
