@@ -180,6 +180,7 @@ class BackendOptions:
     bucket_policy: Policy
     regions: bool | int = True
     verify_gradients: bool | float = False
+    reshard_after_forward: Any = None  # sharding/reshard_policy.py: one value, or values by unit
 
     @classmethod
     def validate(
@@ -207,6 +208,7 @@ class BackendOptions:
         disable_passes: Sequence[str],
         regions: bool | int = True,
         verify_gradients: bool | float = False,
+        reshard_after_forward: Any = None,
     ) -> BackendOptions:
         """Every option of :func:`fsdp_compile.backend` checked, each once: a wrong one raises
         an error that names it and says what to use."""
@@ -270,8 +272,11 @@ class BackendOptions:
         if unknown:
             raise ValueError(f"disable_passes= names {', '.join(map(repr, unknown))}, which is not a pass that can be "
                              f"switched off; use some of {', '.join(OPTIONAL_PASSES)}")
+        from .sharding.reshard_policy import check_reshard_option
+
+        check_reshard_option(reshard_after_forward, strategy, policy.uses_units)
         return cls(strategy, compiler, mesh, process_groups, shard_size, timeout, bucket, mixed_precision, schedule,
                    prefetch, max_inflight_bytes, forward_prefetch, backward_prefetch,
                    os.fspath(dump_dir) if dump_dir is not None else None, strict, phases, offload, verify,
                    os.fspath(cache_dir) if cache_dir is not None else None, tuple(dict.fromkeys(disable_passes)),
-                   policy, regions, verify_gradients)
+                   policy, regions, verify_gradients, reshard_after_forward)

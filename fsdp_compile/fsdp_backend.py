@@ -103,6 +103,12 @@ class FSDPBackend:
             the first parameter whose gradient differs: True (default tolerance), or a
             tolerance relative to each gradient's largest entry (or ``FSDP_COMPILE_VERIFY=1``).
             The first thing to try when training diverges.
+        reshard_after_forward: what each unit keeps of its gathered parameters from forward to
+            backward (FSDP2's option of that name): True (drop to the shard; FULL_SHARD),
+            False (keep them; SHARD_GRAD_OP), or an int n (keep a shard over groups of n
+            consecutive ranks of the shard group, n dividing it: backward gathers inside those
+            groups, such as a node, only). One value, or a dict ``{unit name | module | module
+            class: value}`` for some units (the others take the strategy's).
 
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (accumulation
     without reduction); see also :mod:`fsdp_compile.training.checkpoint`, :func:`fsdp_compile.clip_grad_norm_`.
@@ -133,6 +139,7 @@ class FSDPBackend:
         disable_passes: Sequence[str] = (),
         regions: bool | int = True,
         verify_gradients: bool | float = False,
+        reshard_after_forward: Any = None,
     ) -> None:
         self.options = BackendOptions.validate(
             strategy, compiler=compiler, mesh=mesh, process_groups=process_groups, shard_size=shard_size,
@@ -140,7 +147,7 @@ class FSDPBackend:
             max_inflight_bytes=max_inflight_bytes, forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch, dump_dir=dump_dir, strict=strict, passes=passes, offload=offload,
             verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions,
-            verify_gradients=verify_gradients)
+            verify_gradients=verify_gradients, reshard_after_forward=reshard_after_forward)
         self.graphs: list[CompiledGraph] = []
         self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
         self._state = ShardingState()
@@ -269,8 +276,10 @@ class FSDPBackend:
                               sync=self._gradient_sync, offload=self.options.offload, init_fn=init_fn,
                               init_device=init_device or current_device(state.topology.mesh.device_type),
                               materialize=materialize, region_copies=self.region_copies(),
-                              region_fallback=state.region_fallback, mesh_given=self.options.mesh is not None)
+                              region_fallback=state.region_fallback, reshard=self.options.reshard_after_forward,
+                              reshard_groups=state.reshard_groups, mesh_given=self.options.mesh is not None)
         infos = result.infos
+        state.reshard_to.update(result.reshard_to or {})
         state.local_shards.add(result.shards)
         if result.peak_full_bytes is not None:
             state.init_peak_bytes = max(state.init_peak_bytes or 0, result.peak_full_bytes)

@@ -40,6 +40,7 @@ from .. import api
 from ..passes.graph import COMM_META, decode_collective
 from ..runtime.markers import REDUCE_GRAD, UNSHARD_TARGETS, decode
 from ..sharding.groups import world_timeout
+from ..sharding.reshard_policy import describe_reshard_option
 from ..sharding.units import unit_modules, unit_of
 
 if TYPE_CHECKING:
@@ -348,7 +349,7 @@ def _role_of(group_name: str) -> str:
     name differs from one rank's group to the next."""
     try:
         group = dist.distributed_c10d._resolve_process_group(group_name)
-        return f"a group of {group.size()} ranks (this rank {group.rank()})"
+        return f"group of {group.size()} ranks (this rank {group.rank()})"
     except Exception:  # not a registered group: compare the name itself
         return group_name
 
@@ -395,6 +396,7 @@ def sharding_items(options: BackendOptions, topology: Topology, model: nn.Module
         ("prefetch=", o.prefetch),
         ("max_inflight_bytes=", o.max_inflight_bytes),
         ("disable_passes=", list(o.disable_passes)),
+        ("reshard_after_forward=", describe_reshard_option(o.reshard_after_forward, model)),
         ("the world size", dist.get_world_size()),
         ("the mesh (replicate x shard ranks)", topology.mesh.mesh.tolist()),
     ]

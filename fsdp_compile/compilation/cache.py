@@ -129,6 +129,7 @@ def cache_key_parts(options: BackendOptions, state: ShardingState) -> dict[str, 
         "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
         "disable_passes": list(options.disable_passes),
         "region_copies": region_copies(options.regions, options.compiler),
+        "reshard_to": dict(sorted(state.reshard_to.items())),
         "strict": options.strict,
     }
 

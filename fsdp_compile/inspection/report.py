@@ -115,6 +115,8 @@ def graph_summary(record, strategy, state) -> dict[str, Any]:
         "dynamo_nodes": len(record.dynamo.graph.nodes),
         "cache": getattr(record, "cache", ""),
         "python_read": record.python_read,
+        # Each unit's ranks it reshards to after forward (reshard_after_forward=).
+        "reshard_to": dict(state.reshard_to),
         # The block classes compiled inline, not as regions, and why (backend-wide, so far).
         "inline_regions": {c.name: c.reason for c in state.region_fallback.inlined()},
         **{name: _phase_summary(*record.phase(name), record.pass_seconds.get(name))
@@ -185,12 +187,28 @@ def render_report(summaries: Iterable[dict[str, Any]], manifest: dict[str, Any] 
                      f"{manifest.get('strategy')}, world size {manifest.get('world_size')}")
     if not summaries:
         lines.append("no graph compiled yet")
+    else:
+        lines += _reshard_lines(summaries[-1])
     inline = {name: reason for s in summaries for name, reason in (s.get("inline_regions") or {}).items()}
     for name, reason in inline.items():
         lines.append(f"{name} blocks compile inline, not as one region: {reason}")
     for s in summaries:
         lines += _render_graph(s)
     return "\n".join(lines) + "\n"
+
+
+def _reshard_lines(s: dict[str, Any]) -> list[str]:
+    """The units whose reshard_after_forward setting is not the strategy's, one line each."""
+    shard_size = s["shard_size"] or 1
+    default = shard_size if s["reshard_after_forward"] else 1
+    lines = []
+    for unit, ranks in sorted((s.get("reshard_to") or {}).items()):
+        if ranks == default:
+            continue
+        what = ("keeps its gathered parameters" if ranks == 1 else "reshards to the shard" if ranks == shard_size
+                else f"keeps a shard over {ranks} ranks")
+        lines.append(f"reshard after forward: {unit or '<root>'} {what}")
+    return lines
 
 
 def _render_graph(s: dict[str, Any]) -> list[str]:

@@ -1,18 +1,31 @@
 """Joint-graph passes that turn a strategy's reshard policy into partitioner decisions.
 
 AOTAutograd's partitioner decides which forward values the backward graph receives. By default
-it saves the full parameter an ``unshard`` produced (ZeRO-2 behaviour). For FULL_SHARD and
-HYBRID_SHARD the full parameter must be dropped after forward and gathered again in backward,
-so the marker and the views or casts of it are tagged must-recompute: the partitioner then
-saves the (already resident) shard and re-runs the gather in the backward graph.
+it saves the full parameter an ``unshard`` produced (ZeRO-2 behaviour). Each marker's spec says
+what its unit keeps (``reshard_after_forward=``, sharding/reshard_policy.py):
+
+* resharding to the shard (FULL_SHARD, HYBRID_SHARD): the full parameter is dropped after
+  forward and gathered again in backward, so the marker and the views or casts of it are
+  tagged must-recompute: the partitioner then saves the (already resident) shard and re-runs
+  the gather in the backward graph;
+* keeping it (SHARD_GRAD_OP): the marker is tagged must-save;
+* resharding to a group of ``n`` ranks: the joint graph is rewritten. Forward keeps this rank's
+  ``1/n`` of the full parameter (a ``reshard`` node, must-save), and every backward use of the
+  full parameter reads instead a gather of those kept pieces inside the group (an ``unshard``
+  over ``reshard_group``, must-recompute, and the same views redone on it). Forward's own uses
+  still read the first gather, which nothing saves. The gradient's reduction is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..runtime.markers import UNSHARD_TARGETS, decode
+from ..runtime.collectives import CommSpec
+from ..runtime.markers import RESHARD, UNSHARD, UNSHARD_TARGETS, Marker, decode
 from .context import PassContext
 from .graph import VIEW_LIKE, tag_parameter_input
 
@@ -43,28 +56,111 @@ def elide_trivial_unshard(graph: fx.Graph) -> int:
 
 
 def tag_reshard_policy(graph: fx.Graph) -> int:
-    """Tag each gather with its strategy's policy; returns how many gathers reshard.
+    """Tag each gather with its unit's policy; returns how many gathers reshard.
 
     Resharding gathers (and their view chains) become must-recompute. The others become
     must-save, so ZeRO-2 behaviour is stated rather than left to the min-cut partitioner's
     cost model (which keeps custom ops today only because they are not on its recompute
     allowlist; re-running a gather there would silently double backward communication).
+    Gathers of units that reshard to a group of fewer ranks are rewritten (module docstring).
     """
     count = 0
+    backward: set[fx.Node] | None = None
     for node in unshard_nodes(graph):
-        spec = decode(node).spec
+        marker = decode(node)
+        spec = marker.spec
         if not spec.gathers:
             continue
         if not spec.reshard_after_forward:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             continue
         count += 1
-        pending = [node]
-        while pending:
-            current = pending.pop()
-            current.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            pending.extend(u for u in current.users if u.op == "call_function" and u.target in VIEW_LIKE)
+        if spec.reshard_size:
+            if backward is None:
+                backward = backward_nodes(graph)
+            _regather_in_group(graph, marker, backward)
+            continue
+        _tag_chain(node, CheckpointPolicy.MUST_RECOMPUTE)
     return count
+
+
+def _tag_chain(node: fx.Node, policy: CheckpointPolicy) -> None:
+    """Tag ``node`` and every view of it (transitively) with ``policy``."""
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        current.meta["recompute"] = policy
+        pending.extend(u for u in current.users if u.op == "call_function" and u.target in VIEW_LIKE)
+
+
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a joint graph that backward computes: everything the incoming gradients
+    (AOTAutograd's ``tangents_*`` inputs) reach."""
+    reached: set[fx.Node] = set()
+    pending = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    while pending:
+        node = pending.pop()
+        if node not in reached:
+            reached.add(node)
+            pending.extend(u for u in node.users if u.op != "output")
+    return reached
+
+
+def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) -> None:
+    """Forward keeps this rank's piece over the reshard group; backward gathers it in the group."""
+    full, spec = marker.node, marker.spec
+    chain = _view_chain(full)
+    uses = [(user, source) for source in chain for user in source.users if user in backward]
+    if not uses:
+        return
+    fake_mode = detect_fake_mode([full.meta.get("val")])
+    first = min((user for user, _ in uses), key=_position(graph))
+    with graph.inserting_after(full):
+        kept = graph.call_function(RESHARD, (full, marker.fqn, marker.unit, *spec.op_args()))
+    regathered_spec = CommSpec.resharded(spec)
+    with graph.inserting_before(first):
+        regathered = graph.call_function(UNSHARD, (kept, marker.fqn, marker.unit, marker.rows,
+                                                   *regathered_spec.op_args()))
+    _fake(kept, fake_mode)
+    _fake(regathered, fake_mode)
+    kept.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    redone: dict[fx.Node, fx.Node] = {full: regathered}
+
+    def redo(node: fx.Node) -> fx.Node:
+        if node not in redone:
+            source = redo(node.args[0])
+            with graph.inserting_after(source):
+                copy = graph.call_function(node.target, (source, *node.args[1:]), dict(node.kwargs))
+            _fake(copy, fake_mode)
+            redone[node] = copy
+        return redone[node]
+
+    for user, source in uses:
+        user.replace_input_with(source, redo(source))
+    for node in redone.values():
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _view_chain(node: fx.Node) -> list[fx.Node]:
+    """``node`` and its views, transitively (what backward may read the gathered parameter by)."""
+    chain, pending = [], [node]
+    while pending:
+        current = pending.pop()
+        chain.append(current)
+        pending.extend(u for u in current.users if u.op == "call_function" and u.target in VIEW_LIKE)
+    return chain
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _fake(node: fx.Node, fake_mode) -> None:
+    """The node's fake value, computed from its inputs' (what tracing would have recorded)."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        node.meta["val"] = node.target(*args, **kwargs)
 
 
 def elide_trivial_unshard_pass(gm: fx.GraphModule, ctx: PassContext) -> int:

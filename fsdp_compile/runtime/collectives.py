@@ -17,6 +17,7 @@ back. The reduce-scatter buffer uses the same layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -57,6 +58,10 @@ class CommSpec:
 
     ``compute_device`` is set under CPU offload: the shard lives in host memory, is copied to
     that device to be gathered, and its reduced gradient is copied back to the host.
+
+    ``reshard_size`` (with ``reshard_group``) is set for a parameter whose unit reshards after
+    forward to groups of that many ranks of the shard group (``reshard_after_forward=n``):
+    backward gathers it inside ``reshard_group`` (sharding/reshard_policy.py).
     """
 
     shard_group: str
@@ -68,6 +73,15 @@ class CommSpec:
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
     compute_device: str | None = None
+    reshard_group: str = ""
+    reshard_size: int = 0
+
+    def resharded(self) -> CommSpec:
+        """The spec of the gather backward makes from the shards kept over ``reshard_group``:
+        the gathered parameter's dtype already, nothing else to cast or copy."""
+        return dataclasses.replace(self, shard_group=self.reshard_group, shard_size=self.reshard_size,
+                                   replicate_group="", replicate_size=1, param_dtype=None, reduce_dtype=None,
+                                   compute_device=None, reshard_group="", reshard_size=0)
 
     def op_args(self) -> tuple[str]:
         """The markers' trailing arguments (see markers.py): one string naming every field,

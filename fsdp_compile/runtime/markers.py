@@ -126,6 +126,29 @@ def _unshard_no_sync_backward(ctx, grad: torch.Tensor):
 
 unshard_no_sync.register_autograd(_unshard_no_sync_backward, setup_context=_unshard_no_sync_setup_context)
 
+@_marker("reshard", "Tensor full, str fqn, str unit")
+def reshard(full: torch.Tensor, fqn: str, unit: str, *spec_args) -> torch.Tensor:
+    """This rank's dim-0 chunk of a gathered parameter over its reshard group (padded like a
+    shard): what a unit with ``reshard_after_forward=n`` keeps from forward to backward, where
+    a gather inside that group (an ``unshard`` with :meth:`CommSpec.resharded`) rebuilds it."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    spec = CommSpec.from_op_args(*spec_args)
+    position = _resolve_process_group(spec.reshard_group).rank()
+    rows = -(-full.shape[0] // spec.reshard_size)
+    kept = full.new_zeros((rows, *full.shape[1:]))
+    start = min(position * rows, full.shape[0])
+    stop = min(start + rows, full.shape[0])
+    kept[: stop - start].copy_(full[start:stop])
+    return kept
+
+
+@reshard.register_fake
+def _reshard_fake(full, fqn, unit, *spec_args):
+    spec = CommSpec.from_op_args(*spec_args)
+    return full.new_empty((-(-full.shape[0] // spec.reshard_size), *full.shape[1:]))
+
+
 # A bucket's gather and reduction as one op each: what a read that runs as Python issues
 # (sharding/eager_buckets.py, which gives them their autograd). Never in a graph; ops rather than
 # plain calls so that what the eager runtime communicates is seen, spec and all, by whatever
@@ -170,6 +193,7 @@ def _bucket_label(fqns: list[str]) -> str:
 
 
 UNSHARD = torch.ops.fsdp_compile.unshard.default
+RESHARD = torch.ops.fsdp_compile.reshard.default
 UNSHARD_NO_SYNC = torch.ops.fsdp_compile.unshard_no_sync.default
 # Both gather a parameter in forward; they differ only in where the gradient goes.
 UNSHARD_TARGETS = (UNSHARD, UNSHARD_NO_SYNC)

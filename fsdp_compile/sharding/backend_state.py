@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .groups import Topology
 from .local_shards import LocalShards
 from .region_fallback import RegionFallback
+from .reshard_policy import ReshardGroups
 from .sharded_param import ShardedParamInfo
 from .units import ROOT_UNIT
 
@@ -43,6 +44,10 @@ class ShardingState:
     # The switches of the block classes compiled as regions, and the count of compiled-graph
     # calls that tells the fallback whether a failed call had run anything.
     region_fallback: RegionFallback = field(default_factory=RegionFallback)
+    # reshard_after_forward=: each unit's ranks it reshards to after forward (shard size: all,
+    # 1: keeps the gathered parameters), and the groups of fewer ranks it made.
+    reshard_to: dict[str, int] = field(default_factory=dict)
+    reshard_groups: ReshardGroups = field(default_factory=ReshardGroups)
     _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
 
     def group_roles(self) -> dict[str, str]:
@@ -50,6 +55,8 @@ class ShardingState:
         tensor-parallel groups of TP parameters (each dp rank has its own tp group, in the
         same role)."""
         roles = self.topology.group_roles() if self.topology is not None else {}
+        for n, group in self.reshard_groups.groups().items():
+            roles[group.group_name] = f"reshard group ({n} ranks of the shard group)"
         for info in self.params.values():
             if info.tp is not None:
                 mesh = info.tp.mesh

@@ -30,6 +30,7 @@ from .materialize import materialize as materialize_units
 from .module_state import ModuleState, set_module_state
 from .region_fallback import ModelRegions, RegionFallback
 from .regions import RegionClass, RegionReads, region_units, relative_marker_args, tp_mesh_split_classes
+from .reshard_policy import ReshardGroups, ReshardOption, resolve_reshard
 from .sharded_class import sharded_class
 from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
 from .tensor_parallel import tp_local, tp_spec
@@ -41,6 +42,7 @@ class ShardResult:
     infos: dict[str, ShardedParamInfo]
     shards: LocalShards
     peak_full_bytes: int | None = None  # meta-device models: most full parameter bytes held
+    reshard_to: dict[str, int] | None = None  # unit -> ranks it reshards to after forward
 
 
 def shard_module(
@@ -56,6 +58,8 @@ def shard_module(
     materialize: bool = True,
     region_copies: int | None = None,
     region_fallback: RegionFallback | None = None,
+    reshard: ReshardOption = None,
+    reshard_groups: ReshardGroups | None = None,
     mesh_given: bool = False,
 ) -> ShardResult:
     """Shard every parameter of ``model`` in place; returns the info of each, by name.
@@ -65,13 +69,20 @@ def shard_module(
     with ``materialize=False`` they become meta shards instead (planning: shapes only).
     ``region_copies``: compile the units of a class with that many copies or more as regions
     (see :mod:`.regions`; needs ``sync``); None: no regions. ``region_fallback``: the backend's
-    switches of region classes (:mod:`.region_fallback`; a new one by default). Tensor-parallel blocks whose hooks
+    switches of region classes (:mod:`.region_fallback`; a new one by default).
+    ``reshard``: the ``reshard_after_forward=`` option (:mod:`.reshard_policy`), whose groups of
+    fewer ranks ``reshard_groups`` makes. Tensor-parallel blocks whose hooks
     hold different mesh objects compile inline, with a warning
     (:func:`.regions.tp_mesh_split_classes`). Parameters that are already
     tensor-parallel DTensors are sharded over ``topology``'s dp mesh (see
     :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave (``mesh_given``).
     """
     units = unit_modules(model, policy)
+    reshard_to = resolve_reshard(reshard, model, units, topology)
+    groups = reshard_groups if reshard_groups is not None else ReshardGroups()
+    # Every rank creates the same groups, in sorted order (new_group is collective).
+    reshard_group_names = {n: groups.group(topology, n).group_name
+                           for n in sorted(set(reshard_to.values())) if 1 < n < topology.shard_size}
     presharded: dict[int, tuple[torch.Tensor, bool]] = {}
     peak = None
     # Checked before anything is materialized, so bad input fails before any work.
@@ -112,6 +123,8 @@ def shard_module(
             gathered_shape = tuple(param._local_tensor.shape) if tp is not None else tuple(param.shape)
             sharded = sharded_parameter(dtensor, fqn, param.requires_grad)
             mp = mixed_precision if mixed_precision and mixed_precision.applies_to(param) else None
+            unit = unit_of(module_name, units)
+            partial = reshard_to[unit] if reshard_to[unit] in reshard_group_names else 0
             comm = CommSpec(
                 shard_group=topology.shard_group_name,
                 shard_size=topology.shard_size,
@@ -120,10 +133,12 @@ def shard_module(
                 replicate_size=topology.replicate_size,
                 param_dtype=mp.param_dtype if mp else None,
                 reduce_dtype=mp.reduce_dtype if mp else None,
-                reshard_after_forward=topology.strategy.reshard_after_forward,
+                reshard_after_forward=reshard_to[unit] > 1,
                 compute_device=compute_device,
+                reshard_group=reshard_group_names.get(partial, ""),
+                reshard_size=partial,
             )
-            info = ShardedParamInfo(fqn, unit_of(module_name, units), gathered_shape, comm, tp)
+            info = ShardedParamInfo(fqn, unit, gathered_shape, comm, tp)
             seen[id(param)] = (sharded, info)
             infos[fqn] = info
             if sync is not None:
@@ -171,7 +186,7 @@ def shard_module(
         if module not in per_module:  # a block whose parameters all live in its submodules
             set_module_state(module, ModuleState({}, shards, sync, region_class=region_classes[unit]))
             module.__class__ = sharded_class(type(module), (), region_forward=True, tp_region=tensor_parallel)
-    return ShardResult(infos, shards, peak)
+    return ShardResult(infos, shards, peak, reshard_to)
 
 
 def _region_classes(model: nn.Module, regional: set[str], fallback: RegionFallback) -> dict[str, RegionClass]:
