@@ -43,11 +43,13 @@ def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **op
     # The docstring is FSDPBackend's (set below): the options are documented once, there.
     if isinstance(strategy, str) and strategy.strip().lower() == "auto":
         return AutoBackend(**options)
-    given = [name for name in AUTO_OPTIONS if options.get(name) is not None]
+    # memory_budget= and cluster= are the backend's too (it chooses reshard_after_forward with them).
+    auto_only = [name for name in AUTO_OPTIONS if name not in ("memory_budget", "cluster")]
+    given = [name for name in auto_only if options.get(name) is not None]
     if given:
-        raise ValueError(f"{', '.join(f'{name}=' for name in AUTO_OPTIONS)} are for strategy='auto' "
+        raise ValueError(f"{', '.join(f'{name}=' for name in auto_only)} are for strategy='auto' "
                          f"(got {', '.join(f'{name}=' for name in given)}); to plan by hand call fsdp_compile.plan()")
-    return FSDPBackend(strategy, **{k: v for k, v in options.items() if k not in AUTO_OPTIONS})
+    return FSDPBackend(strategy, **{k: v for k, v in options.items() if k not in auto_only})
 
 
 backend.__doc__ = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import enum
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,26 @@ def check_prefetch(prefetch: Any) -> None:
         raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 disables prefetching)")
 
 
+_BYTES = re.compile(r"^\s*(?P<number>[0-9]+\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*(?P<unit>[kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_BYTE_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+               "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(value: Any, argument: str) -> int:
+    """Bytes from a number or a string such as "12GiB", "500MB" (``argument`` names the option)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{argument}= takes bytes (an int, or a string such as '12GiB'), got {value!r}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str) and (match := _BYTES.match(value)):
+        number = float(match["number"]) * _BYTE_UNITS[(match["unit"] or "b").lower()]
+    else:
+        raise ValueError(f"{argument}={value!r}: give bytes as a number or a string such as '12GiB', '800MB'")
+    if not number > 0 or number != number:
+        raise ValueError(f"{argument}={value!r}: a memory budget must be positive")
+    return int(number)
+
+
 def check_inflight_budget(max_inflight_bytes: Any) -> None:
     if max_inflight_bytes is not None and (
             isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)
@@ -181,6 +202,8 @@ class BackendOptions:
     regions: bool | int = True
     verify_gradients: bool | float = False
     reshard_after_forward: Any = None  # sharding/reshard_policy.py: one value, or values by unit
+    memory_budget: int | None = None  # bytes per rank: the compiler chooses reshard_after_forward
+    cluster: Any = None  # the planner's Cluster that memory_budget predicts communication on
 
     @classmethod
     def validate(
@@ -209,6 +232,8 @@ class BackendOptions:
         regions: bool | int = True,
         verify_gradients: bool | float = False,
         reshard_after_forward: Any = None,
+        memory_budget: Any = None,
+        cluster: Any = None,
     ) -> BackendOptions:
         """Every option of :func:`fsdp_compile.backend` checked, each once: a wrong one raises
         an error that names it and says what to use."""
@@ -275,8 +300,30 @@ class BackendOptions:
         from .sharding.reshard_policy import check_reshard_option
 
         check_reshard_option(reshard_after_forward, strategy, policy.uses_units)
+        if memory_budget is not None:
+            memory_budget = parse_bytes(memory_budget, "memory_budget")
+            if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
+                raise ValueError(f"memory_budget= chooses what FULL_SHARD or HYBRID_SHARD keeps from forward to "
+                                 f"backward; {strategy.name} already decides it (for a unit-by-unit choice of "
+                                 "your own, pass reshard_after_forward=)")
+            if reshard_after_forward is not None:
+                raise ValueError("memory_budget= chooses reshard_after_forward itself: pass one of the two")
+            if not policy.uses_units:
+                raise ValueError("memory_budget= chooses per bucket unit, which bucket= sizes in bytes or per "
+                                 "parameter do not have; use bucket='module' (the default)")
+            if cluster is None:
+                raise ValueError("memory_budget= predicts what each choice saves on a cluster model: pass cluster= "
+                                 "(fsdp_compile.Cluster.measure(), or Cluster.preset(...) for a known GPU)")
+        if cluster is not None:
+            from .planning.cluster import Cluster
+
+            if memory_budget is None:
+                raise ValueError("cluster= is what memory_budget= predicts with; pass memory_budget= too "
+                                 "(strategy='auto' takes both to plan)")
+            if not isinstance(cluster, Cluster):
+                raise TypeError(f"cluster= takes an fsdp_compile.Cluster, got {type(cluster).__name__}")
         return cls(strategy, compiler, mesh, process_groups, shard_size, timeout, bucket, mixed_precision, schedule,
                    prefetch, max_inflight_bytes, forward_prefetch, backward_prefetch,
                    os.fspath(dump_dir) if dump_dir is not None else None, strict, phases, offload, verify,
                    os.fspath(cache_dir) if cache_dir is not None else None, tuple(dict.fromkeys(disable_passes)),
-                   policy, regions, verify_gradients, reshard_after_forward)
+                   policy, regions, verify_gradients, reshard_after_forward, memory_budget, cluster)

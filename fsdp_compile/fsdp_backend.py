@@ -29,6 +29,7 @@ from .checks.agreement import GraphVerifier, agree_on_model
 from .compilation.cache import CacheState, cache_key_parts
 from .compilation.compiler import Compiler
 from .compilation.records import CompiledGraph
+from .compilation.reshard_choice import candidate_groups
 from .inspection.bucket_advice import oversized_in
 from .inspection.report import graph_summary, render_report
 from .runtime import markers  # noqa: F401  (registers the marker ops)
@@ -109,6 +110,13 @@ class FSDPBackend:
             consecutive ranks of the shard group, n dividing it: backward gathers inside those
             groups, such as a node, only). One value, or a dict ``{unit name | module | module
             class: value}`` for some units (the others take the strategy's).
+        memory_budget: with FULL_SHARD or HYBRID_SHARD, bytes per rank (or a string such as
+            ``"12GiB"``): the compiler chooses each unit's ``reshard_after_forward`` so that the
+            predicted exposed communication is least while the step's predicted peak (the
+            graphs' live memory, this rank's shards, gradients and AdamW's state) stays within
+            it (see ``fsdp_compile/compilation/reshard_choice.py``). Needs ``cluster=``.
+        cluster: the :class:`fsdp_compile.Cluster` ``memory_budget`` predicts communication on
+            (``Cluster.measure()``, which on an emulated network fits its links, or a preset).
 
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (accumulation
     without reduction); see also :mod:`fsdp_compile.training.checkpoint`, :func:`fsdp_compile.clip_grad_norm_`.
@@ -140,6 +148,8 @@ class FSDPBackend:
         regions: bool | int = True,
         verify_gradients: bool | float = False,
         reshard_after_forward: Any = None,
+        memory_budget: Any = None,
+        cluster: Any = None,
     ) -> None:
         self.options = BackendOptions.validate(
             strategy, compiler=compiler, mesh=mesh, process_groups=process_groups, shard_size=shard_size,
@@ -147,7 +157,8 @@ class FSDPBackend:
             max_inflight_bytes=max_inflight_bytes, forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch, dump_dir=dump_dir, strict=strict, passes=passes, offload=offload,
             verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions,
-            verify_gradients=verify_gradients, reshard_after_forward=reshard_after_forward)
+            verify_gradients=verify_gradients, reshard_after_forward=reshard_after_forward,
+            memory_budget=memory_budget, cluster=cluster)
         self.graphs: list[CompiledGraph] = []
         self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
         self._state = ShardingState()
@@ -278,6 +289,10 @@ class FSDPBackend:
                               materialize=materialize, region_copies=self.region_copies(),
                               region_fallback=state.region_fallback, reshard=self.options.reshard_after_forward,
                               reshard_groups=state.reshard_groups, mesh_given=self.options.mesh is not None)
+        if self.options.memory_budget is not None:
+            # The groups a choice may reshard to, made now, when every rank shards (new_group is collective).
+            for n in candidate_groups(state.topology.shard_size):
+                state.reshard_groups.group(state.topology, n)
         infos = result.infos
         state.reshard_to.update(result.reshard_to or {})
         state.local_shards.add(result.shards)

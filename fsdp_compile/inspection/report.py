@@ -117,6 +117,7 @@ def graph_summary(record, strategy, state) -> dict[str, Any]:
         "python_read": record.python_read,
         # Each unit's ranks it reshards to after forward (reshard_after_forward=).
         "reshard_to": dict(state.reshard_to),
+        "reshard_choice": state.reshard_choice.summary() if state.reshard_choice is not None else None,
         # The block classes compiled inline, not as regions, and why (backend-wide, so far).
         "inline_regions": {c.name: c.reason for c in state.region_fallback.inlined()},
         **{name: _phase_summary(*record.phase(name), record.pass_seconds.get(name))
@@ -198,7 +199,21 @@ def render_report(summaries: Iterable[dict[str, Any]], manifest: dict[str, Any] 
 
 
 def _reshard_lines(s: dict[str, Any]) -> list[str]:
-    """The units whose reshard_after_forward setting is not the strategy's, one line each."""
+    """The units whose reshard_after_forward setting is not the strategy's, one line each, and
+    under memory_budget= what the choice predicted."""
+    choice = s.get("reshard_choice")
+    if choice:
+        lines = [f"memory_budget={_mib(choice['budget'])}: predicted peak {_mib(choice['peak'])} (every unit "
+                 f"resharded: {_mib(choice['strategy_peak'])}), exposed communication {choice['exposed'] * 1e3:.3g} "
+                 f"ms per step (every unit resharded: {choice['strategy_exposed'] * 1e3:.3g} ms)"]
+        if choice.get("compiled_peak") is not None:
+            lines[0] += f"; the compiled graphs' estimate: {_mib(choice['compiled_peak'])}"
+        for c in choice["units"]:
+            what = ("keeps its gathered parameters" if c["reshard_to"] == 1
+                    else f"keeps a shard over {c['reshard_to']} ranks")
+            lines.append(f"  {c['unit'] or '<root>'}: {what}, {_mib(c['kept_bytes'])} kept, "
+                         f"{c['saved_seconds'] * 1e3:.3g} ms saved")
+        return lines
     shard_size = s["shard_size"] or 1
     default = shard_size if s["reshard_after_forward"] else 1
     lines = []
@@ -209,6 +224,10 @@ def _reshard_lines(s: dict[str, Any]) -> list[str]:
                 else f"keeps a shard over {ranks} ranks")
         lines.append(f"reshard after forward: {unit or '<root>'} {what}")
     return lines
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 20:.3g} MiB"
 
 
 def _render_graph(s: dict[str, Any]) -> list[str]:

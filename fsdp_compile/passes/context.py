@@ -36,6 +36,9 @@ class PassContext:
     forward: fx.GraphModule | None = None  # stage "partitioned": the forward graph (gm is the backward)
     results: dict[str, Any] = field(default_factory=dict)  # earlier passes' results, by name
     params: dict[str, tuple] | None = None  # stage "captured": parameter name -> its marker's arguments
+    # stage "joint", under memory_budget=: unit -> (ranks it reshards to after forward, the
+    # group of that many ranks, or "" for none)
+    reshard: dict[str, tuple[int, str]] | None = None
 
 
 @dataclass(frozen=True)

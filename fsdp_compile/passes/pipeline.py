@@ -27,7 +27,7 @@ from .lowering import lower_markers_pass
 from .region_mutations import inline_mutating_regions_pass
 from .region_outputs import unalias_region_outputs_pass
 from .regions import hoist_region_markers_pass, inline_reordering_regions_pass, route_region_inputs_pass
-from .reshard import elide_trivial_unshard_pass, tag_reshard_policy_pass
+from .reshard import apply_reshard_choice_pass, elide_trivial_unshard_pass, tag_reshard_policy_pass
 from .rng_state_order import order_rng_states_pass
 from .scheduling import schedule_collectives_pass
 
@@ -44,6 +44,7 @@ PIPELINE: tuple[GraphPass, ...] = (
     # call; then the strategy's reshard policy as partitioner tags.
     GraphPass("route_region_inputs", route_region_inputs_pass, "joint"),
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "joint"),
+    GraphPass("apply_reshard_choice", apply_reshard_choice_pass, "joint", when=lambda ctx: ctx.reshard is not None),
     GraphPass("tag_reshard_policy", tag_reshard_policy_pass, "joint"),
     # The partitioned pair: saved RNG states ordered where the backward graph expects them.
     GraphPass("order_rng_states", order_rng_states_pass, "partitioned"),

@@ -19,6 +19,7 @@ what its unit keeps (``reshard_after_forward=``, sharding/reshard_policy.py):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -161,6 +162,28 @@ def _fake(node: fx.Node, fake_mode) -> None:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         node.meta["val"] = node.target(*args, **kwargs)
+
+
+def apply_reshard_choice(graph: fx.Graph, reshard: dict[str, tuple[int, str]]) -> int:
+    """Give each gather of a unit the setting chosen for it (``memory_budget=``): its spec says
+    what it keeps, which :func:`tag_reshard_policy` then applies; returns how many changed."""
+    count = 0
+    for node in unshard_nodes(graph):
+        marker = decode(node)
+        if marker.unit not in reshard or not marker.spec.gathers:
+            continue
+        ranks, group = reshard[marker.unit]
+        partial = 1 < ranks < marker.spec.shard_size
+        spec = dataclasses.replace(marker.spec, reshard_after_forward=ranks > 1,
+                                   reshard_size=ranks if partial else 0, reshard_group=group if partial else "")
+        node.args = (*node.args[:-1], *spec.op_args())
+        count += 1
+    return count
+
+
+def apply_reshard_choice_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Pipeline entry of :func:`apply_reshard_choice` (joint graph, under ``memory_budget=``)."""
+    return apply_reshard_choice(gm.graph, ctx.reshard or {})
 
 
 def elide_trivial_unshard_pass(gm: fx.GraphModule, ctx: PassContext) -> int:

@@ -48,6 +48,8 @@ class ShardingState:
     # 1: keeps the gathered parameters), and the groups of fewer ranks it made.
     reshard_to: dict[str, int] = field(default_factory=dict)
     reshard_groups: ReshardGroups = field(default_factory=ReshardGroups)
+    # memory_budget=: what the compiler chose (compilation/reshard_choice.py), once it has.
+    reshard_choice: Any = None
     _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
 
     def group_roles(self) -> dict[str, str]:

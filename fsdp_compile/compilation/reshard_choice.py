@@ -1,0 +1,335 @@
+"""``memory_budget=``: what each unit keeps from forward to backward, chosen by the compiler.
+
+FULL_SHARD (HYBRID_SHARD inside a node) gathers every unit twice a step; SHARD_GRAD_OP gathers
+once but holds every unit from forward to backward. Between them, a unit can keep its gathered
+parameters (``reshard_after_forward=False`` for it), or keep a shard over a group of ``n`` ranks
+so that backward gathers it inside that group only (``=n``, sharding/reshard_policy.py). The
+compiler knows the step's memory timeline and can predict what each choice saves, so it
+chooses, per unit, the settings that leave the least exposed communication while the step's
+peak stays within the budget.
+
+How, at the first compile of a graph that gathers parameters:
+
+1. **The strategy's step, traced.** The captured graph goes through AOTAutograd, the
+   partitioner and our passes once without code generation, under the strategy's setting
+   (every unit reshards to the shard): its forward and backward graphs, as they would run.
+2. **What each setting costs in memory.** A unit that keeps its parameters holds their full
+   bytes from its last use in forward on; the backward graph receives them as inputs, which
+   the estimate counts as held through the whole graph, where the strategy held them only
+   from its gather to their last use. One that keeps a shard over ``n`` ranks holds ``1/n`` of
+   them the same way, and backward still gathers them. Added to the two graphs' memory
+   timelines (the planner's, :func:`fsdp_compile.planning.simulate.memory_timeline`, with this
+   rank's parameter shards, gradients and AdamW's two moments per parameter, as ``plan()``
+   counts them, and the optimizer step's own peak), this gives the peak of any mix without
+   tracing it again.
+3. **What each setting saves in exposed communication.** The planner's simulator plays the
+   backward graph on the given cluster (``cluster=``: its links, or the emulated network's when
+   ``Cluster.measure()`` ran on one) with that unit's gather removed, or moved to its group of
+   ``n`` ranks; the exposed communication it no longer waits for is the setting's benefit.
+4. **Greedy under the budget.** Settings are taken in order of seconds saved per byte kept
+   (then of communication seconds saved, where nothing is exposed), each accepted if the
+   mix's peak stays within the budget. Rank 0's choice is every rank's (broadcast), so all
+   ranks communicate alike.
+
+A budget below the strategy's own peak is an error that names the smallest budget that fits.
+The choice is applied to every graph compiled afterwards (the joint pass
+``apply_reshard_choice``), reported by ``backend.report()`` and the dumps, and checked against
+the compiled graphs' own estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from ..api import ConfigError
+from ..inspection.memory import input_bytes, storage_lifetimes
+from ..passes.bucketing import unit_label
+from ..passes.graph import COMM_META
+from .records import CompiledGraph
+
+# AdamW's state per gradient byte (two moments), as plan() assumes by default.
+_OPTIMIZER_STATES = 2
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """One unit's chosen setting (only units not resharded to the shard are listed)."""
+
+    unit: str  # "" is the root
+    reshard_to: int  # 1: keeps its gathered parameters; n: keeps a shard over n ranks
+    kept_bytes: float  # beyond its shard, held from its forward to its backward
+    saved_seconds: float  # predicted exposed communication it saves, on its own
+
+    @property
+    def setting(self) -> str:
+        if self.reshard_to == 1:
+            return "keeps its gathered parameters"
+        return f"keeps a shard over {self.reshard_to} ranks"
+
+
+@dataclass
+class ReshardChoice:
+    """What ``memory_budget=`` chose, and the predictions it rests on."""
+
+    budget: float
+    shard_size: int
+    units: dict[str, UnitChoice] = field(default_factory=dict)
+    strategy_peak: float = 0.0  # the step's predicted peak with every unit resharded to the shard
+    peak: float = 0.0  # with the choice
+    strategy_exposed: float = 0.0  # predicted exposed communication of the step, both ways
+    exposed: float = 0.0
+    compiled_peak: float | None = None  # the compiled graphs' own estimate, once they exist
+
+    @property
+    def reshard_to(self) -> dict[str, int]:
+        return {unit: c.reshard_to for unit, c in self.units.items()}
+
+    def lines(self) -> list[str]:
+        """The report's lines."""
+        head = (f"memory_budget={_size(self.budget)}: predicted peak {_size(self.peak)} (resharding every unit: "
+                f"{_size(self.strategy_peak)}), exposed communication {self.exposed * 1e3:.3g} ms per step (resharding "
+                f"every unit: {self.strategy_exposed * 1e3:.3g} ms)")
+        if self.compiled_peak is not None:
+            head += f"; the compiled graphs' estimate: {_size(self.compiled_peak)}"
+        rows = [f"  {c.unit or '<root>'}: {c.setting}, {_size(c.kept_bytes)} kept, {c.saved_seconds * 1e3:.3g} ms saved"
+                for c in self.units.values()]
+        return [head, *(rows or ["  every unit reshards to the shard"])]
+
+    def summary(self) -> dict[str, Any]:
+        return {"budget": self.budget, "strategy_peak": self.strategy_peak, "peak": self.peak,
+                "strategy_exposed": self.strategy_exposed, "exposed": self.exposed,
+                "compiled_peak": self.compiled_peak,
+                "units": [{"unit": c.unit, "reshard_to": c.reshard_to, "kept_bytes": c.kept_bytes,
+                           "saved_seconds": c.saved_seconds} for c in self.units.values()]}
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+# ---------------------------------------------------------------------- the strategy's step
+@dataclass
+class _Unit:
+    gathered_bytes: float  # its full parameters in the compute dtype
+    forward_free: int  # index of the forward node after which the strategy frees them
+    backward_gather: int  # index of its first backward node (its gather)
+    backward_free: int  # index of the backward node after which the strategy frees them again
+    backward_nodes: set[fx.Node]  # the backward nodes its gather was lowered into
+    gather_bytes: float  # the backward all-gather's buffer
+
+
+class _Step:
+    """The strategy's traced step, and the peak and exposure of any mix of settings."""
+
+    def __init__(self, record: CompiledGraph, cluster: Any, states: dict[str, float]) -> None:
+        from ..planning.cost import graph_costs
+
+        self.cluster = cluster
+        self.forward, self.backward = record.forward, record.backward
+        self.forward_live = graph_live(self.forward, states, cluster)
+        self.backward_live = graph_live(self.backward, states, cluster)
+        self.outside_peak = optimizer_step_peak(states)
+        self.units = _units(record)
+        self.groups: dict[str, Any] = {}
+        self.forward_costs = graph_costs(self.forward, cluster, self.groups)
+        self.backward_costs = graph_costs(self.backward, cluster, self.groups)
+
+    def peak(self, settings: Mapping[str, int], shard_size: int) -> float:
+        extra_forward = [0.0] * (len(self.forward_live) + 1)
+        extra_backward = [0.0] * (len(self.backward_live) + 1)
+        for unit, ranks in settings.items():
+            info = self.units.get(unit)
+            if info is None:
+                continue
+            kept = kept_bytes(info.gathered_bytes, ranks, shard_size)
+            extra_forward[info.forward_free + 1] += kept  # from after its last forward use on
+            extra_backward[0] += kept  # an input of the backward graph: held throughout
+            if ranks == 1:  # and not gathered again, where the strategy held it
+                extra_backward[info.backward_gather] -= kept
+                extra_backward[info.backward_free + 1] += kept
+        peak = self.outside_peak
+        for live, extra in ((self.forward_live, extra_forward), (self.backward_live, extra_backward)):
+            running = 0.0
+            for i, total in enumerate(live):
+                running += extra[i]
+                peak = max(peak, total + running)
+        return peak
+
+    def exposed(self, settings: Mapping[str, int]) -> tuple[float, float]:
+        """(exposed communication, communication seconds) of the step with ``settings``."""
+        from ..planning.cost import Group, NodeCost, collective_cost
+        from ..planning.simulate import simulate_graph
+
+        changed: dict[fx.Node, NodeCost] = {}
+        for unit, ranks in settings.items():
+            info = self.units.get(unit)
+            if info is None:
+                continue
+            for node in info.backward_nodes:
+                if ranks == 1:  # nothing to gather
+                    changed[node] = NodeCost("free")
+                elif node.op == "call_function" and "all_gather" in str(node.target):
+                    changed[node] = collective_cost("all_gather", info.gather_bytes, Group(ranks, 1), self.cluster)
+        backward = [(node, changed.get(node, cost)) for node, cost in self.backward_costs]
+        total = (simulate_graph(self.forward_costs, self.cluster.comm_overlap, self.cluster.backend_share)
+                 + simulate_graph(backward, self.cluster.comm_overlap, self.cluster.backend_share))
+        return float(total.exposed_comm_seconds), float(total.comm_seconds)
+
+
+def kept_bytes(gathered_bytes: float, ranks: int, shard_size: int) -> float:
+    """What a unit holds beyond its shard from forward to backward when it reshards to ``ranks``."""
+    if ranks >= shard_size:
+        return 0.0
+    return gathered_bytes / ranks
+
+
+def _units(record: CompiledGraph) -> dict[str, _Unit]:
+    """Each unit's gather in the strategy's forward and backward graphs, from the buckets."""
+    backward_index = {n: i for i, n in enumerate(record.backward.graph.nodes)}
+    forward_life, backward_life = storage_lifetimes(record.forward), storage_lifetimes(record.backward)
+    found: dict[str, _Unit] = {}
+    for bucket in record.forward_buckets.get("unshard", []):
+        unit = _unit_of(bucket.key)
+        entry = found.setdefault(unit, _Unit(0.0, 0, len(backward_index), 0, set(), 0.0))
+        entry.gathered_bytes += float(sum(m.full_bytes for m in bucket.markers))
+        entry.forward_free = max(entry.forward_free, _last_use(forward_life, record.forward, bucket.key))
+    for node in record.backward.graph.nodes:
+        tag = node.meta.get(COMM_META)
+        if tag is None or tag.kind != "gather" or _unit_of(tag.bucket) not in found:
+            continue
+        entry = found[_unit_of(tag.bucket)]
+        entry.backward_nodes.add(node)
+        entry.backward_gather = min(entry.backward_gather, backward_index[node])
+        entry.backward_free = max(entry.backward_free, _last_use(backward_life, record.backward, tag.bucket))
+        if "all_gather" in str(node.target):
+            entry.gather_bytes += float(node.meta["val"].numel() * node.meta["val"].element_size())
+    return {unit: entry for unit, entry in found.items() if entry.backward_nodes}
+
+
+def _unit_of(bucket: str) -> str:
+    label = unit_label(bucket)
+    return "" if label == "<root>" else label
+
+
+def _last_use(life: Any, gm: fx.GraphModule, bucket: str) -> int:
+    """The index of the node after which a bucket's gathered parameters die in ``gm``."""
+    outputs = [n for n in gm.graph.nodes
+               if (tag := n.meta.get(COMM_META)) is not None and tag.bucket == bucket and tag.kind == "gather"]
+    index = {n: i for i, n in enumerate(life.nodes)}
+    return max((life.last_use[key] for n in outputs for key, _ in life.keys.get(n, ()) if key in life.last_use),
+               default=max((index[n] for n in outputs), default=0))
+
+
+# ---------------------------------------------------------------------- the choice
+def choose(step: _Step, budget: float, shard_size: int, candidates: Sequence[int]) -> ReshardChoice:
+    """The greedy choice (module docstring, step 4) on a traced step."""
+    choice = ReshardChoice(budget, shard_size)
+    choice.strategy_peak = step.peak({}, shard_size)
+    choice.strategy_exposed, strategy_comm = step.exposed({})
+    if choice.strategy_peak > budget:
+        raise ConfigError(
+            f"memory_budget={_size(budget)} is below what resharding every unit after forward needs for this "
+            f"model and batch: the smallest budget that fits is {_size(math.ceil(choice.strategy_peak))} "
+            f"({math.ceil(choice.strategy_peak)} bytes) per rank, as the planner counts the step's peak (the graphs' "
+            "live memory, this rank's shards, gradients and AdamW's state)")
+    moves = []
+    for unit, info in step.units.items():
+        for ranks in (*candidates, 1):
+            kept = kept_bytes(info.gathered_bytes, ranks, shard_size)
+            if kept <= 0:
+                continue
+            exposed, comm = step.exposed({unit: ranks})
+            saved, comm_saved = choice.strategy_exposed - exposed, strategy_comm - comm
+            if saved > 0 or comm_saved > 0:
+                moves.append(((max(saved, 0.0) / kept, comm_saved / kept), unit, ranks, max(saved, 0.0), kept))
+    moves.sort(key=lambda m: m[0], reverse=True)
+    settings: dict[str, int] = {}
+    saved_by: dict[tuple[str, int], float] = {}
+    for _, unit, ranks, saved, kept in moves:
+        current = settings.get(unit, shard_size)
+        if kept <= kept_bytes(step.units[unit].gathered_bytes, current, shard_size):
+            continue  # it already keeps at least this much
+        trial = {**settings, unit: ranks}
+        if step.peak(trial, shard_size) <= budget:
+            settings = trial
+            saved_by[(unit, ranks)] = saved
+    choice.units = {unit: UnitChoice(unit, ranks, kept_bytes(step.units[unit].gathered_bytes, ranks, shard_size),
+                                     saved_by[(unit, ranks)]) for unit, ranks in sorted(settings.items())}
+    choice.peak = step.peak(settings, shard_size)
+    choice.exposed, _ = step.exposed(settings)
+    return choice
+
+
+def candidate_groups(shard_size: int) -> list[int]:
+    """The group sizes a unit may reshard to besides the whole shard group: its proper divisors."""
+    return [n for n in range(2, shard_size) if shard_size % n == 0]
+
+
+def rank_states(local_shards: Iterable[Any]) -> dict[str, float]:
+    """This rank's parameter shards, their gradients and AdamW's state, in bytes (from the
+    leaves that stand for the shards, padded as stored)."""
+    shard = grads = 0.0
+    for shards in local_shards:
+        for leaf in shards.leaves.values():
+            nbytes = float(leaf.numel() * leaf.element_size())
+            shard += nbytes
+            if leaf.requires_grad:
+                grads += nbytes
+    return {"params": shard, "grads": grads, "optimizer": _OPTIMIZER_STATES * grads}
+
+
+def decide(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ReshardChoice:
+    """Trace the strategy's step, choose, and make rank 0's choice every rank's."""
+    options, state = compiler.options, compiler.state
+    shard_size = state.topology.shard_size
+    choice = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        record = compiler.trace_strategy_step(gm, example_inputs)
+        step = _Step(record, options.cluster, rank_states(state.local_shards))
+        try:
+            choice = choose(step, float(options.memory_budget), shard_size, candidate_groups(shard_size))
+        except ConfigError as error:
+            choice = error
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [choice]
+        dist.broadcast_object_list(shared, src=0)
+        choice = shared[0]
+    if isinstance(choice, BaseException):
+        raise choice
+    return choice
+
+
+def graph_live(gm: fx.GraphModule, states: Mapping[str, float], cluster: Any) -> list[float]:
+    """Live bytes after each node of ``gm``, with what lives outside it (as ``plan()`` counts:
+    the parameter shards the graph does not read, and the optimizer's state)."""
+    from ..planning.simulate import memory_timeline
+
+    held = {"param": max(0.0, states["params"] - input_bytes(gm, "param"))}
+    workspace = getattr(cluster, "collective_workspace", None)
+    return [float(sum(live.values())) + states["optimizer"]
+            for live in memory_timeline(gm, held, workspace=workspace)]
+
+
+def optimizer_step_peak(states: Mapping[str, float]) -> float:
+    """Shards, their gradients, AdamW's moments and one gradient-sized temporary."""
+    return states["params"] + 2 * states["grads"] + states["optimizer"]
+
+
+def compiled_peak(records: Sequence[CompiledGraph], cluster: Any, local_shards: Iterable[Any]) -> float:
+    """The peak the planner counts for graphs compiled with a choice (step 2's sum, on them)."""
+    states = rank_states(local_shards)
+    peak = optimizer_step_peak(states)
+    for record in records:
+        for gm in (record.forward, record.backward):
+            if gm is not None:
+                peak = max(peak, *graph_live(gm, states, cluster))
+    return peak

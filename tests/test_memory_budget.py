@@ -1,0 +1,143 @@
+"""``memory_budget=``: the compiler chooses each unit's ``reshard_after_forward`` under a budget.
+
+The choice (compilation/reshard_choice.py) on hand-made steps, where the arithmetic can be done
+by hand, and on a GPT at 2 "nodes" x 2 ranks: a budget below FULL_SHARD's own peak is an error
+naming the smallest that fits; a budget between FULL_SHARD's and SHARD_GRAD_OP's keeps some units
+and no more than fits (by the compiled graphs' own estimate), and every rank chose alike; the
+gradients are FULL_SHARD's, bit for bit; the choice is in the report and the dumps.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_workers
+from helpers import assert_bitwise, batches, expect_error, full, lm_loss, local_slice
+
+import fsdp_compile
+from fsdp_compile.compilation.reshard_choice import choose, kept_bytes
+from fsdp_compile.models.gpt import GPT, GPTConfig
+
+# ---------------------------------------------------------------- the greedy choice, by hand
+
+
+class FakeStep:
+    """A step whose peak is a base plus what units keep, and whose exposed communication is
+    each unit's regather, removed by keeping it, halved by resharding to 2 ranks."""
+
+    def __init__(self, base_peak: float, units: dict[str, tuple[float, float]]) -> None:
+        self.base_peak = base_peak
+        self.exposure = {u: seconds for u, (_, seconds) in units.items()}
+        self.units = {u: type("Info", (), {"gathered_bytes": nbytes}) for u, (nbytes, _) in units.items()}
+
+    def peak(self, settings: dict[str, int], shard_size: int) -> float:
+        return self.base_peak + sum(kept_bytes(self.units[u].gathered_bytes, r, shard_size) for u, r in settings.items())
+
+    def exposed(self, settings: dict[str, int]) -> tuple[float, float]:
+        total = 0.0
+        for unit, seconds in self.exposure.items():
+            ranks = settings.get(unit, 4)
+            total += 0.0 if ranks == 1 else seconds / 2 if ranks == 2 else seconds
+        return total, total
+
+
+STEP = {"a": (100.0, 4e-3), "b": (100.0, 1e-3), "c": (400.0, 4e-3)}
+
+
+def test_the_choice_takes_what_saves_most_per_byte_within_the_budget() -> None:
+    # Per byte: a keeps 100 for 4 ms, or half of it (50) for 2 ms; b 100 for 1 ms; c 400 for 4 ms.
+    step = FakeStep(1000.0, STEP)
+    assert choose(step, 1000.0, 4, [2]).reshard_to == {}
+    assert choose(step, 1050.0, 4, [2]).reshard_to == {"a": 2}
+    assert choose(step, 1100.0, 4, [2]).reshard_to == {"a": 1}
+    generous = choose(step, 10_000.0, 4, [2])
+    assert generous.reshard_to == {"a": 1, "b": 1, "c": 1} and generous.exposed == 0.0
+    middle = choose(step, 1400.0, 4, [2])
+    assert middle.peak <= 1400.0 and middle.reshard_to == {"a": 1, "b": 1, "c": 2}
+    assert middle.units["a"].kept_bytes == 100.0 and middle.units["a"].saved_seconds == pytest.approx(4e-3)
+
+
+def test_a_budget_below_the_strategys_peak_names_the_smallest_that_fits() -> None:
+    with pytest.raises(fsdp_compile.ConfigError, match=r"the smallest budget that fits is .* \(1000 bytes\)"):
+        choose(FakeStep(1000.0, STEP), 999.0, 4, [2])
+
+
+# ---------------------------------------------------------------- a GPT at 2 x 2
+
+CONFIG = GPTConfig(vocab_size=67, block_size=33, n_layer=4, n_head=2, d_model=64)
+
+
+def budget_worker(rank: int, world: int, budgets: list, dump_root: str) -> dict:
+    torch.manual_seed(0)
+    base = GPT(CONFIG)
+    data = batches(CONFIG, world, 1)
+    cluster = fsdp_compile.Cluster.preset("h100-sxm", nodes=2, devices_per_node=2)
+    out = {}
+    for budget in [None, *budgets]:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        options = {} if budget is None else {"memory_budget": budget, "cluster": cluster}
+        dump = f"{dump_root}/{budget}" if budget is not None else None
+        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", dump_dir=dump, **options)
+        backend.shard(model)
+        x, y = data[0]
+        try:
+            lm_loss(torch.compile(model, backend=backend)(local_slice(x, rank)), local_slice(y, rank)).backward()
+        except Exception as exc:
+            out[budget] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        choice = backend._state.reshard_choice
+        out[budget] = {"grads": {n: full(p.grad) for n, p in model.named_parameters()},
+                       "choice": None if choice is None else choice.summary(),
+                       "reshard_to": dict(backend._state.reshard_to), "report": backend.report()}
+    return out
+
+
+def test_a_budget_keeps_what_fits_and_trains_like_full_shard(tmp_path: Path) -> None:
+    budgets = [100_000, "2.8MiB", "1GiB"]
+    outs = run_workers(budget_worker, 4, budgets, str(tmp_path))
+    out = outs[0]
+    assert "ConfigError" in out[100_000]["error"] and "the smallest budget that fits is" in out[100_000]["error"]
+    strategy_peak = out["1GiB"]["choice"]["strategy_peak"]
+    assert f"({math.ceil(strategy_peak)} bytes)" in out[100_000]["error"]
+    middle, generous = out["2.8MiB"]["choice"], out["1GiB"]["choice"]
+    assert middle["peak"] <= 2.8 * 2 ** 20 and middle["compiled_peak"] <= 2.8 * 2 ** 20
+    assert len(middle["units"]) > 0 and middle["exposed"] < middle["strategy_exposed"]
+    # The most generous budget keeps every unit gathered and leaves nothing to wait for.
+    assert {c["reshard_to"] for c in generous["units"]} == {1} and len(generous["units"]) == 5
+    assert generous["exposed"] <= middle["exposed"] <= middle["strategy_exposed"]
+    # Every rank chose alike (rank 0's choice, broadcast), and the gradients are FULL_SHARD's.
+    for rank_out in outs:
+        assert rank_out["2.8MiB"]["reshard_to"] == out["2.8MiB"]["reshard_to"]
+        for budget in ("2.8MiB", "1GiB"):
+            assert_bitwise(rank_out[budget]["grads"], rank_out[None]["grads"], f"memory_budget={budget}")
+    # The report and the dumps (what `python -m fsdp_compile inspect` reads) say what was chosen.
+    assert "memory_budget=2.8 MiB: predicted peak" in out["2.8MiB"]["report"]
+    summary = json.loads(next((tmp_path / "2.8MiB").rglob("summary.json")).read_text())
+    assert summary["reshard_choice"]["units"] == middle["units"]
+
+
+def bad_options_worker(rank: int, world: int) -> dict:
+    cluster = fsdp_compile.Cluster.preset("h100-sxm")
+    return {
+        "strategy": expect_error(lambda: fsdp_compile.backend("SHARD_GRAD_OP", memory_budget="1GiB", cluster=cluster)),
+        "both": expect_error(lambda: fsdp_compile.backend("FULL_SHARD", memory_budget="1GiB", cluster=cluster,
+                                                          reshard_after_forward=False)),
+        "no_cluster": expect_error(lambda: fsdp_compile.backend("FULL_SHARD", memory_budget="1GiB")),
+        "size": expect_error(lambda: fsdp_compile.backend("FULL_SHARD", memory_budget="lots", cluster=cluster)),
+        "alone": expect_error(lambda: fsdp_compile.backend("FULL_SHARD", cluster=cluster)),
+    }
+
+
+def test_bad_memory_budget_options_are_named() -> None:
+    errors = run_workers(bad_options_worker, 2)[0]
+    assert "SHARD_GRAD_OP already decides it" in errors["strategy"]
+    assert "pass one of the two" in errors["both"]
+    assert "pass cluster=" in errors["no_cluster"]
+    assert "memory_budget='lots'" in errors["size"]
+    assert "pass memory_budget= too" in errors["alone"]
