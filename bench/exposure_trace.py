@@ -15,7 +15,7 @@ gloo's completion, and when its wait was called and returned (``bench/overlap.py
 clusters (the numbers measured beside that strategy's steps, rebuilt as ``bench/replan.py``
 does) with a trace of the same events (``simulate_events(trace=...)``). That trace is one
 rank's timeline (lockstep); where the job's ranks outnumber its cores and its cluster measured
-their drift, the plan's step is every rank played together (``planning.shared_cores``), which
+their drift, the plan's step is every rank played together (``planning.host.shared_cores``), which
 it does not trace: its planned step is that one, its collectives lockstep's.
 
 Per collective in issue order, on the network and on unlimited links: when it was issued and
@@ -166,7 +166,7 @@ def _simulated(job: dict, strategy: str) -> dict:
                 costs = graph_costs(gm, cluster, groups)
                 wire = {node: cost.wire_bytes for node, cost in costs}
                 trace: list[dict] = []
-                timeline = simulate_graph(costs, cluster.comm_overlap, cluster.backend_share, trace)
+                timeline = simulate_graph(costs, cluster.comm_overlap, cluster.host, trace)
                 for r in trace:
                     records.append({"phase": phase, "kind": COLLECTIVE_KIND[r["key"].target], "link": r["link"],
                                     "wire_mb": wire[r["key"]] / 1e6, "modeled_ms": r["seconds"] * 1e3,

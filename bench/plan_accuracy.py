@@ -46,6 +46,7 @@ import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, plan
 from fsdp_compile.planning.cli import _cross_entropy
+from fsdp_compile.planning.host import HostCPU
 from fsdp_compile.planning.measured import quiet_step_seconds
 
 GB = 1e9
@@ -285,8 +286,7 @@ def part_attribution(smoke: bool = False, repeats: int = 5) -> dict:
             attention_flops={torch.float32: measuring._attention_flops(torch.float32, cpu, repeats)},
             memory_bandwidth=measuring._memory_bandwidth(cpu, repeats), intra_node_bandwidth=1e9,
             inter_node_bandwidth=None, intra_node_latency=0.0, inter_node_latency=None,
-            op_overhead=measuring._op_overhead(cpu, repeats),
-            device_type="cpu")
+            device_type="cpu", host=HostCPU(op_overhead=measuring._op_overhead(cpu, repeats)))
         models = []
         for factory, batch, seq in SMOKE_RUNS if smoke else ACCURACY_RUNS:
             model = globals()[factory]()
@@ -316,7 +316,7 @@ def part_attribution(smoke: bool = False, repeats: int = 5) -> dict:
             models.append({"model": factory, "batch": batch, "seq": seq, "compute_nodes": nodes, "by_kind": by_kind,
                            "predicted_s": sum(v["predicted_s"] for v in by_kind.values()),
                            "measured_s": sum(v["measured_s"] for v in by_kind.values())})
-        return {"cluster": cluster.describe(), "op_overhead_s": cluster.op_overhead, "repeats": repeats,
+        return {"cluster": cluster.describe(), "op_overhead_s": cluster.host.op_overhead, "repeats": repeats,
                 "models": models}
     finally:
         torch.set_num_threads(threads)

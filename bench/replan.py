@@ -87,7 +87,7 @@ def job_clusters(job: dict, cores: int | None = None, rank_drift: float | None =
     collectives and its share take the first from their unlimited cluster's links and the
     second from ``cores`` (the machine's, all ranks on it). ``rank_drift`` plans a job whose
     world outnumbers ``cores`` with its ranks played together at that drift
-    (``Cluster.rank_drift``) whatever the job measured (jobs measured before the calibration
+    (``HostCPU.rank_drift``) whatever the job measured (jobs measured before the calibration
     read it have none); 0 plans it in lockstep, one rank's timeline."""
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
@@ -105,11 +105,11 @@ def job_clusters(job: dict, cores: int | None = None, rank_drift: float | None =
         sharing = ({"core_sharing": (job["world"], cores), "rank_drift": rank_drift}
                    if job["world"] > cores and rank_drift > 0 else {"core_sharing": None, "rank_drift": 0.0})
     clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share)
-                .replace(**sharing) if job.get(key) else None
+                .with_host(**sharing) if job.get(key) else None
                 for key in ("cluster_numbers", "unlimited_cluster_numbers")}
     unlimited = clusters["unlimited_cluster_numbers"]
-    if unlimited is not None and not clusters["cluster_numbers"].backend_collectives:
-        clusters["cluster_numbers"] = clusters["cluster_numbers"].replace(
+    if unlimited is not None and not clusters["cluster_numbers"].host.backend_collectives:
+        clusters["cluster_numbers"] = clusters["cluster_numbers"].with_host(
             backend_collectives=unlimited.measured_collectives,
             backend_inter_collectives=unlimited.measured_inter_collectives)
     beside = {row["strategy"]: {"compute_scale": row["compute_scale"]["beside_steps"],
@@ -202,7 +202,7 @@ def main() -> None:
                         "links charge), where the job's own fits were timed")
     p.add_argument("--rank-drift", type=float,
                    help="plan jobs whose world outnumbers --cores with every rank played together at this drift "
-                        "(Cluster.rank_drift, seconds per square root of a second), whatever the job measured; "
+                        "(HostCPU.rank_drift, seconds per square root of a second), whatever the job measured; "
                         "0: in lockstep, one rank's timeline")
     args = p.parse_args()
     rows = []

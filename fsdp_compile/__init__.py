@@ -18,7 +18,6 @@ from .checks.gradients import GradientMismatch
 from .compilation.records import CompiledGraph
 from .fsdp_backend import FSDPBackend
 from .inspection.memory import MemoryEstimate, estimate_memory
-from .network import EmulatedNetwork
 from .planning import Cluster, Plan, PlanError, plan
 from .planning.auto import AUTO_OPTIONS, AutoBackend
 from .runtime.faults import RankFailure
@@ -37,6 +36,16 @@ __all__ = ["AgreementError", "CPUOffload", "CheckpointError", "Cluster", "Compil
            "compile", "estimate_memory", "full_state_dict", "load_checkpoint", "load_full_state_dict", "plan",
            "save_checkpoint"]
 from .api import __version__ as __version__
+
+
+def __getattr__(name: str) -> Any:
+    # The emulated network is for CPU runs that stand in for a cluster: a GPU job, and every
+    # training script, should not pay for importing it.
+    if name == "EmulatedNetwork":
+        from .network import EmulatedNetwork
+
+        return EmulatedNetwork
+    raise AttributeError(f"module 'fsdp_compile' has no attribute {name!r}")
 
 
 def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> FSDPBackend:

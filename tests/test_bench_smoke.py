@@ -536,7 +536,7 @@ def test_replan_plays_a_jobs_ranks_together_at_a_given_drift_or_in_lockstep() ->
 
     def sharing(**kw):
         cluster = replan.job_clusters(job, **kw)["FULL_SHARD"][0]
-        return cluster.core_sharing, cluster.rank_drift
+        return cluster.host.core_sharing, cluster.host.rank_drift
 
     assert sharing() == ((4, 2), measured)
     assert sharing(cores=2, rank_drift=0.03) == ((4, 2), 0.03)

@@ -14,6 +14,7 @@ from helpers import PER_RANK_BATCH, SEQ, TEST_CONFIG, batches, train
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT
 from fsdp_compile.planning import Cluster, PlanError
+from fsdp_compile.planning.host import HostCPU
 
 
 def plan_loss(output: torch.Tensor) -> torch.Tensor:
@@ -25,7 +26,7 @@ def cpu_cluster(world: int, memory: float) -> Cluster:
     return Cluster(name="test-cpu", nodes=1, devices_per_node=world, device_memory=memory,
                    peak_flops={torch.float32: 2e10}, memory_bandwidth=5e9, intra_node_bandwidth=1e9,
                    inter_node_bandwidth=None, intra_node_latency=2e-5, inter_node_latency=None,
-                   op_overhead=1e-5, device_type="cpu")
+                   device_type="cpu", host=HostCPU(op_overhead=1e-5))
 
 
 class _Capture(logging.Handler):
@@ -108,16 +109,43 @@ def test_auto_options_are_checked():
         fsdp_compile.backend("FULL_SHARD", memory_budget=1 << 30)
 
 
+def test_auto_refuses_tensor_parallel_plan_options_by_name():
+    # auto shards the model as given (1-D): a TP row would be applied as a 1-D strategy
+    with pytest.raises(ValueError, match=r"plan_options: tp_degrees=\(1, 2\) asks strategy='auto' for tensor "
+                                         r"parallelism.*parallelize_module"):
+        fsdp_compile.backend("auto", plan_options={"tp_degrees": (1, 2)})
+    with pytest.raises(ValueError, match="plan_options: parallelize_fn= asks strategy='auto' for tensor"):
+        fsdp_compile.backend("auto", plan_options={"parallelize_fn": lambda model, mesh: model})
+    fsdp_compile.backend("auto", plan_options={"tp_degrees": (1,)})  # no TP: what auto plans anyway
+    # options auto sets itself, and options plan() does not take, are named too
+    with pytest.raises(ValueError, match="plan_options: strategy='auto' sets world_size itself"):
+        fsdp_compile.backend("auto", plan_options={"world_size": 8})
+    with pytest.raises(ValueError, match="plan_options: prefetches is not an option of fsdp_compile.plan"):
+        fsdp_compile.backend("auto", plan_options={"prefetches": (1,)})
+
+
+def test_a_tp_row_is_never_applied_as_a_1d_strategy():
+    from fsdp_compile.planning.auto import candidate_options
+    from fsdp_compile.planning.plan import Plan, PlanRow
+
+    row = PlanRow("FULL_SHARD", "module", 1, True, 1.0, {}, 1.0, 0.0, {}, tp=2)
+    result = Plan(cpu_cluster(2, 1 << 30), 2, [row], row, "", 1 << 30, 1, bucket_policies={"module": "module"})
+    with pytest.raises(PlanError, match=r"applies 1-D rows only, and the plan chose FULL_SHARD.*TP degree 2"):
+        candidate_options(result, row)
+    row.tp = 1
+    assert candidate_options(result, row) == {"strategy": "FULL_SHARD", "bucket": "module", "prefetch": 1}
+
+
 def measure_worker(rank: int, world: int) -> dict:
     cluster = Cluster.measure(sizes=(1 << 14, 1 << 16, 1 << 18), repeats=3, device_memory=1 << 30)
     return {
         "world": cluster.world_size, "flops": {str(k): v for k, v in cluster.peak_flops.items()},
         "attention_flops": {str(k): v for k, v in cluster.attention_flops.items()},
-        "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.op_overhead,
+        "memory_bandwidth": cluster.memory_bandwidth, "op_overhead": cluster.host.op_overhead,
         "overlap": cluster.comm_overlap, "optimizer_step": cluster.optimizer_step,
         "workspace": cluster.collective_workspace, "runtime_per_tensor": cluster.runtime_per_tensor,
-        "copy_kernels": cluster.copy_kernels, "collective_issue": cluster.collective_issue,
-        "collective_cpu": cluster.collective_cpu, "compute_scale": cluster.compute_scale,
+        "copy_kernels": cluster.host.copy_kernels, "collective_issue": cluster.host.collective_issue,
+        "collective_cpu": cluster.host.collective_cpu, "compute_scale": cluster.host.compute_scale,
         "collectives": {k: (v.step_latency, v.bandwidth, v.group_size, len(v.samples))
                         for k, v in cluster.measured_collectives.items()},
         "sources": sorted(cluster.sources),

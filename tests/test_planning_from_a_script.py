@@ -27,6 +27,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile.planning import Cluster
+from fsdp_compile.planning.host import HostCPU
 
 VOCAB, DIM = 64, 16
 
@@ -64,7 +65,7 @@ def cpu_cluster(world):
     return Cluster(name="test-cpu", nodes=1, devices_per_node=world, device_memory=1 << 30,
                    peak_flops={torch.float32: 2e10}, memory_bandwidth=5e9, intra_node_bandwidth=1e9,
                    inter_node_bandwidth=None, intra_node_latency=2e-5, inter_node_latency=None,
-                   op_overhead=1e-5, device_type="cpu")
+                   device_type="cpu", host=HostCPU(op_overhead=1e-5))
 '''
 
 # Everything at the top level, as a first training script is written: the planner's child must

@@ -50,7 +50,7 @@ def measure_worker(rank: int, world: int) -> dict:
             cluster = fsdp_compile.Cluster.measure(nodes=2, sizes=(1 << 18, 1 << 20), repeats=1, device_memory=1 << 30)
             return {"intra": {k: v.bandwidth for k, v in cluster.measured_collectives.items()},
                     "inter": {k: v.bandwidth for k, v in cluster.measured_inter_collectives.items()},
-                    "backend_inter": {k: v.bandwidth for k, v in cluster.backend_inter_collectives.items()},
+                    "backend_inter": {k: v.bandwidth for k, v in cluster.host.backend_inter_collectives.items()},
                     "links": (cluster.intra_node_bandwidth, cluster.inter_node_bandwidth)}
     finally:
         end_process_group()
@@ -157,14 +157,14 @@ def backend_worker(rank: int, world: int) -> dict:
         with collectives_timed_alone():
             own, inter = _backend_collectives(_emulated_network(None), _link_groups(None, 1), torch.device("cpu"),
                                               (1 << 16, 1 << 18, 1 << 20), 3)
-            link = fsdp_compile.Cluster.preset("a10g").replace(
-                device_type="cpu", devices_per_node=2, backend_collectives=own, backend_share=(0.5, 1.0))
+            link = fsdp_compile.Cluster.preset("a10g").replace(device_type="cpu", devices_per_node=2).with_host(
+                backend_collectives=own, backend_share=(0.5, 1.0))
             unlimited = backend_links(link)
             return {"found": _emulated_network(None) is net, "own": {k: v.bandwidth for k, v in own.items()},
                     "inter": inter, "put_back": net.links()["intra"].bandwidth,
-                    "unlimited": (unlimited.measured_collectives == own, unlimited.backend_collectives,
+                    "unlimited": (unlimited.measured_collectives == own, unlimited.host.backend_collectives,
                                   unlimited.intra_node_bandwidth == own["all_gather"].bandwidth,
-                                  unlimited.backend_share)}
+                                  unlimited.host.backend_share)}
     finally:
         end_process_group()
 

@@ -10,19 +10,23 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile.planning import Cluster, ClusterError
 from fsdp_compile.planning.cost import Group, collective_cost, graph_costs, node_cost
+from fsdp_compile.planning.host import HOST_NUMBERS, HostCPU
 from fsdp_compile.planning.numbers import MeasuredCollective
 from fsdp_compile.planning.simulate import simulate_events
 
 H100 = Cluster.preset("h100-sxm", nodes=2)
+LOCKSTEP = HostCPU()  # a host model that adds nothing of its own: events carry its numbers
 
 
 def small_cluster(**changes) -> Cluster:
+    """A toy cluster; the host model's numbers among ``changes`` go to its host model."""
     fields = {"name": "toy", "nodes": 2, "devices_per_node": 4, "device_memory": 1e9,
                   "peak_flops": {torch.float32: 1e12}, "memory_bandwidth": 1e11,
                   "intra_node_bandwidth": 1e10, "inter_node_bandwidth": 1e9,
                   "intra_node_latency": 1e-6, "inter_node_latency": 1e-5, "collective_latency": 0.0}
+    host = {name: changes.pop(name) for name in HOST_NUMBERS if name in changes}
     fields.update(changes)
-    return Cluster(**fields)
+    return Cluster(**fields, host=HostCPU(**host) if host else None)
 
 
 # ---------------------------------------------------------------- Cluster
@@ -137,21 +141,23 @@ def test_group_of_one_costs_nothing():
 
 def test_issuing_a_collective_takes_the_compute_stream_first():
     from fsdp_compile.planning.cost import NodeCost
+    from fsdp_compile.planning.host.model import CollectiveOnHost
     from fsdp_compile.planning.simulate import simulate_graph
 
     issued = small_cluster(collective_issue={"reduce_scatter": (1e-4, 1e-9)})
     cost = collective_cost("reduce_scatter", 1_000_000, Group(4, 1), issued)
-    assert cost.issue_seconds == pytest.approx(1e-4 + 1e6 * 1e-9)
+    assert cost.host.issue_seconds == pytest.approx(1e-4 + 1e6 * 1e-9)
     assert cost.seconds == collective_cost("reduce_scatter", 1_000_000, Group(4, 1), small_cluster()).seconds
-    assert collective_cost("all_gather", 1_000_000, Group(4, 1), issued).issue_seconds == 0.0  # not measured
+    assert collective_cost("all_gather", 1_000_000, Group(4, 1), issued).host.issue_seconds == 0.0  # not measured
     # the collective starts after its issue: a wait right after it exposes the whole collective
     class Node:  # what the simulator reads of an fx node: its arguments (a wait's is its collective)
         def __init__(self, *args):
             self.args = args
 
     rs = Node()
-    costs = [(rs, NodeCost("collective", 1.0, link="intra", issue_seconds=0.5)), (Node(rs), NodeCost("wait"))]
-    t = simulate_graph(costs)
+    costs = [(rs, NodeCost("collective", 1.0, link="intra", host=CollectiveOnHost(issue_seconds=0.5))),
+             (Node(rs), NodeCost("wait"))]
+    t = simulate_graph(costs, host=LOCKSTEP)
     assert t.seconds == 1.5 and t.compute_seconds == 0.5 and t.exposed_comm_seconds == 1.0
 
 
@@ -215,14 +221,14 @@ def test_bucket_copies_are_priced_by_their_measured_fit():
 def test_compute_scale_multiplies_what_the_roofline_prices_but_not_measured_copies():
     gm = _graph(lambda a, b: (a @ b).view(-1), (512, 512), (512, 512))
     base = small_cluster(peak_flops={torch.float32: 1e9}, op_overhead=1e-6)
-    scaled = base.replace(compute_scale=1.5)
+    scaled = base.with_host(compute_scale=1.5)
     for (node, plain), (_, more) in zip(graph_costs(gm, base), graph_costs(gm, scaled)):
         if plain.kind == "compute":
             assert more.seconds == pytest.approx(1.5 * plain.seconds), node
     node = _copy_out_node()
     fit = {"copy_out": (1e-5, 1e-9)}
-    assert (node_cost(node, scaled.replace(copy_kernels=fit), {}).seconds
-            == node_cost(node, base.replace(copy_kernels=fit), {}).seconds)
+    assert (node_cost(node, scaled.with_host(copy_kernels=fit), {}).seconds
+            == node_cost(node, base.with_host(copy_kernels=fit), {}).seconds)
 
 
 def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost():
@@ -234,7 +240,7 @@ def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost(
     cluster = small_cluster(op_overhead=1e-6)
     priced = sum(c.seconds for gm in graphs for _, c in graph_costs(gm, cluster) if c.kind == "compute")
     # the cluster's own scale is left out of the pricing, so measuring again gives the same scale
-    assert compute_scale(2 * priced, graphs, cluster.replace(compute_scale=5.0)) == pytest.approx(2.0)
+    assert compute_scale(2 * priced, graphs, cluster.with_host(compute_scale=5.0)) == pytest.approx(2.0)
     assert compute_scale(1.0, [], cluster) == 1.0  # nothing timed (a GPU): no correction
     assert timed_reference(1, torch.device("meta")) == (0.0, [])
 
@@ -294,7 +300,7 @@ def test_compare_plans_each_strategy_on_the_numbers_timed_beside_its_steps():
     cluster = small_cluster(optimizer_step={"adamw": (2e-4, 1e-9), "sgd": (1e-5, 1e-10)}, runtime_per_tensor=5e-5)
     moved = beside_steps(cluster, {"compute_scale": 1.3, "optimizer_step": {"adamw": [4e-4, 2e-9]},
                                    "runtime_per_tensor": 8e-5})
-    assert moved.compute_scale == 1.3 and moved.runtime_per_tensor == 8e-5
+    assert moved.host.compute_scale == 1.3 and moved.runtime_per_tensor == 8e-5
     assert moved.optimizer_step == {"adamw": (4e-4, 2e-9), "sgd": (1e-5, 1e-10)}  # SGD was not timed there
     assert optimizer_seconds("adamw", 10**6, 4e6, 10, moved) == pytest.approx(10 * 4e-4 + 4e6 * 2e-9)
     # a job without the timings (a GPU) keeps the calibration's numbers
@@ -327,21 +333,22 @@ def test_each_collective_waits_the_rank_skew_for_the_last_rank():
     from fsdp_compile.planning.cost import collective_cost
 
     fair = small_cluster()
-    skewed = fair.replace(rank_skew=4e-3)
+    skewed = fair.with_host(rank_skew=4e-3)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        base = collective_cost(kind, 1 << 20, Group(2, 1), fair)
+        base = collective_cost(kind, 1 << 20, Group(2, 1), fair.with_host())
         cost = collective_cost(kind, 1 << 20, Group(2, 1), skewed)
-        assert cost.seconds == base.seconds and cost.skew_seconds == 4e-3 and base.skew_seconds == 0.0
+        assert cost.seconds == base.seconds and cost.host.skew_seconds == 4e-3 and base.host.skew_seconds == 0.0
     # a group of one rank waits for nobody
-    assert collective_cost("all_reduce", 1 << 20, Group(1, 1), skewed).skew_seconds == 0.0
+    assert collective_cost("all_reduce", 1 << 20, Group(1, 1), skewed).host is None
     # the collective starts when the last rank issues it: a wait right after exposes the skew ...
-    assert simulate_events([("issue", "x", 1.0, "intra", 0, 0.5), ("wait", "x")]).seconds == 1.5
+    assert simulate_events([("issue", "x", 1.0, "intra", 0, 0.5), ("wait", "x")], host=LOCKSTEP).seconds == 1.5
     # ... compute until the wait hides it, and a collective queued behind a busy link loses nothing
-    assert simulate_events([("issue", "x", 1.0, "intra", 0, 0.5), ("compute", 2.0), ("wait", "x")]).seconds == 2.0
+    assert simulate_events([("issue", "x", 1.0, "intra", 0, 0.5), ("compute", 2.0), ("wait", "x")],
+                           host=LOCKSTEP).seconds == 2.0
     queued = [("issue", "a", 3.0, "intra", 0, 0.5), ("issue", "b", 3.0, "intra", 0, 0.5), ("wait", "b")]
-    assert simulate_events(queued).seconds == 6.5
+    assert simulate_events(queued, host=LOCKSTEP).seconds == 6.5
     with pytest.raises(ClusterError, match="rank_skew"):
-        fair.replace(rank_skew=-1e-3)
+        fair.with_host(rank_skew=-1e-3)
 
 
 def test_attention_runs_at_its_own_measured_rate():
@@ -460,7 +467,7 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     cluster = measure.measure_cluster(Cluster, group=None, sizes=None, repeats=1, dtypes=(torch.float32,), nodes=1,
                                       device="cpu", device_memory=1e9)
     assert synced.pop("reference") is True
-    assert (cluster.core_sharing, cluster.rank_drift) == ((4, 2), 0.03)  # its step is played on every rank
+    assert (cluster.host.core_sharing, cluster.host.rank_drift) == ((4, 2), 0.03)  # its step is played on every rank
     assert synced and not any(synced.values()), synced  # local rank 1's turn: no inner barriers
     # the links' fits read an emulated network's own account of its links (_modeled_seconds)
     assert links_on == ["the network"]
@@ -664,13 +671,13 @@ def test_backend_threads_take_their_cpu_from_the_compute_after_the_issue():
     # gloo's threads spend 1 s of CPU on a collective: where compute is the bottleneck the step
     # grows by all of it, even though the collective hides (it is no share of the link's time)
     compute_bound = [("issue", "x", 2.0, "intra", 0), ("backend_cpu", 1.0), ("compute", 4.0), ("wait", "x")]
-    t = simulate_events(compute_bound)
+    t = simulate_events(compute_bound, host=LOCKSTEP)
     assert t.seconds == 5.0 and t.compute_seconds == 4.0 and t.exposed_comm_seconds == 1.0
     # of the exposed time, the backend's CPU is told apart from waits, and steps add it up
     assert t.backend_cpu_seconds == 1.0 and (t + t).backend_cpu_seconds == 2.0
     # where the link is, the wait absorbs it: the collective ends when it ends
     link_bound = [("issue", "x", 8.0, "intra", 0), ("backend_cpu", 1.0), ("compute", 4.0), ("wait", "x")]
-    assert simulate_events(link_bound).seconds == 8.0
+    assert simulate_events(link_bound, host=LOCKSTEP).seconds == 8.0
 
 
 def test_collective_cost_carries_the_backends_cpu_per_wire_byte():
@@ -678,36 +685,36 @@ def test_collective_cost_carries_the_backends_cpu_per_wire_byte():
 
     timed = small_cluster(collective_cpu={"all_gather": (1e-4, 2e-9)})
     cost = collective_cost("all_gather", 1_000_000, Group(4, 1), timed)
-    assert cost.cpu_seconds == pytest.approx(1e-4 + 2e-9 * cost.wire_bytes)
-    assert collective_cost("all_reduce", 1_000_000, Group(4, 1), timed).cpu_seconds == 0.0  # not measured
-    assert graph_events([("ag", cost)])[1:] == [("backend_cpu", cost.cpu_seconds)]
+    assert cost.host.cpu_seconds == pytest.approx(1e-4 + 2e-9 * cost.wire_bytes)
+    assert collective_cost("all_reduce", 1_000_000, Group(4, 1), timed).host.cpu_seconds == 0.0  # not measured
+    assert graph_events([("ag", cost)])[1:] == [("backend_cpu", cost.host.cpu_seconds)]
 
 
 def test_the_backends_own_work_runs_at_its_share_while_the_rank_computes():
-    half = (0.5, 1.0)
+    half = HostCPU(backend_share=(0.5, 1.0))
     # plain gloo (the link is the backend): 1 s of gloo under 1 s of compute gets half done,
     # the rest at full speed once the rank waits
     events = [("issue", "x", 1.0, "intra", 0, 0.0, 1.0), ("compute", 1.0), ("wait", "x")]
-    assert simulate_events(events).seconds == 1.0
-    shared = simulate_events(events, backend_share=half)
+    assert simulate_events(events, host=LOCKSTEP).seconds == 1.0
+    shared = simulate_events(events, host=half)
     assert shared.seconds == 1.5 and shared.exposed_comm_seconds == 0.5 and shared.comm_seconds == 1.0
     # a link slower than the backend sets the end; the backend's share does not add to it
     slow_link = [("issue", "x", 3.0, "intra", 0, 0.0, 1.0), ("compute", 1.0), ("wait", "x")]
-    assert simulate_events(slow_link, backend_share=half).seconds == 3.0
+    assert simulate_events(slow_link, host=half).seconds == 3.0
     # one queue for the rank's backend, across links, in issue order: the second waits for the first
     two = [("issue", "rs", 1.0, "intra", 0, 0.0, 1.0), ("issue", "ar", 1.0, "inter", 0, 0.0, 1.0),
            ("wait", "ar")]
-    assert simulate_events(two).seconds == 1.0 and simulate_events(two, backend_share=half).seconds == 2.0
+    assert simulate_events(two, host=LOCKSTEP).seconds == 1.0 and simulate_events(two, host=half).seconds == 2.0
     # a collective its group's last rank issues later starts later; compute before that costs it nothing
     skewed = [("issue", "x", 1.0, "intra", 0, 2.0, 1.0), ("compute", 2.0), ("wait", "x")]
-    assert simulate_events(skewed, backend_share=half).seconds == 3.0
+    assert simulate_events(skewed, host=half).seconds == 3.0
     # the backend goes on with the next collective while the rank waits for a slow link
     behind = [("issue", "a", 4.0, "intra", 0, 0.0, 1.0), ("issue", "b", 0.0, "inter", 0, 0.0, 2.0),
               ("wait", "a"), ("compute", 1.0), ("wait", "b")]
-    assert simulate_events(behind, backend_share=half).seconds == 5.0
+    assert simulate_events(behind, host=half).seconds == 5.0
     # the backend's CPU taken from compute is compute time for the queue too
     cpu = [("issue", "x", 1.0, "intra", 0, 0.0, 1.0), ("backend_cpu", 1.0), ("wait", "x")]
-    assert simulate_events(cpu, backend_share=half).seconds == 1.5
+    assert simulate_events(cpu, host=half).seconds == 1.5
 
 
 def test_symbolic_steps_leave_the_backends_share_out():
@@ -715,24 +722,24 @@ def test_symbolic_steps_leave_the_backends_share_out():
 
     b = sympy.Symbol("batch", positive=True)
     events = [("issue", "x", 1.0, "intra", 0, 0.0, 1.0), ("compute", b), ("wait", "x")]
-    t = simulate_events(events, backend_share=(0.5, 1.0))
+    t = simulate_events(events, host=HostCPU(backend_share=(0.5, 1.0)))
     assert float(t.seconds.subs(b, 1)) == 1.0 and float(t.seconds.subs(b, 3)) == 3.0
 
 
 def test_collective_cost_carries_the_backends_own_time_on_a_cpu():
     fit = MeasuredCollective(1e-4, 1e8, 2)
-    plain = small_cluster(device_type="cpu", devices_per_node=2, measured_collectives={"all_gather": fit})
+    plain = small_cluster(device_type="cpu", devices_per_node=2, measured_collectives={"all_gather": fit}).with_host()
     cost = collective_cost("all_gather", 1 << 20, Group(2, 1), plain)
-    assert cost.backend_seconds == cost.seconds  # plain gloo: the link's fit is gloo's own
+    assert cost.host.backend_seconds == cost.seconds  # plain gloo: the link's fit is gloo's own
     own = MeasuredCollective(1e-5, 1e9, 2)
-    emulated = plain.replace(backend_collectives={"all_gather": own},
-                             backend_inter_collectives={"all_gather": MeasuredCollective(2e-5, 5e8, 2)})
+    emulated = plain.with_host(backend_collectives={"all_gather": own},
+                               backend_inter_collectives={"all_gather": MeasuredCollective(2e-5, 5e8, 2)})
     cost = collective_cost("all_gather", 1 << 20, Group(2, 1), emulated)
-    assert cost.backend_seconds == pytest.approx(1e-5 + (1 << 19) / 1e9) and cost.seconds > cost.backend_seconds
+    assert cost.host.backend_seconds == pytest.approx(1e-5 + (1 << 19) / 1e9) and cost.seconds > cost.host.backend_seconds
     across = collective_cost("all_gather", 1 << 20, Group(2, 2), emulated)
-    assert across.backend_seconds == pytest.approx(2e-5 + (1 << 19) / 5e8)
+    assert across.host.backend_seconds == pytest.approx(2e-5 + (1 << 19) / 5e8)
     on_gpu = collective_cost("all_gather", 1 << 20, Group(2, 1), emulated.replace(device_type="cuda"))
-    assert on_gpu.backend_seconds == 0.0
+    assert on_gpu.host.backend_seconds == 0.0
 
 
 def test_backend_share_follows_the_cores_per_thread():

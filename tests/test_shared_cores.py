@@ -1,4 +1,4 @@
-"""Ranks time-slicing a machine's cores, played together (``planning.shared_cores``), and the
+"""Ranks time-slicing a machine's cores, played together (``planning.host.shared_cores``), and the
 drift they are played at (``calibration.drift``)."""
 
 from __future__ import annotations
@@ -8,8 +8,11 @@ import torch
 
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, ClusterError, plan
-from fsdp_compile.planning.shared_cores import partition, quantum, shared_step, shares, spread
+from fsdp_compile.planning.host import HostCPU
+from fsdp_compile.planning.host.shared_cores import partition, quantum, shared_step, shares, spread
 from fsdp_compile.planning.simulate import simulate_events
+
+LOCKSTEP = HostCPU()  # one rank's timeline, whose events carry the host's numbers
 
 DRIFT = 0.03  # about what a 2-core machine measures for 4 ranks (calibration.drift)
 
@@ -69,7 +72,7 @@ def rounds(n: int, before: float, after: float, link: float) -> list:
 def test_a_wait_others_compute_through_costs_the_machine_less_than_lockstep():
     # FULL_SHARD-like: a prefetched collective waited for mid-step, compute after it
     events = rounds(12, 0.02, 0.002, 0.015)
-    lockstep = simulate_events(events).seconds
+    lockstep = simulate_events(events, host=LOCKSTEP).seconds
     waits = lockstep - 12 * 0.022
     assert waits == pytest.approx(12 * 0.013)
     assert step(events) < lockstep - 0.3 * waits
@@ -78,7 +81,7 @@ def test_a_wait_others_compute_through_costs_the_machine_less_than_lockstep():
 def test_a_wait_every_rank_reaches_with_nothing_left_costs_all_of_it():
     # NO_SHARD-like: the last reduction, waited for at the end of backward
     events = [("compute", 0.1), ("issue", 0, 0.06, "inter", 0, 0.0, 0.002), ("wait", 0)]
-    assert step(events) >= simulate_events(events).seconds
+    assert step(events) >= simulate_events(events, host=LOCKSTEP).seconds
 
 
 def test_the_backend_starts_when_the_groups_last_rank_has_issued():
@@ -99,7 +102,7 @@ def test_plan_plays_the_step_on_every_rank_where_ranks_share_the_cores():
     kw = {"loss_fn": lambda out: out.float().square().mean(), "prefetch": (1,), "strategies": ["FULL_SHARD"],
           "world_size": 4}
     lockstep = plan(model, (tokens,), cluster=cluster, **kw).row("FULL_SHARD")
-    shared = plan(model, (tokens,), cluster=cluster.replace(core_sharing=(4, 2), rank_drift=DRIFT),
+    shared = plan(model, (tokens,), cluster=cluster.with_host(core_sharing=(4, 2), rank_drift=DRIFT),
                   **kw).row("FULL_SHARD")
     assert shared.step_seconds != lockstep.step_seconds
     # the difference is communication's: compute and memory are priced as before
@@ -107,7 +110,7 @@ def test_plan_plays_the_step_on_every_rank_where_ranks_share_the_cores():
         shared.step_seconds - lockstep.step_seconds)
     assert shared.compute_seconds == lockstep.compute_seconds and shared.peak_bytes == lockstep.peak_bytes
     # measured sharing without a drift (or a world with a core per rank) plans in lockstep
-    none = plan(model, (tokens,), cluster=cluster.replace(core_sharing=(4, 2)), **kw).row("FULL_SHARD")
+    none = plan(model, (tokens,), cluster=cluster.with_host(core_sharing=(4, 2)), **kw).row("FULL_SHARD")
     assert none.step_seconds == lockstep.step_seconds
 
 
@@ -115,9 +118,9 @@ def test_core_sharing_must_say_more_ranks_than_cores():
     cluster = cpu_cluster()
     for bad in ((2, 2), (4,), (4, 0), (4.0, 2)):
         with pytest.raises(ClusterError, match="core_sharing"):
-            cluster.replace(core_sharing=bad)
+            cluster.with_host(core_sharing=bad)
     with pytest.raises(ClusterError, match="rank_drift"):
-        cluster.replace(rank_drift=-0.01)
+        cluster.with_host(rank_drift=-0.01)
 
 
 def drift_worker(rank: int, world: int) -> tuple:

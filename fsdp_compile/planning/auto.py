@@ -32,8 +32,6 @@ from .plan import Plan, PlanError, PlanRow, plan, require_fit
 
 log = logging.getLogger("fsdp_compile")
 
-_GPU_PRESETS = (("H100", "h100-sxm"), ("A100", "a100-80gb"), ("A10G", "a10g"))
-
 
 @dataclass
 class AutoRequest:
@@ -47,16 +45,18 @@ class AutoRequest:
     plan_options: dict[str, Any] = field(default_factory=dict)
 
 
-def machine_cluster(world: int, devices_per_node: int, device_type: str, memory_budget: float | None) -> Cluster:
-    """The cluster this job runs on: a preset matched by GPU name, or measured on a CPU."""
+def machine_cluster(world: int, devices_per_node: int, device_type: str, memory_budget: float | None,
+                    properties: Any = None) -> Cluster:
+    """The cluster this job runs on: on a GPU its preset, matched by the device's name and total
+    memory, or measured where no preset describes it (:meth:`Cluster.for_device`; ``properties``
+    stands for the device's); on a CPU measured, against ``memory_budget``."""
     nodes = max(world // devices_per_node, 1)
     if device_type == "cuda":
-        name = torch.cuda.get_device_name()
-        for marker, preset in _GPU_PRESETS:
-            if marker in name:
-                return Cluster.preset(preset, nodes=nodes, devices_per_node=devices_per_node)
-        raise ClusterError(f"no cluster preset matches GPU {name!r}: pass cluster=fsdp_compile.Cluster(...) "
-                           "or Cluster.measure() to backend(strategy='auto', cluster=...)")
+        cluster = Cluster.for_device(nodes=nodes, devices_per_node=devices_per_node, properties=properties)
+        if cluster.name.startswith("measured"):
+            log.warning("fsdp_compile: no cluster preset describes this GPU (%s): strategy='auto' plans with "
+                        "its rates measured by Cluster.measure()", cluster.name)
+        return cluster
     if memory_budget is None:
         raise ClusterError("strategy='auto' on a CPU needs memory_budget= (bytes per rank to plan for)")
     return Cluster.measure(nodes=nodes, device_memory=memory_budget)
@@ -95,9 +95,45 @@ def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecisi
 
 def candidate_options(result: Plan, row: PlanRow) -> dict[str, Any]:
     """The backend options of ``row``: strategy, bucket policy, prefetch (and shard size)."""
+    if row.tp != 1:
+        raise PlanError(f"strategy='auto' applies 1-D rows only, and the plan chose {row.label()} (TP degree "
+                        f"{row.tp}): plan_options must not ask for tp_degrees")
     if row.bucket not in result.bucket_policies:
         raise PlanError(f"the plan does not know bucket policy {row.bucket!r}")
     return {"strategy": row.strategy, "bucket": result.bucket_policies[row.bucket], "prefetch": row.prefetch}
+
+
+# What strategy="auto" passes to plan() itself, so plan_options may not.
+_PLANNED_BY_AUTO = ("cluster", "loss_fn", "mixed_precision", "optimizer", "world_size", "memory_budget")
+
+
+def check_plan_options(plan_options: dict[str, Any]) -> None:
+    """Refuse, by name, plan options that ``strategy="auto"`` cannot honour: a TP degree (it shards
+    a 1-D model: plan TP by hand with ``fsdp_compile.plan(..., tp_degrees=...)`` and apply the row
+    with ``parallelize_module`` and ``backend(strategy, mesh=mesh["dp"])``), what it passes
+    itself, and options ``plan()`` does not take."""
+    import inspect
+
+    known = set(inspect.signature(plan).parameters) - {"model", "example_inputs"}
+    unknown = sorted(set(plan_options) - known)
+    if unknown:
+        what = "is not an option" if len(unknown) == 1 else "are not options"
+        raise ValueError(f"plan_options: {', '.join(unknown)} {what} of fsdp_compile.plan(); it takes "
+                         f"{', '.join(sorted(known - set(_PLANNED_BY_AUTO)))}")
+    own = [name for name in _PLANNED_BY_AUTO if name in plan_options]
+    if own:
+        raise ValueError(f"plan_options: strategy='auto' sets {', '.join(own)} itself: pass "
+                         f"{'them' if len(own) > 1 else 'it'} to fsdp_compile.backend('auto', ...) instead "
+                         "(world_size is the job's)")
+    degrees = plan_options.get("tp_degrees")
+    tp_asked = degrees is not None and tuple(degrees) != (1,)
+    if tp_asked or plan_options.get("parallelize_fn") is not None:
+        asked = f"tp_degrees={degrees!r}" if tp_asked else "parallelize_fn="
+        raise ValueError(f"plan_options: {asked} asks strategy='auto' for tensor parallelism, which it does not "
+                         "apply (it shards the model as given, over every rank): plan the TP degree with "
+                         "fsdp_compile.plan(model, inputs, cluster=..., tp_degrees=...), then apply the row by hand "
+                         "(torch's parallelize_module on mesh['tp'], then fsdp_compile.backend(row.strategy, "
+                         "mesh=mesh['dp']))")
 
 
 # Options only strategy="auto" takes (fsdp_compile.backend rejects them for other strategies).
@@ -110,8 +146,9 @@ class AutoBackend(FSDPBackend):
     It plans for this job's world, topology and device memory and applies the fastest
     configuration that fits (strategy, bucket policy, prefetch depth); it takes
     ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default: the GPU's
-    preset, or ``Cluster.measure()`` on a CPU), ``memory_budget`` (bytes per device; needed on a
-    CPU) and ``plan_options`` (passed to :func:`fsdp_compile.plan`); the plan is
+    preset, matched by its name and memory, or measured where none describes it; measured on a
+    CPU), ``memory_budget`` (bytes per device; needed on a CPU) and ``plan_options`` (passed to
+    :func:`fsdp_compile.plan`; not ``tp_degrees``: auto applies 1-D strategies only); the plan is
     ``backend.plan``. Every other option is the backend's. See docs/planning.md.
     """
 
@@ -122,6 +159,7 @@ class AutoBackend(FSDPBackend):
             raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
         if any(options.get(name) is not None for name in ("forward_prefetch", "backward_prefetch", "offload")):
             raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
+        check_plan_options(dict(plan_options or {}))
         super().__init__(ShardingStrategy.FULL_SHARD, **options)  # replaced by the plan's choice in shard()
         self.request = AutoRequest(example_inputs, loss_fn, cluster, memory_budget,
                                    plan_options=dict(plan_options or {}))

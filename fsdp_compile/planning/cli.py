@@ -290,8 +290,9 @@ def run_compare(args: argparse.Namespace) -> int:
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
+        calibrated = cluster.host.compute_scale if cluster.host is not None else 1.0
         scales = {name: compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
-                  if measured[name].reference_seconds else cluster.compute_scale for name in names}
+                  if measured[name].reference_seconds else calibrated for name in names}
         beside = {name: {"compute_scale": scales[name], **(measured[name].outside_graphs or {})} for name in names}
         on = {"at_calibration": (cluster, names), **clusters_beside_steps(cluster, unlimited_cluster, beside)}
         plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=_cross_entropy, world_size=world,
@@ -301,7 +302,7 @@ def run_compare(args: argparse.Namespace) -> int:
             rows.append({"strategy": name, "measured": measured[name].as_dict(),
                          "predicted": plans[name].row(name).as_dict(),
                          "predicted_at_calibration": plans["at_calibration"].row(name).as_dict(),
-                         "compute_scale": {"at_calibration": cluster.compute_scale, "beside_steps": scales[name]},
+                         "compute_scale": {"at_calibration": calibrated, "beside_steps": scales[name]},
                          "outside_graphs": {
                              "at_calibration": {"optimizer_step": cluster.optimizer_step,
                                                 "runtime_per_tensor": cluster.runtime_per_tensor},

@@ -17,24 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .calibration.calibrate import measure_cluster
 from .numbers import (
     COLLECTIVE_KINDS,
-    COPY_KERNELS,
     GB,
-    GBITS,
     TFLOPS,
     ClusterError,
     GiB,
     MeasuredCollective,
+    fit_problems,
+    line_problems,
+    number_problems,
 )
+from .presets import PRESETS, preset_for_device
+
+if TYPE_CHECKING:
+    from .host import HostCPU
 
 
 @dataclass(frozen=True)
@@ -46,52 +48,28 @@ class Cluster:
     device in one direction; ``*_latency`` are seconds per ring step, ``collective_latency`` the
     fixed start-up of a collective. ``device_memory`` is the capacity in bytes and
     ``reserved_memory`` what the runtime keeps for itself (CUDA context, communication
-    buffers), so plans must fit in ``usable_memory``. ``op_overhead`` is seconds per operator
-    beyond its roofline time (0 on GPUs, where the CPU launches ahead; measured on a CPU, where
-    each operator of an ``aot_eager`` graph is a Python call). ``comm_overlap`` is the fraction
-    of a collective's time that can hide under compute (1: a separate engine; on a CPU see
-    ``collective_cpu``). ``device_type`` selects the
-    kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``optimizer_step`` maps an
-    optimizer's name to a measured ``(seconds per parameter tensor, seconds per shard byte)`` of
-    one step over the backend's sharded parameters (:meth:`measure` fills it; without it the
+    buffers), so plans must fit in ``usable_memory``. ``comm_overlap`` is the fraction of a
+    collective's time that can hide under compute (1: a separate engine). ``device_type`` selects
+    the kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``optimizer_step`` maps
+    an optimizer's name to a measured ``(seconds per parameter tensor, seconds per shard byte)``
+    of one step over the backend's sharded parameters (:meth:`measure` fills it; without it the
     step is timed as memory-bound passes over the shards). ``collective_workspace`` maps a
     collective kind to the bytes the communication backend allocates beside the result per byte
     of the collective's buffer, alive until the wait (gloo gathers into a temporary and reduces
     a copy; measured by the allocator in :meth:`measure`; NCCL works in the user's buffers: 0).
-    ``copy_kernels`` maps the backend's bucket copies (``copy_in``, ``copy_out``, ``chunk_cat``)
-    to a measured ``(seconds per parameter, seconds per byte moved)`` (:meth:`measure` on a CPU,
-    where they run far below the memory-bound operators' rate; without it a copy is priced as
-    one of those). ``collective_issue`` maps a collective kind to ``(seconds, seconds per buffer
-    byte)`` the issuing thread spends before the collective starts (gloo's checks and its copy
-    of a reduction's input on a CPU; measured by :meth:`measure`, empty on a GPU and in presets).
-    ``collective_cpu`` maps a kind to ``(seconds, seconds per wire byte)`` of CPU the backend's
-    own threads spend on it, taken from compute when ranks fill the cores (gloo; measured).
     ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
     (leaf checks, gradient accumulation, DTensor ``.grad`` wrapping; measured, 0 in presets).
-    ``rank_skew``: seconds a collective waits for its group's last rank where ranks time-slice
-    the cores (measured; 0 with a core per rank and in presets).
-    ``core_sharing``: ``(ranks, cores)`` of each machine whose ranks outnumber its cores (a CPU
-    world larger than its cores; measured), None where every rank has a core of its own.
-    ``rank_drift``: how far such ranks drift apart computing side by side, seconds of standard
-    deviation of their finish times per square root of a second of compute (measured; 0
-    elsewhere). With both, a step is played on every rank together (:mod:`.shared_cores`).
     ``measured_collectives`` maps a collective kind to its fitted ring model on the intra-node
     link (:meth:`measure`; a collective without one is priced from the bandwidths and
     latencies), ``measured_inter_collectives`` the same on the inter-node link (measured over
     several nodes; a group spanning nodes without it uses ``measured_collectives``).
-    ``backend_collectives`` / ``backend_inter_collectives``: the same fits for the CPU backend's
-    own time where the links are slower than it (an :class:`~fsdp_compile.EmulatedNetwork`,
-    timed on unlimited links by :meth:`measure`); empty where the links' fits are the
-    backend's own (plain gloo). ``backend_share``: how fast that own work progresses, relative
-    to its fit, while the rank computes and while it is blocked in a wait (a CPU whose ranks
-    fill its cores, where compute and the backend's threads split the cores; (1, 1) elsewhere;
-    :mod:`.simulate`).
     ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
     (forward and backward, FLOPs as torch's flop counter counts them; measured by
     :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.
-    ``compute_scale`` multiplies every compute node the cost model prices by roofline: measured
-    over priced for a reference transformer step's graphs (:mod:`.calibration.reference`; 1 in
-    presets and on a GPU). ``sources`` says where each number comes from.
+    ``host``: where ranks compute on CPU cores and communicate through gloo, the host-CPU model
+    (:class:`fsdp_compile.planning.host.HostCPU`: operator calls, gloo's CPU work and its share
+    of the cores, ranks time-slicing the cores), which :meth:`measure` fills in on a CPU; None
+    for GPUs. ``sources`` says where each number comes from.
     """
 
     name: str
@@ -106,25 +84,15 @@ class Cluster:
     inter_node_latency: float | None
     collective_latency: float = 0.0
     reserved_memory: float = 0.0
-    op_overhead: float = 0.0
     comm_overlap: float = 1.0
     device_type: str = "cuda"
     measured_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
     measured_inter_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
-    backend_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
-    backend_inter_collectives: dict[str, MeasuredCollective] = field(default_factory=dict)
-    backend_share: tuple[float, float] = (1.0, 1.0)
     optimizer_step: dict[str, tuple[float, float]] = field(default_factory=dict)
-    copy_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
-    collective_issue: dict[str, tuple[float, float]] = field(default_factory=dict)
-    collective_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
-    rank_skew: float = 0.0
-    core_sharing: tuple[int, int] | None = None
-    rank_drift: float = 0.0
     attention_flops: dict[torch.dtype, float] = field(default_factory=dict)
-    compute_scale: float = 1.0
+    host: HostCPU | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,8 +140,28 @@ class Cluster:
                 f"Cluster.preset(..., nodes={-(-world_size // self.devices_per_node)})")
 
     def replace(self, **changes: Any) -> Cluster:
-        """A copy with some numbers changed (validated again)."""
+        """A copy with some numbers changed (validated again); the host model's numbers change
+        through :meth:`with_host`."""
+        unknown = changes.keys() - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            from .host import HOST_NUMBERS
+
+            misplaced = [name for name in changes if name in HOST_NUMBERS]
+            if not misplaced:
+                raise ClusterError(f"Cluster has no number {', '.join(sorted(unknown))}; its numbers: "
+                                   f"{', '.join(f.name for f in dataclasses.fields(self))}")
+            given = ", ".join(f"{name}=..." for name in misplaced)
+            raise ClusterError(f"{', '.join(misplaced)}: numbers of the host CPU model (Cluster.host), not of the "
+                               f"devices: use cluster.with_host({given})")
         return dataclasses.replace(self, **changes)
+
+    def with_host(self, **changes: Any) -> Cluster:
+        """A copy whose host model (:class:`~fsdp_compile.planning.host.HostCPU`) has some numbers
+        changed; a cluster without one gets one, every other number at its default (which adds
+        nothing)."""
+        from .host import HostCPU
+
+        return dataclasses.replace(self, host=(self.host or HostCPU()).replace(**changes))
 
     def describe(self) -> str:
         flops = ", ".join(f"{str(d).replace('torch.', '')} {v / TFLOPS:.4g} TFLOP/s"
@@ -187,12 +175,14 @@ class Cluster:
     # ------------------------------------------------------------------ presets
     @classmethod
     def preset(cls, name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
-        """A cluster of ``nodes`` nodes from data-sheet numbers: ``"h100-sxm"``, ``"a100-80gb"``,
-        ``"a10g"`` (AWS G5.48xlarge: 8x A10G per node). Each number's source is in ``.sources``."""
+        """A cluster of ``nodes`` nodes from data-sheet numbers (:mod:`.presets`): ``"h100-sxm"``,
+        ``"h200"``, ``"b200"``, ``"a100-80gb"``, ``"a100-40gb"``, ``"l40s"``, ``"a10g"`` (AWS
+        G5.48xlarge: 8x A10G per node), ``"l4"``, ``"mi300x"``. Each number's source is in
+        ``.sources``."""
         key = name.strip().lower()
-        if key not in _PRESETS:
-            raise ClusterError(f"unknown cluster preset {name!r}; presets: {', '.join(sorted(_PRESETS))}")
-        fields = dict(_PRESETS[key])
+        if key not in PRESETS:
+            raise ClusterError(f"unknown cluster preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+        fields = dict(PRESETS[key])
         fields["nodes"] = nodes
         if devices_per_node is not None:
             fields["devices_per_node"] = devices_per_node
@@ -200,7 +190,53 @@ class Cluster:
 
     @staticmethod
     def presets() -> list[str]:
-        return sorted(_PRESETS)
+        return sorted(PRESETS)
+
+    @classmethod
+    def for_device(cls, device: torch.device | str | int | None = None, *, nodes: int = 1,
+                   devices_per_node: int | None = None, properties: Any = None) -> Cluster:
+        """The cluster of ``nodes`` nodes of this GPU: its preset, matched by the device's name and
+        total memory (:func:`.presets.preset_for_device`), with the device's own total memory; a
+        GPU no preset describes is measured instead (:meth:`measure`, a collective over the job's
+        process group: every rank must call this), and named after the device.
+
+        ``properties``: the device's properties (``name`` and ``total_memory``; default
+        ``torch.cuda.get_device_properties(device)``). ``devices_per_node``: default the preset's,
+        or for a measured GPU ``LOCAL_WORLD_SIZE`` (torchrun's ranks per node).
+
+        Raises:
+            ClusterError: no CUDA device and no ``properties``; or an unknown GPU outside a
+                process group (nothing to measure it with): pass ``cluster=Cluster(...)``.
+        """
+        if properties is None:
+            if not torch.cuda.is_available():
+                raise ClusterError("Cluster.for_device() describes a GPU, and torch sees none: on a CPU use "
+                                   "Cluster.measure(), or describe the cluster with Cluster(...)")
+            properties = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        name, memory = str(properties.name), float(properties.total_memory)
+        key = preset_for_device(name, memory)
+        if key is not None:
+            cluster = cls.preset(key, nodes=nodes, devices_per_node=devices_per_node)
+            return cluster.replace(
+                name=f"{key} ({name})", device_memory=memory,
+                sources={**cluster.sources, "device_memory": f"torch.cuda.get_device_properties: {name}, "
+                         f"total_memory {memory / GiB:.1f} GiB (the data sheet: {cluster.device_memory / GB:.0f} GB)"})
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ClusterError(
+                f"no cluster preset describes GPU {name!r} ({memory / GiB:.1f} GiB; presets: "
+                f"{', '.join(sorted(PRESETS))}), and measuring it needs the job's process group: call "
+                "torch.distributed.init_process_group() first, or pass cluster=Cluster(...)")
+        import os
+
+        if devices_per_node is None:
+            devices_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        measured = cls.measure(nodes=nodes, device=device, device_memory=memory)
+        if measured.devices_per_node != devices_per_node:
+            raise ClusterError(f"devices_per_node={devices_per_node} does not match the {measured.world_size} ranks "
+                               f"measured over {nodes} node(s)")
+        return measured.replace(name=f"measured {name}")
 
     # ------------------------------------------------------------------ measuring
     @classmethod
@@ -285,12 +321,14 @@ class Cluster:
             A :class:`Cluster` named ``"measured-cpu"`` or ``"measured-cuda"`` of ``nodes`` x
             (group size / ``nodes``) devices, with ``measured_collectives`` (and, over several
             nodes, ``measured_inter_collectives``),
-            ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``),
-            ``runtime_per_tensor`` and, on a CPU, ``copy_kernels``, ``collective_issue`` and
-            ``rank_skew`` and ``backend_share`` filled in (on an emulated network also
-            ``backend_collectives``), ``collective_latency`` and
-            ``reserved_memory`` 0, and ``sources`` saying when, at what world size and on
-            which device type each number was measured.
+            ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``) and
+            ``runtime_per_tensor`` filled in; on a CPU, its ``host``
+            (:class:`~fsdp_compile.planning.host.HostCPU`: ``op_overhead``, ``compute_scale``,
+            ``copy_kernels``, ``collective_issue``, ``collective_cpu``, ``backend_share``,
+            ``rank_skew``, and where ranks outnumber the cores ``core_sharing`` and ``rank_drift``;
+            on an emulated network also ``backend_collectives``), None on a GPU;
+            ``collective_latency`` and ``reserved_memory`` 0, and ``sources`` saying when, at
+            what world size and on which device type each number was measured.
 
         Raises:
             ClusterError: ``torch.distributed`` is not initialized; ``nodes`` does not divide
@@ -298,32 +336,18 @@ class Cluster:
                 cannot be read (no ``/proc/meminfo``); or a measured number is impossible (the
                 cluster's own validation).
         """
+        from .calibration.calibrate import measure_cluster
+
         return measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
                                nodes=nodes, device=device, device_memory=device_memory)
 
 
 def _problems(cluster: Cluster) -> list[str]:
     """What is wrong with ``cluster``'s numbers other than its measured fits, each named."""
-    problems = []
+    problems: list[str] = []
 
-    def need(name: str, value: Any, *, positive: bool = True, integer: bool = False,
-             at_most: float | None = None) -> None:
-        if value is None:
-            problems.append(f"{name} is missing")
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{name}={value!r} must be a number")
-            return
-        if integer and int(value) != value:
-            problems.append(f"{name}={value!r} must be a whole number")
-        if math.isnan(value) or math.isinf(value):
-            problems.append(f"{name}={value!r} must be finite")
-        elif positive and value <= 0:
-            problems.append(f"{name}={value!r} must be > 0")
-        elif not positive and value < 0:
-            problems.append(f"{name}={value!r} must be >= 0")
-        elif at_most is not None and value > at_most:
-            problems.append(f"{name}={value!r} must be <= {at_most}")
+    def need(name: str, value: Any, **kwargs: Any) -> None:
+        problems.extend(number_problems(name, value, **kwargs))
 
     def per_dtype(name: str, rates: dict) -> None:
         for dtype, value in rates.items():
@@ -339,18 +363,8 @@ def _problems(cluster: Cluster) -> list[str]:
     need("intra_node_latency", cluster.intra_node_latency, positive=False)
     need("collective_latency", cluster.collective_latency, positive=False)
     need("reserved_memory", cluster.reserved_memory, positive=False)
-    need("op_overhead", cluster.op_overhead, positive=False)
     need("comm_overlap", cluster.comm_overlap, positive=False, at_most=1.0)
     need("runtime_per_tensor", cluster.runtime_per_tensor, positive=False)
-    need("rank_skew", cluster.rank_skew, positive=False)
-    need("rank_drift", cluster.rank_drift, positive=False)
-    sharing = cluster.core_sharing
-    if sharing is not None and (not isinstance(sharing, tuple) or len(sharing) != 2
-                                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sharing)
-                                or sharing[0] <= sharing[1]):
-        problems.append(f"core_sharing={sharing!r} must be (ranks, cores) of a machine with more ranks than "
-                        "cores, or None where every rank has a core")
-    need("compute_scale", cluster.compute_scale)
     if isinstance(cluster.nodes, int) and cluster.nodes > 1:
         # Several nodes talk over the inter-node link: it must be described.
         need("inter_node_bandwidth", cluster.inter_node_bandwidth)
@@ -374,114 +388,24 @@ def _problems(cluster: Cluster) -> list[str]:
         problems.append(f"attention_flops={cluster.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
     else:
         per_dtype("attention_flops", cluster.attention_flops)
-    if (not isinstance(cluster.backend_share, tuple) or len(cluster.backend_share) != 2
-            or not all(isinstance(v, (int, float)) and 0 < v <= 1 for v in cluster.backend_share)):
-        problems.append(f"backend_share={cluster.backend_share!r} must be (share while computing, share while "
-                        "waiting), each > 0 and <= 1")
+    if cluster.host is not None:
+        from .host import HostCPU
+
+        if not isinstance(cluster.host, HostCPU):
+            problems.append(f"host={cluster.host!r} must be an fsdp_compile.planning.host.HostCPU or None")
     return problems
 
 
 def _measured_problems(cluster: Cluster) -> list[str]:
-    """What is wrong with the measured fits of ``cluster`` (collectives, workspace, and the
-    (fixed, per byte) pairs), each named."""
+    """What is wrong with the measured fits of ``cluster`` (collectives, workspace, the optimizer
+    step), each named."""
     problems: list[str] = []
-    for field_name in ("measured_collectives", "measured_inter_collectives", "backend_collectives",
-                       "backend_inter_collectives"):
-        for kind, fit in getattr(cluster, field_name).items():
-            if kind not in COLLECTIVE_KINDS:
-                problems.append(f"{field_name}[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
-            elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
-                problems.append(f"{field_name}[{kind!r}] has bandwidth {fit.bandwidth} and latency "
-                                f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
+    for field_name in ("measured_collectives", "measured_inter_collectives"):
+        problems += fit_problems(field_name, getattr(cluster, field_name))
     for kind, share in cluster.collective_workspace.items():
         if kind not in COLLECTIVE_KINDS:
             problems.append(f"collective_workspace[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
         elif not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
             problems.append(f"collective_workspace[{kind!r}]={share!r} must be a number >= 0")
-    for field_name, units, keys in (("optimizer_step", "seconds per tensor", None),
-                                    ("copy_kernels", "seconds per parameter", COPY_KERNELS),
-                                    ("collective_issue", "seconds", COLLECTIVE_KINDS),
-                                    ("collective_cpu", "seconds", COLLECTIVE_KINDS)):
-        for name, fit in getattr(cluster, field_name).items():
-            if keys is not None and name not in keys:
-                problems.append(f"{field_name}[{name!r}]: keys are {', '.join(keys)}")
-            elif (not isinstance(fit, tuple) or len(fit) != 2
-                    or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
-                problems.append(f"{field_name}[{name!r}]={fit!r} must be ({units} >= 0, "
-                                "seconds per byte >= 0)")
+    problems += line_problems("optimizer_step", cluster.optimizer_step, "seconds per tensor", None)
     return problems
-
-
-def _timed(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-_NCCL_LATENCY = ("NCCL src/graph/tuning.cc defaults for ring/Simple (quoted in torch/_inductor/"
-                 "comm_analysis.py): base {base} us, {hw} hop {hop} us per step")
-
-_PRESETS: dict[str, dict[str, Any]] = {
-    "h100-sxm": {
-        "name": "h100-sxm", "devices_per_node": 8,
-        "device_memory": 80 * GB,
-        "peak_flops": {torch.bfloat16: 989 * TFLOPS, torch.float16: 989 * TFLOPS, torch.float32: 67 * TFLOPS},
-        "memory_bandwidth": 3.35e12,
-        "intra_node_bandwidth": 450 * GB, "inter_node_bandwidth": 400 * GBITS,
-        "intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
-        "reserved_memory": 2 * GiB, "device_type": "cuda",
-        "sources": {
-            "device_memory": "NVIDIA H100 Tensor Core GPU data sheet (SXM): 80 GB HBM3",
-            "peak_flops": "NVIDIA H100 data sheet (SXM): BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989 dense; "
-                          "FP32 67 TFLOPS (non-tensor; torch's default fp32 matmul precision)",
-            "memory_bandwidth": "NVIDIA H100 data sheet (SXM): 3.35 TB/s",
-            "intra_node_bandwidth": ("NVIDIA H100 data sheet: NVLink 900 GB/s per GPU, both directions "
-                                     "-> 450 GB/s one way"),
-            "inter_node_bandwidth": "assumed: one 400 Gb/s InfiniBand NDR (ConnectX-7) NIC per GPU, as in DGX H100 "
-                                    "clusters -> 50 GB/s one way",
-            "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
-            "reserved_memory": "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers and allocator slack",
-        }},
-    "a100-80gb": {
-        "name": "a100-80gb", "devices_per_node": 8,
-        "device_memory": 80 * GB,
-        "peak_flops": {torch.bfloat16: 312 * TFLOPS, torch.float16: 312 * TFLOPS, torch.float32: 19.5 * TFLOPS},
-        "memory_bandwidth": 2.039e12,
-        "intra_node_bandwidth": 300 * GB, "inter_node_bandwidth": 200 * GBITS,
-        "intra_node_latency": 3.4e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
-        "reserved_memory": 2 * GiB, "device_type": "cuda",
-        "sources": {
-            "device_memory": "NVIDIA A100 Tensor Core GPU data sheet (80GB SXM): 80 GB HBM2e",
-            "peak_flops": "NVIDIA A100 data sheet: BF16/FP16 tensor 312 TFLOPS dense; FP32 19.5 TFLOPS",
-            "memory_bandwidth": "NVIDIA A100 data sheet (80GB SXM): 2,039 GB/s",
-            "intra_node_bandwidth": ("NVIDIA A100 data sheet: NVLink 600 GB/s per GPU, both directions "
-                                     "-> 300 GB/s one way"),
-            "inter_node_bandwidth": ("assumed: one 200 Gb/s InfiniBand HDR NIC per GPU, as in DGX A100 "
-                                     "-> 25 GB/s one way"),
-            "latency": _NCCL_LATENCY.format(base=8.4, hw="NVLink", hop=3.4) + "; network hop 14 us",
-            "reserved_memory": "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers and allocator slack",
-        }},
-    "a10g": {
-        "name": "a10g", "devices_per_node": 8,
-        "device_memory": 24 * GB,
-        "peak_flops": {torch.bfloat16: 125 * TFLOPS, torch.float16: 125 * TFLOPS, torch.float32: 31.2 * TFLOPS},
-        "memory_bandwidth": 600 * GB,
-        "intra_node_bandwidth": 32 * GB, "inter_node_bandwidth": 100 * GBITS / 8,
-        "intra_node_latency": 5.7e-6, "inter_node_latency": 14e-6, "collective_latency": 8.4e-6,
-        "reserved_memory": 1 * GiB, "device_type": "cuda",
-        "sources": {
-            "device_memory": "AWS G5 instance page / NVIDIA A10 data sheet: 24 GB GDDR6 per GPU",
-            "peak_flops": "NVIDIA A10 data sheet (the A10G is AWS's variant): BF16/FP16 tensor 125 TFLOPS dense "
-                          "(250 with sparsity); FP32 31.2 TFLOPS",
-            "memory_bandwidth": "NVIDIA A10 data sheet: 600 GB/s",
-            "intra_node_bandwidth": "assumed: PCIe Gen4 x16, 32 GB/s one way (G5.48xlarge has no NVLink)",
-            "inter_node_bandwidth": "AWS G5 instance page: 100 Gb/s networking per G5.48xlarge node, shared by its 8 "
-                                    "GPUs -> 1.56 GB/s per GPU",
-            "latency": _NCCL_LATENCY.format(base=8.4, hw="PCIe", hop=5.7) + "; network hop 14 us",
-            "reserved_memory": "assumed: ~1 GiB per GPU for the CUDA context and NCCL buffers",
-        }},
-}

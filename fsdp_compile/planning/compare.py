@@ -368,17 +368,19 @@ def measure_strategy(
 
 def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
     """``cluster`` with the numbers ``compare`` measured beside one strategy's steps in place of
-    the calibration's: ``compute_scale``, and the optimizer and runtime fits
+    the calibration's: ``compute_scale`` (its host model's; a cluster without one keeps none where
+    the scale is 1), and the optimizer and runtime fits
     (:class:`~.calibration.outside_graphs.BesideSteps`); an optimizer not timed there keeps its fit."""
     changes: dict[str, Any] = {}
-    if "compute_scale" in measured:
-        changes["compute_scale"] = measured["compute_scale"]
     if "optimizer_step" in measured:
         changes["optimizer_step"] = {**cluster.optimizer_step,
                                      **{name: tuple(line) for name, line in measured["optimizer_step"].items()}}
     if "runtime_per_tensor" in measured:
         changes["runtime_per_tensor"] = measured["runtime_per_tensor"]
-    return cluster.replace(**changes)
+    cluster = cluster.replace(**changes)
+    if "compute_scale" in measured and (cluster.host is not None or measured["compute_scale"] != 1.0):
+        cluster = cluster.with_host(compute_scale=measured["compute_scale"])
+    return cluster
 
 
 def clusters_beside_steps(cluster: Any, unlimited_cluster: Any, beside: dict[str, dict[str, Any]]) -> dict[str, tuple]:

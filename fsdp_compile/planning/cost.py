@@ -4,20 +4,16 @@
   (``torch.utils.flop_counter``, the table ``FlopCounterMode`` uses) applied to the node's
   fake tensors; bytes are what the node reads and writes. Time is the larger of FLOPs over
   the device's peak for the operands' dtype (fused attention: the cluster's attention rate)
-  and bytes over memory bandwidth, plus the cluster's per-operator overhead. Views and other
-  metadata-only nodes cost only that overhead (0 on GPUs). Both are multiplied by
-  ``Cluster.compute_scale`` (what a whole reference graph measured over what its nodes priced).
-  The backend's copies around each collective use their own measured rates where the cluster
-  has them (``Cluster.copy_kernels``), timed as the real ops, so unscaled.
+  and bytes over memory bandwidth. Views and other metadata-only nodes are free.
 * Collectives: the ring model (:mod:`fsdp_compile.runtime.ring`) on the links of
   :mod:`.cluster`: a group inside one node runs at the intra-node bandwidth, a group spanning
-  nodes at the inter-node one, and the latency counts each intra- and inter-node ring step.
-  Starting one costs the compute stream ``Cluster.collective_issue`` (a CPU backend's work on
-  the issuing thread), and the backend's own threads take ``Cluster.collective_cpu`` from it.
-  Where ranks time-slice a node's cores, each starts ``Cluster.rank_skew`` after this rank
-  issues it, when the group's last rank reaches it (the link does not wait: a collective
-  queued behind a busy link loses nothing to it); that is for one rank's timeline, and where
-  the ranks' drift is measured they are played together instead (:mod:`.shared_cores`).
+  nodes at the inter-node one, and the latency counts each intra- and inter-node ring step; a
+  measured fit of the collective's kind on its link replaces the data-sheet numbers.
+
+That is a GPU's cost. A cluster whose ranks compute on CPU cores and communicate through gloo
+has a host model (``Cluster.host``, :class:`.host.HostCPU`), the one hook here: it prices each
+operator's call, the backend's own copies and a whole graph's slowdown, and adds to each
+collective what gloo's threads and ranks sharing the cores cost (:mod:`.host.model`).
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.
@@ -40,7 +36,7 @@ from torch.utils.flop_counter import (
 )
 
 from ..inspection.memory import size_hint
-from ..passes.graph import ALL_GATHER, COLLECTIVES, COPY_KERNELS, COPY_OUT, PURE_VIEWS, WAIT
+from ..passes.graph import ALL_GATHER, COLLECTIVES, PURE_VIEWS, WAIT
 from ..runtime.ring import ring_steps, wire_bytes
 
 if TYPE_CHECKING:
@@ -72,8 +68,6 @@ _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
 }
 
-
-_SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 
 # Fused attention runs at its own rate (``Cluster.attention_flops``), not at the matmul peak.
 ATTENTION_OPS = frozenset(
@@ -153,10 +147,7 @@ class NodeCost:
     bytes: Any = 0
     link: str | None = None  # collectives: "intra" or "inter"
     wire_bytes: Any = 0  # collectives: bytes each rank sends
-    issue_seconds: Any = 0.0  # collectives: the compute stream's time to start it
-    cpu_seconds: Any = 0.0  # collectives: the backend threads' CPU, taken from compute
-    skew_seconds: Any = 0.0  # collectives: after this rank issues it, until the group's last rank does
-    backend_seconds: Any = 0.0  # collectives on a CPU: the backend's own work on it, at full speed
+    host: Any = None  # collectives: what the cluster's host model adds (:class:`.host.model.CollectiveOnHost`)
 
 
 def _fit(kind: str, link: str, intra: dict[str, Any], inter: dict[str, Any]) -> Any:
@@ -171,31 +162,24 @@ def collective_cost(kind: str, buffer_bytes: Any, group: Group, cluster: Cluster
     link = "intra" if group.nodes <= 1 else "inter"
     if n <= 1:
         return NodeCost("collective", 0.0, link=link, wire_bytes=0)
-    issue_fixed, issue_per_byte = cluster.collective_issue.get(kind, (0.0, 0.0))
-    issue = issue_fixed + issue_per_byte * buffer_bytes
-    cpu_fixed, cpu_per_byte = cluster.collective_cpu.get(kind, (0.0, 0.0))
-    cpu = cpu_fixed + cpu_per_byte * wire
     steps = ring_steps(kind, n)
     measured = _fit(kind, link, cluster.measured_collectives, cluster.measured_inter_collectives)
     if measured is not None:
         seconds = steps * measured.step_latency + wire / measured.bandwidth
-        backend = seconds
-        own = _fit(kind, link, cluster.backend_collectives, cluster.backend_inter_collectives)
-        if own is not None:  # the links are slower than the backend (an emulated network)
-            backend = steps * own.step_latency + wire / own.bandwidth
-        return NodeCost("collective", seconds, link=link, wire_bytes=wire, issue_seconds=issue, cpu_seconds=cpu,
-                        skew_seconds=cluster.rank_skew,
-                        backend_seconds=backend if cluster.device_type == "cpu" else 0.0)
-    if group.nodes <= 1:
-        latency = cluster.collective_latency + steps * cluster.intra_node_latency
-        bandwidth = cluster.intra_node_bandwidth
     else:
-        inter_steps = ring_steps(kind, group.nodes)
-        latency = (cluster.collective_latency + (steps - inter_steps) * cluster.intra_node_latency
-                   + inter_steps * cluster.inter_node_latency)
-        bandwidth = min(cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
-    return NodeCost("collective", latency + wire / bandwidth, link=link, wire_bytes=wire, issue_seconds=issue,
-                    cpu_seconds=cpu, skew_seconds=cluster.rank_skew)
+        if group.nodes <= 1:
+            latency = cluster.collective_latency + steps * cluster.intra_node_latency
+            bandwidth = cluster.intra_node_bandwidth
+        else:
+            inter_steps = ring_steps(kind, group.nodes)
+            latency = (cluster.collective_latency + (steps - inter_steps) * cluster.intra_node_latency
+                       + inter_steps * cluster.inter_node_latency)
+            bandwidth = min(cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
+        seconds = latency + wire / bandwidth
+    cost = NodeCost("collective", seconds, link=link, wire_bytes=wire)
+    if cluster.host is None:
+        return cost
+    return cluster.host.collective(cost, kind, buffer_bytes, steps, measured is not None, cluster.device_type)
 
 
 def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symbolic: bool = False) -> NodeCost:
@@ -209,12 +193,8 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
         buffer = node.meta["val"] if target is ALL_GATHER else node.args[0].meta["val"]
         group = group_of(node.args[-1], cluster.devices_per_node, groups)
         return collective_cost(kind, tensor_bytes(buffer, symbolic), group, cluster)
-    if target in FREE:
-        # No kernel runs, but where graphs run as Python (aot_eager on a CPU) a view is still
-        # an operator call: it costs the per-operator overhead (getitem and size queries do not).
-        if cluster.op_overhead and isinstance(target, torch._ops.OpOverload) and target not in _SIZE_QUERIES:
-            return NodeCost("compute", cluster.op_overhead * cluster.compute_scale)
-        return NodeCost("free")
+    if target in FREE:  # no kernel runs
+        return cluster.host.free_node(target) if cluster.host is not None else NodeCost("free")
     args = _value(node.args, symbolic)
     kwargs = {k: _value(v, symbolic) for k, v in node.kwargs.items()}
     out = _value(node.meta.get("val"), symbolic)
@@ -234,17 +214,12 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
         if id(t) not in seen:
             seen.add(id(t))
             moved = moved + tensor_bytes(t, symbolic)
-    copy_fit = cluster.copy_kernels.get(COPY_KERNELS.get(target))  # a bucket copy's own measured fit
-    if copy_fit is not None:
-        per_param, per_byte = copy_fit
-        per_parameter = out if target is COPY_OUT else args[0]  # one tensor per parameter
-        parameters = len(per_parameter) if isinstance(per_parameter, (list, tuple)) else 1
-        return NodeCost("compute", parameters * per_param + moved * per_byte + cluster.op_overhead, bytes=moved)
     seconds = moved / cluster.memory_bandwidth
     if flops and dtype is not None and dtype.is_floating_point:
         rate = cluster.attention_flops_for(dtype) if packet in ATTENTION_OPS else cluster.flops_for(dtype)
         seconds = maximum(flops / rate, seconds)
-    return NodeCost("compute", (seconds + cluster.op_overhead) * cluster.compute_scale, flops=flops, bytes=moved)
+    cost = NodeCost("compute", seconds, flops=flops, bytes=moved)
+    return cluster.host.compute_node(cost, target, args, out) if cluster.host is not None else cost
 
 
 def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] | None = None,
@@ -263,7 +238,7 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
     parameter, gradient and both moments and
     writes parameter and moments: 7 passes over the shard bytes; SGD reads parameter and
     gradient and writes the parameter. Each foreach operator (about a dozen for AdamW) costs
-    the per-operator overhead once per tensor on a CPU.
+    its call once per tensor where the host prices calls (``HostCPU.op_overhead``).
     """
     if optimizer == "none":
         return 0.0
@@ -272,7 +247,8 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
         per_tensor, per_byte = measured
         return tensors * per_tensor + shard_bytes * per_byte
     passes, ops = {"adamw": (7, 12), "adam": (7, 12), "sgd": (3, 2)}[optimizer]
-    return passes * shard_bytes / cluster.memory_bandwidth + ops * tensors * cluster.op_overhead
+    seconds = passes * shard_bytes / cluster.memory_bandwidth
+    return seconds + cluster.host.operator_calls(ops * tensors) if cluster.host is not None else seconds
 
 
 def outside_graph_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int,

@@ -4,6 +4,7 @@ the modules around them share, so none of them imports another in a circle)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -54,3 +55,48 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     slope = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
     slope = max(slope, 1e-18)
     return max(my - slope * mx, 0.0), slope
+
+
+def number_problems(name: str, value: object, *, positive: bool = True, integer: bool = False,
+                    at_most: float | None = None) -> list[str]:
+    """What is wrong with one number of a cluster description, each named."""
+    if value is None:
+        return [f"{name} is missing"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return [f"{name}={value!r} must be a number"]
+    problems = []
+    if integer and int(value) != value:
+        problems.append(f"{name}={value!r} must be a whole number")
+    if math.isnan(value) or math.isinf(value):
+        problems.append(f"{name}={value!r} must be finite")
+    elif positive and value <= 0:
+        problems.append(f"{name}={value!r} must be > 0")
+    elif not positive and value < 0:
+        problems.append(f"{name}={value!r} must be >= 0")
+    elif at_most is not None and value > at_most:
+        problems.append(f"{name}={value!r} must be <= {at_most}")
+    return problems
+
+
+def fit_problems(field_name: str, fits: dict) -> list[str]:
+    """What is wrong with measured collective fits (kind -> :class:`MeasuredCollective`), named."""
+    problems = []
+    for kind, fit in fits.items():
+        if kind not in COLLECTIVE_KINDS:
+            problems.append(f"{field_name}[{kind!r}]: kinds are {', '.join(COLLECTIVE_KINDS)}")
+        elif not (fit.bandwidth > 0 and fit.step_latency >= 0):
+            problems.append(f"{field_name}[{kind!r}] has bandwidth {fit.bandwidth} and latency "
+                            f"{fit.step_latency}: bandwidth must be > 0, latency >= 0")
+    return problems
+
+
+def line_problems(field_name: str, lines: dict, units: str, keys: tuple[str, ...] | None) -> list[str]:
+    """What is wrong with fitted lines (name -> (fixed, per byte) seconds), named."""
+    problems = []
+    for name, fit in lines.items():
+        if keys is not None and name not in keys:
+            problems.append(f"{field_name}[{name!r}]: keys are {', '.join(keys)}")
+        elif (not isinstance(fit, tuple) or len(fit) != 2
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in fit)):
+            problems.append(f"{field_name}[{name!r}]={fit!r} must be ({units} >= 0, seconds per byte >= 0)")
+    return problems

@@ -32,7 +32,6 @@ from .cluster import Cluster
 from .cost import Group, graph_costs, group_ranks, outside_graph_seconds
 from .isolated import run_in_subprocess
 from .numbers import OPTIMIZER_STATES, ClusterError, GiB, PlanError
-from .shared_cores import planned_step
 from .simulate import Timeline, memory_timeline, simulate_graph
 from .states import model_state_bytes  # noqa: F401 (re-exported: tests and benches import it here)
 from .symbolic import symbolic_analysis
@@ -184,7 +183,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
                 continue
             costs = graph_costs(gm, cluster, groups)
             costed.append(costs)
-            timeline = timeline + simulate_graph(costs, cluster.comm_overlap, cluster.backend_share)
+            timeline = timeline + simulate_graph(costs, cluster.comm_overlap, cluster.host)
             tp_bytes += sum(cost.wire_bytes for node, cost in costs if cost.kind == "collective"
                             and traced.tp_ranks and group_ranks(node.args[-1], ranks) == traced.tp_ranks)
             held = {"param": max(0, states["params"] - input_bytes(gm, "param")),
@@ -209,7 +208,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
     outside_seconds = outside_graph_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
     step = timeline.seconds + outside_seconds
     exposed = timeline.exposed_comm_seconds
-    shared = planned_step(costed, cluster, outside_seconds)
+    shared = cluster.host.played_step(costed, outside_seconds) if cluster.host is not None else None
     if shared is not None:  # ranks time-slice the cores: what lockstep's waits cost them instead
         exposed, step = exposed + shared - step, shared
     memory = {k: float(peak_roles.get(k, 0)) for k in MEMORY_KEYS}

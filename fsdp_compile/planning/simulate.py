@@ -9,28 +9,14 @@ hybrid step's reduce-scatter in the node and all-reduce across nodes can overlap
 compute stream until its collective has finished: the time it blocks is *exposed*
 communication. Collective time spent while compute runs is *hidden*; on a device where
 communication takes time from compute (``comm_overlap`` < 1), that share of the hidden time is
-added back. On a CPU whose ranks fill the cores, the backend's own threads (gloo's) take their
-CPU seconds (``NodeCost.cpu_seconds``) from the compute that follows the collective's issue,
-whether or not the collective is later waited for: gloo works as soon as its data is in flight,
-while this rank and its peer compute (at world 2 on 2 cores, a FULL_SHARD step's compute thread
-waited for a core about as long as gloo's threads ran, 23 against 26 ms). Where the link is the
-bottleneck, the wait absorbs that time; where compute is, it adds in full. It counts as
-exposed communication.
+added back.
 
-There the backend's own work on a collective also runs slower while the rank computes than while
-it waits (``Cluster.backend_share``): each collective carries the backend's own time at full
-speed (``NodeCost.backend_seconds``: gloo's fit, timed on unlimited links where the links are an
-emulated network's), this rank's backend works through its collectives one at a time in issue
-order, and a collective completes when both its link and the backend are done with it. A wait
-for a collective the link has finished but the backend has not is exposed as any wait is. On
-plain gloo, whose link is the backend, that makes a collective issued under compute take longer
-than its fit; on an emulated link slower than gloo it only matters where gloo's share falls
-behind the link. Checked against ``bench/plan_emulated.py`` (``docs/planning.md``).
-Expressions (symbolic sizes) are simulated without it: a processor-shared queue has no closed form.
-
-This is one rank's timeline, the others priced by symmetry (lockstep). Where a machine's ranks
-outnumber its cores they are not in lockstep, and :func:`~fsdp_compile.planning.plan.plan`
-plays every rank together instead (:mod:`.shared_cores`).
+That is a GPU's step. Where ranks compute on CPU cores and communicate through gloo, the
+cluster's host model (``Cluster.host``, :mod:`.host`) adds to it through one hook, a
+:class:`HostTimeline` the simulator asks at each compute, issue and wait, and for the events of
+its own (gloo's CPU taken from compute). This is one rank's timeline, the others priced by
+symmetry (lockstep); where a machine's ranks outnumber its cores the host plays every rank
+together instead (:mod:`.host.shared_cores`).
 
 Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory`),
 as ints or sympy expressions for graphs traced with symbolic sizes.
@@ -38,10 +24,9 @@ as ints or sympy expressions for graphs traced with symbolic sizes.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import sympy
 from torch import fx
@@ -75,70 +60,47 @@ class Timeline:
             self.collectives + other.collectives, self.backend_cpu_seconds + other.backend_cpu_seconds)
 
 
-# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes[, skew[, backend_seconds]])
-#         | ("wait", key) | ("backend_cpu", seconds): compute's time a communication backend's threads take
+# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key);
+# a host model (:mod:`.host`) adds numbers to an issue and events of its own, which its hook plays.
 Event = tuple
 
-NO_SHARING = (1.0, 1.0)
+
+class HostTimeline(Protocol):
+    """What a host model adds to one rank's timeline (:class:`.host.timeline.HostTimeline`)."""
+
+    events: frozenset[str]  # the event kinds of its own
+
+    def compute(self, now: Any, seconds: Any) -> None:
+        """The rank computes from ``now`` for ``seconds``."""
+
+    def issue(self, now: Any, event: Event) -> Any:
+        """When the link may start the collective this rank issues at ``now``."""
+
+    def done(self, key: Any, link_end: Any) -> Any:
+        """When the rank's wait for ``key``, whose link is done at ``link_end``, returns."""
+
+    def taken(self, now: Any, event: Event) -> Any:
+        """Compute's seconds one of its own events takes from ``now``."""
 
 
-class BackendQueue:
-    """This rank's communication backend working through its collectives one at a time, in
-    issue order, at a share of its full speed that depends on what the rank is doing (computing
-    or blocked in a wait). ``clock`` is the rank's time up to which the queue has run."""
+class HostModel(Protocol):
+    """A cluster's host model as the simulator sees it (:class:`.host.HostCPU`)."""
 
-    def __init__(self, share: tuple[float, float]) -> None:
-        self.computing, self.waiting = share
-        self.clock = 0.0
-        self.queue: deque[list] = deque()  # [key, when it can start, full-speed seconds left]
-        self.done: dict[Any, float] = {}
-
-    def add(self, key: Any, ready: float, seconds: float) -> None:
-        if seconds > 0:
-            self.queue.append([key, ready, seconds])
-        else:
-            self.done[key] = ready
-
-    def run(self, until: float, share: float, key: Any = None) -> None:
-        """Work at ``share`` until the rank's clock reaches ``until`` (or, with ``key``, until
-        that collective is done, however long it takes)."""
-        while self.queue and (key is not None or self.clock < until):
-            head = self.queue[0]
-            if head[1] > self.clock:  # its group's last rank has not issued it yet
-                if key is None and head[1] >= until:
-                    break
-                self.clock = head[1]
-                continue
-            finish = self.clock + head[2] / share
-            if key is None and finish > until:
-                head[2] -= (until - self.clock) * share
-                break
-            self.clock = finish
-            self.done[head[0]] = finish
-            self.queue.popleft()
-            if head[0] == key:
-                return
-        if key is None:
-            self.clock = max(self.clock, until)
-
-    def finished(self, key: Any) -> float:
-        """When the backend is done with ``key``, the rank blocked until then."""
-        if key not in self.done:
-            self.run(self.clock, self.waiting, key)
-        return self.done.pop(key)
+    def timeline(self, events: Sequence[Event]) -> HostTimeline:
+        """The hook that plays ``events`` on one rank."""
 
 
-def symbolic_events(events: list[Event]) -> bool:
+def symbolic_events(events: Sequence[Event]) -> bool:
     """Whether any of ``events``' numbers is an expression (a graph traced with symbolic sizes)."""
     return any(isinstance(x, sympy.Basic) for event in events for x in event[1:])
 
 
 def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0,
-                    backend_share: tuple[float, float] = NO_SHARING, trace: list[dict] | None = None) -> Timeline:
+                    host: HostModel | None = None, trace: list[dict] | None = None) -> Timeline:
     """Run ``events`` on one compute and one communication stream (see the module docstring).
 
-    ``backend_share``: how fast the backend's own work progresses while the rank computes and
-    while it waits (``Cluster.backend_share``; full speed: the link alone sets each collective's end).
+    ``host``: the cluster's host model (``Cluster.host``), which plays what ranks on CPU cores
+    and their communication backend add; events that carry its numbers need it.
     A collective never waited for is waited at the end (a graph's results are complete
     when it returns). ``trace``: a list that receives, per collective in issue order, when it
     was issued, started and ended on its link, and when its wait was reached and returned
@@ -146,9 +108,7 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
     (``bench/exposure_trace.py``).
     """
     events = list(events)
-    backend = None
-    if tuple(backend_share) != NO_SHARING and not symbolic_events(events):
-        backend = BackendQueue(backend_share)
+    hook = host.timeline(events) if host is not None else None
     now = 0.0  # the compute stream's clock
     comm_free: dict[str, Any] = {}  # link -> when it is next idle
     busy = 0.0
@@ -162,17 +122,16 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
     for event in events:
         kind = event[0]
         if kind == "compute":
-            if backend is not None:
-                backend.run(now + event[1], backend.computing)
+            if hook is not None:
+                hook.compute(now, event[1])
             now = now + event[1]
             busy = busy + event[1]
         elif kind == "issue":
-            _, key, seconds, link, wire_bytes, *extra = event
-            skew = extra[0] if extra else 0.0
-            # it starts once the group's last rank has issued it (``skew`` after this one) and the link is free
-            start = maximum(now + skew, comm_free.get(link, 0.0))
-            if backend is not None:
-                backend.add(key, now + skew, extra[1] if len(extra) > 1 else seconds)
+            if hook is None and len(event) > 5:
+                raise ValueError(f"event {event!r} carries a host model's numbers: simulate it with host=")
+            _, key, seconds, link, wire_bytes = event[:5]
+            ready = now if hook is None else hook.issue(now, event)
+            start = maximum(ready, comm_free.get(link, 0.0))
             comm_free[link] = start + seconds
             finish[key] = comm_free[link]
             if trace is not None:
@@ -182,31 +141,28 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
             comm = comm + seconds
             wire[link] = wire[link] + wire_bytes
             count += 1
-        elif kind == "backend_cpu":  # compute's time taken by the backend's threads
-            if backend is not None:
-                backend.run(now + event[1], backend.computing)
-            now = now + event[1]
-            backend_cpu = backend_cpu + event[1]
         elif kind == "wait":
             if event[1] in finish:
-                now, exposed = _wait(event[1], finish.pop(event[1]), now, exposed, backend, traced.get(event[1]))
+                now, exposed = _wait(event[1], finish.pop(event[1]), now, exposed, hook, traced.get(event[1]))
+        elif hook is not None and kind in hook.events:  # compute's time the backend's threads take
+            taken = hook.taken(now, event)
+            now = now + taken
+            backend_cpu = backend_cpu + taken
         else:
-            raise ValueError(f"unknown event {event!r}")
+            raise ValueError(f"unknown event {event!r}" + (" (a host model's event: simulate it with host=)"
+                                                           if hook is None else ""))
     for key, end in finish.items():
-        now, exposed = _wait(key, end, now, exposed, backend, traced.get(key))
+        now, exposed = _wait(key, end, now, exposed, hook, traced.get(key))
     hidden = comm - exposed
     penalty = (1.0 - comm_overlap) * hidden
     return Timeline(now + penalty, busy, comm, exposed + penalty + backend_cpu, flops, wire, count, backend_cpu)
 
 
-def _wait(key: Any, link_end: Any, now: Any, exposed: Any, backend: BackendQueue | None,
+def _wait(key: Any, link_end: Any, now: Any, exposed: Any, hook: HostTimeline | None,
           record: dict | None = None) -> tuple[Any, Any]:
-    """The rank blocks until its link, and its backend (if modelled), are done with ``key``:
+    """The rank blocks until its link (and its host, if modelled) is done with ``key``:
     (its clock after, exposed communication after). ``record``: the collective's trace entry."""
-    end = link_end
-    if backend is not None:
-        end = max(end, backend.finished(key))
-        backend.run(end, backend.waiting)  # the backend goes on with the next while the rank waits
+    end = link_end if hook is None else hook.done(key, link_end)
     later = maximum(now, end)
     if record is not None:
         record.update(wait_called=now, wait_returned=later)
@@ -214,29 +170,27 @@ def _wait(key: Any, link_end: Any, now: Any, exposed: Any, backend: BackendQueue
 
 
 def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
+    """The events of costed nodes in graph order; a collective's host costs (``NodeCost.host``)
+    add their own around its issue."""
     events: list[Event] = []
     for node, cost in costs:
         if cost.kind == "compute":
             events.append(("compute", cost.seconds))
         elif cost.kind == "collective":
-            if cost.issue_seconds:
-                events.append(("compute", cost.issue_seconds))  # the issuing thread's work comes first
-            events.append(("issue", node, cost.seconds, cost.link, cost.wire_bytes, cost.skew_seconds,
-                           cost.backend_seconds))
-            if cost.cpu_seconds:
-                events.append(("backend_cpu", cost.cpu_seconds))
+            issue = ("issue", node, cost.seconds, cost.link, cost.wire_bytes)
+            events.extend(cost.host.events(issue) if cost.host is not None else (issue,))
         elif cost.kind == "wait":
             events.append(("wait", node.args[0]))
     return events
 
 
 def simulate_graph(costs: list[tuple[fx.Node, NodeCost]], comm_overlap: float = 1.0,
-                   backend_share: tuple[float, float] = NO_SHARING, trace: list[dict] | None = None) -> Timeline:
+                   host: HostModel | None = None, trace: list[dict] | None = None) -> Timeline:
     flops = 0
     for _, cost in costs:
         if cost.flops:
             flops = flops + cost.flops
-    return simulate_events(graph_events(costs), comm_overlap, flops, backend_share, trace)
+    return simulate_events(graph_events(costs), comm_overlap, flops, host, trace)
 
 
 def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,

@@ -11,7 +11,7 @@ root (or the bound Dynamo's guards put on the size, e.g. a model's maximum seque
 What is assumed: the partitioner's choices (which it makes from the example's sizes) and the
 schedule do not change with the size; a real run compiles again for a new size and may
 choose differently. The step time expression leaves out the CPU backend's share of the cores
-(``Cluster.backend_share``), which has no closed form (:mod:`.simulate`): on a CPU whose ranks
+(``HostCPU.backend_share``), which has no closed form (:mod:`.host.timeline`): on a CPU whose ranks
 fill the cores it is a little below ``plan()``'s step at the same size.
 """
 
@@ -125,6 +125,7 @@ def symbolic_analysis(plan: Any, strategy: ShardingStrategy | str, size: str, in
                                    context.optimizer)
         lives: list[sympy.Expr] = []
         step = 0
+        host = cluster.host.closed_form() if cluster.host is not None else None
         groups: dict = {}
         shape_env = None
         for record in traced.records:
@@ -135,8 +136,8 @@ def symbolic_analysis(plan: Any, strategy: ShardingStrategy | str, size: str, in
                         "buffer": max(0, states["buffers"] - input_bytes(gm, "buffer"))}
                 for live in memory_timeline(gm, held, symbolic=True, workspace=cluster.collective_workspace):
                     lives.append(sum(live.values()) + states["optimizer"])
-                step = step + simulate_graph(graph_costs(gm, cluster, groups, symbolic=True),
-                                             cluster.comm_overlap).seconds
+                step = step + simulate_graph(graph_costs(gm, cluster, groups, symbolic=True), cluster.comm_overlap,
+                                             host).seconds
                 if shape_env is None:
                     shape_env = _shape_env(gm)
         temporary = states["grads"] if OPTIMIZER_STATES[context.optimizer] else 0

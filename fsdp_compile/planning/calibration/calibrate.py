@@ -159,11 +159,11 @@ def backend_links(cluster: Cluster) -> Cluster:
     """``cluster`` with its links at the backend's own speed: what it is on an emulated
     network's links made unlimited (``compare --exposed`` plans each strategy both ways from one
     calibration, so that the predicted difference is the links' alone)."""
-    if not cluster.backend_collectives:
+    if cluster.host is None or not cluster.host.backend_collectives:
         raise ClusterError(f"cluster {cluster.name!r} has no backend_collectives: measure it with Cluster.measure() "
                            "on an EmulatedNetwork, whose links it then times unlimited too")
-    return cluster.replace(**_link_fields(cluster.backend_collectives, cluster.backend_inter_collectives),
-                           backend_collectives={}, backend_inter_collectives={})
+    return cluster.replace(**_link_fields(cluster.host.backend_collectives, cluster.host.backend_inter_collectives)
+                           ).with_host(backend_collectives={}, backend_inter_collectives={})
 
 
 def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | None, repeats: int,
@@ -225,22 +225,28 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                          else _cpu_memory_per_rank())
     where = f"measured by Cluster.measure() ({time.strftime('%Y-%m-%d %H:%M')}, world {world}, {device.type})"
+    measured = ["peak_flops", "attention_flops", "memory_bandwidth", "collectives", "comm_overlap", "optimizer_step",
+                "runtime_per_tensor", "collective_workspace", "device_memory"]
+    host = None
+    if device.type == "cpu":
+        from ..host import HostCPU
+
+        host = HostCPU(op_overhead=overhead, copy_kernels=copy_kernels, collective_issue=collective_issue,
+                       collective_cpu=collective_cpu, backend_collectives=backend,
+                       backend_inter_collectives=backend_inter, backend_share=_backend_share(device),
+                       rank_skew=rank_skew, core_sharing=core_sharing(device) if drift > 0 else None,
+                       rank_drift=drift)
+        measured += ["op_overhead", "copy_kernels", "collective_issue", "collective_cpu", "rank_skew", "core_sharing",
+                     "rank_drift", "compute_scale", "backend_collectives", "backend_share"]
     cluster = cls(
         name=f"measured-{device.type}", nodes=nodes, devices_per_node=world // nodes,
         device_memory=float(device_memory), peak_flops=flops, memory_bandwidth=bandwidth,
         **_link_fields(collectives, inter_collectives),
-        collective_latency=0.0, reserved_memory=0.0, op_overhead=overhead, comm_overlap=overlap,
-        runtime_per_tensor=runtime_per_tensor, rank_skew=rank_skew, attention_flops=attention,
-        core_sharing=core_sharing(device) if drift > 0 else None, rank_drift=drift,
-        device_type=device.type,
-        optimizer_step=optimizer_step, copy_kernels=copy_kernels, collective_issue=collective_issue,
-        collective_cpu=collective_cpu, backend_collectives=backend, backend_inter_collectives=backend_inter,
-        backend_share=_backend_share(device), collective_workspace=workspace,
-        sources={key: where for key in ("peak_flops", "attention_flops", "memory_bandwidth", "collectives",
-                                         "op_overhead", "comm_overlap", "optimizer_step", "runtime_per_tensor",
-                                         "copy_kernels", "collective_issue", "collective_cpu",
-                                         "collective_workspace", "rank_skew", "core_sharing", "rank_drift",
-                                         "compute_scale", "device_memory",
-                                         "backend_collectives", "backend_share")})
+        collective_latency=0.0, reserved_memory=0.0, comm_overlap=overlap,
+        runtime_per_tensor=runtime_per_tensor, attention_flops=attention, device_type=device.type,
+        optimizer_step=optimizer_step, collective_workspace=workspace, host=host,
+        sources=dict.fromkeys(measured, where))
+    if host is None:
+        return cluster
     # The same on every rank: each priced the same graphs on the same (slowest-rank) numbers.
-    return cluster.replace(compute_scale=compute_scale(reference_seconds, reference_graphs, cluster))
+    return cluster.with_host(compute_scale=compute_scale(reference_seconds, reference_graphs, cluster))

@@ -160,7 +160,7 @@ def _modeled_seconds(network: Any, kind: str, burst: Callable[[], None]) -> floa
 
 def backend_share(cores_per_thread: float) -> tuple[float, float]:
     """(while the rank computes, while it waits): how fast a CPU backend's own work on a
-    collective goes, relative to its fit (``Cluster.backend_share``), with ``cores_per_thread``
+    collective goes, relative to its fit (``HostCPU.backend_share``), with ``cores_per_thread``
     cores per compute thread on the node.
 
     A computing rank runs two busy threads, its compute and its backend's; a waiting one only

@@ -9,7 +9,7 @@ one op over many tensors, a copy per parameter into a freshly allocated output, 
 a step has long evicted from the caches. So each op is timed as itself, on cold operands, at a
 bucket of many small parameters and one of few large ones, and the line through both points
 separates its cost per parameter from its cost per byte it moves (the bytes of its inputs and
-outputs, as :func:`fsdp_compile.planning.cost.node_cost` counts them): ``Cluster.copy_kernels``.
+outputs, as :func:`fsdp_compile.planning.cost.node_cost` counts them): ``HostCPU.copy_kernels``.
 
 Measured on a CPU only: on a GPU the copies are multi-tensor kernels the roofline prices.
 """

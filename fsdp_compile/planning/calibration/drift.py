@@ -1,5 +1,5 @@
-"""How far ranks that time-slice a machine's cores drift apart: ``Cluster.core_sharing`` and
-``Cluster.rank_drift``, which :mod:`..shared_cores` plays a step with.
+"""How far ranks that time-slice a machine's cores drift apart: ``HostCPU.core_sharing`` and
+``HostCPU.rank_drift``, which :mod:`..host.shared_cores` plays a step with.
 
 Four ranks on two cores do not progress evenly: the scheduler serves some more than others for
 a while, so ranks that start a span of compute together finish it at different times. On a
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..shared_cores import REFERENCE_SPAN
+from ..host.shared_cores import REFERENCE_SPAN
 from .compute import _machine_cores, _node_ranks
 
 _DRIFT_ROUNDS = 8
@@ -44,7 +44,7 @@ def rank_drift(group: Any, device: torch.device, repeats: int) -> float:
     scheduler gives it) from a barrier, about ``REFERENCE_SPAN`` of wall time at its share of
     the cores, and the ranks' wall times are gathered; per round their standard deviation,
     and the median over rounds over the square root of the span, the statistic
-    :func:`..shared_cores.spread` plays. The same on every rank."""
+    :func:`..host.shared_cores.spread` plays. The same on every rank."""
     sharing = core_sharing(device)
     if sharing is None or not dist.is_initialized():
         return 0.0

@@ -9,7 +9,7 @@ and backward took 1.1-1.25x the sum of their nodes' priced costs (its addmms ran
 their priced rate, the memory-bound operators 20-40%).
 
 So the calibration runs one such graph for real and prices it with the same cost model:
-``Cluster.compute_scale`` is measured over priced, which the cost model applies to every
+``HostCPU.compute_scale`` is measured over priced, which the cost model applies to every
 compute node it prices by roofline. It is a residual, not a rate: it is the ratio of a typical
 transformer step's graphs, not of any operator alone. On a GPU it is 1: the CPU runs ahead of
 the device, and a thread's clock cannot time the kernels.
@@ -144,6 +144,6 @@ def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster
     1 where nothing was measured."""
     if not graphs:
         return 1.0
-    unscaled = cluster.replace(compute_scale=1.0)
+    unscaled = cluster.with_host(compute_scale=1.0)
     priced = sum(cost.seconds for gm in graphs for _, cost in graph_costs(gm, unscaled) if cost.kind == "compute")
     return measured_seconds / priced if priced > 0 else 1.0

@@ -11,7 +11,7 @@ core, so a wait in the middle of a step costs the machine less than its length, 
 every rank reaches with nothing left to compute (the end of backward) costs all of it. Lockstep
 over-priced the first and under-priced the second.
 
-This plays every rank of the world: each runs the same events (:func:`.simulate.graph_events`,
+This plays every rank of the world: each runs the same events (:func:`..simulate.graph_events`,
 a graph's unwaited collectives waited at its end, then the step's work outside the graphs) on
 its machine's cores, which the ranks that can run share in proportion to weights the scheduler
 redraws every quantum (log-normal, one scale), no rank above one core. Compute is priced at the
@@ -20,10 +20,10 @@ faster. A collective's link starts when this rank issues it and its link is free
 emulated network's model); the backend's own work (``NodeCost.backend_seconds``) starts once
 the group's last rank has issued it and the group's previous one is done; a wait returns when
 both are done. The quantum is set so that ranks computing side by side drift apart as far as
-the machine measured (``Cluster.rank_drift``), and the step is the slowest rank's, averaged
+the machine measured (``HostCPU.rank_drift``), and the step is the slowest rank's, averaged
 over a fixed set of draws (the plan stays deterministic). This replaces lockstep's stand-ins
-for the same effects: the skew to the group's last rank (``Cluster.rank_skew``) and the
-backend's share of the cores (``Cluster.backend_share``).
+for the same effects: the skew to the group's last rank (``HostCPU.rank_skew``) and the
+backend's share of the cores (``HostCPU.backend_share``).
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from .simulate import Event, graph_events, symbolic_events
+from ..simulate import Event, graph_events, symbolic_events
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from .cluster import Cluster
-    from .cost import NodeCost
+    from ..cost import NodeCost
 
 # The scheduler's weights are log-normal with this scale; the quantum carries the machine's drift.
 WEIGHT_SCALE = 1.0
@@ -210,11 +209,11 @@ def _play(program: list[Event], groups: dict[Any, list[tuple[int, ...]]], world:
 def shared_step(graphs: Sequence[Sequence[Event]], groups: dict[Any, list[tuple[int, ...]]], *, world: int,
                 per_machine: int, cores: int, drift: float, tail_seconds: float = 0.0,
                 draws: int = DRAWS) -> float:
-    """Seconds of a step whose graphs' events (:func:`.simulate.graph_events`, one list per graph
+    """Seconds of a step whose graphs' events (:func:`..simulate.graph_events`, one list per graph
     in run order) every one of ``world`` ranks runs, ``per_machine`` of them on each machine's
     ``cores``, then ``tail_seconds`` of compute outside the graphs: the slowest rank's finish,
     averaged over ``draws`` fixed draws of the scheduler. ``groups`` maps each collective's key
-    to every rank's group (:func:`partition`); ``drift`` is ``Cluster.rank_drift``."""
+    to every rank's group (:func:`partition`); ``drift`` is ``HostCPU.rank_drift``."""
     if cores >= per_machine:
         raise ValueError(f"cores={cores} for {per_machine} ranks per machine: every rank has a core of its "
                          "own, where lockstep (simulate_events) is exact")
@@ -250,25 +249,25 @@ def quantum(drift: float, per_machine: int, cores: int) -> float:
     ``drift`` (seconds of standard deviation per square root of a second of compute): the
     spread grows as the square root of the quantum."""
     if drift <= 0:
-        raise ValueError(f"drift={drift!r} must be positive (Cluster.rank_drift, measured where ranks share cores)")
+        raise ValueError(f"drift={drift!r} must be positive (HostCPU.rank_drift, measured where ranks share cores)")
     return _REFERENCE_QUANTUM * (drift / _spread_at_reference(per_machine, cores)) ** 2
 
 
-def planned_step(graph_costs: Sequence[list[tuple[fx.Node, NodeCost]]], cluster: Cluster,
-                 tail_seconds: float) -> float | None:
+def planned_step(graph_costs: Sequence[list[tuple[fx.Node, NodeCost]]], core_sharing: tuple[int, int],
+                 drift: float, tail_seconds: Any) -> float | None:
     """The step of ``graph_costs`` (one rank's costed graphs, in run order, then
-    ``tail_seconds`` outside them) played on every rank of the current world sharing the
-    cluster's cores (:func:`shared_step`); None where lockstep stands: every rank has a core,
-    no drift was measured, sizes are symbolic, or a group is laid out other than as consecutive
-    blocks or a stride."""
+    ``tail_seconds`` outside them) played on every rank of the current world sharing each
+    machine's cores (``core_sharing``: its ranks and cores; :func:`shared_step`); None where
+    lockstep stands: every rank has a core, sizes are symbolic, or a group is laid out other
+    than as consecutive blocks or a stride."""
     import torch.distributed as dist
 
-    from .cost import group_ranks
+    from ..cost import group_ranks
 
-    if cluster.core_sharing is None or cluster.rank_drift <= 0 or not dist.is_initialized():
+    if not dist.is_initialized():
         return None
     world = dist.get_world_size()
-    per_machine, cores = min(cluster.core_sharing[0], world), cluster.core_sharing[1]
+    per_machine, cores = min(core_sharing[0], world), core_sharing[1]
     if per_machine <= cores:
         return None
     if isinstance(tail_seconds, sympy.Basic):
@@ -285,5 +284,5 @@ def planned_step(graph_costs: Sequence[list[tuple[fx.Node, NodeCost]]], cluster:
                     return None
                 groups[node] = parts
         graphs.append(events)
-    return shared_step(graphs, groups, world=world, per_machine=per_machine, cores=cores, drift=cluster.rank_drift,
+    return shared_step(graphs, groups, world=world, per_machine=per_machine, cores=cores, drift=drift,
                        tail_seconds=float(tail_seconds))

@@ -1,0 +1,15 @@
+"""The host-CPU model: what ranks computing on CPU cores and a CPU communication backend (gloo)
+add to a step, behind one seam.
+
+The planner's cost model (:mod:`..cost`) and simulator (:mod:`..simulate`) are a GPU's: kernels
+at a roofline, collectives on links, one compute stream and a stream per link. A cluster whose
+ranks share CPU cores carries a :class:`HostCPU` (``Cluster.host``, filled in by
+``Cluster.measure()`` on a CPU; None on GPUs and in the presets), and the GPU model asks it, at
+one hook each, what a node costs on this host (:mod:`.model`), what it adds to one rank's
+timeline (:mod:`.timeline`), and, where the ranks outnumber the cores, what the step is with
+every rank played together (:mod:`.shared_cores`). ``import fsdp_compile`` does not import it.
+"""
+
+from .model import HOST_NUMBERS, HostCPU
+
+__all__ = ["HOST_NUMBERS", "HostCPU"]
