@@ -180,8 +180,8 @@ class _Step:
                 elif node.op == "call_function" and "all_gather" in str(node.target):
                     changed[node] = collective_cost("all_gather", info.gather_bytes, Group(ranks, 1), self.cluster)
         backward = [(node, changed.get(node, cost)) for node, cost in self.backward_costs]
-        total = (simulate_graph(self.forward_costs, self.cluster.comm_overlap, self.cluster.backend_share)
-                 + simulate_graph(backward, self.cluster.comm_overlap, self.cluster.backend_share))
+        total = (simulate_graph(self.forward_costs, self.cluster.comm_overlap, self.cluster.host)
+                 + simulate_graph(backward, self.cluster.comm_overlap, self.cluster.host))
         return float(total.exposed_comm_seconds), float(total.comm_seconds)
 
 
