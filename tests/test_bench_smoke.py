@@ -55,6 +55,7 @@ def _bench_module(script: str):
 
     spec = importlib.util.spec_from_file_location(f"{script}_bench", ROOT / "bench" / f"{script}.py")
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # a dataclass's string annotations resolve in its module
     spec.loader.exec_module(bench)
     return bench
 
@@ -544,3 +545,47 @@ def test_replan_plays_a_jobs_ranks_together_at_a_given_drift_or_in_lockstep() ->
     assert sharing(cores=4, rank_drift=0.03) == (None, 0.0)  # a core per rank: lockstep is exact
     with pytest.raises(SystemExit, match="--cores"):
         replan.job_clusters(job, rank_drift=0.03)
+
+
+@pytest.mark.slow  # a benchmark's whole run at both worlds: about 6 minutes
+def test_memory_budget_benchmark_runs_every_budget_beside_fsdp2(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_budget.py"), "--smoke", "--out", str(tmp_path)],
+                          check=False, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "memory_budget_smoke.json").read_text())
+    assert [part["world"] for part in report["parts"]] == [2, 4]
+    for part in report["parts"]:
+        rows = {r["variant"]: r for r in part["rows"]}
+        assert {"FULL_SHARD", "SHARD_GRAD_OP", "budget1", "budget3", "fsdp2_budget3"} <= set(rows), sorted(rows)
+        assert all("error" not in r for r in rows.values()), [r for r in rows.values() if "error" in r]
+        assert rows["budget1"]["choice"] == {} and rows["budget3"]["choice"], part["budgets"]
+        assert rows["fsdp2_budget3"]["fsdp2_settings"]
+    assert any(t["target"] == "measured peak within the budget" for t in report["targets"])
+    assert "| variant | budget MiB | chose |" in (tmp_path / "memory_budget_smoke.md").read_text()
+
+
+def _budget_row(variant: str, step_ms: float, peak: float, budget: float | None = None, **extra) -> dict:
+    return {"world": 4, "ratio": 2.0, "variant": variant, "budget": budget, "step_ms": step_ms,
+            "step_ms_rounds": [step_ms, step_ms], "peak_bytes": peak, "choice": extra.pop("choice", None),
+            "wire_bytes": {"all_gather/inter": extra.pop("inter", 0.0)}, **extra}
+
+
+def test_memory_budget_benchmark_judges_each_target() -> None:
+    bench = _bench_module("memory_budget")
+    mib = 2 ** 20
+    part = {"world": 4, "budgets": [10 * mib, 20 * mib], "rows": [
+        _budget_row("FULL_SHARD", 100.0, 9 * mib, inter=8 * mib),
+        _budget_row("SHARD_GRAD_OP", 60.0, 19 * mib, inter=4 * mib),
+        _budget_row("budget1", 100.0, 9 * mib, 10 * mib, choice={}),
+        _budget_row("budget2", 62.0, 21 * mib, 20 * mib, choice={"blocks.0": 1}, inter=5 * mib),
+        _budget_row("fsdp2_budget2", 70.0, 20 * mib),
+    ]}
+    held = {(t["target"], t["where"].split()[-1]): t["held"] for t in bench.targets([part], [2.0])}
+    assert held[("measured peak within the budget", "budget1")]
+    assert not held[("measured peak within the budget", "budget2")]  # 21 MiB of 20
+    assert held[("at or below FSDP2 with the same settings", "budget2")]
+    assert held[("step non-increasing as the budget grows", "budget2")]
+    assert held[("at the largest budget within 5% of SHARD_GRAD_OP", "2.0x")]  # 62 of 60 ms
+    assert not held[("every backward gather inside a node", "budget2")]  # 5 MiB crosses nodes, forward's 4
+    assert held[("at most 0.8x FULL_SHARD where the inter-node link dominates", "2.0x")]

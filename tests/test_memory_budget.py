@@ -147,3 +147,91 @@ def test_bad_memory_budget_options_are_named() -> None:
     assert "pass cluster=" in errors["no_cluster"]
     assert "memory_budget='lots'" in errors["size"]
     assert "pass memory_budget= too" in errors["alone"]
+
+
+# ---------------------------------------------------------------- the planner's rows and auto
+
+def plan_loss(output: torch.Tensor) -> torch.Tensor:
+    """Module level: the planner pickles it for its subprocess."""
+    return output.float().square().mean()
+
+
+def toy_cluster(nodes: int, per_node: int) -> fsdp_compile.Cluster:
+    """Slow links, so that what a unit keeps saves time the planner can see."""
+    return fsdp_compile.Cluster(
+        name="toy-cpu", nodes=nodes, devices_per_node=per_node, device_memory=1 << 30,
+        peak_flops={torch.float32: 5e10}, memory_bandwidth=1e10, intra_node_bandwidth=1e9,
+        inter_node_bandwidth=2e8 if nodes > 1 else None, intra_node_latency=1e-5,
+        inter_node_latency=5e-5 if nodes > 1 else None, device_type="cpu")
+
+
+def _plan(cluster: fsdp_compile.Cluster, budget: float | None = None) -> fsdp_compile.Plan:
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    return fsdp_compile.plan(model, (torch.zeros(2, 16, dtype=torch.long),), cluster=cluster, loss_fn=plan_loss,
+                             prefetch=(1,), strategies=["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"],
+                             memory_budget=budget)
+
+
+def _between_full_and_grad_op(cluster: fsdp_compile.Cluster) -> int:
+    generous = _plan(cluster)
+    assert not any(row.reshard for row in generous.rows), "keeping every unit is SHARD_GRAD_OP's own row"
+    return int((generous.row("FULL_SHARD").peak_bytes + generous.row("SHARD_GRAD_OP").peak_bytes) / 2)
+
+
+def test_the_plan_has_a_row_for_the_units_a_budget_keeps() -> None:
+    cluster = toy_cluster(2, 2)
+    budget = _between_full_and_grad_op(cluster)
+    tight = _plan(cluster, budget)
+    full_shard = next(r for r in tight.rows if r.strategy == "FULL_SHARD" and not r.reshard)
+    mixed = [r for r in tight.rows if r.reshard]
+    assert {r.strategy for r in mixed} <= {"FULL_SHARD", "HYBRID_SHARD"} and mixed
+    mix = next(r for r in mixed if r.strategy == "FULL_SHARD")
+    # What it keeps fits (the row is traced with reshard_after_forward= as the backend applies
+    # it) and saves communication on the slow inter-node link that FULL_SHARD's regathers use.
+    assert mix.fits and full_shard.peak_bytes < mix.peak_bytes <= budget
+    assert mix.bytes_per_step["inter"] < full_shard.bytes_per_step["inter"]
+    assert mix.step_seconds < full_shard.step_seconds
+    assert not tight.row("SHARD_GRAD_OP").fits
+    text = str(tight)
+    assert "kept" in mix.label() and f"reshard_after_forward={mix.reshard}" in text
+
+
+def auto_budget_worker(rank: int, world: int, budget: int) -> dict:
+    torch.manual_seed(0)
+    base = GPT(CONFIG)
+    data = batches(CONFIG, world, 1)
+    example = (torch.zeros(2, 16, dtype=torch.long),)
+    auto = fsdp_compile.backend("auto", compiler="aot_eager", example_inputs=example, loss_fn=plan_loss,
+                                cluster=toy_cluster(1, world), memory_budget=budget,
+                                plan_options={"prefetch": (1,), "strategies": ["FULL_SHARD", "SHARD_GRAD_OP"]})
+    model = auto.shard(copy.deepcopy(base))
+    # The backend's own choice under the same budget and cluster: what the plan's note promises.
+    chooser = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", memory_budget=budget,
+                                   cluster=toy_cluster(1, world))
+    chosen_model = chooser.shard(copy.deepcopy(base))
+    reference_backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager")
+    reference = reference_backend.shard(copy.deepcopy(base))
+    grads = {}
+    x, y = data[0]
+    for label, m, b in (("auto", model, auto), ("chooser", chosen_model, chooser),
+                        ("full_shard", reference, reference_backend)):
+        torch._dynamo.reset()
+        lm_loss(torch.compile(m, backend=b)(local_slice(x, rank)), local_slice(y, rank)).backward()
+        grads[label] = {n: full(p.grad) for n, p in m.named_parameters()}
+    return {"row": auto.plan.best.reshard, "applied": auto.options.reshard_after_forward,
+            "reshard_to": dict(auto._state.reshard_to), "chooser": dict(chooser._state.reshard_to),
+            "strategy": auto.strategy.name, "grads": grads}
+
+
+def test_auto_applies_the_units_its_budget_keeps() -> None:
+    budget = _between_full_and_grad_op(toy_cluster(1, 2))
+    outs = run_workers(auto_budget_worker, 2, budget)
+    out = outs[0]
+    assert out["strategy"] == "FULL_SHARD" and out["row"] and out["applied"] == out["row"]
+    kept = {unit for unit, ranks in out["reshard_to"].items() if ranks == 1}
+    assert kept and len(kept) < len(out["reshard_to"]), out["reshard_to"]
+    assert out["chooser"] == out["reshard_to"]
+    for rank_out in outs:
+        assert rank_out["reshard_to"] == out["reshard_to"]
+        assert_bitwise(rank_out["grads"]["auto"], rank_out["grads"]["full_shard"], "auto with a budget")

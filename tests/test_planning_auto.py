@@ -106,7 +106,9 @@ def test_auto_options_are_checked():
     with pytest.raises(ValueError, match="strategy='auto' chooses the layout itself"):
         fsdp_compile.backend("auto", shard_size=2)
     with pytest.raises(ValueError, match="are for strategy='auto'"):
-        fsdp_compile.backend("FULL_SHARD", memory_budget=1 << 30)
+        fsdp_compile.backend("FULL_SHARD", example_inputs=(torch.zeros(2, 8),))
+    with pytest.raises(ValueError, match="strategy='auto' chooses reshard_after_forward itself"):
+        fsdp_compile.backend("auto", reshard_after_forward=False)
 
 
 def test_auto_refuses_tensor_parallel_plan_options_by_name():
@@ -133,7 +135,8 @@ def test_a_tp_row_is_never_applied_as_a_1d_strategy():
     with pytest.raises(PlanError, match=r"applies 1-D rows only, and the plan chose FULL_SHARD.*TP degree 2"):
         candidate_options(result, row)
     row.tp = 1
-    assert candidate_options(result, row) == {"strategy": "FULL_SHARD", "bucket": "module", "prefetch": 1}
+    assert candidate_options(result, row) == {"strategy": "FULL_SHARD", "bucket": "module", "prefetch": 1,
+                                              "reshard_after_forward": None}
 
 
 def measure_worker(rank: int, world: int) -> dict:

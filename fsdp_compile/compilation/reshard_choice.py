@@ -127,7 +127,7 @@ class _Unit:
     gather_bytes: float  # the backward all-gather's buffer
 
 
-class _Step:
+class ReshardStep:
     """The strategy's traced step, and the peak and exposure of any mix of settings."""
 
     def __init__(self, record: CompiledGraph, cluster: Any, states: dict[str, float]) -> None:
@@ -230,7 +230,7 @@ def _last_use(life: Any, gm: fx.GraphModule, bucket: str) -> int:
 
 
 # ---------------------------------------------------------------------- the choice
-def choose(step: _Step, budget: float, shard_size: int, candidates: Sequence[int]) -> ReshardChoice:
+def choose(step: ReshardStep, budget: float, shard_size: int, candidates: Sequence[int]) -> ReshardChoice:
     """The greedy choice (module docstring, step 4) on a traced step."""
     choice = ReshardChoice(budget, shard_size)
     choice.strategy_peak = step.peak({}, shard_size)
@@ -294,7 +294,7 @@ def decide(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     choice = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         record = compiler.trace_strategy_step(gm, example_inputs)
-        step = _Step(record, options.cluster, rank_states(state.local_shards))
+        step = ReshardStep(record, options.cluster, rank_states(state.local_shards))
         try:
             choice = choose(step, float(options.memory_budget), shard_size, candidate_groups(shard_size))
         except ConfigError as error:

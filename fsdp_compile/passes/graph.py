@@ -134,7 +134,9 @@ def tag_parameter_input(node: fx.Node) -> None:
     while node.op == "call_function" and node.target in PURE_VIEWS:
         node = node.args[0]
     if node.op == "placeholder":
-        node.meta[ROLE_META] = "param"
+        # a role already given stays: backward's regather reads the kept piece of a gathered
+        # parameter (reshard_after_forward=n), which forward saved as "gathered", not a shard
+        node.meta.setdefault(ROLE_META, "param")
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..runtime.collectives import CommSpec
 from ..runtime.markers import RESHARD, UNSHARD, UNSHARD_TARGETS, Marker, decode
 from .context import PassContext
-from .graph import VIEW_LIKE, tag_parameter_input
+from .graph import ROLE_META, VIEW_LIKE, tag_parameter_input
 
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -125,6 +125,7 @@ def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) 
     _fake(kept, fake_mode)
     _fake(regathered, fake_mode)
     kept.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    kept.meta[ROLE_META] = "gathered"  # a piece of the gathered parameter, held to backward
     redone: dict[fx.Node, fx.Node] = {full: regathered}
 
     def redo(node: fx.Node) -> fx.Node:

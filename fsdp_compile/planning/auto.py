@@ -88,19 +88,20 @@ def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecisi
         raise result
     best = require_fit(result)
     if rank == 0:
-        log.info("fsdp_compile: strategy='auto' chose %s (bucket=%s, prefetch=%d): %s",
-                 best.strategy, best.bucket, best.prefetch, result.why)
+        log.info("fsdp_compile: strategy='auto' chose %s: %s", best.label(), result.why)
     return result, best
 
 
 def candidate_options(result: Plan, row: PlanRow) -> dict[str, Any]:
-    """The backend options of ``row``: strategy, bucket policy, prefetch (and shard size)."""
+    """The backend options of ``row``: strategy, bucket policy, prefetch, and the units the
+    plan's budget keeps gathered after forward (``reshard_after_forward=``; None: the strategy's)."""
     if row.tp != 1:
         raise PlanError(f"strategy='auto' applies 1-D rows only, and the plan chose {row.label()} (TP degree "
                         f"{row.tp}): plan_options must not ask for tp_degrees")
     if row.bucket not in result.bucket_policies:
         raise PlanError(f"the plan does not know bucket policy {row.bucket!r}")
-    return {"strategy": row.strategy, "bucket": result.bucket_policies[row.bucket], "prefetch": row.prefetch}
+    return {"strategy": row.strategy, "bucket": result.bucket_policies[row.bucket], "prefetch": row.prefetch,
+            "reshard_after_forward": dict(row.reshard) or None}
 
 
 # What strategy="auto" passes to plan() itself, so plan_options may not.
@@ -144,7 +145,8 @@ class AutoBackend(FSDPBackend):
     """An :class:`~fsdp_compile.FSDPBackend` that plans its strategy at :meth:`shard` time.
 
     It plans for this job's world, topology and device memory and applies the fastest
-    configuration that fits (strategy, bucket policy, prefetch depth); it takes
+    configuration that fits (strategy, bucket policy, prefetch depth, and which units keep their
+    gathered parameters after forward where the budget has room: ``reshard_after_forward``); it takes
     ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default: the GPU's
     preset, matched by its name and memory, or measured where none describes it; measured on a
     CPU), ``memory_budget`` (bytes per device; needed on a CPU) and ``plan_options`` (passed to
@@ -159,6 +161,9 @@ class AutoBackend(FSDPBackend):
             raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
         if any(options.get(name) is not None for name in ("forward_prefetch", "backward_prefetch", "offload")):
             raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
+        if options.get("reshard_after_forward") is not None:
+            raise ValueError("strategy='auto' chooses reshard_after_forward itself, within memory_budget=: drop "
+                             "reshard_after_forward=, or name a strategy to set it yourself")
         check_plan_options(dict(plan_options or {}))
         super().__init__(ShardingStrategy.FULL_SHARD, **options)  # replaced by the plan's choice in shard()
         self.request = AutoRequest(example_inputs, loss_fn, cluster, memory_budget,
@@ -179,4 +184,5 @@ class AutoBackend(FSDPBackend):
         strategy = ShardingStrategy.parse(chosen["strategy"])
         shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
         self._set_options(strategy=strategy, bucket=chosen["bucket"], prefetch=chosen["prefetch"],
-                          shard_size=shard_size, bucket_policy=parse_policy(chosen["bucket"]))
+                          shard_size=shard_size, bucket_policy=parse_policy(chosen["bucket"]),
+                          reshard_after_forward=chosen["reshard_after_forward"])

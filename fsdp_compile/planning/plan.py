@@ -18,6 +18,7 @@ and buffers), what ZeRO's memory formulas count.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import MixedPrecision, ShardingStrategy
+from ..api import ConfigError, MixedPrecision, ShardingStrategy
 from ..inspection.memory import input_bytes
 from .cluster import Cluster
 from .cost import Group, graph_costs, group_ranks, outside_graph_seconds
@@ -75,9 +76,13 @@ class PlanRow:
     tp_bytes_per_step: float = 0.0  # of bytes_per_step["intra"]: what the TP plan's collectives send
     # Of exposed_comm_seconds: compute's time a CPU backend's threads take (the rest: waits)
     backend_cpu_seconds: float | None = None
+    # The units that reshard after forward to other than the strategy's, as the backend's
+    # reshard_after_forward= takes them (False: keeps its gathered parameters; n: a shard over n
+    # ranks): the mix the budget chose (empty: the strategy's own).
+    reshard: dict[str, bool | int] = field(default_factory=dict)
 
     def label(self) -> str:
-        return candidate_label(self.strategy, self.tp, self.bucket, self.prefetch)
+        return candidate_label(self.strategy, self.tp, self.bucket, self.prefetch, self.reshard)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -226,7 +231,8 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
         tokens_per_second=tokens / c.tp / step if step > 0 else None,
         mfu=float(timeline.flops) / (step * cluster.flops_for(compute_dtype)) if step > 0 else None,
         phase=phase, note=note, model_states={k: float(v) for k, v in states.items()}, tp=c.tp,
-        tp_bytes_per_step=float(tp_bytes), backend_cpu_seconds=float(timeline.backend_cpu_seconds))
+        tp_bytes_per_step=float(tp_bytes), backend_cpu_seconds=float(timeline.backend_cpu_seconds),
+        reshard=dict(c.reshard))
 
 
 def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float) -> PlanRow:
@@ -378,6 +384,15 @@ def plan(
                 elif not any(r.strategy == candidate.strategy.name and r.tp == candidate.tp for r in rows):
                     # one row per strategy ruled out: its bucket and prefetch variants cannot fit either
                     rows.append(_untraced_row(candidate, states[candidate.strategy, candidate.tp], budget))
+            mixes = budget_mixes(context.traced, rows, cluster, budget, states, world, cluster.devices_per_node)
+            if mixes:
+                mixed = trace_candidates(
+                    model, example_inputs, loss_fn, mixes, world=world, devices_per_node=cluster.devices_per_node,
+                    mixed_precision=mixed_precision, device_type=cluster.device_type, progress=progress,
+                    tp_meshes=meshes)
+                context.traced.update(mixed)
+                rows += [evaluate(mixed[c], cluster, optimizer, budget, tokens, compute_dtype, states[c.strategy, c.tp])
+                         for c in mixes]
     except RealProcessGroupError:
         return run_in_subprocess(plan, model, example_inputs, cluster=cluster, loss_fn=loss_fn,
                                   mixed_precision=mixed_precision, optimizer=optimizer, world_size=world,
@@ -387,6 +402,45 @@ def plan(
     best, why = choose(rows, budget, skipped)
     policies = {c.bucket_label(): c.bucket for c in candidates}
     return Plan(cluster, world, rows, best, why, budget, tokens, time.perf_counter() - started, policies, context)
+
+
+def budget_mixes(traced: dict[Candidate, Traced], rows: Sequence[PlanRow], cluster: Cluster, budget: float,
+                 states: dict[tuple[ShardingStrategy, int], dict[str, float]], world: int,
+                 devices_per_node: int) -> list[Candidate]:
+    """A candidate for the fastest fitting FULL_SHARD (HYBRID_SHARD) row's bucketing for the mix that a memory budget
+    (``backend(memory_budget=...)``, compilation/reshard_choice.py) would choose within the plan's
+    budget, where it keeps some units and so differs from the strategy itself and from the strategy
+    that keeps every unit (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2), whose rows the plan has already."""
+    from ..compilation.reshard_choice import ReshardStep, candidate_groups
+    from ..compilation.reshard_choice import choose as choose_reshard
+
+    fastest: dict[ShardingStrategy, Candidate] = {}
+    for row in sorted(rows, key=_rank):
+        candidate = next((c for c in traced if c.label() == row.label()), None)
+        if candidate is None or not row.fits or candidate.tp != 1 or candidate.reshard:
+            continue
+        if candidate.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
+            fastest.setdefault(candidate.strategy, candidate)
+    mixes = []
+    for candidate in fastest.values():
+        entry = traced[candidate]
+        if len(entry.records) != 1 or entry.records[0].backward is None:
+            continue  # a step split by graph breaks: the backend chooses per graph, the plan does not
+        shard_size = devices_per_node if candidate.strategy.is_hybrid else world
+        step_states = states[candidate.strategy, candidate.tp]
+        step = ReshardStep(entry.records[0], cluster, step_states)
+        # the buffers the graph does not read are outside the step's accounting: off the budget
+        unread = max(0.0, step_states.get("buffers", 0.0) - input_bytes(entry.records[0].forward, "buffer"))
+        try:
+            choice = choose_reshard(step, budget - unread, shard_size,
+                                    candidate_groups(shard_size))
+        except ConfigError:  # the strategy itself does not fit: no mix does
+            continue
+        kept_whole = [unit for unit, ranks in choice.reshard_to.items() if ranks == 1]
+        if choice.units and len(kept_whole) < len(step.units):  # all kept: SHARD_GRAD_OP's own row
+            option = {unit or "<root>": False if ranks == 1 else ranks for unit, ranks in choice.reshard_to.items()}
+            mixes.append(dataclasses.replace(candidate, reshard=tuple(sorted(option.items()))))
+    return mixes
 
 
 def choose(rows: list[PlanRow], budget: float, skipped: Sequence[str] = ()) -> tuple[PlanRow | None, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .numbers import GiB
+from .trace import describe_reshard
 
 
 def _unit(plan: Any) -> tuple[str, float]:
@@ -46,7 +47,8 @@ def render_plan(plan: Any) -> str:
     for row in plan.rows:
         m = row.memory
         lines.append([
-            "*" if row.chosen else "", row.strategy, *([str(row.tp)] if with_tp else []), row.bucket,
+            "*" if row.chosen else "", row.strategy + (f" {describe_reshard(row.reshard)}" if row.reshard else ""),
+            *([str(row.tp)] if with_tp else []), row.bucket,
             str(row.prefetch), "yes" if row.fits else "NO",
             _gib(row.peak_bytes), _gib(m["params"]), _gib(m["grads"]), _gib(m["optimizer"]), _gib(m["gathered"]),
             _gib(m["activations"]), _gib(m["buffers"]), _bytes(row.bytes_per_step.get("intra", 0)),
@@ -64,6 +66,13 @@ def render_plan(plan: Any) -> str:
     notes = [f"{row.label()}: {row.note}" for row in plan.rows if row.note]
     if notes:
         out.append("notes: " + "\n       ".join(notes))
+    mixed = [row for row in plan.rows if row.reshard]
+    if mixed:
+        out.append(
+            f"kept: units that keep their gathered parameters from forward to backward (over n: a shard over n "
+            f"ranks); backend(memory_budget={plan.budget_bytes:.0f}, cluster=) with this plan's cluster "
+            "makes the same choice, or give the units yourself: reshard_after_forward=" + "; ".join(
+                f"{row.reshard} for {row.strategy}" for row in mixed))
     if with_tp:
         out.append("tp: the tensor-parallel degree (FSDP shards over world / tp); its collectives are priced "
                    "on the intra-node link")

@@ -41,6 +41,10 @@ class Candidate:
     bucket: BucketPolicy = "module"
     prefetch: int = 1
     tp: int = 1  # the tensor-parallel degree (1: no TP); FSDP shards over dp = world / tp
+    # Units that reshard after forward to other than the strategy's, as reshard_after_forward=
+    # gives them (unit name, False or n): the mix a memory budget chose
+    # (compilation/reshard_choice.py); empty: the strategy's own.
+    reshard: tuple[tuple[str, bool | int], ...] = ()
 
     def layout(self, devices_per_node: int, world: int) -> tuple[int, int]:
         """The TP degree and the ranks a (TP-local) parameter is sharded over: the shard shapes
@@ -58,13 +62,25 @@ class Candidate:
         return getattr(b, "__name__", type(b).__name__)
 
     def label(self) -> str:
-        return candidate_label(self.strategy.name, self.tp, self.bucket_label(), self.prefetch)
+        return candidate_label(self.strategy.name, self.tp, self.bucket_label(), self.prefetch, dict(self.reshard))
 
 
-def candidate_label(strategy: str, tp: int, bucket: str, prefetch: int) -> str:
+def candidate_label(strategy: str, tp: int, bucket: str, prefetch: int,
+                    reshard: dict[str, bool | int] | None = None) -> str:
     """How a candidate, and the plan row it gives, is named to people."""
     at = f" tp={tp}" if tp > 1 else ""
-    return f"{strategy}{at} bucket={bucket} prefetch={prefetch}"
+    mix = f" {describe_reshard(reshard)}" if reshard else ""
+    return f"{strategy}{at} bucket={bucket} prefetch={prefetch}{mix}"
+
+
+def describe_reshard(reshard: dict[str, bool | int]) -> str:
+    """A budget's mix in a row's name: how many units keep their gathered parameters, how many a
+    shard over n ranks (``reshard_after_forward=`` values by unit: False, or n)."""
+    kept = sum(1 for value in reshard.values() if value is False)
+    over = sorted({value for value in reshard.values() if value is not False and value is not True})
+    parts = [f"{kept} kept"] if kept else []
+    parts += [f"{sum(1 for v in reshard.values() if v is not False and v == n)} kept over {n}" for n in over]
+    return "[" + ", ".join(parts) + "]"
 
 
 @dataclass
@@ -101,6 +117,8 @@ def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, 
     options: dict[str, Any] = {"shard_size": devices_per_node if hybrid else None}
     if candidate.tp > 1:  # FSDP over the dp part of the 2-D (hybrid: 3-D) mesh, as a real run
         options = {"mesh": tp_meshes.dp_mesh(candidate.tp, candidate.strategy)}
+    if candidate.reshard:
+        options["reshard_after_forward"] = dict(candidate.reshard)
     return FSDPBackend(candidate.strategy, compiler="aot_eager", bucket=candidate.bucket,
                        prefetch=candidate.prefetch, mixed_precision=mixed_precision, regions=False, **options)
 
