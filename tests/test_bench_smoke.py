@@ -544,3 +544,14 @@ def test_replan_plays_a_jobs_ranks_together_at_a_given_drift_or_in_lockstep() ->
     assert sharing(cores=4, rank_drift=0.03) == (None, 0.0)  # a core per rank: lockstep is exact
     with pytest.raises(SystemExit, match="--cores"):
         replan.job_clusters(job, rank_drift=0.03)
+
+
+def test_import_time_benchmark_reports_what_import_fsdp_compile_loads(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "import_time.py"), "--runs", "1", "--out",
+                           str(tmp_path)], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (tree,) = json.loads((tmp_path / "import_time.json").read_text())["trees"].values()
+    assert tree["fsdp_compile"][0] > 0 and tree["fsdp_compile.planning"][1] > 0
+    # a training job's import loads neither the emulated network nor the planner's host model
+    assert tree["fsdp_compile.network"] == tree["fsdp_compile.planning.host"] == [0, 0]
+    assert "| `fsdp_compile.network` | not loaded |" in (tmp_path / "import_time.md").read_text()
