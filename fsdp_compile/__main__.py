@@ -1,5 +1,6 @@
-"""``python -m fsdp_compile inspect DUMP_DIR`` (report on a dump), ``plan`` (predict every
-strategy on a cluster) and ``compare`` (under torchrun: run every strategy here, beside the plan)."""
+"""``fsdp-compile inspect DUMP_DIR`` (report on a dump), ``plan`` (predict every strategy on a
+cluster) and ``compare`` (under torchrun: run every strategy here, beside the plan); the same as
+``python -m fsdp_compile ...``."""
 
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ def _diff(root: Path, pass_name: str, rank: int | None, graph: int | None) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_compile", description=__doc__)
+    # Named as it was invoked: the console script, or the module.
+    prog = "fsdp-compile" if Path(sys.argv[0]).name == "fsdp-compile" else "python -m fsdp_compile"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="report on a dump written with dump_dir= / FSDP_COMPILE_DUMP=")
     inspect.add_argument("path", type=Path)

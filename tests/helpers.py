@@ -492,3 +492,36 @@ def parity_run(strategy: str) -> dict:
     """Rank 0's results of training with every mode, FSDP2 and the single-process reference."""
     modes = ["eager", "aot_eager", "inductor", "fsdp2"]
     return run_workers(parity_worker, WORLD[strategy], strategy, modes, STEPS)[0]
+
+
+def marker_compute_devices(backend: fsdp_compile.FSDPBackend, run: Callable[[], Any] | None = None) -> list:
+    """The compute device every gather marker declares (in its spec, the last argument): read from
+    the Dynamo graphs the backend compiled, or, for the eager runtime, from the markers ``run()``
+    executes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_compile.runtime.collectives import CommSpec
+
+    def device(spec: str) -> str:
+        return str(CommSpec.from_op_args(spec).compute_device)
+
+    def is_gather(target: Any) -> bool:
+        return str(target).startswith("fsdp_compile.unshard")
+
+    if run is None:
+        return sorted({device(n.args[-1]) for g in backend.graphs for n in g.dynamo.graph.nodes
+                       if n.op == "call_function" and is_gather(n.target)})
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if is_gather(func):
+                self.seen.add(device(args[-1]))
+            return func(*args, **(kwargs or {}))
+
+    with Log() as log:
+        run()
+    return sorted(log.seen)

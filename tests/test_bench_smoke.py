@@ -589,3 +589,14 @@ def test_memory_budget_benchmark_judges_each_target() -> None:
     assert held[("at the largest budget within 5% of SHARD_GRAD_OP", "2.0x")]  # 62 of 60 ms
     assert not held[("every backward gather inside a node", "budget2")]  # 5 MiB crosses nodes, forward's 4
     assert held[("at most 0.8x FULL_SHARD where the inter-node link dominates", "2.0x")]
+
+
+def test_import_time_benchmark_reports_what_import_fsdp_compile_loads(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "import_time.py"), "--runs", "1", "--out",
+                           str(tmp_path)], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (tree,) = json.loads((tmp_path / "import_time.json").read_text())["trees"].values()
+    assert tree["fsdp_compile"][0] > 0 and tree["fsdp_compile.planning"][1] > 0
+    # a training job's import loads neither the emulated network nor the planner's host model
+    assert tree["fsdp_compile.network"] == tree["fsdp_compile.planning.host"] == [0, 0]
+    assert "| `fsdp_compile.network` | not loaded |" in (tmp_path / "import_time.md").read_text()

@@ -7,8 +7,12 @@ are the collectives the compiled graphs hold. Each rank makes its own default gr
 network (``run_workers(..., default_group=False)``); plain gloo runs beside it on a
 ``new_group(backend="gloo")`` of the same ranks, so both see the same inputs in one process.
 
-Timings are checked as lower bounds only, or on the modeled start and end the works carry:
-a loaded CI machine makes anything slower, never faster.
+Timings are checked against the modeled start and end the works carry: from below exactly (a
+loaded CI machine makes anything slower, never faster), and from above with slack
+(``LATE_SLACK``): a wait returns no later than the later of the modeled end and gloo's own
+completion, plus a quarter of the collective's modeled time and 50 ms for waking up on a
+shared 2-core machine. An emulation that slept twice its model would miss that bound by the
+whole modeled time, 0.1-0.4 s in these cases.
 """
 
 from __future__ import annotations
@@ -35,6 +39,20 @@ PG_TIMEOUT = datetime.timedelta(seconds=120)
 SLOW = {"intra_node": "10MB/s", "inter_node": "2MB/s", "latency": "2ms"}
 SLOW_LATENCY = 2e-3
 _c10d = torch.ops._c10d_functional
+# How late after its modeled end (or gloo's own completion, if later) a wait may return: the
+# wake-up of a sleeping thread and the scheduler of a loaded 2-core machine. Proportional part
+# and floor, in seconds.
+LATE_SLACK = (0.25, 0.05)
+
+
+def _returned_in_time(returned: float, work: Any) -> tuple[bool, str]:
+    """Whether a wait that returned at ``returned`` (``time.monotonic()``) came within
+    ``LATE_SLACK`` of the later of ``work``'s modeled end and gloo's completion, and what it was."""
+    due = max(work.modeled_end, work.gloo_done_at or 0.0)
+    allowed = LATE_SLACK[0] * work.seconds + LATE_SLACK[1]
+    return returned - due <= allowed, (f"returned {returned - work.modeled_end:+.3f}s after its modeled end "
+                                       f"({work.seconds:.3f}s modeled, gloo done at {due - work.modeled_end:+.3f}s), "
+                                       f"allowed {allowed:.3f}s after the later")
 
 
 def _end() -> None:
@@ -181,6 +199,24 @@ def eager_worker(rank: int, world: int) -> dict:
     out["counts"] = net.stats().counts()
     out["expected_counts"] = expected_counts
 
+    # (a') and no later than the model allows (LATE_SLACK): each kind, modeled at 0.1-0.4 s.
+    big = torch.randn(512 * 1024, generator=torch.Generator().manual_seed(rank))  # 2 MiB
+    timed = {
+        "all_reduce": lambda: dist.all_reduce(big.clone(), async_op=True),
+        "all_gather": lambda: dist.all_gather_into_tensor(big.new_empty(world * big.numel()), big, async_op=True),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(big.new_empty(big.numel() // world), big,
+                                                             async_op=True),
+        "broadcast": lambda: dist.broadcast(big.clone(), src=0, async_op=True),
+    }
+    out["in_time"] = {}
+    for name, issue in timed.items():
+        dist.barrier(group=plain)
+        work = issue()
+        work.wait()
+        returned = time.monotonic()
+        _wait_observed(work)
+        out["in_time"][name] = (work.seconds, *_returned_in_time(returned, work))
+
     # (b) back to back on one link, from two groups on it: the second waits for the first.
     other = dist.new_group(list(range(world)), timeout=PG_TIMEOUT)
     dist.barrier(group=plain)
@@ -190,11 +226,15 @@ def eager_worker(rank: int, world: int) -> dict:
     first.wait()
     first_done = time.monotonic()
     second.wait()
+    second_done = time.monotonic()
+    _wait_observed(first)
+    _wait_observed(second)
     out["serial"] = {
-        "first_elapsed": first_done - start, "both_elapsed": time.monotonic() - start,
+        "first_elapsed": first_done - start, "both_elapsed": second_done - start,
         "first": net.seconds("all_reduce", x.nbytes, world), "second": net.seconds("all_gather", world * x.nbytes, world),
         "second_start": second.modeled_start, "first_end": first.modeled_end,
         "links": (first.link, second.link), "other_group": type(other).__name__,
+        "in_time": [_returned_in_time(first_done, first), _returned_in_time(second_done, second)],
     }
 
     # A wait before the modeled end sleeps (a sleep or two, not a spin); one after it returns at once.
@@ -238,8 +278,11 @@ def eager_worker(rank: int, world: int) -> dict:
     start = time.monotonic()
     work = dist.all_reduce(x.clone(), async_op=True)
     work.wait()
-    out["set_links"] = {"elapsed": time.monotonic() - start, "seconds": work.seconds,
-                        "expected": SLOW_LATENCY + 2 * (world - 1) / world * x.nbytes / 5e6}
+    returned = time.monotonic()
+    _wait_observed(work)
+    out["set_links"] = {"elapsed": returned - start, "seconds": work.seconds,
+                        "expected": SLOW_LATENCY + 2 * (world - 1) / world * x.nbytes / 5e6,
+                        "in_time": _returned_in_time(returned, work)}
     _end()
     return out
 
@@ -262,6 +305,19 @@ def test_no_collective_completes_before_its_modeled_time() -> None:
             assert op["modeled"] >= 0.002, name  # a real bound: at least the latency
             assert op["elapsed"] >= op["modeled"], f"rank {rank} {name}: done after {op['elapsed']:.4f}s, " \
                                                    f"modeled {op['modeled']:.4f}s"
+
+
+def test_no_collective_completes_much_after_its_modeled_time() -> None:
+    """The upper bound the figures measured on the network rest on: an emulation that slept too
+    long would make every strategy look communication-bound (slack: ``LATE_SLACK``)."""
+    for rank, r in enumerate(eager_run()):
+        for name, (seconds, in_time, what) in r["in_time"].items():
+            assert seconds >= 0.1, name  # long enough that sleeping twice it exceeds the slack
+            assert in_time, f"rank {rank} {name}: {what}"
+        for in_time, what in r["serial"]["in_time"]:
+            assert in_time, f"rank {rank}, two collectives on one link: {what}"
+        in_time, what = r["set_links"]["in_time"]
+        assert in_time, f"rank {rank}, after set_links: {what}"
 
 
 def test_collectives_deliver_exactly_what_gloo_delivers() -> None:
@@ -432,8 +488,11 @@ def hybrid_worker(rank: int, world: int) -> dict:
     start = time.monotonic()
     work = dist.all_reduce(x, group=inter, async_op=True)
     work.wait()
-    out["inter"] = {"elapsed": time.monotonic() - start, "seconds": work.seconds,
-                    "expected": net.inter.latency + x.nbytes / net.inter.bandwidth}
+    returned = time.monotonic()
+    _wait_observed(work)
+    out["inter"] = {"elapsed": returned - start, "seconds": work.seconds,
+                    "expected": net.inter.latency + x.nbytes / net.inter.bandwidth,
+                    "in_time": _returned_in_time(returned, work)}
 
     # The two links are separate: an inter-node all-reduce issued while the intra-node link is
     # busy starts at once (checked on the model's own clock, not the wall clock).
@@ -491,6 +550,8 @@ def test_groups_spanning_nodes_run_at_the_inter_node_bandwidth() -> None:
         inter = r["inter"]
         assert inter["seconds"] == pytest.approx(inter["expected"], rel=1e-9), rank
         assert inter["elapsed"] >= inter["seconds"], rank
+        in_time, what = inter["in_time"]
+        assert in_time, f"rank {rank}, across nodes: {what}"
 
 
 def test_intra_and_inter_node_links_do_not_wait_for_each_other() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_workers
 from helpers import (
@@ -29,6 +30,7 @@ from helpers import (
     compiled_regions,
     full,
     local_slice,
+    marker_compute_devices,
     max_diff,
     train,
 )
@@ -284,6 +286,7 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = mesh_2d()
     # Another mesh over the same ranks, laid out otherwise: its dp groups are not mesh's.
@@ -303,11 +306,14 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
 
     partial = tp_model()
     partial[0].bias = nn.Parameter(DTensor.from_local(torch.zeros(32), mesh["tp"], [Partial()]))
+    strided = tp_model()  # a strided placement has no value of its own on the tp mesh either
+    strided[0].bias = nn.Parameter(DTensor.from_local(torch.zeros(16), mesh["tp"], [_StridedShard(0, split_factor=2)]))
     return {
         "no_mesh": error(lambda: fsdp_compile.backend("FULL_SHARD"), tp_model()),
         "other_mesh": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=other["dp"]), tp_model()),
         "overlap": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["tp"]), tp_model()),
         "partial": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), partial),
+        "strided": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), strided),
         "uneven": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), tp_model(rows=31)),
         "fine": error(lambda: fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"]), tp_model()),
     }
@@ -325,8 +331,44 @@ def test_bad_tp_input_is_refused_naming_the_parameter() -> None:
     assert "overlaps the mesh this parameter lives on" in errors["overlap"]
     assert errors["partial"].startswith("ValueError: parameter '0.bias' has the placement Partial(sum) on ('tp',)")
     assert "Redistribute it first" in errors["partial"]
+    assert errors["strided"].startswith("ValueError: parameter '0.bias' has the placement _StridedShard(")
+    assert "Redistribute it first" in errors["strided"]
     # TP shards of unequal size (31 rows over tp 2) are sharded as FSDP2 shards them (below).
     assert errors["uneven"] == "no error"
+
+
+# ---------------------------------------------------------------- ranks agree on TP collectives
+def agreement_worker(rank: int, world: int) -> dict:
+    """One compiled step of a column-wise then row-wise pair (the row-wise layer all-reduces
+    over tp in forward): the collectives each rank checks against the others', by role."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fsdp_compile.checks.agreement import collective_calls
+
+    mesh = mesh_2d()
+    torch.manual_seed(0)
+    model = parallelize_module(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)), mesh["tp"],
+                               {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    backend = fsdp_compile.backend("FULL_SHARD", mesh=mesh["dp"], compiler="aot_eager")
+    backend.shard(model)
+    torch.compile(model, backend=backend)(torch.randn(4, 16)).sum().backward()  # verified on its first run
+    (record,) = backend.graphs
+    calls = collective_calls(record, backend._state.group_roles())
+    signatures = [c.signature() for c in calls]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, signatures)
+    return {"same": all(g == signatures for g in gathered), "groups": sorted({c.group for c in calls})}
+
+
+def test_ranks_check_tensor_parallel_collectives_each_tp_group_in_its_role() -> None:
+    # The collectives each rank checks against its dp peers before its first step include the
+    # TP plan's, named by role: each dp rank has a tp group of its own, by name they differ, by
+    # role they are one, and every rank's sequence reads alike (ranks 0 and 1 hold different
+    # places in one tp group: named by place, theirs would differ).
+    for rank, out in enumerate(run_workers(agreement_worker, WORLD)):
+        assert out["same"], rank
+        assert "tensor-parallel group 'tp' (2 ranks)" in out["groups"], out["groups"]
+        assert "shard group (2 ranks)" in out["groups"], out["groups"]
 
 
 # ---------------------------------------------------------------- regions of TP blocks
@@ -735,11 +777,14 @@ def _torch_collectives(gm: torch.fx.GraphModule) -> int:
 
 def extras_worker(rank: int, world: int, mode: str) -> dict:
     """Two AdamW steps of the 2-D Llama (FULL_SHARD over dp, ``mode``: "eager" for the eager
-    runtime, else the inner compiler), plain and with each feature; rank 0's results."""
+    runtime, else the inner compiler), plain and with each feature, beside FSDP2 + the same TP
+    plan and single-process training of the whole model on the whole batch; rank 0's results."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
 
     mesh = mesh_2d()
     data = _batches(LLAMA.vocab_size, 2)
+    dp_rank = mesh["dp"].get_local_rank()
 
     def case(name: str) -> dict:
         torch._dynamo.reset()
@@ -761,10 +806,20 @@ def extras_worker(rank: int, world: int, mode: str) -> dict:
         torch.manual_seed(3)
         backend.shard(model, init_fn=init_fn)
         result = {"initial": fsdp_compile.full_state_dict(model, rank0_only=False)}
-        result.update(train(model, model if mode == "eager" else torch.compile(model, backend=backend), data,
-                             mesh["dp"].get_local_rank()))
+        forward = model if mode == "eager" else torch.compile(model, backend=backend)
+        result.update(train(model, forward, data, dp_rank))
         result["devices"] = sorted({p.to_local().device.type for p in model.parameters()})
-        if mode != "eager":
+        # Where a gather's copies go: offload declares the compute device (host and compute
+        # device are one here, so the shards' devices alone cannot tell offload from none).
+        x, _ = data[0]
+
+        def step() -> None:
+            forward(local_slice(x, dp_rank)).sum().backward()
+
+        if mode == "eager":
+            result["marker_devices"] = marker_compute_devices(backend, step)
+        else:
+            result["marker_devices"] = marker_compute_devices(backend)
             result["graphs"] = len(backend.graphs)
             # torch's own collectives (TP's) in the backward graph, region bodies included:
             # recomputed blocks re-issue theirs
@@ -776,6 +831,14 @@ def extras_worker(rank: int, world: int, mode: str) -> dict:
         return result
 
     out = {name: case(name) for name in ("plain", "meta", "activation_checkpointing", "offload")}
+    model = apply_tp(_initialized_whole(), mesh["tp"])  # FSDP2 + the same TP plan, one unit per block
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    out["fsdp2"] = train(model, model, data, dp_rank)
+    if rank == 0:
+        reference = _initialized_whole()
+        out["reference"] = train(reference, reference, data, None)
     return out if rank == 0 else {}
 
 
@@ -789,21 +852,27 @@ def extras_run(mode: str) -> dict:
 @pytest.mark.parametrize("feature", ["meta", "activation_checkpointing", "offload"])
 def test_meta_init_activation_checkpointing_and_offload_on_2d(feature: str, mode: str) -> None:
     out = extras_run(mode)
-    plain, ours = out["plain"], out[feature]
+    plain, ours, fsdp2, reference = out["plain"], out[feature], out["fsdp2"], out["reference"]
     # Meta-device init draws what the whole model's init draws, before the TP plan cuts it.
     assert_bitwise(ours["initial"], plain["initial"], f"{feature}: initial values")
     assert max_diff(plain["params"], plain["initial"])[0] > 10 * PARAM_ATOL  # it trained
     assert len(ours["grads0"]) == len(plain["grads0"]) == len(plain["params"])
+    # Against single-process training of the whole model on the whole batch.
+    assert_grads_close(ours["grads0"], reference["grads0"], TP_GRAD_RTOL, f"{feature} vs one process, gradients")
+    diff, name = max_diff(ours["params"], reference["params"])
+    assert diff <= PARAM_ATOL, f"{feature} vs one process: {name} differs by {diff}"
     if mode == "inductor":  # recomputation and host copies can fuse otherwise
-        assert_grads_close(ours["grads0"], plain["grads0"], TP_GRAD_RTOL, f"{feature} first-step gradients")
-        assert max(abs(a - b) for a, b in zip(ours["losses"], plain["losses"])) < 1e-5
-        diff, name = max_diff(ours["params"], plain["params"])
-        assert diff <= PARAM_ATOL, f"{feature}: {name} differs by {diff}"
-    else:  # the same arithmetic as the plain 2-D run
-        assert ours["losses"] == plain["losses"]
-        assert_bitwise(ours["grads0"], plain["grads0"], f"{feature} first-step gradients")
-        assert_bitwise(ours["params"], plain["params"], f"{feature} parameters after 2 steps")
-    assert ours["devices"] == ["cpu"]
+        assert_grads_close(ours["grads0"], fsdp2["grads0"], TP_GRAD_RTOL, f"{feature} vs FSDP2 + TP, gradients")
+        assert max(abs(a - b) for a, b in zip(ours["losses"], fsdp2["losses"])) < 1e-5
+        diff, name = max_diff(ours["params"], fsdp2["params"])
+        assert diff <= PARAM_ATOL, f"{feature} vs FSDP2 + TP: {name} differs by {diff}"
+    else:  # the arithmetic of FSDP2 + the same TP plan
+        assert ours["losses"] == fsdp2["losses"]
+        assert_bitwise(ours["grads0"], fsdp2["grads0"], f"{feature} vs FSDP2 + TP, first-step gradients")
+        assert_bitwise(ours["params"], fsdp2["params"], f"{feature} vs FSDP2 + TP, parameters after 2 steps")
+    # Offload: every gather copies to the compute device (the CPU here); without it, none.
+    assert ours["marker_devices"] == (["cpu"] if feature == "offload" else ["None"])
+    assert plain["marker_devices"] == ["None"] and ours["devices"] == ["cpu"]
     if mode != "eager":
         assert ours["graphs"] == plain["graphs"] == 1
         if feature == "activation_checkpointing":  # the blocks really were recomputed

@@ -2,8 +2,12 @@
 
 A :class:`Cluster` is ``nodes`` x ``devices_per_node`` identical devices. Every number is per
 device; bandwidths are bytes per second in one direction. Presets carry vendor data-sheet
-figures with their source beside each; :meth:`Cluster.measure` calibrates the machine it runs
-on instead (matmul FLOP/s, memory bandwidth, collectives on the current process groups).
+figures with their source beside each (:mod:`.presets`; :meth:`Cluster.for_device` finds the
+one of the GPU it runs on); :meth:`Cluster.measure` calibrates the machine it runs on instead
+(matmul FLOP/s, memory bandwidth, collectives on the current process groups).
+
+A cluster whose ranks compute on CPU cores also carries a host model (``host``,
+:class:`fsdp_compile.planning.host.HostCPU`) for what the cores and gloo add; GPUs carry none.
 
 Collectives are modelled as rings (what NCCL and gloo use for large messages; the steps
 and the bytes each rank sends are :mod:`fsdp_compile.runtime.ring`'s), and a ring runs at the
@@ -17,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .numbers import (
     COLLECTIVE_KINDS,
@@ -221,15 +227,11 @@ class Cluster:
                 name=f"{key} ({name})", device_memory=memory,
                 sources={**cluster.sources, "device_memory": f"torch.cuda.get_device_properties: {name}, "
                          f"total_memory {memory / GiB:.1f} GiB (the data sheet: {cluster.device_memory / GB:.0f} GB)"})
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             raise ClusterError(
                 f"no cluster preset describes GPU {name!r} ({memory / GiB:.1f} GiB; presets: "
                 f"{', '.join(sorted(PRESETS))}), and measuring it needs the job's process group: call "
                 "torch.distributed.init_process_group() first, or pass cluster=Cluster(...)")
-        import os
-
         if devices_per_node is None:
             devices_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         measured = cls.measure(nodes=nodes, device=device, device_memory=memory)
