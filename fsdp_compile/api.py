@@ -12,23 +12,17 @@ import datetime
 import enum
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .errors import ConfigError as ConfigError  # the options module is where users have imported it from
 from .passes.context import OPTIONAL_PASSES
 from .sharding.units import BucketPolicy, Policy, parse_policy
-
-
-class ConfigError(ValueError):
-    """The options given cannot work for this model (e.g. an in-flight budget below a bucket).
-
-    Raised even without ``strict=True``: falling back to the eager runtime would run the
-    model, but hide a setting the user has to change.
-    """
 
 
 class ShardingStrategy(enum.Enum):
@@ -176,6 +170,32 @@ def check_inflight_budget(max_inflight_bytes: Any) -> None:
         raise ValueError(f"max_inflight_bytes={max_inflight_bytes!r} must be a positive int (bytes) or None")
 
 
+# A setting as the user gives it: one value, or values by unit (name, module or class).
+ReshardOption = bool | int | Mapping[Any, bool | int] | None
+
+
+def check_reshard_option(option: ReshardOption, strategy: ShardingStrategy, uses_units: bool) -> None:
+    """The option's form (what can be checked before the model is seen)."""
+    if option is None:
+        return
+    if not strategy.shards_parameters:
+        raise ValueError("reshard_after_forward= decides what a unit keeps of its gathered parameters; NO_SHARD "
+                         "keeps every parameter whole, so there is nothing to reshard: drop the option")
+    values = option.values() if isinstance(option, Mapping) else [option]
+    if isinstance(option, Mapping):
+        if not uses_units:
+            raise ValueError("reshard_after_forward={...} names bucket units, which bucket= sizes in bytes or per "
+                             "parameter do not have; give one value for every parameter, or bucket='module'")
+        for key in option:
+            if not isinstance(key, (str, nn.Module, type)):
+                raise TypeError(f"reshard_after_forward= keys are unit names, modules or module classes, got "
+                                f"{type(key).__name__} {key!r}")
+    for value in values:
+        if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 2):
+            raise ValueError(f"reshard_after_forward value {value!r}: use True (reshard to the shard), False (keep "
+                             "the gathered parameters) or an int n >= 2 (keep a shard over groups of n ranks)")
+
+
 @dataclass
 class BackendOptions:
     strategy: ShardingStrategy
@@ -297,8 +317,6 @@ class BackendOptions:
         if unknown:
             raise ValueError(f"disable_passes= names {', '.join(map(repr, unknown))}, which is not a pass that can be "
                              f"switched off; use some of {', '.join(OPTIONAL_PASSES)}")
-        from .sharding.reshard_policy import check_reshard_option
-
         check_reshard_option(reshard_after_forward, strategy, policy.uses_units)
         if memory_budget is not None:
             memory_budget = parse_bytes(memory_budget, "memory_budget")
@@ -314,14 +332,9 @@ class BackendOptions:
             if cluster is None:
                 raise ValueError("memory_budget= predicts what each choice saves on a cluster model: pass cluster= "
                                  "(fsdp_compile.Cluster.measure(), or Cluster.preset(...) for a known GPU)")
-        if cluster is not None:
-            from .planning.cluster import Cluster
-
-            if memory_budget is None:
-                raise ValueError("cluster= is what memory_budget= predicts with; pass memory_budget= too "
-                                 "(strategy='auto' takes both to plan)")
-            if not isinstance(cluster, Cluster):
-                raise TypeError(f"cluster= takes an fsdp_compile.Cluster, got {type(cluster).__name__}")
+        if cluster is not None and memory_budget is None:
+            raise ValueError("cluster= is what memory_budget= predicts with; pass memory_budget= too "
+                             "(strategy='auto' takes both to plan)")
         return cls(strategy, compiler, mesh, process_groups, shard_size, timeout, bucket, mixed_precision, schedule,
                    prefetch, max_inflight_bytes, forward_prefetch, backward_prefetch,
                    os.fspath(dump_dir) if dump_dir is not None else None, strict, phases, offload, verify,

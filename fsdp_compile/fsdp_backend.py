@@ -29,7 +29,7 @@ from .checks.agreement import GraphVerifier, agree_on_model
 from .compilation.cache import CacheState, cache_key_parts
 from .compilation.compiler import Compiler
 from .compilation.records import CompiledGraph
-from .compilation.reshard_choice import candidate_groups
+from .compilation.reshard_choice import candidate_groups, check_cluster
 from .inspection.bucket_advice import oversized_in
 from .inspection.report import graph_summary, render_report
 from .runtime import markers  # noqa: F401  (registers the marker ops)
@@ -159,6 +159,7 @@ class FSDPBackend:
             verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions,
             verify_gradients=verify_gradients, reshard_after_forward=reshard_after_forward,
             memory_budget=memory_budget, cluster=cluster)
+        check_cluster(cluster)
         self.graphs: list[CompiledGraph] = []
         self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
         self._state = ShardingState()
@@ -205,8 +206,7 @@ class FSDPBackend:
         return self._state.init_peak_bytes
 
     def __repr__(self) -> str:
-        strategy = self.strategy.name
-        return f"fsdp_compile.backend(strategy={strategy!r}, compiler={self.options.compiler!r})"
+        return f"fsdp_compile.backend(strategy={self.strategy.name!r}, compiler={self.options.compiler!r})"
 
     def region_copies(self) -> int | None:
         """From how many copies a block class is compiled as a region (sharding/regions.py);
@@ -247,18 +247,7 @@ class FSDPBackend:
 
     def _shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
                device: torch.device | str | None = None, materialize: bool = True) -> nn.Module:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            raise TypeError(
-                "shard() got a model that torch.compile already wrapped; shard the plain module "
-                "first, then compile it: torch.compile(backend.shard(model), backend=backend)"
-            )
-        if is_sharded(model):
-            raise ValueError(
-                "this model is already sharded (by fsdp_compile); shard a model once and reuse "
-                "the backend that sharded it"
-            )
+        _check_shardable(model)
         self._before_sharding(model)
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn= must be a callable taking a module, got {type(init_fn).__name__}")
@@ -267,18 +256,11 @@ class FSDPBackend:
         state = self._state
         if state.topology is None:
             state.topology = resolve_topology(
-                self.strategy,
-                device_type,
-                mesh=self.options.mesh,
-                process_groups=self.options.process_groups,
-                shard_size=self.options.shard_size,
-                timeout=self.options.timeout,
-            )
+                self.strategy, device_type, mesh=self.options.mesh, process_groups=self.options.process_groups,
+                shard_size=self.options.shard_size, timeout=self.options.timeout)
         elif state.topology.mesh.device_type != device_type:
-            raise ValueError(
-                f"this backend shards over a {state.topology.mesh.device_type!r} mesh but the model's "
-                f"parameters are on {device_type!r}; use one backend per device type"
-            )
+            raise ValueError(f"this backend shards over a {state.topology.mesh.device_type!r} mesh but the model's "
+                             f"parameters are on {device_type!r}; use one backend per device type")
         if self.options.verify:
             verifier = agree_on_model(self.options, state.topology, model)
             if state.verifier is None:
@@ -294,11 +276,7 @@ class FSDPBackend:
             for n in candidate_groups(state.topology.shard_size):
                 state.reshard_groups.group(state.topology, n)
         infos = result.infos
-        state.reshard_to.update(result.reshard_to or {})
-        state.local_shards.add(result.shards)
-        if result.peak_full_bytes is not None:
-            state.init_peak_bytes = max(state.init_peak_bytes or 0, result.peak_full_bytes)
-        state.units.update(info.unit for info in infos.values())
+        state.add_sharded(result)
         found = oversized_in(model, infos, self.options, state.topology)
         if found is not None:
             state.oversized_buckets[found.label] = {"share": found.share, "advice": found.advice}
@@ -309,7 +287,6 @@ class FSDPBackend:
                 warnings.warn(message, UserWarning, stacklevel=2)
                 log.warning(message)
         state.explicit_prefetch = _resolve_prefetch_orders(model, state.units, self.options)
-        state.params.update(infos)
         state.add_parameters(model.parameters())
         return model
 
@@ -368,6 +345,17 @@ class FSDPBackend:
         (that backward reduces them itself)."""
         if self._gradient_sync.accumulating:
             self._gradient_sync.reduce_accumulated()
+
+
+def _check_shardable(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError("shard() got a model that torch.compile already wrapped; shard the plain module "
+                        "first, then compile it: torch.compile(backend.shard(model), backend=backend)")
+    if is_sharded(model):
+        raise ValueError("this model is already sharded (by fsdp_compile); shard a model once and reuse "
+                         "the backend that sharded it")
 
 
 def _resolve_prefetch_orders(model: nn.Module, units: set[str],

@@ -139,7 +139,7 @@ def test_a_marker_carries_its_spec_as_one_argument_that_round_trips() -> None:
         assert CommSpec.from_op_args(*args) == spec
     assert specs[1].op_args()[0] == ("shard_group=0;shard_size=2;dim0_sharded=False;replicate_group=1;"
                                      "replicate_size=2;param_dtype=bfloat16;reduce_dtype=float32;"
-                                     "reshard_after_forward=False;compute_device=cuda:0")
+                                     "reshard_after_forward=False;compute_device=cuda:0;reshard_group=;reshard_size=0")
     schema = torch.ops.fsdp_compile.unshard.default._schema
     assert [a.name for a in schema.arguments] == ["shard", "fqn", "unit", "full_rows", "spec"]
 

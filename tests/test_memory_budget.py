@@ -20,6 +20,7 @@ from distributed import run_workers
 from helpers import assert_bitwise, batches, expect_error, full, lm_loss, local_slice
 
 import fsdp_compile
+from fsdp_compile.compilation import reshard_choice
 from fsdp_compile.compilation.reshard_choice import choose, kept_bytes
 from fsdp_compile.models.gpt import GPT, GPTConfig
 
@@ -126,6 +127,58 @@ def test_a_budget_keeps_what_fits_and_trains_like_full_shard(tmp_path: Path) -> 
     assert "memory_budget=" in out["middle"]["report"] and "kept" in out["middle"]["report"]
     summary = json.loads(next((tmp_path / "middle").rglob("summary.json")).read_text())
     assert summary["reshard_choice"]["units"] == middle["units"]
+
+
+SMALL = GPTConfig(vocab_size=67, block_size=17, n_layer=2, n_head=2, d_model=32)
+
+
+def default_compiler_worker(rank: int, world: int) -> dict:
+    """What a user gets by default (Inductor, regions, scheduling), with a budget that keeps every
+    unit, against FULL_SHARD's defaults alone; and a trace that fails on rank 0 only."""
+    torch.manual_seed(0)
+    base = GPT(SMALL)
+    x, y = batches(SMALL, world, 1)[0]
+    cluster = fsdp_compile.Cluster.preset("h100-sxm", nodes=1, devices_per_node=world)
+    out: dict = {}
+    for label, options in (("strategy", {}), ("budget", {"memory_budget": "1GiB", "cluster": cluster})):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend("FULL_SHARD", **options)
+        backend.shard(model)
+        lm_loss(torch.compile(model, backend=backend)(local_slice(x, rank)), local_slice(y, rank)).backward()
+        choice = backend._state.reshard_choice
+        out[label] = {"grads": {n: full(p.grad) for n, p in model.named_parameters()},
+                      "compilers": {g.compiler for g in backend.graphs},
+                      "inlined": [c.key for c in backend._state.region_fallback.inlined()],
+                      "kept": None if choice is None else sorted(u["unit"] for u in choice.summary()["units"])}
+
+    def fail_on_rank_0(*args: object) -> None:  # only rank 0 traces; the others wait for its choice
+        raise RuntimeError("a trace that fails on rank 0 alone")
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=False, memory_budget="1GiB",
+                                   cluster=cluster)
+    backend.shard(model)
+    traced = reshard_choice.trace_strategy_step
+    reshard_choice.trace_strategy_step = fail_on_rank_0
+    try:
+        out["rank0_failure"] = expect_error(lambda: torch.compile(model, backend=backend)(local_slice(x, rank)))
+    finally:
+        reshard_choice.trace_strategy_step = traced  # the workers serve the tests that follow
+    return out
+
+
+def test_a_budget_under_the_default_compiler_keeps_regions_and_full_shards_gradients() -> None:
+    outs = run_workers(default_compiler_worker, 2, fresh=True)
+    for rank, out in enumerate(outs):
+        assert out["budget"]["compilers"] == {"inductor"} and out["budget"]["inlined"] == [], out["budget"]
+        assert out["budget"]["kept"] == ["", "blocks.0", "blocks.1"], out["budget"]["kept"]
+        for name, grad in out["strategy"]["grads"].items():
+            scale = max(g.abs().max() for g in out["strategy"]["grads"].values())
+            torch.testing.assert_close(out["budget"]["grads"][name], grad, rtol=0, atol=1e-6 * scale, msg=name)
+        # Every rank raises rank 0's failure, none waits for the others.
+        assert "tracing the strategy's step on rank 0 failed" in out["rank0_failure"], (rank, out["rank0_failure"])
 
 
 def bad_options_worker(rank: int, world: int) -> dict:

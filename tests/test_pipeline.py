@@ -42,7 +42,8 @@ def graph_context(schedule: bool = True) -> PassContext:
 def test_the_pipeline_is_declared_in_stage_order_with_one_signature() -> None:
     stages = [p.stage for p in PIPELINE]
     assert stages == sorted(stages, key=["captured", "joint", "partitioned", "graph"].index)
-    assert [p.name for p in PIPELINE if p.stage == "captured"] == ["hoist_region_markers", "inline_reordering_regions"]
+    assert [p.name for p in PIPELINE if p.stage == "captured"] == [
+        "hoist_region_markers", "inline_mutating_regions", "inline_reordering_regions"]
     assert [p.name for p in PIPELINE if p.stage == "graph"] == [
         "unalias_region_outputs", "elide_trivial_unshard", "lower_markers", "schedule_collectives"]
     for graph_pass in PIPELINE:

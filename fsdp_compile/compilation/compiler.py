@@ -53,7 +53,7 @@ from ..sharding.sharded_param import leaf_owner, sharded_name
 from . import planning_seam, reshard_choice
 from .cache import CacheState, compile_cache_key, prepare_directory, user_pass_uuids
 from .guard import StepGuard, parameter_name
-from .inner import collector_paused, compile_aot_eager, compile_inductor, partition_fixups
+from .inner import backward_now, collector_paused, compile_aot_eager, compile_inductor, partition_fixups
 from .records import CompiledGraph, JointCapture, PhaseResult
 
 log = logging.getLogger("fsdp_compile")
@@ -98,7 +98,7 @@ class Compiler:
         self.captured_passes(gm, example_inputs, record)
         gathers = any(n.op == "call_function" and n.target in (UNSHARD, UNSHARD.overloadpacket) for n in gm.graph.nodes)
         if self.options.memory_budget is not None and self.state.reshard_choice is None and gathers:
-            self._choose_reshard(gm, example_inputs)
+            reshard_choice.choose_under_budget(self, gm, example_inputs)
         if compiler == "eager":
             # The captured graph as Python: every marker runs the eager runtime, so a user can
             # step through it with pdb and print tensors.
@@ -107,42 +107,10 @@ class Compiler:
             self._write_summary(record)
             return self.guard.wrap(gm.forward, record)
         inner = compile_aot_eager if compiler == "aot_eager" else compile_inductor
-        with _backward_now(), collector_paused():
+        with backward_now(), collector_paused():
             compiled = inner(self, gm, example_inputs, record)
-        choice = self.state.reshard_choice
-        if choice is not None and choice.compiled_peak is None and record.backward is not None:
-            self._check_reshard_choice(record)
+        reshard_choice.check_compiled_peak(self, record)
         return self.guard.wrap(compiled, record)
-
-    # ---------------------------------------------------------------- memory_budget=
-    def _choose_reshard(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-        """Choose each unit's setting under the budget (compilation/reshard_choice.py)."""
-        choice = reshard_choice.decide(self, gm, example_inputs)
-        self.state.reshard_choice = choice
-        self.state.reshard_to.update(choice.reshard_to)
-
-    def trace_strategy_step(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledGraph:
-        """The forward and backward graphs this captured graph makes under the strategy's own
-        setting, through our passes, without code generation and without dumps."""
-        record = CompiledGraph(index=-1, dynamo=gm, compiler="aot_eager")
-        self._quiet = True
-        try:
-            with _backward_now(), collector_paused():
-                compile_aot_eager(self, gm, example_inputs, record)
-        finally:
-            self._quiet = False
-        return record
-
-    def _check_reshard_choice(self, record: CompiledGraph) -> None:
-        """The compiled graphs' own estimate against the budget: the choice's prediction held?"""
-        choice = self.state.reshard_choice
-        choice.compiled_peak = reshard_choice.compiled_peak([record], self.options.cluster, self.state.local_shards)
-        if choice.compiled_peak > choice.budget:
-            message = (f"fsdp_compile: memory_budget={choice.budget} bytes: the compiled graphs' estimated peak is "
-                       f"{int(choice.compiled_peak)} bytes, above the budget (the choice predicted "
-                       f"{int(choice.peak)}); give a smaller budget to keep fewer units gathered")
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            log.warning(message)
 
     def _python_read(self, record: CompiledGraph, read: fx.Node, example_inputs: Sequence[Any]) -> Callable:
         """A graph that is nothing but one parameter read: Dynamo compiled the read as a frame of
@@ -376,13 +344,6 @@ class Compiler:
     def replay_for_planning(self, *args: Any, **kwargs: Any) -> tuple[CompiledGraph, tuple[fx.GraphModule, ...]]:
         """See :func:`.planning_seam.replay_for_planning`."""
         return planning_seam.replay_for_planning(self, *args, **kwargs)
-
-
-def _backward_now() -> Any:
-    """AOTAutograd compiles the backward graph with the forward, not at the first backward: the
-    first run of the forward checks both graphs' collectives against the other ranks."""
-    flag = "force_non_lazy_backward_lowering"
-    return torch._functorch.config.patch(**({flag: True} if hasattr(torch._functorch.config, flag) else {}))
 
 
 def lone_read(gm: fx.GraphModule) -> fx.Node | None:

@@ -219,3 +219,10 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def backward_now() -> Any:
+    """AOTAutograd compiles the backward graph with the forward, not at the first backward: the
+    first run of the forward checks both graphs' collectives against the other ranks."""
+    flag = "force_non_lazy_backward_lowering"
+    return torch._functorch.config.patch(**({flag: True} if hasattr(torch._functorch.config, flag) else {}))

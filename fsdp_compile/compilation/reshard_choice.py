@@ -39,7 +39,9 @@ the compiled graphs' own estimate.
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +49,14 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..api import ConfigError
+from ..errors import ConfigError
 from ..inspection.memory import input_bytes, storage_lifetimes
 from ..passes.bucketing import unit_label
 from ..passes.graph import COMM_META
+from .inner import backward_now, collector_paused, compile_aot_eager
 from .records import CompiledGraph
+
+log = logging.getLogger("fsdp_compile")
 
 # AdamW's state per gradient byte (two moments), as plan() assumes by default.
 _OPTIMIZER_STATES = 2
@@ -287,18 +292,34 @@ def rank_states(local_shards: Iterable[Any]) -> dict[str, float]:
     return {"params": shard, "grads": grads, "optimizer": _OPTIMIZER_STATES * grads}
 
 
+def choose_under_budget(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Choose each unit's setting under the budget, before the captured graph compiles."""
+    choice = decide(compiler, gm, example_inputs)
+    compiler.state.reshard_choice = choice
+    compiler.state.reshard_to.update(choice.reshard_to)
+
+
 def decide(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ReshardChoice:
-    """Trace the strategy's step, choose, and make rank 0's choice every rank's."""
+    """Trace the strategy's step, choose, and make rank 0's choice every rank's.
+
+    Whatever rank 0 meets on the way (a trace that fails included) is broadcast and raised on
+    every rank: a rank that raised alone would leave the others waiting in a collective, and a
+    retry of the compile on that rank alone would run another program than theirs."""
     options, state = compiler.options, compiler.state
     shard_size = state.topology.shard_size
-    choice = None
+    choice: Any = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        record = compiler.trace_strategy_step(gm, example_inputs)
-        step = ReshardStep(record, options.cluster, rank_states(state.local_shards))
         try:
+            record = trace_strategy_step(compiler, gm, example_inputs)
+            step = ReshardStep(record, options.cluster, rank_states(state.local_shards))
             choice = choose(step, float(options.memory_budget), shard_size, candidate_groups(shard_size))
         except ConfigError as error:
             choice = error
+        except Exception as error:  # raised on every rank below
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                raise
+            choice = RuntimeError(f"fsdp_compile: memory_budget=: tracing the strategy's step on rank 0 failed: "
+                                  f"{type(error).__name__}: {error}")
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [choice]
         dist.broadcast_object_list(shared, src=0)
@@ -306,6 +327,52 @@ def decide(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
     if isinstance(choice, BaseException):
         raise choice
     return choice
+
+
+def trace_strategy_step(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledGraph:
+    """The forward and backward graphs this captured graph makes under the strategy's own
+    setting, through our passes, without code generation and without dumps.
+
+    The trace gets a tracing context of its own: AOTAutograd caches what it traced of each
+    region body (invoke_subgraph) in the context, and the compile that follows would reuse this
+    trace's graphs, made without the inner compiler's decompositions (Inductor then refuses
+    ``native_layer_norm``) and under the strategy's own reshard tags."""
+    from torch._guards import TracingContext, tracing
+
+    outer = TracingContext.try_get()
+    context = TracingContext(outer.fake_mode if outer is not None else None)
+    if outer is not None:
+        context.tensor_to_context = outer.tensor_to_context
+    record = CompiledGraph(index=-1, dynamo=gm, compiler="aot_eager")
+    compiler._quiet = True
+    try:
+        with tracing(context), backward_now(), collector_paused():
+            compile_aot_eager(compiler, gm, example_inputs, record)
+    finally:
+        compiler._quiet = False
+    return record
+
+
+def check_compiled_peak(compiler: Any, record: CompiledGraph) -> None:
+    """The compiled graphs' own estimate against the budget: the choice's prediction held?"""
+    choice = compiler.state.reshard_choice
+    if choice is None or choice.compiled_peak is not None or record.backward is None:
+        return
+    choice.compiled_peak = compiled_peak([record], compiler.options.cluster, compiler.state.local_shards)
+    if choice.compiled_peak > choice.budget:
+        message = (f"fsdp_compile: memory_budget={choice.budget} bytes: the compiled graphs' estimated peak is "
+                   f"{int(choice.compiled_peak)} bytes, above the budget (the choice predicted "
+                   f"{int(choice.peak)}); give a smaller budget to keep fewer units gathered")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning(message)
+
+
+def check_cluster(cluster: Any) -> None:
+    """``cluster=`` is checked where it is used, so that the options module stays free of the planner."""
+    from ..planning.cluster import Cluster
+
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster= takes an fsdp_compile.Cluster, got {type(cluster).__name__}")
 
 
 def graph_live(gm: fx.GraphModule, states: Mapping[str, float], cluster: Any) -> list[float]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..api import ConfigError
+from ..errors import ConfigError
 from .context import STAGES, GraphPass, PassContext
 from .lowering import lower_markers_pass
 from .region_mutations import inline_mutating_regions_pass

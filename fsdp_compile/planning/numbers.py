@@ -8,7 +8,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from ..api import ConfigError
+from ..errors import ConfigError
 from ..passes.graph import COPY_KERNELS as GRAPH_COPY_KERNELS
 
 GB = 1e9

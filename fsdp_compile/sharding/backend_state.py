@@ -24,6 +24,7 @@ from .units import ROOT_UNIT
 
 if TYPE_CHECKING:
     from ..checks.agreement import GraphVerifier
+    from .shard import ShardResult
 
 
 @dataclass
@@ -66,6 +67,15 @@ class ShardingState:
                     name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
                     roles[mesh.get_group(dim).group_name] = f"tensor-parallel group {name!r} ({mesh.size(dim)} ranks)"
         return roles
+
+    def add_sharded(self, result: ShardResult) -> None:
+        """What one ``shard()`` made: its parameters' marker arguments, units, leaves, settings."""
+        self.params.update(result.infos)
+        self.units.update(info.unit for info in result.infos.values())
+        self.reshard_to.update(result.reshard_to or {})
+        self.local_shards.add(result.shards)
+        if result.peak_full_bytes is not None:
+            self.init_peak_bytes = max(self.init_peak_bytes or 0, result.peak_full_bytes)
 
     def add_parameters(self, params: Any) -> None:
         for param in params:

@@ -26,34 +26,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..api import ConfigError, ShardingStrategy
+from ..api import ConfigError, ReshardOption
 from .groups import Topology
 from .units import ROOT_UNIT
-
-# A setting as the user gives it: one value, or values by unit (name, module or class).
-ReshardOption = bool | int | Mapping[Any, bool | int] | None
-
-
-def check_reshard_option(option: ReshardOption, strategy: ShardingStrategy, uses_units: bool) -> None:
-    """The option's form (what can be checked before the model is seen)."""
-    if option is None:
-        return
-    if not strategy.shards_parameters:
-        raise ValueError("reshard_after_forward= decides what a unit keeps of its gathered parameters; NO_SHARD "
-                         "keeps every parameter whole, so there is nothing to reshard: drop the option")
-    values = option.values() if isinstance(option, Mapping) else [option]
-    if isinstance(option, Mapping):
-        if not uses_units:
-            raise ValueError("reshard_after_forward={...} names bucket units, which bucket= sizes in bytes or per "
-                             "parameter do not have; give one value for every parameter, or bucket='module'")
-        for key in option:
-            if not isinstance(key, (str, nn.Module, type)):
-                raise TypeError(f"reshard_after_forward= keys are unit names, modules or module classes, got "
-                                f"{type(key).__name__} {key!r}")
-    for value in values:
-        if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 2):
-            raise ValueError(f"reshard_after_forward value {value!r}: use True (reshard to the shard), False (keep "
-                             "the gathered parameters) or an int n >= 2 (keep a shard over groups of n ranks)")
 
 
 def describe_reshard_option(option: ReshardOption, model: nn.Module | None = None) -> str:
