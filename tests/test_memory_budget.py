@@ -277,6 +277,7 @@ def auto_budget_worker(rank: int, world: int, budget: int) -> dict:
             "strategy": auto.strategy.name, "grads": grads}
 
 
+@pytest.mark.slow  # 24 s; the plan's row is checked by default above, the budget by default under Inductor
 def test_auto_applies_the_units_its_budget_keeps() -> None:
     budget = _between_full_and_grad_op(toy_cluster(1, 2))
     outs = run_workers(auto_budget_worker, 2, budget)

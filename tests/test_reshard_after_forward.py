@@ -133,6 +133,7 @@ def test_resharding_to_the_node_gathers_backward_inside_it(compiler: str) -> Non
     assert "reshard after forward: blocks.0 keeps a shard over 2 ranks" in out["mixed"]["report"]
 
 
+@pytest.mark.slow  # 16 s: options beyond the defaults; FULL_SHARD takes them at world 2 and 2 x 2 by default
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "SHARD_GRAD_OP"])
 def test_hybrid_and_zero2_take_per_unit_settings(strategy: str) -> None:
     # HYBRID_SHARD's shard group is a node of 2 here: True or False per unit. SHARD_GRAD_OP keeps

@@ -266,8 +266,10 @@ def run_compare(args: argparse.Namespace) -> int:
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
+    # Only the dtypes the model computes in: a CPU's bf16 calibration takes a minute and prices nothing here.
+    dtypes = tuple(dict.fromkeys(p.dtype for p in probe.parameters() if p.is_floating_point()))
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
-                              device_memory=64 << 30)
+                              device_memory=64 << 30, dtypes=dtypes)
     # The model's own step on one rank, timed again beside each strategy's steps: the machine's
     # speed moves, and the model's price rests on the job's calibration (reference.py)
     # and so do the calibration's optimizer and runtime workloads (outside_graphs.py)
