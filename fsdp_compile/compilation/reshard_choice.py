@@ -360,7 +360,7 @@ def check_compiled_peak(compiler: Any, record: CompiledGraph) -> None:
         return
     choice.compiled_peak = compiled_peak([record], compiler.options.cluster, compiler.state.local_shards)
     if choice.compiled_peak > choice.budget:
-        message = (f"fsdp_compile: memory_budget={choice.budget} bytes: the compiled graphs' estimated peak is "
+        message = (f"fsdp_compile: memory_budget={int(choice.budget)} bytes: the compiled graphs' estimated peak is "
                    f"{int(choice.compiled_peak)} bytes, above the budget (the choice predicted "
                    f"{int(choice.peak)}); give a smaller budget to keep fewer units gathered")
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -369,9 +369,11 @@ def check_compiled_peak(compiler: Any, record: CompiledGraph) -> None:
 
 def check_cluster(cluster: Any) -> None:
     """``cluster=`` is checked where it is used, so that the options module stays free of the planner."""
+    if cluster is None:
+        return
     from ..planning.cluster import Cluster
 
-    if cluster is not None and not isinstance(cluster, Cluster):
+    if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster= takes an fsdp_compile.Cluster, got {type(cluster).__name__}")
 
 
