@@ -601,3 +601,15 @@ def test_import_time_benchmark_reports_what_import_fsdp_compile_loads(tmp_path: 
     # a training job's import loads neither the emulated network nor the planner's host model
     assert tree["fsdp_compile.network"] == tree["fsdp_compile.planning.host"] == [0, 0]
     assert "| `fsdp_compile.network` | not loaded |" in (tmp_path / "import_time.md").read_text()
+
+
+def test_gpu_memory_budget_benchmark_runs_as_one_rank_of_a_fake_world(tmp_path: Path) -> None:
+    """bench/gpu_memory_budget.sh's script, at tiny sizes on the CPU: what a lent GPU runs at once."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_memory_budget.py"), "--smoke", "--out",
+                           str(tmp_path)], check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_memory_budget_smoke.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["FULL_SHARD", "SHARD_GRAD_OP", "budget1", "budget2", "budget3"]
+    kept = [len(r["choice"]["units"]) for r in rows[2:]]
+    assert kept[0] == 0 and kept == sorted(kept) and kept[-1] > 0, kept
+    assert all(r["choice"]["peak"] <= r["budget"] for r in rows[2:])
