@@ -481,7 +481,7 @@ def main() -> None:
     p.add_argument("--worlds", nargs="+", type=int, default=[2, 4], choices=[2, 4])
     p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 1.0, 2.0],
                    help="communication per step over compute, on the busier link")
-    p.add_argument("--budgets", type=int, default=5, help="budgets from FULL_SHARD's measured peak to SHARD_GRAD_OP's")
+    p.add_argument("--budgets", type=int, default=5, help="budgets from FULL_SHARD's predicted peak to the predicted peak of keeping every unit")
     p.add_argument("--inter-slowdown", type=float, default=10.0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)

@@ -81,7 +81,7 @@ class Compiler:
         tolerance = requested(options.verify_gradients)
         self.gradient_check = GradientCheck(tolerance) if tolerance is not False else None
         self.guard = StepGuard(options, state, self.cache_state, self.gradient_check)
-        self._quiet = False  # tracing the strategy's step for memory_budget=: no dumps
+        self.quiet = False  # set while reshard_choice traces the strategy's step for memory_budget=: no dumps
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         """Dynamo's backend entry: compile one captured graph (see the module docstring)."""
@@ -155,7 +155,7 @@ class Compiler:
     # ---------------------------------------------------------------- dumps and failures
     def _dumper(self) -> Dumper | None:
         root = self.options.dump_dir or os.environ.get("FSDP_COMPILE_DUMP")
-        if not root or self._quiet:
+        if not root or self.quiet:
             return None
         if self._dumper_instance is None:
             rank = dist.get_rank() if dist.is_initialized() else 0

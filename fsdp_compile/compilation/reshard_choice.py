@@ -344,12 +344,12 @@ def trace_strategy_step(compiler: Any, gm: fx.GraphModule, example_inputs: Seque
     if outer is not None:
         context.tensor_to_context = outer.tensor_to_context
     record = CompiledGraph(index=-1, dynamo=gm, compiler="aot_eager")
-    compiler._quiet = True
+    compiler.quiet = True
     try:
         with tracing(context), backward_now(), collector_paused():
             compile_aot_eager(compiler, gm, example_inputs, record)
     finally:
-        compiler._quiet = False
+        compiler.quiet = False
     return record
 
 
