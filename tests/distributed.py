@@ -52,6 +52,8 @@ PG_TIMEOUT = datetime.timedelta(seconds=300)
 # die. A rank that lost a peer fails within milliseconds; one blocked in a collective with a
 # rank that is still alive would wait out PG_TIMEOUT, and is reported as waiting instead.
 FAILURE_GRACE_S = 10.0
+# A rank's file descriptor 2 is kept beside its fault file, under this suffix.
+STDERR_SUFFIX = ".stderr"
 # What a rank's error says when it failed because another rank went away, not on its own.
 PEER_LOSS_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                    "Another rank has most likely exited or is stuck")
@@ -74,6 +76,10 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
     # thread's Python stack to its fault file first, which the parent's report quotes.
     fault_file = open(fault_path, "w")  # noqa: SIM115 -- open until the process ends
     faulthandler.enable(file=fault_file)
+    # What native code prints before it aborts (std::terminate's "what():", a gloo enforce)
+    # goes to file descriptor 2, which faulthandler does not see: keep it for the report too.
+    native_stderr = open(fault_path + STDERR_SUFFIX, "w")  # noqa: SIM115 -- open until the process ends
+    os.dup2(native_stderr.fileno(), 2)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -200,6 +206,9 @@ class _Pool:
                 text = f"rank {rank} {_exit_status(proc.exitcode)} without a result"
                 fault = _fault_report(self.fault_paths[rank])
                 causes.append(f"{text}; its fault report:\n{fault}" if fault else text)
+                native = _stderr_tail(self.fault_paths[rank] + STDERR_SUFFIX)
+                if native:
+                    causes.append(f"rank {rank}'s stderr ended with:\n{native}")
             else:
                 consequences.append(f"rank {rank} was still running (most likely waiting in a collective "
                                     f"for a failed rank) {FAILURE_GRACE_S:.0f}s after the first failure")
@@ -218,8 +227,9 @@ class _Pool:
                 p.kill()
             p.join()
         for path in self.fault_paths:
-            if os.path.exists(path):
-                os.remove(path)
+            for file in (path, path + STDERR_SUFFIX):
+                if os.path.exists(file):
+                    os.remove(file)
 
 
 def _fault_path(rank: int) -> str:
@@ -244,6 +254,15 @@ def _fault_report(path: str, limit: int = 12000) -> str:
         lines = [line for line in f.read().splitlines() if not line.startswith("Extension modules:")]
     text = "\n".join(lines).strip()
     return text if len(text) <= limit else text[:limit] + "\n[... cut]"
+
+
+def _stderr_tail(path: str, limit: int = 4000) -> str:
+    """The end of what a rank wrote to its file descriptor 2 (Python's warnings among it)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        text = f.read().strip()
+    return text if len(text) <= limit else "[...]\n" + text[-limit:]
 
 
 _POOLS: dict[tuple[int, bool], _Pool] = {}

@@ -48,8 +48,10 @@ def test_the_rank_that_failed_on_its_own_leads_the_report() -> None:
 
 
 def rank_aborts_worker(rank: int, world: int) -> None:
-    """Rank 1 dies of SIGABRT (as a native heap corruption does) while rank 0 waits for it."""
+    """Rank 1 dies of SIGABRT (as a native heap corruption does) while rank 0 waits for it,
+    after writing to file descriptor 2 what native code prints before it aborts."""
     if rank == 1:
+        os.write(2, b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n")
         os.abort()
     dist.all_reduce(torch.ones(1))
 
@@ -60,3 +62,4 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack() -> None:
     report = str(err.value)
     assert report.startswith("rank 1 was killed by SIGABRT without a result"), report[:2000]
     assert "rank_aborts_worker" in report  # faulthandler's stack of the dying rank
+    assert "rank 1's stderr ended with:\nterminate called after throwing" in report
