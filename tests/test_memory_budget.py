@@ -232,6 +232,8 @@ def _between_full_and_grad_op(cluster: fsdp_compile.Cluster) -> int:
     return int((generous.row("FULL_SHARD").peak_bytes + generous.row("SHARD_GRAD_OP").peak_bytes) / 2)
 
 
+# -m slow: the planner's view of memory_budget= (13 s); the default run trains under a budget.
+@pytest.mark.slow
 def test_the_plan_has_a_row_for_the_units_a_budget_keeps() -> None:
     cluster = toy_cluster(2, 2)
     budget = _between_full_and_grad_op(cluster)

@@ -131,6 +131,9 @@ def test_compare_needs_torchrun(monkeypatch) -> None:
 PROFILER_LINES = ("USDT:", "profiler_start", "profiler_stop", "SyncActivityProfilerHandler")
 
 
+# -m slow: compare end to end under torchrun calibrates the machine first (half a minute on 2 cores);
+# the default run checks compare's timing and collector in-process (the tests below).
+@pytest.mark.slow
 def test_compare_prints_its_table_without_the_profilers_logging(tmp_path: Path) -> None:
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_compile",
                  "compare", "--model", "gpt-tiny", "--steps", "3", "--batch", "2", "--seq", "16",

@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 DEFINITIONS = '''
@@ -116,6 +118,9 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUNS_LOG": str(tmp_path / "runs.log")}
 
 
+# -m slow: two torchrun processes that import, plan and train (20 s on 2 cores); the default run
+# plans a guarded script in the child (below).
+@pytest.mark.slow
 def test_a_script_with_everything_at_its_top_level_plans_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TOP_LEVEL_SCRIPT))
