@@ -42,6 +42,46 @@ def test_resharding_gather_and_its_views_become_must_recompute() -> None:
     assert "recompute" not in matmul.meta  # compute is left to the partitioner
 
 
+def test_everything_computed_from_resharded_gathers_alone_becomes_must_recompute() -> None:
+    """A float8 weight's cast chain (amax, scale, saturating cast) and a sum of two gathered
+    weights are functions of the parameters only: saving any of them would keep a full-size
+    copy of a resharded parameter from forward to backward."""
+    comm = spec(reshard_after_forward=True)
+
+    def f(shard_a, shard_b, x):
+        a = torch.ops.fsdp_compile.unshard(shard_a, "a", "", 8, *comm.op_args())
+        b = torch.ops.fsdp_compile.unshard(shard_b, "b", "", 8, *comm.op_args())
+        scale = 448.0 / a.abs().amax().clamp(min=1e-12)
+        a8 = (a * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        dequantized = a8.to(torch.float32) / scale
+        return (x * scale) @ dequantized.t() + x @ (a + b).t()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4), torch.randn(3, 4))
+    assert tag_reshard_policy(gm.graph) == 2
+    tagged = {n.name for n in gm.graph.nodes if n.meta.get("recompute") is CheckpointPolicy.MUST_RECOMPUTE}
+    parameter_only = [n for n in gm.graph.nodes if n.op == "call_function" and not _reads_an_input(n)]
+    assert {n.name for n in parameter_only} == tagged
+    assert any(n.target is torch.ops.aten.amax.default for n in parameter_only)
+    assert any(n.target is torch.ops.aten.add.Tensor and n.name in tagged for n in parameter_only)
+    reads_x = [n for n in gm.graph.nodes if n.op == "call_function" and _reads_an_input(n)]
+    assert reads_x and not tagged & {n.name for n in reads_x}
+
+
+def _reads_an_input(node: torch.fx.Node) -> bool:
+    """Whether ``node`` depends on the graph input ``x`` (the third placeholder)."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        if current.op == "placeholder":
+            if current.name == "x_1":
+                return True
+            continue
+        if current not in seen:
+            seen.add(current)
+            pending.extend(current.all_input_nodes)
+    return False
+
+
 def test_kept_gather_becomes_must_save() -> None:
     gm = linear_graph(spec(reshard_after_forward=False))
     assert tag_reshard_policy(gm.graph) == 0

@@ -315,6 +315,63 @@ def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[f
     return index, views
 
 
+def parameter_computation(body: fx.GraphModule, output_index: int,
+                          gathered: Collection[int]) -> list[fx.Node] | None:
+    """The body's nodes that compute its output ``output_index`` from the inputs at positions
+    ``gathered`` alone, in body order; None when it reads anything else (another input, a
+    constant) or is an input itself."""
+    output = next(n for n in reversed(body.graph.nodes) if n.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)) or output_index >= len(values):
+        return None
+    target = values[output_index]
+    if not isinstance(target, fx.Node) or target.op != "call_function":
+        return None
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    allowed = {placeholders[i] for i in gathered if i < len(placeholders)}
+    needed: set[fx.Node] = set()
+    pending = [target]
+    while pending:
+        node = pending.pop()
+        if node in needed or node in allowed:
+            continue
+        if node.op != "call_function" or node.target is INVOKE_SUBGRAPH:
+            return None
+        needed.add(node)
+        pending.extend(node.all_input_nodes)
+    return [n for n in body.graph.nodes if n in needed]
+
+
+def _redo_parameter_computation(graph: fx.Graph, call: fx.Node, producer: fx.Node, body: fx.GraphModule,
+                                output_index: int) -> fx.Node | None:
+    """Compute a forward call's output that backward reads again in the top-level graph,
+    before ``call``, when the body computes it from gathered parameters alone (a float8
+    weight's scaled cast): the reshard policy then recomputes it in backward from the
+    regathered parameter instead of the partitioner saving it. None when it does not."""
+    operands = producer.args[2:]
+    gathered = [i for i, operand in enumerate(operands) if _is_gathered(operand)]
+    nodes = parameter_computation(body, output_index, gathered) if gathered else None
+    if not nodes:
+        return None
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    mapping: dict[fx.Node, fx.Node] = {placeholders[i]: operands[i] for i in gathered}
+    with graph.inserting_before(call):
+        for node in nodes:
+            args, kwargs = fx.map_arg((node.args, dict(node.kwargs)), mapping.__getitem__)
+            copy = graph.call_function(node.target, args, kwargs)
+            copy.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
+            mapping[node] = copy
+    return mapping[nodes[-1]]
+
+
+def _is_gathered(operand: object) -> bool:
+    """Whether a region call's operand is a gathered parameter (a marker's output, or a pure
+    view of one)."""
+    while isinstance(operand, fx.Node) and operand.op == "call_function" and operand.target in PURE_VIEWS:
+        operand = operand.args[0]
+    return isinstance(operand, fx.Node) and operand.op == "call_function" and operand.target in UNSHARD_TARGETS
+
+
 def _same_view(base: object, view: object) -> bool:
     """Whether ``view`` reads exactly what ``base`` does (same dtype, sizes, strides and
     offset); symbolic layouts never count as the same."""
@@ -337,8 +394,13 @@ def route_region_inputs(graph: fx.Graph) -> int:
                     and operand.target is operator.getitem and is_region_call(operand.args[0])):
                 continue
             producer, output_index = operand.args
-            found = passed_through(region_body(producer), output_index)
+            body = region_body(producer)
+            found = passed_through(body, output_index)
             if found is None:
+                redone = _redo_parameter_computation(graph, call, producer, body, output_index)
+                if redone is not None:
+                    args[position] = redone
+                    count += 1
                 continue
             input_index, views = found
             value = producer.args[2 + input_index]

@@ -5,14 +5,16 @@ it saves the full parameter an ``unshard`` produced (ZeRO-2 behaviour). Each mar
 what its unit keeps (``reshard_after_forward=``, sharding/reshard_policy.py):
 
 * resharding to the shard (FULL_SHARD, HYBRID_SHARD): the full parameter is dropped after
-  forward and gathered again in backward, so the marker and the views or casts of it are
-  tagged must-recompute: the partitioner then saves the (already resident) shard and re-runs
-  the gather in the backward graph;
+  forward and gathered again in backward, so the marker and everything computed from gathered
+  parameters alone (views, casts, a float8 weight's amax, scale and cast) are tagged
+  must-recompute: the partitioner then saves the (already resident) shard and re-runs the
+  gather in the backward graph. Tagging only views let it save a float8 copy of every weight
+  instead, which silently kept half of a bf16 unit resident from forward to backward;
 * keeping it (SHARD_GRAD_OP): the marker is tagged must-save;
 * resharding to a group of ``n`` ranks: the joint graph is rewritten. Forward keeps this rank's
   ``1/n`` of the full parameter (a ``reshard`` node, must-save), and every backward use of the
   full parameter reads instead a gather of those kept pieces inside the group (an ``unshard``
-  over ``reshard_group``, must-recompute, and the same views redone on it). Forward's own uses
+  over ``reshard_group``, must-recompute, and the same parameter-only computation redone on it). Forward's own uses
   still read the first gather, which nothing saves. The gradient's reduction is untouched.
 """
 
@@ -26,9 +28,9 @@ from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime.collectives import CommSpec
-from ..runtime.markers import RESHARD, UNSHARD, UNSHARD_TARGETS, Marker, decode
+from ..runtime.markers import REDUCE_GRAD, RESHARD, UNSHARD, UNSHARD_TARGETS, Marker, decode
 from .context import PassContext
-from .graph import ROLE_META, VIEW_LIKE, tag_parameter_input
+from .graph import ROLE_META, is_collective, tag_parameter_input
 
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -66,7 +68,8 @@ def tag_reshard_policy(graph: fx.Graph) -> int:
     Gathers of units that reshard to a group of fewer ranks are rewritten (module docstring).
     """
     count = 0
-    backward: set[fx.Node] | None = None
+    backward = backward_nodes(graph)
+    dropped: list[fx.Node] = []
     for node in unshard_nodes(graph):
         marker = decode(node)
         spec = marker.spec
@@ -77,21 +80,32 @@ def tag_reshard_policy(graph: fx.Graph) -> int:
             continue
         count += 1
         if spec.reshard_size:
-            if backward is None:
-                backward = backward_nodes(graph)
             _regather_in_group(graph, marker, backward)
             continue
-        _tag_chain(node, CheckpointPolicy.MUST_RECOMPUTE)
+        dropped.append(node)
+    for node in parameter_only(graph, dropped, backward):
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return count
 
 
-def _tag_chain(node: fx.Node, policy: CheckpointPolicy) -> None:
-    """Tag ``node`` and every view of it (transitively) with ``policy``."""
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        current.meta["recompute"] = policy
-        pending.extend(u for u in current.users if u.op == "call_function" and u.target in VIEW_LIKE)
+def parameter_only(graph: fx.Graph, sources: list[fx.Node], backward: set[fx.Node]) -> list[fx.Node]:
+    """``sources`` and the forward nodes computed from them alone, in graph order.
+
+    A node belongs when every graph value it reads is one of these or a constant (a
+    ``get_attr``), and it reads at least one: a gathered parameter's views and casts, and
+    whatever else is a function of gathered parameters only (a float8 weight's amax, scale
+    and cast, the sum of two gathered weights). Nothing that reads an activation, an input
+    or a gradient joins, so recomputing these in backward needs only the regathered
+    parameters.
+    """
+    chain = set(sources)
+    for node in graph.nodes:
+        if node in chain or node.op != "call_function" or node in backward or _communicates(node):
+            continue
+        inputs = node.all_input_nodes
+        if inputs and any(n in chain for n in inputs) and all(n in chain or n.op == "get_attr" for n in inputs):
+            chain.add(node)
+    return [n for n in graph.nodes if n in chain]
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -110,7 +124,7 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) -> None:
     """Forward keeps this rank's piece over the reshard group; backward gathers it in the group."""
     full, spec = marker.node, marker.spec
-    chain = _view_chain(full)
+    chain = parameter_only(graph, [full], backward)
     uses = [(user, source) for source in chain for user in source.users if user in backward]
     if not uses:
         return
@@ -128,11 +142,15 @@ def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) 
     kept.meta[ROLE_META] = "gathered"  # a piece of the gathered parameter, held to backward
     redone: dict[fx.Node, fx.Node] = {full: regathered}
 
+    in_chain = set(chain)
+
     def redo(node: fx.Node) -> fx.Node:
         if node not in redone:
-            source = redo(node.args[0])
-            with graph.inserting_after(source):
-                copy = graph.call_function(node.target, (source, *node.args[1:]), dict(node.kwargs))
+            inputs = [redo(n) for n in node.all_input_nodes if n in in_chain]
+            args, kwargs = fx.map_arg((node.args, dict(node.kwargs)),
+                                      lambda n: redone[n] if n in in_chain else n)
+            with graph.inserting_after(max(inputs, key=_position(graph))):
+                copy = graph.call_function(node.target, args, kwargs)
             _fake(copy, fake_mode)
             redone[node] = copy
         return redone[node]
@@ -143,14 +161,8 @@ def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) 
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _view_chain(node: fx.Node) -> list[fx.Node]:
-    """``node`` and its views, transitively (what backward may read the gathered parameter by)."""
-    chain, pending = [], [node]
-    while pending:
-        current = pending.pop()
-        chain.append(current)
-        pending.extend(u for u in current.users if u.op == "call_function" and u.target in VIEW_LIKE)
-    return chain
+def _communicates(node: fx.Node) -> bool:
+    return is_collective(node) or node.target in (*UNSHARD_TARGETS, REDUCE_GRAD, RESHARD)
 
 
 def _position(graph: fx.Graph):
