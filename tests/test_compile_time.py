@@ -132,14 +132,16 @@ def test_a_marker_carries_its_spec_as_one_argument_that_round_trips() -> None:
     """Dynamo and AOTAutograd handle every argument of every marker; a deep model has one marker
     per parameter read, so the spec travels as one string, readable in a dumped graph."""
     specs = [SPEC, CommSpec("0", 2, False, "1", 2, torch.bfloat16, torch.float32, False, "cuda:0"),
-             CommSpec("7", 4, True, "", 1, torch.float16, None, True, None)]
+             CommSpec("7", 4, True, "", 1, torch.float16, None, True, None),
+             CommSpec("3", 2, True, "", 1, torch.bfloat16, None, True, float8=torch.float8_e4m3fn, float8_pow2_scale=True)]
     for spec in specs:
         args = spec.op_args()
         assert len(args) == 1 and isinstance(args[0], str)
         assert CommSpec.from_op_args(*args) == spec
     assert specs[1].op_args()[0] == ("shard_group=0;shard_size=2;dim0_sharded=False;replicate_group=1;"
                                      "replicate_size=2;param_dtype=bfloat16;reduce_dtype=float32;"
-                                     "reshard_after_forward=False;compute_device=cuda:0;reshard_group=;reshard_size=0")
+                                     "reshard_after_forward=False;compute_device=cuda:0;reshard_group=;reshard_size=0;"
+                                     "float8=None;float8_pow2_scale=False")
     schema = torch.ops.fsdp_compile.unshard.default._schema
     assert [a.name for a in schema.arguments] == ["shard", "fqn", "unit", "full_rows", "spec"]
 

@@ -162,3 +162,45 @@ def test_the_kernels_never_make_the_host_wait_for_the_gpu() -> None:
             launches()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def float8_edge_values() -> torch.Tensor:
+    """Every finite float8_e4m3fn value, the midpoints between neighbours (ties: to even) and
+    values just off them, beyond the largest (saturation), and NaN, both signs."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    mids = (codes[1:] + codes[:-1]) / 2
+    values = torch.cat([codes, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20),
+                        torch.tensor([449.0, 464.0, 500.0, 1e30, float("inf"), float("nan"), 2 ** -12, 2 ** -10])])
+    return torch.cat([values, -values])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")  # 1e30 * scale: inf
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("src_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_float8_copy_in(seed: int, world: int, src_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    """The cast of float8 weights' shards into the gather buffer: rounded to the compute dtype,
+    scaled, saturated and rounded to float8 as torchao's cast does, bit for bit."""
+    rng, gen = random.Random(300 + seed), torch.Generator().manual_seed(300 + seed)
+    shapes = random_full_shapes(rng, rng.randint(1, 8))
+    fulls = fulls_for(shapes, src_dtype, gen)
+    edges = float8_edge_values().to(src_dtype)
+    fulls[0].view(-1)[:edges.numel()] = edges[:fulls[0].numel()]
+    # Scales as the gather computes them, and 1.0 for the first weight (its edge values are
+    # float8 values and midpoints as they are).
+    scales = torch.stack([torch.tensor(1.0)] + [torch.exp2(torch.randint(-8, 8, ())) * (1 + torch.rand(()))
+                                                 for _ in fulls[1:]]).to(DEVICE)
+    chunks = chunk_numels(shapes, world)
+    for rank in range(world):
+        shards = []
+        for f in fulls:
+            start, length = shard_bounds(f.shape[0], world, rank)
+            shards.append(f[start:start + length])
+        want = kernels.copy_in_float8_reference(shards, scales, chunks, dtype, torch.float8_e4m3fn)
+        got = triton_kernels.copy_in_float8(shards, scales, chunks, dtype, torch.float8_e4m3fn)
+        nan = want.view(torch.float8_e4m3fn).float().isnan()
+        assert torch.equal(got.view(torch.float8_e4m3fn).float().isnan(), nan), f"rank {rank}: NaNs differ"
+        mismatch = (got != want) & ~nan
+        assert not mismatch.any(), (f"rank {rank}: {int(mismatch.sum())} bytes differ, e.g. "
+                                    f"{got[mismatch][:4].tolist()} for {want[mismatch][:4].tolist()}")

@@ -205,7 +205,7 @@ def _units(record: CompiledGraph) -> dict[str, _Unit]:
     for bucket in record.forward_buckets.get("unshard", []):
         unit = _unit_of(bucket.key)
         entry = found.setdefault(unit, _Unit(0.0, 0, len(backward_index), 0, set(), 0.0))
-        entry.gathered_bytes += float(sum(m.full_bytes for m in bucket.markers))
+        entry.gathered_bytes += float(sum(m.value_bytes for m in bucket.markers))
         entry.forward_free = max(entry.forward_free, _last_use(forward_life, record.forward, bucket.key))
     for node in record.backward.graph.nodes:
         tag = node.meta.get(COMM_META)

@@ -6,7 +6,8 @@ Under a unit policy a bucket is a unit's markers (units are decided when the mod
 :mod:`fsdp_compile.sharding.units`); under a byte budget, consecutive markers in graph order
 until the bucket holds that many bytes of full tensors (in the collective's dtype; a larger
 tensor gets a bucket of its own); under ``"param"``, one per parameter. Markers only share a
-bucket when they communicate the same way (same :class:`CommSpec`) and read the same dtype.
+bucket when they communicate the same way (same :class:`CommSpec`, but for the float8 cast, which only a
+weight's gather reads: its gradient reduces with the others) and read the same dtype.
 
 A unit read at both ends of a graph is two buckets: the root of a transformer (embeddings
 first, final norm and head last) would otherwise gather its head with its embeddings, before
@@ -72,7 +73,8 @@ def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
     open_bucket: dict[tuple, tuple] = {}  # for the bytes policy: compat key -> current key
     filled: dict[tuple, int] = {}
     for i, marker in enumerate(markers):
-        compat = (marker.spec, _dtype(marker))
+        spec = marker.spec.for_reduction() if marker.kind == "reduce_grad" else marker.spec
+        compat = (spec, _dtype(marker))
         if policy.uses_units:
             in_tail = i >= tail and marker.fqn not in gathered_before_tail
             key = (marker.unit, in_tail, *compat)
@@ -90,6 +92,6 @@ def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
             filled[key] += size
             label = f"bytes[{key[0]}]"
         if key not in buckets:
-            buckets[key] = Bucket(marker.kind, label, marker.spec)
+            buckets[key] = Bucket(marker.kind, label, spec)
         buckets[key].markers.append(marker)
     return list(buckets.values())

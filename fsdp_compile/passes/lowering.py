@@ -87,7 +87,7 @@ def _lower_gather(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
             inputs.append(marker.input)
             full_shapes.append(marker.full_shape)
     spec = bucket.spec
-    size = _buffer_bytes(full_shapes, spec.compute_dtype(inputs[0].meta["val"].dtype), spec)
+    size = _buffer_bytes(full_shapes, spec.gather_dtype(inputs[0].meta["val"].dtype), spec)
     outputs = _splice(graph, bucket.markers[0].node,
                       lambda *shards: gather_params(list(shards), full_shapes, spec), inputs,
                       decompositions, lambda stage: CommTag(group, "gather", stage, bucket.key, size),

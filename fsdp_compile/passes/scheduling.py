@@ -206,7 +206,8 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     # shard-sized result: two of those get room of their own beside two buckets, or each
     # all-reduce would be waited where it is issued (the next bucket's reduce-scatter already
     # fills the budget there), and backward would wait for the slow link block by block.
-    later_stage_bytes = max((size for g in groups.values() for size in g.sizes[1:]), default=0)
+    later_stage_bytes = max((size for g in groups.values() if g.tag.kind == "reduce" for size in g.sizes[1:]),
+                            default=0)
     budget = options.max_inflight_bytes or 2 * largest_bytes + 2 * later_stage_bytes
     if budget < largest_bytes:
         raise ConfigError(
@@ -263,12 +264,14 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         else:
             desired = first_op
         start = min(max(desired, group.ready), group.first_use)
-        size = group.sizes[0]
+        size = max(group.sizes)
         # the first start from which the gather fits under the budget until its use
         last_over = inflight.last_above(start, group.first_use, budget - size)
         if last_over is not None:
             start = last_over + 1
-        group.at = [start, group.first_use]
+        # A float8 gather first all-reduces its weights' amaxes (a few bytes): waited where it
+        # is issued, so the all-gather that needs it goes out from the same position.
+        group.at = [start] * (len(group.stages) - 1) + [group.first_use]
         group.delayed = start > max(desired, group.ready)
         occupy(group)
 

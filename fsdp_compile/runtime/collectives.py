@@ -62,6 +62,10 @@ class CommSpec:
     ``reshard_size`` (with ``reshard_group``) is set for a parameter whose unit reshards after
     forward to groups of that many ranks of the shard group (``reshard_after_forward=n``):
     backward gathers it inside ``reshard_group`` (sharding/reshard_policy.py).
+
+    ``float8`` (a float8 dtype) is set for a torchao float8 weight (sharding/float8.py): its
+    gather moves that dtype, scaled as ``Float8Linear`` scales it (``float8_pow2_scale``: its
+    ``round_scales_to_power_of_2``), and returns it in the compute dtype.
     """
 
     shard_group: str
@@ -75,13 +79,21 @@ class CommSpec:
     compute_device: str | None = None
     reshard_group: str = ""
     reshard_size: int = 0
+    float8: torch.dtype | None = None
+    float8_pow2_scale: bool = False
 
     def resharded(self) -> CommSpec:
         """The spec of the gather backward makes from the shards kept over ``reshard_group``:
         the gathered parameter's dtype already, nothing else to cast or copy."""
         return dataclasses.replace(self, shard_group=self.reshard_group, shard_size=self.reshard_size,
                                    replicate_group="", replicate_size=1, param_dtype=None, reduce_dtype=None,
-                                   compute_device=None, reshard_group="", reshard_size=0)
+                                   compute_device=None, reshard_group="", reshard_size=0, float8=None,
+                                   float8_pow2_scale=False)
+
+    def for_reduction(self) -> CommSpec:
+        """This spec without what only a gather reads (the float8 cast): a float8 weight's
+        gradient reduces like its unit's other gradients, in one bucket with them."""
+        return dataclasses.replace(self, float8=None, float8_pow2_scale=False)
 
     def op_args(self) -> tuple[str]:
         """The markers' trailing arguments (see markers.py): one string naming every field,
@@ -113,6 +125,14 @@ class CommSpec:
 
     def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.param_dtype or param_dtype
+
+    @property
+    def gathers_float8(self) -> bool:
+        return self.gathers and self.float8 is not None
+
+    def gather_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the all-gather moves (float8 travels as bytes)."""
+        return torch.uint8 if self.gathers_float8 else self.compute_dtype(param_dtype)
 
     def grad_reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         # FSDP2's default: reduce in the compute dtype unless told otherwise.
@@ -183,9 +203,39 @@ def gather_params(
     if not spec.gathers:
         return [s.to(dtype, copy=True) for s in shards]
     chunks = chunk_numels(full_shapes, spec.shard_size)
+    if spec.gathers_float8:
+        return _gather_float8(shards, full_shapes, chunks, dtype, spec)
     flat = _copy_ops.copy_in(list(shards), chunks, dtype)
     gathered = _wait(_c10d.all_gather_into_tensor(flat, spec.shard_size, spec.shard_group))
     return list(_copy_ops.copy_out(gathered, spec.shard_size, chunks, *flatten_shapes(full_shapes)))
+
+
+def _gather_float8(shards: Sequence[torch.Tensor], full_shapes: Sequence[Sequence[int]], chunks: list[int],
+                   dtype: torch.dtype, spec: CommSpec) -> list[torch.Tensor]:
+    """The float8 gather of a bucket of torchao float8 weights: one all-reduce of every
+    weight's amax, then the shards cast to float8 into the gather buffer, one all-gather of
+    the bytes, and each weight back in the compute dtype ``dtype``.
+
+    The scale is the one ``Float8Linear`` computes for the weight it is handed in the compute
+    dtype (torchao's ``amax_to_scale`` of the amax of the weight in that dtype: the max over
+    ranks of each shard's, which rounding to ``dtype`` keeps). The cast and the way back are
+    torchao's, so ``Float8Linear`` recasts the gathered weight to these same float8 values
+    (docs/mixed-precision.md).
+    """
+    amax = _wait(_c10d.all_reduce(_copy_ops.amax_in(list(shards), dtype), "max", spec.shard_group))
+    scales = float8_scales(amax, spec.float8, spec.float8_pow2_scale)
+    flat = _copy_ops.copy_in_float8(list(shards), scales, chunks, dtype, spec.float8)
+    gathered = _wait(_c10d.all_gather_into_tensor(flat, spec.shard_size, spec.shard_group))
+    return list(_copy_ops.copy_out_float8(gathered, scales, spec.shard_size, chunks, *flatten_shapes(full_shapes),
+                                          spec.float8, dtype))
+
+
+def float8_scales(amax: torch.Tensor, float8: torch.dtype, pow2: bool) -> torch.Tensor:
+    """torchao's tensorwise scales of weights with these amaxes (float32): the float8 dtype's
+    largest value over the amax, computed in float64 as torchao does."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    return amax_to_scale(amax, float8, round_scales_to_power_of_2=pow2)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -120,3 +120,80 @@ def copy_out(gathered: torch.Tensor, world: int, padded_numels: list[int], dims:
 @copy_out.register_fake
 def _(gathered, world, padded_numels, dims, ranks):
     return [gathered.new_empty(shape) for shape in unflatten_shapes(dims, ranks)]
+
+
+# ----------------------------------------------------------------------------- float8
+# The gather of torchao float8 weights (runtime/collectives.py: _gather_float8): the copy-in
+# casts each shard to float8 with its weight's scale, as torchao's cast does, into a byte
+# buffer (what the all-gather moves); the copy-out turns the gathered bytes back into each
+# weight in the compute dtype, as torchao's Float8TrainingTensor.to_original_precision does.
+def _to_float8(values: torch.Tensor, scale: torch.Tensor, float8: torch.dtype) -> torch.Tensor:
+    # torchao's hp_tensor_and_scale_to_float8: scale in float32, saturate, round to float8.
+    largest = torch.finfo(float8).max
+    return (values.to(torch.float32) * scale).clamp(min=-largest, max=largest).to(float8)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::amax_in", mutates_args=())
+def amax_in(shards: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """max |shard| of each shard as it is in ``dtype``, as float32 (0 for an empty shard).
+
+    Rounding to a dtype is monotonic, so this is the amax of the shard rounded to ``dtype``
+    without rounding the shard. An op rather than traced torch ops: Inductor fuses a
+    round trip through a narrower dtype away, and the rounding is what makes the scale
+    torchao's for the weight in ``dtype``."""
+    amaxes = [s.abs().amax() if s.numel() else s.new_zeros(()) for s in shards]
+    return torch.stack(amaxes).to(dtype).to(torch.float32)
+
+
+@amax_in.register_fake
+def _(shards, dtype):
+    return shards[0].new_empty(len(shards), dtype=torch.float32)
+
+
+def copy_in_float8_reference(shards: Sequence[torch.Tensor], scales: torch.Tensor, padded_numels: Sequence[int],
+                             dtype: torch.dtype, float8: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(sum(padded_numels), dtype=torch.uint8, device=shards[0].device)
+    start = 0
+    with torch.no_grad():
+        for i, (shard, padded) in enumerate(zip(shards, padded_numels)):
+            cast = _to_float8(shard.reshape(-1).to(dtype), scales[i], float8)
+            out[start:start + shard.numel()].copy_(cast.view(torch.uint8))
+            start += padded
+    return out
+
+
+@torch.library.custom_op(f"{NAMESPACE}::copy_in_float8", mutates_args=())
+def copy_in_float8(shards: list[torch.Tensor], scales: torch.Tensor, padded_numels: list[int], dtype: torch.dtype,
+                   float8: torch.dtype) -> torch.Tensor:
+    """One flat byte buffer: each shard, rounded to ``dtype`` (the compute dtype), scaled by
+    its ``scales`` entry and cast to ``float8`` (saturating), zero-padded to its chunk."""
+    if _use_triton(shards[0].device, shards[0].dtype) and float8 in triton_kernels.FLOAT8_DTYPES \
+            and dtype in (shards[0].dtype, torch.bfloat16):
+        return triton_kernels.copy_in_float8(shards, scales, padded_numels, dtype, float8)
+    return copy_in_float8_reference(shards, scales, padded_numels, dtype, float8)
+
+
+@copy_in_float8.register_fake
+def _(shards, scales, padded_numels, dtype, float8):
+    return shards[0].new_empty(sum(padded_numels), dtype=torch.uint8)
+
+
+def copy_out_float8_reference(gathered: torch.Tensor, scales: torch.Tensor, world: int,
+                              padded_numels: Sequence[int], shapes: Sequence[Sequence[int]], float8: torch.dtype,
+                              dtype: torch.dtype) -> list[torch.Tensor]:
+    data = copy_out_reference(gathered, world, padded_numels, shapes)
+    return [d.view(float8).to(dtype) / scales[i] for i, d in enumerate(data)]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::copy_out_float8", mutates_args=())
+def copy_out_float8(gathered: torch.Tensor, scales: torch.Tensor, world: int, padded_numels: list[int],
+                    dims: list[int], ranks: list[int], float8: torch.dtype, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Full tensors in ``dtype`` from a float8 all-gather's bytes: each weight's float8 values
+    over its scale (torchao's way back to the original precision), padding dropped."""
+    shapes = unflatten_shapes(dims, ranks)
+    return copy_out_float8_reference(gathered, scales, world, padded_numels, shapes, float8, dtype)
+
+
+@copy_out_float8.register_fake
+def _(gathered, scales, world, padded_numels, dims, ranks, float8, dtype):
+    return [gathered.new_empty(shape, dtype=dtype) for shape in unflatten_shapes(dims, ranks)]

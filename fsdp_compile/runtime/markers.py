@@ -224,9 +224,12 @@ class Marker:
 
     @property
     def comm_dtype(self) -> torch.dtype:
-        """The dtype the collective moves it in (gradients: the reduce dtype)."""
+        """The dtype the collective moves it in (gradients: the reduce dtype; float8 weights:
+        bytes)."""
         value = self.full_value
-        return value.dtype if self.kind == "unshard" else self.spec.grad_reduce_dtype(value.dtype)
+        if self.kind == "unshard":
+            return torch.uint8 if self.spec.gathers_float8 else value.dtype
+        return self.spec.grad_reduce_dtype(value.dtype)
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -235,7 +238,13 @@ class Marker:
 
     @property
     def full_bytes(self) -> int:
+        """Bytes the collective moves for it, unsharded (a float8 weight's scale aside)."""
         return static_int(self.full_value.numel()) * self.comm_dtype.itemsize
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of :attr:`full_value` itself: what holding the gathered parameter costs."""
+        return static_int(self.full_value.numel()) * self.full_value.dtype.itemsize
 
 
 def static_int(value: object) -> int:

@@ -41,6 +41,8 @@ if tl is not None:
     }
 
 SUPPORTED_DTYPES = tuple(_TL_DTYPES)
+# The float8 dtypes the float8 copy-in rounds to (bit arithmetic below); others use torch.
+FLOAT8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def available() -> bool:
@@ -97,6 +99,63 @@ if triton is not None:
         else:
             values = values.to(DST_DTYPE)
         tl.store(dst + dst_start + idx, values, mask=idx < dst_len)
+
+
+    @triton.jit
+    def _to_float8_e4m3fn_bits(x):
+        # float32 (already saturated to +-448) -> float8_e4m3fn bits, round to nearest even, in
+        # integer arithmetic so Triton's interpreter agrees with the GPU and with torch.
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = ((bits >> 24) & 0x80).to(tl.int32)
+        magnitude = (bits & 0x7FFFFFFF).to(tl.int32)
+        exponent = magnitude >> 23
+        # Normal results (>= 2**-6): keep 3 mantissa bits, rebias the exponent from 127 to 7.
+        normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
+        # Subnormal results: the magnitude in units of 2**-9, rounded to an integer (8 is the
+        # smallest normal, whose bits are 8 too).
+        mantissa = (magnitude & 0x7FFFFF) | 0x800000
+        shift = tl.minimum(141 - exponent, 31)
+        kept = mantissa >> shift
+        rest = mantissa - (kept << shift)
+        half = 1 << (shift - 1)
+        subnormal = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
+        code = tl.where(exponent >= 121, normal, subnormal)
+        code = tl.where(x != x, 0x7F, code)
+        return (code | sign).to(tl.uint8)
+
+    @triton.jit
+    def _float8_copy_in_kernel(
+        table, scales, out, n_segments, SRC_DTYPE: tl.constexpr, WIDEN_FROM_BF16: tl.constexpr,
+        ROUND_TO_BF16: tl.constexpr, LARGEST: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    ):
+        # Columns: source pointer, source length, destination start (in ``out``), destination
+        # length, scale index, first block. Same search as _segment_copy_kernel.
+        pid = tl.program_id(0).to(tl.int64)
+        first_block = table + 5 * n_segments
+        lo = tl.zeros((), tl.int64)
+        hi = lo + n_segments - 1
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            after = tl.load(first_block + mid) <= pid
+            lo = tl.where(after, mid, lo)
+            hi = tl.where(after, hi, mid - 1)
+        seg = lo
+        offset = (pid - tl.load(first_block + seg)) * BLOCK_SIZE
+        src = tl.load(table + seg).to(tl.pointer_type(SRC_DTYPE))
+        src_len = tl.load(table + n_segments + seg)
+        dst_start = tl.load(table + 2 * n_segments + seg)
+        dst_len = tl.load(table + 3 * n_segments + seg)
+        scale = tl.load(scales + tl.load(table + 4 * n_segments + seg))
+        idx = offset + tl.arange(0, BLOCK_SIZE)
+        values = tl.load(src + idx, mask=idx < src_len, other=0.0)
+        if WIDEN_FROM_BF16:
+            values = _from_bfloat16_exact(values)
+        values = values.to(tl.float32)
+        if ROUND_TO_BF16:  # the compute dtype's rounding, before torchao's float32 scaling
+            values = _from_bfloat16_exact(_to_bfloat16_rne(values))
+        scaled = values * scale
+        saturated = tl.where(scaled != scaled, scaled, tl.minimum(tl.maximum(scaled, -LARGEST), LARGEST))
+        tl.store(out + dst_start + idx, _to_float8_e4m3fn_bits(saturated), mask=idx < dst_len)
 
 
 class Segments:
@@ -218,3 +277,33 @@ def copy_out(gathered: torch.Tensor, world: int, padded_numels: Sequence[int],
         offset += padded
     segment_copy(segments)
     return outs
+
+
+def copy_in_float8(shards: Sequence[torch.Tensor], scales: torch.Tensor, padded_numels: Sequence[int],
+                   dtype: torch.dtype, float8: torch.dtype) -> torch.Tensor:
+    """The float8 copy-in (see kernels.copy_in_float8) in one launch: each shard rounded to
+    ``dtype``, scaled, saturated and rounded to float8 into the byte buffer, padding zeroed."""
+    if triton is None:
+        raise RuntimeError("the Triton kernels need the triton package; pip install triton")
+    if float8 not in FLOAT8_DTYPES:
+        raise TypeError(f"copy_in_float8 rounds to {FLOAT8_DTYPES}, got {float8}")
+    src_dtype = shards[0].dtype
+    if src_dtype not in _TL_DTYPES or any(s.dtype is not src_dtype for s in shards):
+        raise TypeError(f"copy_in_float8 needs shards of one dtype of {SUPPORTED_DTYPES}")
+    out = torch.empty(sum(padded_numels), dtype=torch.uint8, device=shards[0].device)
+    sources = [s.contiguous() for s in shards]
+    starts = list(itertools.accumulate(padded_numels, initial=0))[:-1]
+    lengths = [int(n) for n in padded_numels]
+    first_blocks = list(itertools.accumulate((-(-n // BLOCK) for n in lengths), initial=0))
+    columns = array.array("q", [s.data_ptr() for s in sources] + [s.numel() for s in sources] + starts + lengths
+                          + list(range(len(sources))) + first_blocks[:-1])
+    table = _to_device(torch.frombuffer(columns, dtype=torch.int64), out.device)
+    scales = scales.to(torch.float32).contiguous()
+    _float8_copy_in_kernel[(first_blocks[-1],)](
+        table, scales, out, len(sources), SRC_DTYPE=_TL_DTYPES[src_dtype],
+        WIDEN_FROM_BF16=src_dtype is torch.bfloat16,
+        ROUND_TO_BF16=dtype is torch.bfloat16 and src_dtype is not torch.bfloat16,
+        LARGEST=float(torch.finfo(float8).max), BLOCK_SIZE=BLOCK,
+        SEARCH_STEPS=max(1, (len(sources) - 1).bit_length()),
+    )
+    return out

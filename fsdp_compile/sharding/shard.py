@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..api import CPUOffload, MixedPrecision
 from ..runtime.collectives import CommSpec
+from .float8 import float8_gather
 from .grad_sync import GradientSync
 from .groups import Topology, current_device
 from .local_shards import LocalShards
@@ -125,6 +126,7 @@ def shard_module(
             mp = mixed_precision if mixed_precision and mixed_precision.applies_to(param) else None
             unit = unit_of(module_name, units)
             partial = reshard_to[unit] if reshard_to[unit] in reshard_group_names else 0
+            float8 = float8_gather(module, name, param) if tp is None and dim0_sharded else None
             comm = CommSpec(
                 shard_group=topology.shard_group_name,
                 shard_size=topology.shard_size,
@@ -137,6 +139,8 @@ def shard_module(
                 compute_device=compute_device,
                 reshard_group=reshard_group_names.get(partial, ""),
                 reshard_size=partial,
+                float8=float8.dtype if float8 else None,
+                float8_pow2_scale=float8.pow2_scale if float8 else False,
             )
             info = ShardedParamInfo(fqn, unit, gathered_shape, comm, tp)
             seen[id(param)] = (sharded, info)

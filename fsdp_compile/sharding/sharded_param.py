@@ -45,6 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import CPUOffload
 from ..runtime.collectives import CommSpec, padded_rows, shard_bounds
+from .float8 import plain_tensor
 from .grad_sync import add_local_grad
 from .groups import Topology, current_device
 from .tensor_parallel import TPSpec, combined_layout
@@ -112,7 +113,7 @@ def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | 
 
     With ``tp`` (``param`` is then its TP-local tensor), the shard is a DTensor on the dp and tp
     meshes together (:mod:`.tensor_parallel`)."""
-    full = param.detach()
+    full = plain_tensor(param).detach()  # a torchao float8 weight is sharded as the tensor it wraps
     device = None if full.is_meta else current_device(topology.mesh.device_type)
     if full.dim() == 0 or topology.shard_size == 1:
         local = _place(full.clone(), offload, device)

@@ -1,0 +1,70 @@
+"""Which parameters gather in float8: torchao ``Float8Linear`` weights that ask for it.
+
+torchao's float8 training (``convert_to_float8_training``) turns ``nn.Linear`` into
+``Float8Linear``; with ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` each weight
+becomes a ``WeightWithDynamicFloat8CastTensor``, which tells FSDP2 to cast the shard to float8
+before the all-gather. Here such a weight is recognised when the model is sharded: its shard is
+stored as the plain tensor inside the wrapper, and its spec carries the float8 dtype, so the
+gather (:func:`fsdp_compile.runtime.collectives.gather_params`) moves one byte per element plus
+one float32 scale per weight, and hands ``Float8Linear`` the weight in the compute dtype, as it
+would get it from a bf16 gather (docs/mixed-precision.md says why the numbers do not change).
+
+torchao is imported only for a model that has a torchao module: the package does not depend
+on it (``pip install -e ".[float8]"`` installs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+FLOAT8_EXTRA = 'pip install -e ".[float8]"'
+
+
+@dataclass(frozen=True)
+class Float8Gather:
+    """How a weight's shard is cast for its all-gather (the fields of torchao's own cast)."""
+
+    dtype: torch.dtype  # the float8 dtype, e.g. torch.float8_e4m3fn
+    pow2_scale: bool  # Float8LinearConfig.round_scales_to_power_of_2
+
+
+def _is_torchao(obj: object) -> bool:
+    return type(obj).__module__.startswith("torchao.")
+
+
+def float8_gather(module: nn.Module, name: str, param: torch.Tensor) -> Float8Gather | None:
+    """The float8 cast of ``module.<name>``'s all-gather, or None when it gathers as before.
+
+    A weight gathers in float8 when torchao marked it for FSDP's float8 all-gather: the
+    weight of a ``Float8Linear`` with ``enable_fsdp_float8_all_gather=True`` (torchao allows it
+    only with dynamic tensorwise scaling, the scaling the gather reproduces).
+    """
+    if not (_is_torchao(param) or _is_torchao(module)):
+        return None
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    if name != "weight" or not isinstance(param, WeightWithDynamicFloat8CastTensor):
+        return None
+    config = getattr(module, "config", None)
+    return Float8Gather(param._dtype, bool(getattr(config, "round_scales_to_power_of_2", False)))
+
+
+def plain_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The tensor a float8 weight wraps (its values; the wrapper only redirects FSDP2's
+    gather), else ``param`` itself."""
+    if not _is_torchao(param):
+        return param
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return param._tensor if isinstance(param, WeightWithDynamicFloat8CastTensor) else param
+
+
+def require_torchao(what: str) -> None:
+    """Raise a clear error when float8 is asked for without torchao installed."""
+    try:
+        import torchao  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"{what} needs torchao, which is not installed: {FLOAT8_EXTRA}") from exc
