@@ -12,9 +12,9 @@ Parts (each writes its section of bench/results/plan_tp.json and the Markdown be
   within 25% of the measured median.
 * ``anchor``: torchtitan's published Llama-3.1-70B on 256 H100s, 2-D (FSDP 32 x TP 8), local batch
   16 x 8192, full activation checkpointing (docs/performance.md; ../shared/anchors.md), beside the
-  planner's prediction with the ``h100-sxm`` preset's data-sheet numbers. No constant is tuned to
-  make them agree; torchtitan ran Float8 linears (the planner prices bf16 matmuls), which the
-  table says.
+  planner's prediction with the ``h100-sxm`` preset's data-sheet numbers, in bf16 and with the
+  linears in float8 as torchtitan ran them (``plan(float8=True)``). No constant is tuned to make
+  them agree.
 
 Predictions are predictions: nothing in the anchor part ran on a GPU.
 """
@@ -100,6 +100,10 @@ def part_anchor(smoke: bool = False) -> dict:
     result = plan(llama, (tokens,), cluster=cluster, loss_fn=_cross_entropy, mixed_precision=BF16,
                   strategies=["FULL_SHARD"], prefetch=(1,), trace_all=True, tp_degrees=(8,))
     row = result.row("FULL_SHARD", tp=8)
+    # torchtitan's run: its linears in float8 (torchao), as plan(float8=True) converts them.
+    float8 = plan(llama, (tokens,), cluster=cluster, loss_fn=_cross_entropy, mixed_precision=BF16,
+                  strategies=["FULL_SHARD"], prefetch=(1,), trace_all=True, tp_degrees=(8,), float8=True)
+    row8 = float8.row("FULL_SHARD", tp=8)
     # torchtitan's local batch is per data-parallel rank: the 8 ranks of a tp group share its
     # 16 x 8192 tokens, so a GPU's tokens per second is the group's over 8 (as row.tokens_per_second).
     tokens_per_gpu = 16 * 8192 / 8 / row.step_seconds
@@ -114,6 +118,10 @@ def part_anchor(smoke: bool = False) -> dict:
                       "intra_gb_per_step": row.bytes_per_step.get("intra", 0) / 1e9,
                       "inter_gb_per_step": row.bytes_per_step.get("inter", 0) / 1e9,
                       "memory_gib": {k: v / GiB for k, v in row.memory.items()}},
+        "predicted_float8": {"tokens_per_s_per_gpu": 16 * 8192 / 8 / row8.step_seconds,
+                             "peak_gib": row8.peak_bytes / GiB, "step_s": row8.step_seconds,
+                             "exposed_comm_s": row8.exposed_comm_seconds, "compute_s": row8.compute_seconds,
+                             "plan_seconds": float8.seconds},
         "layers": layers or 80, "plan_seconds": result.seconds}
 
 
@@ -168,17 +176,31 @@ def render(results: dict) -> str:
                   f"| published ({pub['source']}) | {pub['tokens_per_s_per_gpu']:,} | {pub['peak_gib']} |",
                   f"| published, async TP | {pub['async_tp_tokens_per_s_per_gpu']:,} | {pub['async_tp_peak_gib']} |",
                   f"| predicted (bf16, no Float8) | {pred['tokens_per_s_per_gpu']:,.0f} | {pred['peak_gib']:.1f} |",
+                  *([f"| predicted, Float8 (`plan(float8=True)`) | "
+                     f"{anchor['predicted_float8']['tokens_per_s_per_gpu']:,.0f} | "
+                     f"{anchor['predicted_float8']['peak_gib']:.1f} |"] if "predicted_float8" in anchor else []),
                   "",
                   f"Predicted step {pred['step_s']:.2f} s (exposed communication {pred['exposed_comm_s']:.2f} s), "
                   f"MFU {pred['mfu'] * 100:.1f}% of bf16 peak; TP collectives {pred['tp_wire_gb_per_step']:.1f} GB "
                   f"per GPU per step on NVLink (intra-node {pred['intra_gb_per_step']:.1f} GB, inter-node "
-                  f"{pred['inter_gb_per_step']:.1f} GB). torchtitan ran Float8 linears, which the planner does not "
-                  "model (it prices bf16 matmuls): a Float8 run computes faster than predicted here. Planned in "
-                  f"{anchor['plan_seconds']:.0f} s.", "",
+                  f"{pred['inter_gb_per_step']:.1f} GB). Planned in {anchor['plan_seconds']:.0f} s. "
+                  + _float8_note(anchor), "",
                   "Memory at the predicted peak (GiB per GPU): " + ", ".join(
                       f"{k} {v:.1f}" for k, v in pred["memory_gib"].items()) + ". "
                   f"The activations are where prediction and publication part: {_logits_note()}", ""]
     return "\n".join(lines) + "\n"
+
+
+def _float8_note(anchor: dict) -> str:
+    f8 = anchor.get("predicted_float8")
+    if not f8:
+        return ("torchtitan ran Float8 linears, which this run did not plan (bf16 matmuls): a Float8 run computes "
+                "faster than predicted here.")
+    return (f"torchtitan ran Float8 linears: `plan(float8=True)` prices the converted linears' `_scaled_mm` at the "
+            f"preset's 1,979 TFLOPS float8 peak and torchao's casts as Inductor's kernels: step {f8['step_s']:.2f} s "
+            f"(compute {f8['compute_s']:.2f} s, exposed communication {f8['exposed_comm_s']:.2f} s), planned in "
+            f"{f8['plan_seconds']:.0f} s. The tensor-parallel weights gather in bf16 (float8 gathers are for "
+            "FSDP-only weights), so the FSDP bytes do not change.")
 
 
 def _logits_note() -> str:

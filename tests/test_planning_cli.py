@@ -42,6 +42,20 @@ def test_plan_command_prints_rows_and_writes_json(tmp_path: Path, capsys) -> Non
     assert data["best"]["chosen"] and data["max_batch"] == {}
 
 
+def test_plan_command_plans_float8_training(tmp_path: Path, capsys) -> None:
+    from fsdp_compile.__main__ import main
+
+    bytes_per_step = {}
+    for flag in ([], ["--float8"]):
+        out = tmp_path / f"plan{len(flag)}.json"
+        code = main(["plan", "--model", "gpt-tiny", "--seq", "32", "--batch", "2", "--cluster", "h100-sxm",
+                     "--prefetch", "1", "--strategies", "FULL_SHARD", "--json", str(out), *flag])
+        capsys.readouterr()
+        assert code == 0
+        bytes_per_step[bool(flag)] = json.loads(out.read_text())["best"]["bytes_per_step"]["intra"]
+    assert bytes_per_step[True] < bytes_per_step[False]  # the linears gather in float8
+
+
 class TokenStack(nn.Module):
     """A model the CLI builds from ``test_planning_cli:token_stack`` (``module:factory``)."""
 

@@ -109,6 +109,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--parallelize", metavar="MODULE:FN",
                    help="with --tp: the function (model, tp_mesh) -> model applying the TP plan (default: the "
                         "built-in model's own)")
+    p.add_argument("--float8", action="store_true",
+                   help="plan torchao float8 training: the linears converted, float8 all-gather (needs torchao)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--verbose", action="store_true")
 
@@ -141,7 +143,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   prefetch=args.prefetch or (1, 2),
                   memory_budget=args.memory_budget * (1 << 30) if args.memory_budget else None,
                   verbose=args.verbose, tp_degrees=_tp_degrees(args.tp),
-                  parallelize_fn=_import_fn(args.parallelize, "--parallelize"))
+                  parallelize_fn=_import_fn(args.parallelize, "--parallelize"), float8=args.float8)
     params = sum(p.numel() for p in model.parameters())
     print(f"model {args.model}: {params / 1e9:.3g}B parameters, batch {args.batch} x sequence {args.seq} per device")
     sys.stdout.write(str(result))

@@ -225,7 +225,61 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
 def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] | None = None,
                 symbolic: bool = False) -> list[tuple[fx.Node, NodeCost]]:
     groups = {} if groups is None else groups
-    return [(node, node_cost(node, cluster, groups, symbolic)) for node in gm.graph.nodes]
+    # The host model (CPU clusters) prices the ops it measured one by one; float8 is emulated there.
+    fused = float8_cast_kernels(gm.graph) if cluster.host is None else {}
+    costs = []
+    for node in gm.graph.nodes:
+        if node in fused:
+            costs.append((node, _fused_cost(node, fused[node], cluster, symbolic)))
+        else:
+            costs.append((node, node_cost(node, cluster, groups, symbolic)))
+    return costs
+
+
+# A float8 cast (torchao's: amax = max(abs(x)); (x.to(float32) * scale).clamp(...).to(float8)) is
+# two kernels after Inductor, a reduction that reads x and an elementwise pass that reads x and
+# writes the float8 tensor. Priced op by op, as the rest of the unfused graph, its five passes
+# over x would outweigh the float8 matmul they feed.
+_FLOAT8 = frozenset(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2",
+                                                                   "float8_e4m3fnuz", "float8_e5m2fnuz")) if d)
+_CAST_CHAIN = frozenset({aten._to_copy.default, aten.mul.Tensor, aten.div.Tensor, aten.clamp.default,
+                         aten.clamp_min.default, aten.clamp_max.default, aten.reciprocal.default,
+                         torch.ops.prims.convert_element_type.default})
+_AMAX = frozenset({aten.max.default, aten.amax.default})
+
+
+def _value_of(node: object) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def float8_cast_kernels(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """The float8 casts and amaxes of ``graph`` as Inductor's kernels: each kernel's last node
+    mapped to the graph values it reads from memory; the nodes fused into it mapped to []."""
+    fused: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        value = _value_of(node)
+        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        if node.target in _CAST_CHAIN and value.dtype in _FLOAT8:
+            source = node.args[0]
+            while (isinstance(source, fx.Node) and source.op == "call_function" and source.target in _CAST_CHAIN
+                   and len(source.users) == 1 and isinstance(_value_of(source.args[0]), torch.Tensor)):
+                fused[source] = []
+                source = source.args[0]
+            fused[node] = [source]
+        elif node.target in _AMAX and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.abs.default \
+                and len(node.args[0].users) == 1:
+            fused[node.args[0]] = []
+            fused[node] = [node.args[0].args[0]]
+    return fused
+
+
+def _fused_cost(node: fx.Node, reads: list[fx.Node], cluster: Cluster, symbolic: bool) -> NodeCost:
+    if not reads:
+        return NodeCost("free")
+    moved = sum(tensor_bytes(_value(_value_of(n), symbolic), symbolic) for n in reads)
+    moved = moved + tensor_bytes(_value(_value_of(node), symbolic), symbolic)
+    return NodeCost("compute", moved / cluster.memory_bandwidth, bytes=moved)
 
 
 def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int, cluster: Cluster) -> float:

@@ -307,6 +307,7 @@ def plan(
     verbose: bool = False,
     tp_degrees: Sequence[int] = (1,),
     parallelize_fn: Callable[[nn.Module, Any], nn.Module] | None = None,
+    float8: bool = False,
 ) -> Plan:
     """Predict every strategy's memory and step time for ``model`` on ``cluster``; see docs/planning.md.
 
@@ -328,6 +329,10 @@ def plan(
     over dp = world / tp; its collectives are priced on the intra-node link. A degree that does
     not divide the devices of a node, the world, or the model's attention heads is refused
     (:class:`PlanError`); see :mod:`.tp`.
+
+    ``float8=True`` plans the model as torchao's float8 training runs it (its linears converted,
+    with float8 all-gather; see :mod:`.float8`). A model torchao already converted is planned
+    as it is either way.
     """
     import time
 
@@ -347,6 +352,10 @@ def plan(
         raise ValueError(f"optimizer={optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError("mixed_precision= must be an fsdp_compile.MixedPrecision")
+    if float8:
+        from .float8 import float8_training_model
+
+        model = float8_training_model(model, cluster)
     world = cluster.world_size if world_size is None else world_size
     cluster.check_world(world)
     budget = cluster.usable_memory if memory_budget is None else float(memory_budget)

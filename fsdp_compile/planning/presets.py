@@ -32,22 +32,28 @@ _RESERVED_LARGE = "assumed: ~2 GiB per GPU for the CUDA context, NCCL buffers an
 _RESERVED_SMALL = "assumed: ~1 GiB per GPU for the CUDA context and NCCL buffers"
 
 
-def _flops(bf16: float, fp32: float) -> dict[torch.dtype, float]:
-    return {torch.bfloat16: bf16 * TFLOPS, torch.float16: bf16 * TFLOPS, torch.float32: fp32 * TFLOPS}
+def _flops(bf16: float, fp32: float, fp8: float | None = None) -> dict[torch.dtype, float]:
+    """Dense matmul peaks in TFLOPS; ``fp8`` where the device has float8 tensor cores (both
+    float8 formats run at it)."""
+    rates = {torch.bfloat16: bf16 * TFLOPS, torch.float16: bf16 * TFLOPS, torch.float32: fp32 * TFLOPS}
+    if fp8 is not None:
+        rates.update({torch.float8_e4m3fn: fp8 * TFLOPS, torch.float8_e5m2: fp8 * TFLOPS})
+    return rates
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     "h100-sxm": {
         "name": "h100-sxm", "devices_per_node": 8,
         "device_memory": 80 * GB,
-        "peak_flops": _flops(989, 67),
+        "peak_flops": _flops(989, 67, fp8=1979),
         "memory_bandwidth": 3.35e12,
         "intra_node_bandwidth": 450 * GB, "inter_node_bandwidth": 400 * GBITS, **_NVLINK_LATENCY,
         "reserved_memory": 2 * GiB, "device_type": "cuda",
         "sources": {
             "device_memory": "NVIDIA H100 Tensor Core GPU data sheet (SXM): 80 GB HBM3",
             "peak_flops": "NVIDIA H100 data sheet (SXM): BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989 dense; "
-                          "FP32 67 TFLOPS (non-tensor; torch's default fp32 matmul precision)",
+                          "FP32 67 TFLOPS (non-tensor; torch's default fp32 matmul precision); FP8 tensor 3,958 with "
+                          "sparsity = 1,979 dense",
             "memory_bandwidth": "NVIDIA H100 data sheet (SXM): 3.35 TB/s",
             "intra_node_bandwidth": ("NVIDIA H100 data sheet: NVLink 900 GB/s per GPU, both directions "
                                      "-> 450 GB/s one way"),
@@ -58,14 +64,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "h200": {
         "name": "h200", "devices_per_node": 8,
         "device_memory": 141 * GB,
-        "peak_flops": _flops(989, 67),
+        "peak_flops": _flops(989, 67, fp8=1979),
         "memory_bandwidth": 4.8e12,
         "intra_node_bandwidth": 450 * GB, "inter_node_bandwidth": 400 * GBITS, **_NVLINK_LATENCY,
         "reserved_memory": 2 * GiB, "device_type": "cuda",
         "sources": {
             "device_memory": "NVIDIA H200 Tensor Core GPU data sheet (SXM): 141 GB HBM3e",
             "peak_flops": "NVIDIA H200 data sheet (SXM): BF16/FP16 tensor 1,979 TFLOPS with sparsity = 989 dense; "
-                          "FP32 67 TFLOPS",
+                          "FP32 67 TFLOPS; FP8 tensor 3,958 with sparsity = 1,979 dense",
             "memory_bandwidth": "NVIDIA H200 data sheet (SXM): 4.8 TB/s",
             "intra_node_bandwidth": ("NVIDIA H200 data sheet (SXM): NVLink 900 GB/s per GPU, both directions "
                                      "-> 450 GB/s one way"),
@@ -76,14 +82,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "b200": {
         "name": "b200", "devices_per_node": 8,
         "device_memory": 180 * GB,
-        "peak_flops": _flops(2250, 75),
+        "peak_flops": _flops(2250, 75, fp8=4500),
         "memory_bandwidth": 8e12,
         "intra_node_bandwidth": 900 * GB, "inter_node_bandwidth": 400 * GBITS, **_NVLINK_LATENCY,
         "reserved_memory": 2 * GiB, "device_type": "cuda",
         "sources": {
             "device_memory": "NVIDIA HGX B200 data sheet: 1.44 TB of HBM3e over 8 GPUs -> 180 GB per GPU",
             "peak_flops": "NVIDIA HGX B200 data sheet (8 GPUs): FP16/BF16 tensor 36 PFLOPS with sparsity -> 2,250 "
-                          "dense per GPU; FP32 600 TFLOPS -> 75 per GPU",
+                          "dense per GPU; FP32 600 TFLOPS -> 75 per GPU; FP8 72 PFLOPS with sparsity -> 4,500 "
+                          "dense per GPU",
             "memory_bandwidth": "NVIDIA DGX B200 data sheet: 64 TB/s of HBM3e bandwidth over 8 GPUs -> 8 TB/s",
             "intra_node_bandwidth": ("NVIDIA HGX B200 data sheet: fifth-generation NVLink 1.8 TB/s per GPU, both "
                                      "directions -> 900 GB/s one way"),
@@ -127,14 +134,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "l40s": {
         "name": "l40s", "devices_per_node": 8,
         "device_memory": 48 * GB,
-        "peak_flops": _flops(362.05, 91.6),
+        "peak_flops": _flops(362.05, 91.6, fp8=733),
         "memory_bandwidth": 864 * GB,
         "intra_node_bandwidth": 32 * GB, "inter_node_bandwidth": 400 * GBITS / 8, **_PCIE_LATENCY,
         "reserved_memory": 1 * GiB, "device_type": "cuda",
         "sources": {
             "device_memory": "NVIDIA L40S data sheet: 48 GB GDDR6 with ECC",
             "peak_flops": "NVIDIA L40S data sheet: BF16/FP16 tensor 362.05 TFLOPS dense (733 with sparsity); "
-                          "FP32 91.6 TFLOPS",
+                          "FP32 91.6 TFLOPS; FP8 tensor 733 dense (1,466 with sparsity)",
             "memory_bandwidth": "NVIDIA L40S data sheet: 864 GB/s",
             "intra_node_bandwidth": "NVIDIA L40S data sheet: PCIe Gen4 x16, 64 GB/s both directions -> 32 GB/s one "
                                     "way (no NVLink)",
@@ -162,14 +169,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "l4": {
         "name": "l4", "devices_per_node": 8,
         "device_memory": 24 * GB,
-        "peak_flops": _flops(121, 30.3),
+        "peak_flops": _flops(121, 30.3, fp8=242.5),
         "memory_bandwidth": 300 * GB,
         "intra_node_bandwidth": 32 * GB, "inter_node_bandwidth": 100 * GBITS / 8, **_PCIE_LATENCY,
         "reserved_memory": 1 * GiB, "device_type": "cuda",
         "sources": {
             "device_memory": "NVIDIA L4 Tensor Core GPU data sheet: 24 GB GDDR6",
             "peak_flops": "NVIDIA L4 data sheet: BF16/FP16 tensor 242 TFLOPS with sparsity = 121 dense; FP32 30.3 "
-                          "TFLOPS",
+                          "TFLOPS; FP8 tensor 485 with sparsity = 242.5 dense",
             "memory_bandwidth": "NVIDIA L4 data sheet: 300 GB/s",
             "intra_node_bandwidth": "NVIDIA L4 data sheet: PCIe Gen4 x16, 64 GB/s both directions -> 32 GB/s one way "
                                     "(no NVLink)",
@@ -180,14 +187,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mi300x": {
         "name": "mi300x", "devices_per_node": 8,
         "device_memory": 192 * GB,
-        "peak_flops": _flops(1307.4, 163.4),
+        "peak_flops": _flops(1307.4, 163.4, fp8=2614.9),
         "memory_bandwidth": 5.3e12,
         "intra_node_bandwidth": 448 * GB, "inter_node_bandwidth": 400 * GBITS, **_NVLINK_LATENCY,
         "reserved_memory": 2 * GiB, "device_type": "cuda",
         "sources": {
             "device_memory": "AMD Instinct MI300X data sheet: 192 GB HBM3",
             "peak_flops": "AMD Instinct MI300X data sheet: peak BF16/FP16 matrix 1,307.4 TFLOPS dense (2,614.9 with "
-                          "sparsity); FP32 matrix 163.4 TFLOPS",
+                          "sparsity); FP32 matrix 163.4 TFLOPS; FP8 matrix 2,614.9 dense (5,229.8 with sparsity)",
             "memory_bandwidth": "AMD Instinct MI300X data sheet: 5.3 TB/s",
             "intra_node_bandwidth": ("AMD Instinct MI300X data sheet: 7 Infinity Fabric links of 128 GB/s (both "
                                      "directions) to the other 7 GPUs of an 8-GPU platform, 896 GB/s -> 448 GB/s one "

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from ..sharding.float8 import like_float8_weight, plain_tensor
+
 
 class RealProcessGroupError(RuntimeError):
     """A real default process group exists: the fake world must be made elsewhere."""
@@ -70,7 +72,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in memo:
             continue
-        fake = fake_like(mode, tensor)
+        fake = like_float8_weight(tensor, fake_like(mode, plain_tensor(tensor)))
         if isinstance(tensor, nn.Parameter):
             fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = fake

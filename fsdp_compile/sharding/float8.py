@@ -62,6 +62,18 @@ def plain_tensor(param: torch.Tensor) -> torch.Tensor:
     return param._tensor if isinstance(param, WeightWithDynamicFloat8CastTensor) else param
 
 
+def like_float8_weight(original: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` wrapped as ``original`` is when that is a torchao float8 weight (a fake or
+    meta stand-in keeps what makes the weight gather in float8), else ``tensor``."""
+    if not _is_torchao(original):
+        return tensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    if not isinstance(original, WeightWithDynamicFloat8CastTensor):
+        return tensor
+    return WeightWithDynamicFloat8CastTensor(tensor, original._linear_mm_config, original._dtype)
+
+
 def require_torchao(what: str) -> None:
     """Raise a clear error when float8 is asked for without torchao installed."""
     try:
