@@ -319,3 +319,26 @@ def test_a_hybrid_reduction_without_gathers_around_goes_across_nodes_at_the_next
     assert first_ar < names.index("reduce_scatter_tensor_1"), names
     # ... and compute runs while it is in flight
     assert any(n.startswith(("mm", "tanh")) for n in names[first_ar + 1:waits[names[first_ar]]])
+
+
+def test_a_float8_gathers_amax_all_reduce_goes_out_when_the_shards_exist() -> None:
+    """Its all-gather waits for it: issued beside the all-gather, the all-reduce would queue behind
+    what the link still carries, and compute would wait for all of it."""
+    float8 = CommSpec("g", 2, True, "", 1, None, None, True, float8=torch.float8_e4m3fn)
+
+    def f(x, *shards):
+        for i, s in enumerate(shards):
+            w = torch.ops.fsdp_compile.unshard(s, f"b{i}.w", f"b{i}", 8, *float8.op_args())
+            x = torch.tanh(x @ w.t())
+        return x
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), *[torch.randn(4, 8) for _ in range(3)])
+    lower_markers(gm, parse_policy("module"))
+    schedule_collectives(gm, ScheduleOptions(prefetch=1))
+    names = order(gm)
+    first_compute = min(names.index(n) for n in names if n.startswith("mm"))
+    reduces = [n for n in names if n.startswith("all_reduce")]
+    gathers = [n for n in names if n.startswith("all_gather_into_tensor")]
+    assert len(reduces) == len(gathers) == 3
+    assert all(names.index(r) < first_compute for r in reduces), names
+    # the last bucket's all-gather still goes out one bucket ahead, not at the start
+    assert names.index("mm") < names.index(gathers[-1]), names

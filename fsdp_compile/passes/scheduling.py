@@ -8,7 +8,9 @@ only the stages move:
   the bucket ``prefetch`` places before it in use order starts being used (forward order in the
   forward graph, the reverse order backward uses in the backward graph). ``prefetch=0`` issues
   right before the wait. An explicit order (``{bucket: [buckets to gather when it starts]}``,
-  as FSDP2's ``set_modules_to_forward_prefetch``) overrides the distance for the buckets named;
+  as FSDP2's ``set_modules_to_forward_prefetch``) overrides the distance for the buckets named.
+  A float8 gather's first collective, the all-reduce of its weights' amaxes, is issued as soon as
+  the shards exist and waited where the all-gather is issued;
 * a reduction is issued as soon as its bucket's gradients exist and waited as late as possible:
   before the first use of its results (the graph's end), or earlier when the budget says so;
 * unsharded bytes in flight (collectives issued and not yet waited) never exceed
@@ -269,9 +271,11 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         last_over = inflight.last_above(start, group.first_use, budget - size)
         if last_over is not None:
             start = last_over + 1
-        # A float8 gather first all-reduces its weights' amaxes (a few bytes): waited where it
-        # is issued, so the all-gather that needs it goes out from the same position.
-        group.at = [start] * (len(group.stages) - 1) + [group.first_use]
+        # A float8 gather first all-reduces its weights' amaxes (a few bytes), which need nothing
+        # but the shards: issued as soon as they exist, it is done when the all-gather goes out
+        # (issued beside it, it would wait behind whatever the link still carries, and the
+        # compute with it).
+        group.at = [group.ready] * (len(group.stages) - 2) + [start, group.first_use]
         group.delayed = start > max(desired, group.ready)
         occupy(group)
 
