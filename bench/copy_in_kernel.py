@@ -9,6 +9,10 @@ For 16, 64 and 256 parameters it times, in one run on one device:
     (one kernel per parameter when casting), then ``torch.ops.fsdp.all_gather_copy_in``
     (one ``_foreach_copy_`` into the flat buffer);
   * the device's copy bandwidth: ``dst.copy_(src)`` of one large tensor (read + write).
+``float8``: fp32 shards cast to float8_e4m3fn with a scale per parameter, as torchao's float8
+all-gather casts them: ours is ``fsdp_compile::copy_in_float8`` (one launch, cast fused); FSDP2's is
+torchao's ``hp_tensor_and_scale_to_float8`` per shard (what ``fsdp_pre_all_gather`` runs with a
+precomputed scale), then ``all_gather_copy_in`` of the bytes.
 Bandwidth counts bytes read plus bytes written. Results: JSON and a Markdown table in --out.
 """
 
@@ -28,7 +32,7 @@ from report_files import write_report
 import fsdp_compile  # noqa: F401  (registers the ops)
 from fsdp_compile.runtime import triton_kernels
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "float8": torch.float8_e4m3fn}
 
 
 def shard_shapes(count: int, world: int, total_bytes: int, seed: int) -> list[tuple[int, ...]]:
@@ -66,6 +70,40 @@ def timed(fn, device: torch.device, iters: int, warmup: int) -> float:
     return statistics.median(samples)
 
 
+def float8_copy_ins(shards, padded, chunks, world: int, rank: int, device: torch.device):
+    """(ours, FSDP2 with torchao) for the float8 copy-in of ``shards`` (see the module docstring).
+    Without torchao (a GPU machine may lack it), FSDP2's side runs the torch ops torchao's cast
+    is made of, without its tensor subclass."""
+    float8 = torch.float8_e4m3fn
+    scales = torch.rand(len(shards), device=device) * 100 + 1
+    total = sum(chunks)
+    out = torch.empty(total * world, dtype=torch.uint8, device=device)
+    largest = torch.finfo(float8).max
+    try:
+        from torchao.float8.float8_training_tensor import (
+            GemmInputRole,
+            LinearMMConfig,
+            hp_tensor_and_scale_to_float8,
+        )
+
+        config = LinearMMConfig()
+
+        def cast(p: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return hp_tensor_and_scale_to_float8(p, scale, float8, config, GemmInputRole.WEIGHT)._data
+    except ImportError:
+        def cast(p: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return (p.to(torch.float32) * scale).clamp(min=-largest, max=largest).to(float8)
+
+    def ours():
+        return torch.ops.fsdp_compile.copy_in_float8(shards, scales, chunks, torch.float32, float8)
+
+    def fsdp2():
+        data = [cast(p, scales[i]).view(torch.uint8) for i, p in enumerate(padded)]
+        return torch.ops.fsdp.all_gather_copy_in(data, out, chunks, total, rank)
+
+    return ours, fsdp2
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     world = args.world
@@ -92,14 +130,17 @@ def run(args: argparse.Namespace) -> dict:
                 shards.append(storage[:length].view(length, *shape[1:]))
             chunks = [p.numel() for p in padded]
             total = sum(chunks)
-            out = torch.empty(total * world, dtype=dtype, device=device)
+            if name == "float8":
+                ours, fsdp2 = float8_copy_ins(shards, padded, chunks, world, rank, device)
+            else:
+                out = torch.empty(total * world, dtype=dtype, device=device)
 
-            def ours():
-                return torch.ops.fsdp_compile.copy_in(shards, chunks, dtype)
+                def ours():
+                    return torch.ops.fsdp_compile.copy_in(shards, chunks, dtype)
 
-            def fsdp2():
-                inputs = padded if dtype == torch.float32 else [p.to(dtype) for p in padded]
-                return torch.ops.fsdp.all_gather_copy_in(inputs, out, chunks, total, rank)
+                def fsdp2():
+                    inputs = padded if dtype == torch.float32 else [p.to(dtype) for p in padded]
+                    return torch.ops.fsdp.all_gather_copy_in(inputs, out, chunks, total, rank)
 
             assert torch.equal(ours(), fsdp2()[0]), "ours and FSDP2 disagree"
             ours_s = timed(ours, device, args.iters, args.warmup)
@@ -150,7 +191,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--params", type=int, nargs="+", default=[16, 64, 256])
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "float8"], choices=sorted(DTYPES))
     p.add_argument("--blocks", type=int, nargs="*", default=[],
                    help="also time our kernel at these BLOCK sizes (elements per program), for tuning")
     p.add_argument("--world", type=int, default=8, help="ranks the shards come from (sets padding)")

@@ -21,7 +21,8 @@ def test_copy_in_benchmark_runs(tmp_path: Path) -> None:
                           check=False, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "copy_in_smoke.json").read_text())
-    assert [r["params"] for r in report["rows"]] == [16, 16, 64, 64, 256, 256]
+    assert [(r["params"], r["dtype"]) for r in report["rows"]] == [(n, d) for n in (16, 64, 256)
+                                                                   for d in ("fp32", "bf16", "float8")]
     assert all(r["ours_us"] > 0 and r["fsdp2_us"] > 0 for r in report["rows"])
     assert "| params | dtype |" in (tmp_path / "copy_in_smoke.md").read_text()
 
@@ -615,3 +616,19 @@ def test_gpu_memory_budget_benchmark_runs_as_one_rank_of_a_fake_world(tmp_path: 
     kept = [len(r["choice"]["units"]) for r in rows[2:]]
     assert kept[0] == 0 and kept == sorted(kept) and kept[-1] > 0, kept
     assert all(r["choice"]["peak"] <= r["budget"] for r in rows[2:])
+
+
+# -m slow: two ranks train four variants (a minute on 2 cores).
+@pytest.mark.slow
+def test_float8_gather_benchmark_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "float8_gather.py"), "--smoke", "--out", str(tmp_path)],
+                          check=False, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "float8_gather_smoke.json").read_text())
+    rows = {r["variant"]: r for r in report["part"]["rows"]}
+    assert set(rows) == {"fsdp_compile float8", "fsdp_compile bf16", "fsdp2 float8", "fsdp2 bf16"}
+    # the float8 gather moves bytes: about half of bf16's, with one amax all-reduce per bucket
+    assert rows["fsdp_compile float8"]["bytes"]["all_gather"] < 0.6 * rows["fsdp_compile bf16"]["bytes"]["all_gather"]
+    assert rows["fsdp_compile float8"]["collectives"]["all_reduce"] < rows["fsdp2 float8"]["collectives"]["all_reduce"]
+    assert "| target | value | met |" in (tmp_path / "float8_gather_smoke.md").read_text()
