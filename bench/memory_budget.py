@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime
 import gc
 import itertools
 import json
@@ -65,7 +64,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import rank_env, torchrun_command
-from overlap import gathered, link_speeds
+from overlap import emulated_rank, gathered, link_speeds
 from report_files import run_facts, write_report
 from rounds import rotated
 
@@ -281,23 +280,13 @@ def measure_job(args, rank: int, world: int, net, plain, log) -> dict:
 
 
 def worker(args) -> None:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     # Every variant is a copy of one model class whose forward Dynamo compiles once per backend:
     # past the recompile limit (8) Dynamo would run the later variants uncompiled.
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
-    world = int(os.environ["WORLD_SIZE"])
-    net = fsdp_compile.EmulatedNetwork(math.inf, latency=1e-9, devices_per_node=2)
-    net.init_process_group(timeout=datetime.timedelta(minutes=30))
-    rank = dist.get_rank()
-    plain = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(minutes=30))
-
-    def log(message: str) -> None:
-        if rank == 0:
-            print(message, flush=True)
-
-    part = measure_job(args, rank, world, net, plain, log)
-    if rank == 0:
+    job = emulated_rank(devices_per_node=2)
+    part = measure_job(args, job.rank, job.world, job.net, job.plain, job.log)
+    if job.rank == 0:
         Path(args.part).write_text(json.dumps(part))
     end_process_group(exit_process=True)
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import datetime
 import gc
 import json
@@ -256,6 +257,32 @@ class Variant:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
+@dataclasses.dataclass
+class EmulatedRank:
+    """This rank of a torchrun job on an emulated network, and a plain gloo group beside it (for
+    barriers and for gathering results without going through the emulated links)."""
+
+    net: Any
+    rank: int
+    world: int
+    plain: Any
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+
+def emulated_rank(devices_per_node: int, minutes: int = 30) -> EmulatedRank:
+    """Start this rank's process group on an :class:`fsdp_compile.EmulatedNetwork` (unlimited
+    links until ``set_links``), with a plain group beside it; one intra-op thread per rank."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world = int(os.environ["WORLD_SIZE"])
+    net = fsdp_compile.EmulatedNetwork(math.inf, latency=1e-9, devices_per_node=devices_per_node)
+    net.init_process_group(timeout=datetime.timedelta(minutes=minutes))
+    plain = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(minutes=minutes))
+    return EmulatedRank(net, dist.get_rank(), world, plain)
+
+
 def gathered(value: Any, world: int, plain) -> list:
     out = [None] * world
     dist.all_gather_object(out, value, group=plain)

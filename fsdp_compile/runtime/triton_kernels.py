@@ -66,15 +66,9 @@ if triton is not None:
         return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _segment_copy_kernel(
-        table, n_segments, SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr, WIDEN_FROM_BF16: tl.constexpr,
-        ROUND_TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    ):
-        # The table holds one column per field (see segment_copy), n_segments long each. The
-        # program's segment is the last one whose first block is at or before it: a binary
+    def _segment_of(pid, first_block, n_segments, SEARCH_STEPS: tl.constexpr):
+        # A program's segment is the last one whose first block is at or before it: a binary
         # search over the first-block column, so no per-block table crosses to the device.
-        pid = tl.program_id(0).to(tl.int64)
-        first_block = table + 6 * n_segments
         lo = tl.zeros((), tl.int64)
         hi = lo + n_segments - 1
         for _ in tl.static_range(SEARCH_STEPS):
@@ -82,7 +76,17 @@ if triton is not None:
             after = tl.load(first_block + mid) <= pid
             lo = tl.where(after, mid, lo)
             hi = tl.where(after, hi, mid - 1)
-        seg = lo
+        return lo
+
+    @triton.jit
+    def _segment_copy_kernel(
+        table, n_segments, SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr, WIDEN_FROM_BF16: tl.constexpr,
+        ROUND_TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    ):
+        # The table holds one column per field (see segment_copy), n_segments long each.
+        pid = tl.program_id(0).to(tl.int64)
+        first_block = table + 6 * n_segments
+        seg = _segment_of(pid, first_block, n_segments, SEARCH_STEPS)
         offset = (pid - tl.load(first_block + seg)) * BLOCK_SIZE
         src = tl.load(table + seg).to(tl.pointer_type(SRC_DTYPE))
         src_start = tl.load(table + n_segments + seg)
@@ -129,17 +133,10 @@ if triton is not None:
         ROUND_TO_BF16: tl.constexpr, LARGEST: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
         # Columns: source pointer, source length, destination start (in ``out``), destination
-        # length, scale index, first block. Same search as _segment_copy_kernel.
+        # length, scale index, first block.
         pid = tl.program_id(0).to(tl.int64)
         first_block = table + 5 * n_segments
-        lo = tl.zeros((), tl.int64)
-        hi = lo + n_segments - 1
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            after = tl.load(first_block + mid) <= pid
-            lo = tl.where(after, mid, lo)
-            hi = tl.where(after, hi, mid - 1)
-        seg = lo
+        seg = _segment_of(pid, first_block, n_segments, SEARCH_STEPS)
         offset = (pid - tl.load(first_block + seg)) * BLOCK_SIZE
         src = tl.load(table + seg).to(tl.pointer_type(SRC_DTYPE))
         src_len = tl.load(table + n_segments + seg)
