@@ -228,6 +228,10 @@ def test_float8_gathers_train_bitwise_like_compute_dtype_gathers(strategy: str, 
     if mode != "inductor":  # Inductor fuses the elementwise work FSDP2 runs op by op
         assert_bitwise(case["float8"]["grads"], job[f"{strategy}/fsdp2"]["plain"]["grads"],
                        "float8-gathered against FSDP2 gathering bf16")
+    # FSDP2 with the same torchao config casts the float32 shard: within float8 rounding.
+    ours_losses = torch.stack(case["float8"]["losses"])
+    theirs = torch.stack(job[f"{strategy}/fsdp2"]["float8"]["losses"])
+    assert torch.allclose(ours_losses, theirs, rtol=FSDP2_LOSS_RTOL, atol=0), (ours_losses, theirs)
 
 
 @pytest.mark.parametrize("strategy,mode", CASES)
@@ -340,3 +344,13 @@ def test_a_float8_cast_is_priced_as_inductors_two_kernels() -> None:
     x_bytes = 256 * 512 * 2
     # two reads of x, one float8 write, and the scale's scalars (a few bytes each)
     assert 2 * x_bytes + x_bytes // 2 <= priced < 2 * x_bytes + x_bytes // 2 + 256
+
+
+def test_float8_without_torchao_names_the_extra(monkeypatch) -> None:
+    import sys
+
+    from fsdp_compile.planning.float8 import float8_training_model
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r'plan\(float8=True\) needs torchao.*pip install -e "\.\[float8\]"'):
+        float8_training_model(nn.Linear(16, 16), fsdp_compile.Cluster.preset("h100-sxm"))
