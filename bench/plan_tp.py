@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,7 +123,9 @@ def part_anchor(smoke: bool = False) -> dict:
                              "peak_gib": row8.peak_bytes / GiB, "step_s": row8.step_seconds,
                              "exposed_comm_s": row8.exposed_comm_seconds, "compute_s": row8.compute_seconds,
                              "plan_seconds": float8.seconds},
-        "layers": layers or 80, "plan_seconds": result.seconds}
+        "layers": layers or 80, "plan_seconds": result.seconds, "when": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout.strip()}
 
 
 def render(results: dict) -> str:
@@ -171,7 +174,8 @@ def render(results: dict) -> str:
     if anchor:
         pub, pred = anchor["published"], anchor["predicted"]
         lines += ["## torchtitan's published 2-D point beside the prediction", "",
-                  f"{anchor['config']} ({anchor['layers']} layers planned; h100-sxm preset, data-sheet numbers).", "",
+                  f"{anchor['config']} ({anchor['layers']} layers planned; h100-sxm preset, data-sheet numbers; "
+                  f"planned {anchor.get('when', results.get('when', '?'))}, commit {anchor.get('commit', '?')}).", "",
                   "| | tokens/s per GPU | peak GiB |", "| --- | --- | --- |",
                   f"| published ({pub['source']}) | {pub['tokens_per_s_per_gpu']:,} | {pub['peak_gib']} |",
                   f"| published, async TP | {pub['async_tp_tokens_per_s_per_gpu']:,} | {pub['async_tp_peak_gib']} |",
@@ -234,8 +238,10 @@ def main() -> None:
     name = "plan_tp_smoke" if args.smoke else "plan_tp"
     path = args.out / f"{name}.json"
     results = json.loads(path.read_text()) if path.exists() else {}
-    results.update(when=time.strftime("%Y-%m-%d %H:%M"), machine=f"{platform.machine()} {os.cpu_count()} cores",
-                   torch=torch.__version__)
+    # The header's run is the measured part's; the anchor, a plan, records its own date.
+    if "measured" in (args.part or ["measured", "anchor"]):
+        results.update(when=time.strftime("%Y-%m-%d %H:%M"), machine=f"{platform.machine()} {os.cpu_count()} cores",
+                       torch=torch.__version__)
     runners = {"measured": lambda: part_measured(args.steps, args.out, args.smoke),
                "anchor": lambda: part_anchor(args.smoke)}
     for part in args.part or ["measured", "anchor"]:
