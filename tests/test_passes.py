@@ -67,6 +67,22 @@ def test_everything_computed_from_resharded_gathers_alone_becomes_must_recompute
     assert reads_x and not tagged & {n.name for n in reads_x}
 
 
+def test_a_random_function_of_a_gathered_weight_is_not_recomputed() -> None:
+    """Dropout on a weight, run again in backward, would draw another mask."""
+    comm = spec(reshard_after_forward=True)
+
+    def f(shard, x):
+        w = torch.ops.fsdp_compile.unshard(shard, "w", "", 8, *comm.op_args())
+        return x @ torch.nn.functional.dropout(w, 0.5).t()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(3, 4))
+    tag_reshard_policy(gm.graph)
+    random = [n for n in gm.graph.nodes if n.op == "call_function" and "bernoulli" in str(n.target)]
+    assert random and "recompute" not in random[0].meta
+    masked = [n for n in gm.graph.nodes if n.op == "call_function" and random[0] in n.all_input_nodes]
+    assert masked and not any("recompute" in n.meta for n in masked)
+
+
 def _reads_an_input(node: torch.fx.Node) -> bool:
     """Whether ``node`` depends on the graph input ``x`` (the third placeholder)."""
     pending, seen = [node], set()

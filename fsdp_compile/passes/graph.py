@@ -101,6 +101,12 @@ def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in COLLECTIVES
 
 
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (dropout on a weight): run again, in backward, it
+    would draw others."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def decode_collective(node: fx.Node) -> Collective | None:
     """The collective ``node`` calls, or None if it calls none.
 

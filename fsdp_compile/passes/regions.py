@@ -41,7 +41,7 @@ import torch.fx as fx
 from ..runtime.markers import REDUCE_GRAD, UNSHARD, UNSHARD_TARGETS
 from ..sharding.regions import REGION_UNIT
 from .context import PassContext
-from .graph import PURE_VIEWS, copy_graph_module
+from .graph import PURE_VIEWS, copy_graph_module, is_random
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 # node.meta key: the sharded parameter a Dynamo graph input stands for (set by the compiler).
@@ -335,7 +335,7 @@ def parameter_computation(body: fx.GraphModule, output_index: int,
         node = pending.pop()
         if node in needed or node in allowed:
             continue
-        if node.op != "call_function" or node.target is INVOKE_SUBGRAPH:
+        if node.op != "call_function" or node.target is INVOKE_SUBGRAPH or is_random(node):
             return None
         needed.add(node)
         pending.extend(node.all_input_nodes)

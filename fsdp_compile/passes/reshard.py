@@ -14,8 +14,9 @@ what its unit keeps (``reshard_after_forward=``, sharding/reshard_policy.py):
 * resharding to a group of ``n`` ranks: the joint graph is rewritten. Forward keeps this rank's
   ``1/n`` of the full parameter (a ``reshard`` node, must-save), and every backward use of the
   full parameter reads instead a gather of those kept pieces inside the group (an ``unshard``
-  over ``reshard_group``, must-recompute, and the same parameter-only computation redone on it). Forward's own uses
-  still read the first gather, which nothing saves. The gradient's reduction is untouched.
+  over ``reshard_group``, must-recompute, and the same parameter-only computation redone on
+  it). Forward's own uses still read the first gather, which nothing saves. The gradient's
+  reduction is untouched.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..runtime.collectives import CommSpec
 from ..runtime.markers import REDUCE_GRAD, RESHARD, UNSHARD, UNSHARD_TARGETS, Marker, decode
 from .context import PassContext
-from .graph import ROLE_META, is_collective, tag_parameter_input
+from .graph import ROLE_META, is_collective, is_random, tag_parameter_input
 
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -100,7 +101,7 @@ def parameter_only(graph: fx.Graph, sources: list[fx.Node], backward: set[fx.Nod
     """
     chain = set(sources)
     for node in graph.nodes:
-        if node in chain or node.op != "call_function" or node in backward or _communicates(node):
+        if node in chain or node.op != "call_function" or node in backward or _communicates(node) or is_random(node):
             continue
         inputs = node.all_input_nodes
         if inputs and any(n in chain for n in inputs) and all(n in chain or n.op == "get_attr" for n in inputs):
@@ -149,7 +150,8 @@ def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) 
             inputs = [redo(n) for n in node.all_input_nodes if n in in_chain]
             args, kwargs = fx.map_arg((node.args, dict(node.kwargs)),
                                       lambda n: redone[n] if n in in_chain else n)
-            with graph.inserting_after(max(inputs, key=_position(graph))):
+            last = inputs[0] if len(inputs) == 1 else max(inputs, key=_position(graph))
+            with graph.inserting_after(last):
                 copy = graph.call_function(node.target, args, kwargs)
             _fake(copy, fake_mode)
             redone[node] = copy
