@@ -194,3 +194,12 @@ def test_measure_calibrates_this_machine_on_every_rank_alike():
     # allocator: it gathers into a temporary of the output's size and reduce-scatters a copy of
     # the whole input; the all-reduce works in its result
     assert r["workspace"] == {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 0.0}
+
+
+def test_auto_calibrates_a_cpu_for_the_dtypes_the_model_computes_in() -> None:
+    """A CPU's bf16 calibration takes a minute: an fp32 model without mixed precision skips it."""
+    from fsdp_compile.planning.auto import compute_dtypes
+
+    assert compute_dtypes(torch.nn.Linear(2, 2), None) == (torch.float32,)
+    bf16 = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16)
+    assert compute_dtypes(torch.nn.Linear(2, 2), bf16) == (torch.float32, torch.bfloat16)

@@ -46,10 +46,12 @@ class AutoRequest:
 
 
 def machine_cluster(world: int, devices_per_node: int, device_type: str, memory_budget: float | None,
-                    properties: Any = None) -> Cluster:
+                    properties: Any = None, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+                    ) -> Cluster:
     """The cluster this job runs on: on a GPU its preset, matched by the device's name and total
     memory, or measured where no preset describes it (:meth:`Cluster.for_device`; ``properties``
-    stands for the device's); on a CPU measured, against ``memory_budget``."""
+    stands for the device's); on a CPU measured, against ``memory_budget``, its matmul rates for
+    ``dtypes`` only (a CPU's bf16 calibration takes a minute)."""
     nodes = max(world // devices_per_node, 1)
     if device_type == "cuda":
         cluster = Cluster.for_device(nodes=nodes, devices_per_node=devices_per_node, properties=properties)
@@ -59,7 +61,15 @@ def machine_cluster(world: int, devices_per_node: int, device_type: str, memory_
         return cluster
     if memory_budget is None:
         raise ClusterError("strategy='auto' on a CPU needs memory_budget= (bytes per rank to plan for)")
-    return Cluster.measure(nodes=nodes, device_memory=memory_budget)
+    return Cluster.measure(nodes=nodes, device_memory=memory_budget, dtypes=dtypes)
+
+
+def compute_dtypes(model: nn.Module, mixed_precision: MixedPrecision | None) -> tuple[torch.dtype, ...]:
+    """The dtypes ``model`` computes matmuls in: its parameters', and the mixed-precision one."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if mixed_precision is not None and mixed_precision.param_dtype is not None:
+        dtypes.append(mixed_precision.param_dtype)
+    return tuple(dict.fromkeys(dtypes)) or (torch.float32,)
 
 
 def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecision | None,
@@ -73,7 +83,8 @@ def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecisi
     if request.cluster is not None:
         cluster = request.cluster
     else:
-        cluster = machine_cluster(world, devices_per_node, device_type, request.memory_budget)
+        cluster = machine_cluster(world, devices_per_node, device_type, request.memory_budget,
+                                  dtypes=compute_dtypes(model, mixed_precision))
     outcome: list[Any] = [None]
     if rank == 0:
         try:
