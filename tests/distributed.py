@@ -34,6 +34,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -98,6 +99,11 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PG_TIMEOUT)
         while (task := tasks.get()) is not None:
             task_id, fn, args, env = task
+            # The report quotes the end of this file: keep it to the task now running (an earlier
+            # task's warnings would push the native abort message out of the quote).
+            sys.stderr.flush()
+            native_stderr.seek(0)
+            native_stderr.truncate()
             os.environ.clear()
             os.environ.update(fresh_environment, **env)
             torch._dynamo.reset()

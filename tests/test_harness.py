@@ -56,10 +56,16 @@ def rank_aborts_worker(rank: int, world: int) -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def writes_to_stderr_worker(rank: int, world: int) -> None:
+    os.write(2, b"x" * 3000 + b" an earlier task's warning\n")  # longer than what the next task writes
+
+
 def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack() -> None:
+    run_workers(writes_to_stderr_worker, 2)  # the same ranks run the next task
     with pytest.raises(WorkerError) as err:
         run_workers(rank_aborts_worker, 2)
     report = str(err.value)
     assert report.startswith("rank 1 was killed by SIGABRT without a result"), report[:2000]
     assert "rank_aborts_worker" in report  # faulthandler's stack of the dying rank
     assert "rank 1's stderr ended with:\nterminate called after throwing" in report
+    assert "an earlier task's warning" not in report  # the quote is the failing task's own
