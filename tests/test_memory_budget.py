@@ -104,6 +104,8 @@ def budget_worker(rank: int, world: int, dump_root: str) -> dict:
     return out
 
 
+# -m slow (25 s, 4 ranks): the default run keeps a budget under the default compiler and the refusal below.
+@pytest.mark.slow
 def test_a_budget_keeps_what_fits_and_trains_like_full_shard(tmp_path: Path) -> None:
     outs = run_workers(budget_worker, 4, str(tmp_path))
     out = outs[0]
@@ -279,7 +281,7 @@ def auto_budget_worker(rank: int, world: int, budget: int) -> dict:
             "strategy": auto.strategy.name, "grads": grads}
 
 
-@pytest.mark.slow  # 24 s; the plan's row is checked by default above, the budget by default under Inductor
+@pytest.mark.slow  # 24 s; the default run keeps a budget under the default compiler
 def test_auto_applies_the_units_its_budget_keeps() -> None:
     budget = _between_full_and_grad_op(toy_cluster(1, 2))
     outs = run_workers(auto_budget_worker, 2, budget)

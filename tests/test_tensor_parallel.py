@@ -225,6 +225,8 @@ def test_full_shard_over_tp_matches_single_process_and_fsdp2(model_name: str) ->
     assert out["aot_eager"]["regions"] == (0, 0)
 
 
+# -m slow (25 s): tensor parallelism is an option; the default run keeps its aot_eager and eager parities.
+@pytest.mark.slow
 def test_full_shard_over_tp_under_inductor_with_default_options() -> None:
     """What a TP user gets by default: Inductor, each repeated TP block a region."""
     out = parity_run("tied_gpt", "FULL_SHARD", ("inductor+default", "fsdp2"))
