@@ -34,17 +34,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import rank_env, torchrun_command
-from overlap import emulated_rank, gathered, link_speeds
+from overlap import emulated_rank, gathered, link_speeds, timed_on
 from report_files import run_facts, write_report
 from rounds import rotated
 
@@ -100,12 +98,7 @@ def fsdp2(name: str, base, world: int) -> Variant:
 
 
 def timed_step(v: Variant, idx: torch.Tensor, vocab: int, net, plain) -> dict:
-    dist.barrier(group=plain)
-    net.reset_stats()
-    start = time.monotonic()
-    v.step(idx, vocab)
-    wall = time.monotonic() - start
-    stats = net.stats()
+    wall, stats = timed_on(net, plain, lambda: v.step(idx, vocab))
     return {"wall": wall, "count": stats.count(),
             "buffer": {k: stats.total(kind=k).buffer_bytes for k in KINDS},
             "wire": {k: stats.total(kind=k).wire_bytes for k in KINDS},

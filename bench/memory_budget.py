@@ -59,12 +59,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import rank_env, torchrun_command
-from overlap import emulated_rank, gathered, link_speeds
+from overlap import emulated_rank, gathered, link_speeds, timed_on
 from report_files import run_facts, write_report
 from rounds import rotated
 
@@ -135,12 +134,7 @@ def fsdp2_settings(choice: dict[str, int], world: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- measuring
 def timed_step(v: Variant, idx: torch.Tensor, vocab: int, net, plain) -> dict:
-    dist.barrier(group=plain)
-    net.reset_stats()
-    start = time.monotonic()
-    v.step(idx, vocab)
-    wall = time.monotonic() - start
-    stats = net.stats()
+    wall, stats = timed_on(net, plain, lambda: v.step(idx, vocab))
     return {"wall": wall, "count": {link: stats.count(link=link) for link in ("intra", "inter")},
             "wire": {f"{kind}/{link}": stats.total(kind=kind, link=link).wire_bytes
                      for kind in ("all_gather", "reduce_scatter", "all_reduce") for link in ("intra", "inter")}}

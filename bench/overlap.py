@@ -283,6 +283,15 @@ def emulated_rank(devices_per_node: int, minutes: int = 30) -> EmulatedRank:
     return EmulatedRank(net, dist.get_rank(), world, plain)
 
 
+def timed_on(net, plain, step) -> tuple[float, Any]:
+    """(wall seconds, the network's stats) of ``step()``, the ranks lined up first on ``plain``."""
+    dist.barrier(group=plain)
+    net.reset_stats()
+    start = time.monotonic()
+    step()
+    return time.monotonic() - start, net.stats()
+
+
 def gathered(value: Any, world: int, plain) -> list:
     out = [None] * world
     dist.all_gather_object(out, value, group=plain)
