@@ -54,10 +54,12 @@ def test_parameters_share_a_bucket_only_when_groups_and_dtypes_match() -> None:
     assert sorted(reductions, key=str) == expected
 
 
-def test_a_lowered_bucket_adds_one_node_per_parameter_besides_its_collective() -> None:
+def test_a_lowered_bucket_adds_one_or_two_nodes_per_parameter_besides_its_collective() -> None:
     # Compile time after lowering grows with the nodes per block: copy-out hands out shaped
     # parameters (no view node after it) and each shard gradient is one view of the reduced
-    # buffer (not split, view and narrow).
+    # buffer: a narrow and a view (not split, getitem and view). One as_strided per gradient
+    # would be a node fewer, but its offset is absolute in the storage, which Inductor may
+    # change (tests/test_tensor_parallel.py's NO_SHARD case).
     gm = one_unit_graph()
     per_bucket: dict[tuple[str, int], list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -66,10 +68,10 @@ def test_a_lowered_bucket_adds_one_node_per_parameter_besides_its_collective() -
             per_bucket.setdefault((tag.kind, tag.group), []).append(node)
     sizes = sorted((kind, len(nodes)) for (kind, _), nodes in per_bucket.items())
     # Gather: copy_in, all_gather, wait, copy_out, a getitem per parameter; reduce: chunk_cat,
-    # reduce_scatter, wait, an as_strided per parameter. Buckets hold 2, 1 and 1 parameters.
-    assert sizes == [("gather", 5), ("gather", 5), ("gather", 6), ("reduce", 4), ("reduce", 4), ("reduce", 5)]
+    # reduce_scatter, wait, a narrow and a view per parameter. Buckets hold 2, 1 and 1 parameters.
+    assert sizes == [("gather", 5), ("gather", 5), ("gather", 6), ("reduce", 5), ("reduce", 5), ("reduce", 7)]
     for (kind, _), nodes in per_bucket.items():
-        for out in (n for n in nodes if n.target in (operator.getitem, torch.ops.aten.as_strided.default)):
+        for out in (n for n in nodes if n.target in (operator.getitem, torch.ops.aten.view.default)):
             want = (8, 8) if kind == "gather" else (4, 8)
             assert tuple(out.meta["val"].shape) == want, out.format_node()
             assert all(COMM_META not in user.meta for user in out.users), "a lowered output feeds another lowered node"

@@ -255,6 +255,17 @@ def _check_against_references(out: dict, modes: tuple[str, ...], bitwise: tuple[
             assert ours["graphs"] == 1
 
 
+def test_no_shard_over_tp_under_inductor_with_default_options() -> None:
+    """NO_SHARD reduces each TP-local gradient with an all-reduce, which Inductor may run in
+    place on a slice of a larger buffer: the Llama's row-wise token embedding is such a slice
+    on every tp rank but the first (its gradient is cut from the whole vocabulary's). Its
+    gradient was read from the wrong rows until the reduced views stopped using absolute
+    storage offsets (docs/design.md)."""
+    out = parity_run("llama", "NO_SHARD", ("inductor+default", "fsdp2"))
+    _check_against_references(out, ("inductor+default",), bitwise=())
+    assert out["inductor+default"]["regions"] == (2, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["llama", "tied_gpt"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])

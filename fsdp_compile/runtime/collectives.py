@@ -238,16 +238,6 @@ def float8_scales(amax: torch.Tensor, float8: torch.dtype, pow2: bool) -> torch.
     return amax_to_scale(amax, float8, round_scales_to_power_of_2=pow2)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape``, as torch gives a contiguous tensor (an empty dimension
-    counts as 1)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(int(size), 1)
-    return tuple(reversed(strides))
-
-
 def divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[float | None, float | None]:
     """(pre, post) divisors applied around a summing reduction, or (None, None) to average.
 
@@ -297,14 +287,16 @@ def reduce_grads(
     if post is not None:
         flat = flat / post
 
-    # Each shard gradient is a view of the reduced buffer at its offset (as FSDP2 takes them),
-    # one as_strided rather than split, view and narrow: one node per parameter in a lowered
-    # graph instead of three.
+    # Each shard gradient is a view of the reduced buffer at its offset (as FSDP2 takes them):
+    # a narrow and a view, both relative to the buffer. Not one as_strided: its offset counts
+    # from the start of the storage, which Inductor may change by reducing in place into a slice
+    # of a larger buffer (NO_SHARD's all-reduce of one TP-local gradient did, and every tp rank
+    # but the first read another rank's rows; docs/design.md).
     sizes = [(n, *shape[1:]) for shape, n in zip(full_shapes, local_rows)] if spec.gathers else full_shapes
     pieces = chunks if spec.gathers else [math.prod(shape) for shape in full_shapes]
-    outs, offset = [], flat.storage_offset()
+    outs, offset = [], 0
     for size, piece, dtype in zip(sizes, pieces, grad_dtypes):
-        outs.append(flat.as_strided(size, _contiguous_strides(size), offset).to(dtype))
+        outs.append(flat.narrow(0, offset, math.prod(size)).view(size).to(dtype))
         offset += piece
     if spec.compute_device is not None:
         outs = [o.to("cpu") for o in outs]
