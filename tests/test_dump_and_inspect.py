@@ -89,7 +89,7 @@ def test_dump_has_every_graph_before_and_after_each_pass(dump: Path) -> None:
         for phase in ("forward", "backward"):
             expected += [f"{phase}/00_partitioned.py", f"{phase}/01_unalias_region_outputs.py",
                          f"{phase}/02_elide_trivial_unshard.py", f"{phase}/03_lower_markers.py",
-                         f"{phase}/04_schedule_collectives.py"]
+                         f"{phase}/04_schedule_collectives.py", f"{phase}/05_check_inflight_buffers.py"]
         for name in expected:
             assert (graph / name).is_file(), name
         for source in graph.rglob("*.py"):

@@ -45,7 +45,8 @@ def test_the_pipeline_is_declared_in_stage_order_with_one_signature() -> None:
     assert [p.name for p in PIPELINE if p.stage == "captured"] == [
         "hoist_region_markers", "inline_mutating_regions", "inline_reordering_regions"]
     assert [p.name for p in PIPELINE if p.stage == "graph"] == [
-        "unalias_region_outputs", "elide_trivial_unshard", "lower_markers", "schedule_collectives"]
+        "unalias_region_outputs", "elide_trivial_unshard", "lower_markers", "schedule_collectives",
+        "check_inflight_buffers"]
     for graph_pass in PIPELINE:
         assert list(graph_pass.fn.__code__.co_varnames[:2]) == ["gm", "ctx"], graph_pass.name
     assert set(OPTIONAL_PASSES) <= {p.name for p in PIPELINE}
@@ -57,9 +58,10 @@ def test_the_runner_runs_a_stage_in_order_and_keeps_each_result_by_name() -> Non
     seen = []
     _, results = run_stage(gm, "graph", ctx, on_graph=lambda step, g: seen.append(step))
     assert [r.name for r in results] == ["unalias_region_outputs", "elide_trivial_unshard", "lower_markers",
-                                         "schedule_collectives"]
+                                         "schedule_collectives", "check_inflight_buffers"]
     assert seen == ["partitioned", "unalias_region_outputs", "elide_trivial_unshard", "lower_markers",
-                    "schedule_collectives"]
+                    "schedule_collectives", "check_inflight_buffers"]
+    assert ctx.results["check_inflight_buffers"] == 2  # one gather per block's bucket
     assert {b.key for b in ctx.results["lower_markers"]["unshard"]} == {"b0", "b1"}
     assert ctx.results["schedule_collectives"].collectives
     assert marker_counts(gm)["unshard"] == 0
@@ -69,7 +71,7 @@ def test_passes_are_switched_off_by_name_and_by_their_context() -> None:
     assert "schedule_collectives" not in [p.name for p in stage_passes("graph", graph_context(schedule=False))]
     gm = two_layers()
     _, results = run_stage(gm, "graph", graph_context(), disabled={"lower_markers", "schedule_collectives"})
-    assert [r.name for r in results] == ["unalias_region_outputs", "elide_trivial_unshard"]
+    assert [r.name for r in results] == ["unalias_region_outputs", "elide_trivial_unshard", "check_inflight_buffers"]
     assert marker_counts(gm)["unshard"] == 2  # nothing lowered
 
 
@@ -109,7 +111,8 @@ def _compiled_records(**options):
 def test_a_backend_without_scheduling_or_lowering_compiles_what_is_left() -> None:
     full = _compiled_records()[0]
     assert full.forward_schedule is not None and full.pass_seconds["forward"].keys() == {
-        "unalias_region_outputs", "elide_trivial_unshard", "lower_markers", "schedule_collectives"}
+        "unalias_region_outputs", "elide_trivial_unshard", "lower_markers", "schedule_collectives",
+        "check_inflight_buffers"}
     unscheduled = _compiled_records(disable_passes=("schedule_collectives",))[0]
     assert unscheduled.forward_schedule is None and "schedule_collectives" not in unscheduled.pass_seconds["forward"]
     unlowered = _compiled_records(disable_passes=("lower_markers", "schedule_collectives"))[0]

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from .context import STAGES, GraphPass, PassContext
+from .inflight import check_inflight_buffers_pass
 from .lowering import lower_markers_pass
 from .region_mutations import inline_mutating_regions_pass
 from .region_outputs import unalias_region_outputs_pass
@@ -55,6 +56,9 @@ PIPELINE: tuple[GraphPass, ...] = (
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "graph"),
     GraphPass("lower_markers", lower_markers_pass, "graph"),
     GraphPass("schedule_collectives", schedule_collectives_pass, "graph", when=lambda ctx: ctx.schedule is not None),
+    # The invariant the inner compiler is handed: no collective's buffers are touched before
+    # its wait (checks only; a graph that breaks it never runs).
+    GraphPass("check_inflight_buffers", check_inflight_buffers_pass, "graph"),
 )
 
 
