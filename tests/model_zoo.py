@@ -33,18 +33,25 @@ class Entry:
     inline: str | None = None  # the block class the fallback compiles inline, if any
 
 
-def _hf(config_name: str, model_name: str, **config) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
+@dataclass(frozen=True)
+class HFModel:
+    """A Hugging Face model class and its config class, by name, built from ``config``."""
+
+    config_name: str
+    model_name: str
+    config: dict
+
+    def classes(self) -> tuple[str, str]:
+        return self.config_name, self.model_name
+
+    def __call__(self) -> nn.Module:
         import transformers
 
-        config_cls = getattr(transformers, config_name, None)
-        model_cls = getattr(transformers, model_name, None)
-        if config_cls is None or model_cls is None:
-            import pytest
+        return getattr(transformers, self.model_name)(getattr(transformers, self.config_name)(**self.config))
 
-            pytest.skip(f"{model_name} is not in the installed transformers {transformers.__version__}")
-        return model_cls(config_cls(**config))
-    return make
+
+def _hf(config_name: str, model_name: str, **config) -> HFModel:
+    return HFModel(config_name, model_name, config)
 
 
 _DECODER = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=3,
