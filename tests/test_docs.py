@@ -21,7 +21,8 @@ with ``-m slow``), ``<!-- fragment: why -->`` (not a whole example; only parsed)
 ``file#heading``, with ``-2``, ``-3`` ... for later blocks under the same heading.
 
 Besides the blocks: every relative link resolves (file and anchor), every ``bench/results/``,
-``tests/`` and ``bench/`` path the pages name exists, the pipeline table of docs/design.md is
+``tests/`` and ``bench/`` path the pages name exists, every test they name as
+``tests/file.py::test_name`` is defined in that file, the pipeline table of docs/design.md is
 ``PIPELINE``'s, and the README stays a front page.
 """
 
@@ -350,6 +351,7 @@ def test_slow_block_runs(name: str, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ links and named files
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 NAMED_PATH = re.compile(r"(?<![\w/.])((?:bench|tests|fsdp_compile)/[\w./{},*-]*[\w/])")
+NAMED_TEST = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 
 
 def test_every_relative_link_resolves() -> None:
@@ -375,6 +377,18 @@ def test_every_file_the_pages_name_exists() -> None:
                 continue
             if not (ROOT / named).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {named}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_test_the_pages_name_exists() -> None:
+    # docs/limits.md names the test that shows each known defect: a renamed test must not leave
+    # the page pointing at nothing.
+    missing = []
+    for page in PAGES:
+        for path, name in NAMED_TEST.findall(page.read_text()):
+            source = ROOT / path
+            if not source.exists() or not re.search(rf"^(async )?def {name}\(", source.read_text(), re.M):
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{name}")
     assert not missing, "\n".join(missing)
 
 
