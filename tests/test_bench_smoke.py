@@ -604,10 +604,10 @@ def test_import_time_benchmark_reports_what_import_fsdp_compile_loads(tmp_path: 
     assert "| `fsdp_compile.network` | not loaded |" in (tmp_path / "import_time.md").read_text()
 
 
-# -m slow: the GPU script's CPU smoke (17 s), run before a lent GPU is used.
+# -m slow: the GPU script's CPU smoke (17 s), run before the script runs on a GPU machine.
 @pytest.mark.slow
 def test_gpu_memory_budget_benchmark_runs_as_one_rank_of_a_fake_world(tmp_path: Path) -> None:
-    """bench/gpu_memory_budget.sh's script, at tiny sizes on the CPU: what a lent GPU runs at once."""
+    """bench/gpu_memory_budget.sh's script, at tiny sizes on the CPU: what a GPU machine runs at once."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_memory_budget.py"), "--smoke", "--out",
                            str(tmp_path)], check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
