@@ -128,8 +128,9 @@ class CPUOffload:
 
 __version__ = "0.1.0"  # the one definition; readers look it up when they need it
 COMPILERS = ("inductor", "aot_eager", "eager")
-# strict= when the backend is not given it: set, every fallback to the eager runtime raises (CI
-# runs that way: a test of a compiled path cannot pass through one unless it says so).
+# strict= when the backend is not given it: set, every fallback after an error fsdp_compile does not
+# expect raises (a pass's to the eager runtime, a region retry's; the test suite forces it on: a
+# test cannot pass through one unless it says so).
 STRICT_ENV = "FSDP_COMPILE_STRICT"
 
 

@@ -85,9 +85,13 @@ class FSDPBackend:
         backward_prefetch: the same for backward.
         dump_dir: write every graph before and after each pass, and a JSON summary per graph
             (or ``FSDP_COMPILE_DUMP=<dir>``); read with ``python -m fsdp_compile inspect``.
-        strict: raise when a pass fails, instead of running that graph's markers through the
-            eager runtime with a warning (default: ``FSDP_COMPILE_STRICT=1`` in the environment
-            says to raise).
+        strict: raise instead of falling back after an error fsdp_compile does not expect (default:
+            ``FSDP_COMPILE_STRICT=1`` in the environment says to raise). Without it, a pass that
+            fails runs that graph's markers through the eager runtime, and a compile with regions
+            that fails for a reason other than torch's refusals of a region (an Inductor error, an
+            internal error of torch's) is retried with those blocks inline; each with a warning.
+            Blocks torch refuses as regions by its rules (a graph break inside the block, an alias
+            or in-place write it does not allow) compile inline with a warning either way.
         passes: extra passes ``{"forward" | "backward": [fn(GraphModule)]}``, run after ours.
         offload: a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.
         verify: check at ``shard()`` and on the first run of every compiled graph that all ranks
@@ -163,6 +167,7 @@ class FSDPBackend:
         self.graphs: list[CompiledGraph] = []
         self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
         self._state = ShardingState()
+        self._state.region_fallback.strict = self.options.strict
         self._gradient_sync = GradientSync()
         self._warned_oversized = False
         self.compiler = Compiler(self.options, self._state, self.graphs)
@@ -171,6 +176,7 @@ class FSDPBackend:
         """Replace options before anything is sharded (``strategy="auto"`` applies its plan)."""
         self.options = dataclasses.replace(self.options, **changes)
         self.compiler.options = self.compiler.guard.options = self.options
+        self._state.region_fallback.strict = self.options.strict
 
     @property
     def strategy(self) -> ShardingStrategy:

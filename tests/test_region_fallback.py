@@ -5,8 +5,10 @@ Each block written the way other people write them (``model_zoo.py``) is compile
 with one warning naming the class and the cause, and nothing compiled as a region for it. A
 block that returns one of its inputs (T5's position bias) stays a region. An error that is not
 the regions' is the user's to see, as without them; a function the user compiles around the
-model compiles it whole, as before. The Inductor defaults on these and on Hugging Face models:
-``test_model_zoo.py``.
+model compiles it whole, as before. A block refused after part of the step ran is not retried.
+Under ``strict=True`` (the suite's default) only torch's refusals of a region are retried
+inline: anything else (an Inductor error) raises. The Inductor defaults on these and on Hugging
+Face models: ``test_model_zoo.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from model_zoo import VOCAB, BatchNormBlock, BlockStack, CountingBlock, GraphBre
 import fsdp_compile
 from fsdp_compile.passes.region_mutations import inline_mutating_regions
 from fsdp_compile.passes.regions import is_region_call
-from fsdp_compile.sharding.region_fallback import describe_failure
+from fsdp_compile.sharding import regions as region_module
+from fsdp_compile.sharding.region_fallback import ModelRegions, RegionFallback, describe_failure, refused_by_torch
 from fsdp_compile.sharding.regions import regions_supported
 
 pytestmark = pytest.mark.skipif(not regions_supported(), reason="this torch compiles no regions")
@@ -158,10 +161,10 @@ class BrokenStack(BlockStack):
         return self.head(h.t())
 
 
-def users_error_worker(rank: int, world: int) -> dict:
+def users_error_worker(rank: int, world: int, strict: bool) -> dict:
     torch.manual_seed(0)
     model = BrokenStack(ResidualBlock)
-    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=2)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=2, strict=strict)
     backend.shard(model)
     try:
         torch.compile(model, backend=backend)(torch.randint(0, VOCAB, (2, 8)))
@@ -172,11 +175,16 @@ def users_error_worker(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def test_an_error_that_is_not_the_regions_is_raised_as_without_them() -> None:
-    out = run_workers(users_error_worker, 2)[0]
+@pytest.mark.parametrize("strict", [False, True], ids=["retried", "strict"])
+def test_an_error_that_is_not_the_regions_is_raised_as_without_them(strict: bool) -> None:
+    out = run_workers(users_error_worker, 2, strict)[0]
     assert out["error"] is not None and "size" in out["error"], out["error"]
-    assert out["inlined"] == []  # the classes tried inline went back to regions
-    assert any("failed too" in note for note in out["notes"]), out["notes"]
+    assert out["inlined"] == []  # the classes tried inline went back to regions, or were never turned off
+    if strict:  # not a refusal of torch's: raised at once, saying so
+        assert len(out["notes"]) == 1 and "strict=True" in out["notes"][0], out["notes"]
+        assert "ResidualBlock" in out["notes"][0] and "not retried" in out["notes"][0], out["notes"]
+    else:
+        assert any("failed too" in note for note in out["notes"]), out["notes"]
 
 
 def nested_worker(rank: int, world: int) -> dict:
@@ -191,14 +199,201 @@ def nested_worker(rank: int, world: int) -> dict:
 
     loss = torch.compile(loss_fn, backend=backend, fullgraph=True)(tokens)
     loss.backward()
-    return {"graphs": len(backend.graphs), "region_calls": compiled_regions(backend)[0]}
+    return {"graphs": len(backend.graphs), "regions": compiled_regions(backend),
+            "inlined": [c.name for c in backend._state.region_fallback.inlined()]}
 
 
 def test_a_function_compiled_around_the_model_compiles_it_whole() -> None:
     # The model's call catches what compiling it raises when torch.compile starts there; called
-    # from a function being compiled, it is traced like any code: one graph, regions inside.
+    # from a function being compiled, it is traced like any code: one graph (fullgraph=True would
+    # raise at a break), and in it the three blocks' calls of one region body.
     out = run_workers(nested_worker, 2)[0]
-    assert out == {"graphs": 1, "region_calls": out["region_calls"]} and out["region_calls"] > 0
+    assert out["graphs"] == 1, out
+    assert out["regions"] == (3, 1) and out["inlined"] == [], out
+
+
+_BEFORE_THE_BLOCKS = [0]  # calls of the code before the blocks, in this process
+
+
+@torch.compiler.disable
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    _BEFORE_THE_BLOCKS[0] += 1
+    return x
+
+
+class SplitStack(BlockStack):
+    """A graph break before the blocks (a call torch.compile skips, counting its calls): the
+    blocks compile in a later frame than the embedding, after it ran."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = _counted(self.embed(tokens))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def split_step_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    base = SplitStack(GraphBreakBlock)
+    data = torch.randint(0, VOCAB, (STEPS, 2, 8), generator=torch.Generator().manual_seed(1 + rank))
+    out: dict[str, Any] = {}
+    for regions in (2, False):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions)
+        backend.shard(model)
+        forward = torch.compile(model, backend=backend)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if regions:
+                _BEFORE_THE_BLOCKS[0] = 0
+                try:
+                    forward(data[0])
+                except Exception as exc:
+                    out["first_call"] = {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", []),
+                                         "ran_before_the_blocks": _BEFORE_THE_BLOCKS[0]}
+            run = _train(model, forward, data)
+        run["warnings"] = [str(w.message) for w in caught if "compile inline" in str(w.message)]
+        run["inlined"] = {c.name: c.reason for c in backend._state.region_fallback.inlined()}
+        run["region_calls"] = compiled_regions(backend)[0]
+        out[regions] = run
+    return out
+
+
+def test_a_block_refused_after_part_of_the_step_ran_is_not_retried() -> None:
+    # docs/limits.md: the first call raises, with a note, having run the code before the blocks
+    # once (a retry would run it twice); later calls compile the blocks inline and train as
+    # without regions.
+    out = run_workers(split_step_worker, 2)
+    for rank, runs in enumerate(out):
+        first = runs.get("first_call")
+        assert first is not None, f"rank {rank}: the first call did not raise"
+        assert "graph break" in first["error"], first["error"]
+        assert first["ran_before_the_blocks"] == 1, first
+        (note,) = first["notes"]
+        assert "GraphBreakBlock blocks as one region, after part of this step had run" in note, note
+        assert "later calls compile those blocks inline" in note, note
+        with_regions, without = runs[2], runs[False]
+        assert list(with_regions["inlined"]) == ["GraphBreakBlock"]
+        assert "after part of the step had run" in with_regions["inlined"]["GraphBreakBlock"]
+        assert with_regions["region_calls"] == 0
+        assert len(with_regions["warnings"]) == (1 if rank == 0 else 0), with_regions["warnings"]
+        for what in ("grads", "params"):
+            assert_bitwise(with_regions[what], without[what], f"rank {rank} {what}: regions vs none")
+
+
+def _model_regions(strict: bool) -> tuple[ModelRegions, Any]:
+    fallback = RegionFallback(strict=strict)
+    region_class = fallback.region_class(ResidualBlock, ["blocks.0", "blocks.1"])
+    return ModelRegions([region_class], fallback), region_class
+
+
+def _inductor_error() -> BaseException:
+    from torch._inductor.exc import InductorError
+
+    return InductorError(RuntimeError("a lowering failed on the region's graph"), None)
+
+
+def _refusals() -> dict[str, BaseException]:
+    """What torch raised for the zoo's refused blocks (GraphBreakBlock, CountingBlock), shortened."""
+    from torch._dynamo.exc import InternalTorchDynamoError, UncapturedHigherOrderOpError
+
+    return {
+        "graph_break": UncapturedHigherOrderOpError(
+            "This higher order operator doesn't work unless it is captured completely with torch.compile. "
+            "Got graph break/error:\n\nSkip calling `torch.compiler.disable()`d function"),
+        "alias": InternalTorchDynamoError(
+            "RuntimeError: An intermediate tensor 'iadd' created inside a higher-order op subgraph aliases an "
+            "input or output, so it was not included in the subgraph outputs."),
+    }
+
+
+def test_only_torchs_refusals_of_a_region_are_told_apart() -> None:
+    assert all(refused_by_torch(error) for error in _refusals().values())
+    # The heading Dynamo gives any error inside a region body does not make one a refusal.
+    assert not refused_by_torch(RuntimeError("Got graph break/error: an assertion inside torch"))
+    assert not refused_by_torch(_inductor_error())
+    wrapped = RuntimeError("raised while handling a refusal")
+    wrapped.__context__ = _refusals()["graph_break"]
+    assert not refused_by_torch(wrapped)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["lenient", "strict"])
+@pytest.mark.parametrize("cause", ["graph_break", "alias", "inductor"])
+def test_strict_retries_only_torchs_refusals(strict: bool, cause: str) -> None:
+    regions, region_class = _model_regions(strict)
+    error = _refusals()[cause] if cause != "inductor" else _inductor_error()
+    attempt = regions.begin()
+    if strict and cause == "inductor":
+        with pytest.raises(type(error)) as raised:
+            regions.failed(attempt, error)
+        assert region_class.enabled and region_class.reason is None  # no class was turned off
+        (note,) = raised.value.__notes__
+        assert "strict=True" in note and "ResidualBlock" in note and "not retried" in note, note
+    else:  # the class goes inline and the call is tried again
+        regions.failed(attempt, error)
+        assert not region_class.enabled and region_class.reason is not None
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["lenient", "strict"])
+def test_strict_keeps_a_region_an_unexplained_error_hit_after_part_of_the_step_ran(strict: bool) -> None:
+    regions, region_class = _model_regions(strict)
+    attempt = regions.begin()
+    region_module._tracing_region(region_class.key)  # what Dynamo runs as it traces the region
+    regions.fallback.graph_runs += 1  # a graph of the step ran before the error
+    error = _inductor_error()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(type(error)):
+            regions.failed(attempt, error)
+    (note,) = error.__notes__
+    if strict:
+        assert region_class.enabled and caught == [], caught
+        assert "strict=True" in note and "stay regions" in note, note
+    else:
+        assert not region_class.enabled and "later calls compile those blocks inline" in note, note
+        assert len([w for w in caught if "compile inline" in str(w.message)]) == 1
+
+
+def region_inductor_error_worker(rank: int, world: int, strict: bool) -> dict:
+    """Inductor made to fail on every graph that calls a region (its post-grad pass hook): an
+    error torch's rules for regions do not explain."""
+    import torch._inductor.config as inductor_config
+
+    def fail_on_regions(graph: fx.Graph) -> None:
+        if any(is_region_call(node) for node in graph.nodes):
+            raise RuntimeError("an Inductor pass failed on a graph with regions")
+
+    torch.manual_seed(0)
+    model = BlockStack(ResidualBlock)
+    backend = fsdp_compile.backend("FULL_SHARD", regions=2, strict=strict)
+    backend.shard(model)
+    out: dict[str, Any] = {"error": None, "notes": []}
+    with inductor_config.patch(post_grad_custom_post_pass=fail_on_regions), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            torch.compile(model, backend=backend)(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+        except Exception as exc:
+            out.update(error=f"{type(exc).__name__}: {exc}", notes=getattr(exc, "__notes__", []))
+    out["inlined"] = {c.name: c.reason for c in backend._state.region_fallback.inlined()}
+    out["warnings"] = [str(w.message) for w in caught if "compile inline" in str(w.message)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strict", [False, True], ids=["lenient", "strict"])
+def test_an_inductor_error_on_regions_raises_under_strict(strict: bool) -> None:
+    out = run_workers(region_inductor_error_worker, 2, strict)[0]
+    if strict:
+        assert out["error"] is not None and "an Inductor pass failed" in out["error"], out["error"]
+        assert out["inlined"] == {} and out["warnings"] == []
+        assert any("strict=True" in note for note in out["notes"]), out["notes"]
+    else:  # compiled inline, and the warning quotes Inductor's error
+        assert out["error"] is None, out["error"]
+        assert list(out["inlined"]) == ["ResidualBlock"], out["inlined"]
+        (warning,) = out["warnings"]
+        assert "an Inductor pass failed" in warning, warning
 
 
 def _captured(model: torch.nn.Module, x: torch.Tensor) -> fx.GraphModule:

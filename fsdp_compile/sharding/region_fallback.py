@@ -21,6 +21,11 @@ the step, and the blocks compile in a later frame) is not retried: running the f
 again would repeat its side effects. The error then carries a note, and the class is off for
 the calls after it.
 
+Only torch's refusals by those rules (:func:`refused_by_torch`) are what the retry exists for.
+Any other error (an Inductor failure, an internal error of torch's) may be a bug that inlining
+would hide: with ``strict=True`` it is raised, with a note, and no class is turned off.
+Without it, such an error is retried like a refusal, and its warning quotes it.
+
 The root's ``__call__`` runs as Python when it is the frame ``torch.compile`` starts at, and is
 traced like any code when a function the user compiles calls the model (no graph break there;
 no retry either: that function's compile is the user's).
@@ -45,15 +50,33 @@ from .regions import RegionClass, class_key, forget_traced_region, last_traced_r
 log = logging.getLogger("fsdp_compile")
 
 # Plain words for the rules torch enforces on region bodies, matched on the message it raises.
-_CAUSES = (
+_RULES = (
     ("intermediate tensor", "the block keeps a tensor that aliases one of its inputs in an object that outlives "
                             "the call (a buffer updated in place and assigned back, a KV cache)"),
     ("Encountered aliasing", "the block returns a view of one of its inputs"),
     ("does not currently support training with in-place", "the block updates a buffer or an input in place "
                                                            "while training (BatchNorm's running statistics)"),
-    ("graph break", "a graph break inside the block (a torch.compiler.disable'd call, a data-dependent branch)"),
-    ("Graph break", "a graph break inside the block (a torch.compiler.disable'd call, a data-dependent branch)"),
 )
+_GRAPH_BREAK = "a graph break inside the block (a torch.compiler.disable'd call, a data-dependent branch)"
+_CAUSES = (*_RULES, ("graph break", _GRAPH_BREAK), ("Graph break", _GRAPH_BREAK))
+# What Dynamo raises when it cannot capture a region's body whole. Matched by name, not by the
+# words "graph break": its message heads any error inside the body with "Got graph break/error".
+_UNCAPTURED = "UncapturedHigherOrderOpError"
+
+
+def refused_by_torch(error: BaseException) -> bool:
+    """Whether ``error`` is torch refusing a block as a region by one of its rules (a graph
+    break inside the body, an alias or an in-place write it does not allow): what compiling the
+    block inline is known to get past. Anything else is not."""
+    # The errors it was raised from, not during: an error raised while handling a refusal is not one.
+    cause, seen = error, set()
+    while cause is not None and id(cause) not in seen:
+        if type(cause).__name__ == _UNCAPTURED:
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__
+    text = str(error)
+    return any(sign in text for sign, _ in _RULES)
 
 
 def describe_failure(error: BaseException) -> str:
@@ -79,6 +102,7 @@ class RegionFallback:
     classes: dict[str, RegionClass] = field(default_factory=dict)
     graph_runs: int = 0  # calls of this backend's compiled graphs (the step guard counts them)
     warned: set[str] = field(default_factory=set)
+    strict: bool = False  # the backend's strict=: raise what torch's rules do not explain (refused_by_torch)
 
     def region_class(self, cls: type, units: list[str]) -> RegionClass:
         """The switch of ``cls``'s regions, shared by every model this backend shards."""
@@ -161,6 +185,9 @@ class ModelRegions:
             raise error
         if not enabled:
             self._no_region_to_blame(error, attempt)
+        if self.fallback.strict and not refused_by_torch(error):
+            self._not_retried(error, enabled, attempt)
+            raise error
         attempt.errors.append(error)
         traced = last_traced_region()
         for region_class in [c for c in enabled if c.key == traced] or enabled:
@@ -183,12 +210,31 @@ class ModelRegions:
         traced = next((c for c in enabled if c.key == last_traced_region()), None)
         if traced is None:
             return
+        if self.fallback.strict and not refused_by_torch(error):
+            _add_note(error, f"fsdp_compile: strict=True: this error was raised while torch.compile traced the "
+                             f"{traced.name} blocks as one region, after part of this step had run; it is not one "
+                             "of torch's refusals of a region, so those blocks stay regions for later calls. "
+                             "strict=False compiles them inline from the next call, with a warning.")
+            return
         self.fallback.turn_off(traced, "torch.compile raised while tracing it as a nested_compile_region, "
                                        "after part of the step had run: " + describe_failure(error))
         _add_note(error, f"fsdp_compile: this error was raised while torch.compile traced the {traced.name} "
                          "blocks as one region, after part of this step had run (a graph break before them), so "
                          "the step was not retried; later calls compile those blocks inline. Pass regions=False "
                          "to compile every block inline from the start.")
+
+    def _not_retried(self, error: BaseException, enabled: list[RegionClass], attempt: _Attempt) -> None:
+        """strict=True and an error torch's rules do not explain: raised as it is, each class as it
+        was (those an earlier try turned off for a refusal stay off, and are warned of)."""
+        self.succeeded(attempt)
+        traced = [c for c in enabled if c.key == last_traced_region()] or enabled
+        forget_traced_region()
+        names = ", ".join(c.name for c in traced)
+        _add_note(error, f"fsdp_compile: strict=True: this error was raised while torch.compile compiled a model "
+                         f"with regions (the {names} blocks as regions); it is not one of torch's refusals of a "
+                         "region (a graph break inside the block, an alias or in-place write it does not allow), "
+                         "so the step was not retried with those blocks inline. strict=False retries it, with a "
+                         "warning; regions=False compiles every block inline from the start.")
 
     def _no_region_to_blame(self, error: BaseException, attempt: _Attempt) -> None:
         """Compiling failed with every class inline too: regions were not the cause. The
@@ -218,17 +264,20 @@ def _user_stacklevel() -> int:
 def _raised_by_fsdp_compile(error: BaseException) -> bool:
     """Whether ``error``, or an error it was raised from (Dynamo wraps what a backend raises),
     is one of this package's named errors."""
-    seen: set[int] = set()
-    stack = [error]
+    return any(type(e).__module__.split(".")[0] == __name__.split(".")[0] for e in _chain(error))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and every error it was raised from or during (Dynamo wraps what a backend raises)."""
+    chain: dict[int, BaseException] = {}
+    stack: list[BaseException | None] = [error]
     while stack:
         current = stack.pop()
-        if current is None or id(current) in seen:
+        if current is None or id(current) in chain:
             continue
-        seen.add(id(current))
-        if type(current).__module__.split(".")[0] == __name__.split(".")[0]:
-            return True
+        chain[id(current)] = current
         stack += [current.__cause__, current.__context__, getattr(current, "inner_exception", None)]
-    return False
+    return list(chain.values())
 
 
 def _add_note(error: BaseException, note: str) -> None:
