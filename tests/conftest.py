@@ -11,10 +11,25 @@ try:
 except ImportError:
     pass
 
-# No test of a compiled path passes through a fallback to the eager runtime: every backend the
-# suite builds raises when a pass fails (spawned ranks and torchrun jobs inherit this), unless
-# the test says it expects a fallback by passing strict=False itself.
-os.environ.setdefault("FSDP_COMPILE_STRICT", "1")
+# No test of a compiled path passes through a fallback: every backend the suite builds raises
+# where it would fall back after an error fsdp_compile does not expect (a pass that fails, a
+# region retried inline after an Inductor error), unless the test says it expects a fallback by
+# passing strict=False itself. Forced, not defaulted: a 0 inherited from the shell would turn the
+# guard off without a word. Spawned ranks and torchrun jobs inherit it.
+os.environ["FSDP_COMPILE_STRICT"] = "1"
+
+
+def guard_dynamo() -> None:
+    """Dynamo's recompile limit, once reached, raises instead of running the frame uncompiled: a
+    test of a compiled path would otherwise pass on eager code, with a warning only. Dynamo reads
+    this from no environment variable, so every rank calls this as it starts
+    (tests/distributed.py), after torch is imported."""
+    import torch.compiler
+
+    torch.compiler.config.fail_on_recompile_limit_hit = True
+
+
+guard_dynamo()
 
 # Workers are spawned processes that import helpers from this folder by module name.
 sys.path.insert(0, os.path.dirname(__file__))
