@@ -88,8 +88,11 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
     )
     import torch
     import torch.distributed as dist
+    from conftest import guard_dynamo
 
     from fsdp_compile.sharding.groups import end_process_group
+
+    guard_dynamo()  # the session's Dynamo settings (tests/conftest.py) hold in every rank too
 
     torch.set_num_threads(1)
     fresh_environment = dict(os.environ)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from distributed import run_workers
 
@@ -64,7 +63,5 @@ def test_reaching_the_recompile_limit_raises() -> None:
     assert _past_the_recompile_limit() == "raised"
 
 
-@pytest.mark.xfail(strict=True, reason="ranks apply the guard once tests/distributed.py's _serve calls "
-                                       "conftest.guard_dynamo() (issue 59); then delete this mark")
 def test_reaching_the_recompile_limit_raises_in_the_ranks() -> None:
     assert run_workers(recompile_worker, 2) == ["raised", "raised"]
