@@ -50,7 +50,8 @@ class FSDPBackend:
 
     Use :meth:`shard` on the model first (parameters become DTensor shards, so build the
     optimizer afterwards), then ``torch.compile(model, backend=this)``. A sharded model also
-    runs without ``torch.compile`` (the eager runtime), with the same results.
+    runs without ``torch.compile`` (the eager runtime), with the results ``aot_eager`` gives bit
+    for bit (Inductor's agree up to rounding).
     ``fsdp_compile.backend("auto", ...)`` returns the subclass that plans the strategy at
     :meth:`shard` time (:class:`fsdp_compile.planning.auto.AutoBackend`).
 
