@@ -92,7 +92,6 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
 
     from fsdp_compile.sharding.groups import end_process_group
 
-    guard_dynamo()  # the session's Dynamo settings (tests/conftest.py) hold in every rank too
 
     torch.set_num_threads(1)
     fresh_environment = dict(os.environ)
@@ -110,6 +109,9 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
             os.environ.clear()
             os.environ.update(fresh_environment, **env)
             torch._dynamo.reset()
+            # The session's Dynamo settings (tests/conftest.py) hold in every rank, whatever an
+            # earlier task set
+            guard_dynamo()
             torch.manual_seed(fresh_seed)
             try:
                 value = fn(rank, world, *args)
