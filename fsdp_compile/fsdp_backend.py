@@ -50,8 +50,7 @@ class FSDPBackend:
 
     Use :meth:`shard` on the model first (parameters become DTensor shards, so build the
     optimizer afterwards), then ``torch.compile(model, backend=this)``. A sharded model also
-    runs without ``torch.compile`` (the eager runtime), with the results ``aot_eager`` gives bit
-    for bit (Inductor's agree up to rounding).
+    runs without ``torch.compile`` (the eager runtime), bit for bit as under ``aot_eager``.
     ``fsdp_compile.backend("auto", ...)`` returns the subclass that plans the strategy at
     :meth:`shard` time (:class:`fsdp_compile.planning.auto.AutoBackend`).
 
@@ -75,24 +74,19 @@ class FSDPBackend:
             ``auto_wrap_policy``), an int (bytes of consecutive parameters), or ``"param"``.
         mixed_precision: a :class:`fsdp_compile.MixedPrecision` (parameter, reduce, output dtypes).
         schedule: reorder collectives to overlap compute (default True); under Inductor it also
-            turns off Inductor's own peak-memory reordering for graphs with collectives, which
-            would undo it.
+            turns off Inductor's peak-memory reordering of graphs with collectives (it would undo it).
         prefetch: how many buckets ahead a gather is issued (default 1; 0: right before use).
         max_inflight_bytes: most bytes of collectives issued and not yet waited (default: twice
-            the largest bucket, plus twice the largest all-reduce across nodes under the hybrid
-            strategies).
+            the largest bucket, plus twice the largest all-reduce across nodes if hybrid).
         forward_prefetch: explicit orders ``{unit: [units to gather when it starts]}`` (units by
             name or module), as FSDP2's ``set_modules_to_forward_prefetch``.
         backward_prefetch: the same for backward.
         dump_dir: write every graph before and after each pass, and a JSON summary per graph
             (or ``FSDP_COMPILE_DUMP=<dir>``); read with ``python -m fsdp_compile inspect``.
-        strict: raise instead of falling back after an error fsdp_compile does not expect (default:
-            ``FSDP_COMPILE_STRICT=1`` in the environment says to raise). Without it, a pass that
-            fails runs that graph's markers through the eager runtime, and a compile with regions
-            that fails for a reason other than torch's refusals of a region (an Inductor error, an
-            internal error of torch's) is retried with those blocks inline; each with a warning.
-            Blocks torch refuses as regions by its rules (a graph break inside the block, an alias
-            or in-place write it does not allow) compile inline with a warning either way.
+        strict: raise instead of falling back, with a warning, after an error fsdp_compile does not
+            expect: a failed pass (that graph's markers would run in the eager runtime) or regions
+            failing for another reason than torch's region rules, an Inductor error say (those
+            blocks would compile inline). Default: ``FSDP_COMPILE_STRICT=1`` in the environment.
         passes: extra passes ``{"forward" | "backward": [fn(GraphModule)]}``, run after ours.
         offload: a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.
         verify: check at ``shard()`` and on the first run of every compiled graph that all ranks
@@ -108,7 +102,6 @@ class FSDPBackend:
             eager runtime and raise :class:`fsdp_compile.GradientMismatch` on every rank naming
             the first parameter whose gradient differs: True (default tolerance), or a
             tolerance relative to each gradient's largest entry (or ``FSDP_COMPILE_VERIFY=1``).
-            The first thing to try when training diverges.
         reshard_after_forward: what each unit keeps of its gathered parameters from forward to
             backward (FSDP2's option of that name): True (drop to the shard; FULL_SHARD),
             False (keep them; SHARD_GRAD_OP), or an int n (keep a shard over groups of n
@@ -118,8 +111,8 @@ class FSDPBackend:
         memory_budget: with FULL_SHARD or HYBRID_SHARD, bytes per rank (or a string such as
             ``"12GiB"``): the compiler chooses each unit's ``reshard_after_forward`` so that the
             predicted exposed communication is least while the step's predicted peak (the
-            graphs' live memory, this rank's shards, gradients and AdamW's state) stays within
-            it (see ``fsdp_compile/compilation/reshard_choice.py``). Needs ``cluster=``.
+            graphs' live memory, this rank's shards, gradients and AdamW's state) stays within it
+            (``fsdp_compile/compilation/reshard_choice.py``). Needs ``cluster=``.
         cluster: the :class:`fsdp_compile.Cluster` ``memory_budget`` predicts communication on
             (``Cluster.measure()``, which on an emulated network fits its links, or a preset).
 

@@ -117,12 +117,11 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
                 value = fn(rank, world, *args)
                 if default_group:
                     dist.barrier()
-                    _destroy_groups_but_the_default()
                 else:
                     end_process_group()
-                results.put((task_id, rank, "ok", pickle.dumps(value)))
+                results.put((task_id, rank, "ok", pickle.dumps(value), _groups_held()))
             except BaseException:  # report anything, including KeyboardInterrupt, to the parent
-                results.put((task_id, rank, "error", traceback.format_exc()))
+                results.put((task_id, rank, "error", traceback.format_exc(), 0))
                 return  # the parent kills the others, which may be blocked in a collective
         end_process_group()
     finally:
@@ -130,20 +129,21 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
             dist.destroy_process_group()
 
 
-def _destroy_groups_but_the_default() -> None:
-    """End every process group a task made (a fresh process has none but the default group).
+# Ranks that hold more process groups than this are replaced after the call. Each gloo group
+# keeps a thread that polls its sockets, and its connections open; tests make groups (hybrid
+# layouts, meshes) and a fresh process would have none of them. Kept for the whole session, a
+# world-4 rank held 45 such threads half way through the default run, and after 56 stress jobs
+# (tests/stress_jobs.py) 281 of them with 1,434 open files, which took 1.2 cores of the
+# machine's two while the rank sat idle. Destroying a task's groups instead is not enough:
+# torch's DeviceMesh caches keep meshes whose groups are gone, and a later task with an equal
+# mesh fails to resolve them.
+MAX_GROUPS_HELD = 12
 
-    Not only tidiness: each gloo group keeps a thread that polls its sockets, and its connections
-    open. Kept for the whole session, a world-4 rank held 45 such threads half way through the
-    default run; after 56 stress jobs (tests/stress_jobs.py), 281 of them, with 1,434 open files,
-    took 1.2 cores of the machine's two while the rank sat idle.
-    """
-    import torch.distributed as dist
+
+def _groups_held() -> int:
     from torch.distributed.distributed_c10d import _world
 
-    for group in list(_world.pg_map):
-        if group is not dist.group.WORLD:
-            dist.destroy_process_group(group)
+    return len(_world.pg_map)
 
 
 class _Pool:
@@ -165,6 +165,7 @@ class _Pool:
                       for r in range(world)]
         for p in self.procs:
             p.start()
+        self.groups_held = 0  # the most process groups a rank held after a call
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -182,7 +183,7 @@ class _Pool:
             if remaining <= 0:
                 raise WorkerError(f"workers did not finish within {timeout_s:.0f}s (ranks done: {sorted(values)})")
             try:
-                done_id, rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
+                done_id, rank, status, payload, groups = self.results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 if any(not p.is_alive() and r not in values for r, p in enumerate(self.procs)):
                     self._fail(task_id, {}, values)
@@ -192,6 +193,7 @@ class _Pool:
             if status == "error":
                 self._fail(task_id, {rank: payload}, values)
             values[rank] = pickle.loads(payload)
+            self.groups_held = max(self.groups_held, groups)
         return [values[r] for r in range(self.world)]
 
     def _fail(self, task_id: int, errors: dict[int, str], values: dict[int, Any]) -> NoReturn:
@@ -203,7 +205,7 @@ class _Pool:
 
         def take(timeout: float) -> bool:
             try:
-                done_id, rank, status, payload = self.results.get(timeout=timeout)
+                done_id, rank, status, payload, _ = self.results.get(timeout=timeout)
             except queue.Empty:
                 return False
             if done_id == task_id:
@@ -322,11 +324,15 @@ def run_workers(
             pool.kill()
         pool = _POOLS[key] = _Pool(world_size, default_group)
     try:
-        return pool.run(fn, args, dict(env or {}), timeout_s)
+        values = pool.run(fn, args, dict(env or {}), timeout_s)
     except BaseException:
         del _POOLS[key]
         pool.kill()
         raise
+    if pool.groups_held > MAX_GROUPS_HELD:
+        del _POOLS[key]
+        pool.close()
+    return values
 
 
 @atexit.register

@@ -182,7 +182,7 @@ def test_diff_shows_what_one_pass_changed(dump: Path) -> None:
     assert "+++ rank0/graph0/forward/03_lower_markers.py" in proc.stdout
     assert "+" in proc.stdout and "all_gather_into_tensor" in proc.stdout
     bad = inspect(str(dump), "--diff", "no_such_pass")
-    assert bad.returncode == 2 and "no such pass in this dump; passes: elide_trivial_unshard, lower_markers" in bad.stderr
+    assert bad.returncode == 2 and "no such pass in this dump; passes: check_inflight_buffers, elide_trivial_unshard" in bad.stderr
 
 
 def test_dump_via_environment_variable(tmp_path: Path) -> None:
@@ -339,9 +339,9 @@ def test_user_passes_are_applied_and_dumped(tmp_path: Path) -> None:
         assert out["doubled"] and out["fallbacks"] == []
         assert out["first_output"] == "aten.mul.Tensor"
         graph = root / f"rank{rank}" / "graph0"
-        assert "torch.ops.aten.mul.Tensor" in (graph / "forward/05_double_output.py").read_text()
-        assert not (graph / "forward/04_double_output.py").exists()  # after ours: schedule is 04
-        assert (graph / "backward/05_rebuilt.py").is_file()
+        assert "torch.ops.aten.mul.Tensor" in (graph / "forward/06_double_output.py").read_text()
+        assert not (graph / "forward/05_double_output.py").exists()  # after ours: the check is 05
+        assert (graph / "backward/06_rebuilt.py").is_file()
 
 
 def failing_pass(gm):
