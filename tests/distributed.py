@@ -10,8 +10,9 @@ the one whose error arrived first: when a rank dies, its peers' "connection rese
 reach the parent before the dead rank's own traceback, and a rank killed by a signal reports
 nothing but its exit code and the stack ``faulthandler`` wrote.
 
-The processes of one world size are kept for the whole test session and run one call after
-another: starting a rank and importing torch costs seconds, paid by dozens of tests. Each call
+The processes of one world size are kept and run one call after another: starting a rank and
+importing torch costs seconds, paid by dozens of tests. They are replaced after a call that
+leaves a rank holding more than ``MAX_GROUPS_HELD`` process groups (see there). Each call
 starts from the same state a fresh process would have: the environment as it was at start-up
 (plus ``env``), Dynamo's caches cleared, torch's default RNG seed. After a failure or a timeout
 the processes are killed and the next call starts new ones.
@@ -91,7 +92,6 @@ def _serve(rank: int, world: int, port: int, tasks: Any, results: Any, default_g
     from conftest import guard_dynamo
 
     from fsdp_compile.sharding.groups import end_process_group
-
 
     torch.set_num_threads(1)
     fresh_environment = dict(os.environ)

@@ -69,3 +69,21 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_python_stack() -> None:
     assert "rank_aborts_worker" in report  # faulthandler's stack of the dying rank
     assert "rank 1's stderr ended with:\nterminate called after throwing" in report
     assert "an earlier task's warning" not in report  # the quote is the failing task's own
+
+
+def make_groups_worker(rank: int, world: int, count: int) -> int:
+    import torch.distributed as dist
+
+    for _ in range(count):
+        dist.new_group(list(range(world)))
+    return os.getpid()
+
+
+def test_ranks_that_hold_many_process_groups_are_replaced() -> None:
+    from distributed import MAX_GROUPS_HELD
+
+    few = run_workers(make_groups_worker, 2, 1)
+    assert run_workers(make_groups_worker, 2, 0) == few  # kept
+    many = run_workers(make_groups_worker, 2, MAX_GROUPS_HELD)
+    assert many == few  # the call that piles them up still runs on the kept ranks...
+    assert set(run_workers(make_groups_worker, 2, 0)).isdisjoint(many)  # ...which are then replaced
