@@ -3,10 +3,12 @@ shard over groups of n ranks (FSDP2's option; ZeRO++'s hpZ for the int).
 
 The gradients are the same sums whatever each unit keeps: bitwise equal to FULL_SHARD's under
 ``aot_eager`` and the eager runtime (and, for the settings measured, under Inductor), at world 2
-and at 2 "nodes" x 2. What changes is which collectives backward issues, read from the compiled
-backward graphs: a unit that keeps its parameters gathers nothing, one that reshards to n ranks
-gathers inside its group of n (every rank of a group in the same node), and forward keeps that
-unit's 1/n of each parameter for backward.
+and at 2 "nodes" x 2, and those of single-process training up to rounding. What changes is
+which collectives backward issues, read from the compiled backward graphs: a unit that keeps
+its parameters gathers nothing, one that reshards to n ranks gathers inside its group of n
+(every rank of a group in the same node), and forward keeps that unit's 1/n of each parameter
+for backward. The eager runtime never reshards (it keeps what it gathered for backward), so
+only compiled runs tell the settings apart.
 """
 
 from __future__ import annotations
@@ -16,7 +18,18 @@ import copy
 import pytest
 import torch
 from distributed import run_workers
-from helpers import TEST_CONFIG, assert_bitwise, batches, expect_error, full, lm_loss, local_slice
+from helpers import (
+    GRAD_RTOL,
+    TEST_CONFIG,
+    assert_bitwise,
+    assert_grads_close,
+    batches,
+    compiled_regions,
+    expect_error,
+    full,
+    lm_loss,
+    local_slice,
+)
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, Block, GPTConfig
@@ -27,11 +40,14 @@ CONFIG = GPTConfig(vocab_size=67, block_size=19, n_layer=3, n_head=2, d_model=32
 STEPS = 2
 
 
-def _step_grads(model: torch.nn.Module, forward, data, rank: int) -> list[dict[str, torch.Tensor]]:
+def _step_grads(model: torch.nn.Module, forward, data, rank: int | None) -> list[dict[str, torch.Tensor]]:
+    """Each step's gradients (whole tensors) under SGD; ``rank=None``: one process, whole batch."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for x, y in data:
-        lm_loss(forward(local_slice(x, rank)), local_slice(y, rank)).backward()
+        if rank is not None:
+            x, y = local_slice(x, rank), local_slice(y, rank)
+        lm_loss(forward(x), y).backward()
         out.append({n: full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
@@ -59,13 +75,14 @@ def _kept_rows(backend: fsdp_compile.FSDPBackend) -> dict[str, tuple[int, int]]:
     return kept
 
 
-def reshard_worker(rank: int, world: int, strategy: str, settings: list, compiler: str) -> dict:
+def reshard_worker(rank: int, world: int, strategy: str, settings: list, compiler: str,
+                   with_strategy: bool = True) -> dict:
     torch.manual_seed(0)
     base = GPT(CONFIG)
     data = batches(CONFIG, world, STEPS)
     options = {"shard_size": 2} if strategy.startswith("HYBRID") else {}
     out = {}
-    for label, value in [("strategy", None), *settings]:
+    for label, value in [("strategy", None)] * with_strategy + settings:
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         extra = {} if value is None else {"reshard_after_forward": value}
@@ -78,12 +95,23 @@ def reshard_worker(rank: int, world: int, strategy: str, settings: list, compile
             run["backward_gathers"] = _backward_gathers(backend)
             run["kept_rows"] = _kept_rows(backend)
             run["report"] = backend.report()
+            # What ran: the graphs of the compiler asked for, every pass applied, and regions
+            # compiled as regions (not inlined back into the graph).
+            run["compilers"] = {g.compiler for g in backend.graphs}
+            run["fallbacks"] = [f for g in backend.graphs for f in g.fallbacks]
+            run["inlined"] = [c.key for c in backend._state.region_fallback.inlined()]
+            run["regions"] = compiled_regions(backend)[0]
         out[label] = run
+    if rank == 0:
+        reference = copy.deepcopy(base)
+        out["reference"] = {"grads": _step_grads(reference, reference, data, None)}
     return out
 
 
 def _assert_same_sums(out: dict, what: str) -> None:
     for label, run in out.items():
+        if label == "reference":
+            continue
         for step, (ours, theirs) in enumerate(zip(run["grads"], out["strategy"]["grads"])):
             assert_bitwise(ours, theirs, f"{what} {label} step {step} vs the strategy's")
 
@@ -93,7 +121,8 @@ def _assert_same_sums(out: dict, what: str) -> None:
 WORLD2_SETTINGS = [("keep", False), ("mixed", {Block: False, "blocks.1": True, "<root>": False})]
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
+# The eager runtime with -m slow: it never reshards, so it reads the settings and nothing more.
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("eager", marks=pytest.mark.slow)])
 def test_every_setting_reduces_the_same_gradients_at_world_2(compiler: str) -> None:
     out = run_workers(reshard_worker, 2, "FULL_SHARD", WORLD2_SETTINGS, compiler)[0]
     _assert_same_sums(out, f"world 2 {compiler}")
@@ -116,9 +145,10 @@ def test_a_unit_keeps_its_parameters_while_the_others_reshard() -> None:
 NODE_SETTINGS = [("node", 2), ("mixed", {"blocks.0": 2, "blocks.1": False})]
 
 
-# The eager runtime by default; the compiled graphs (13 s under aot_eager) with -m slow.
-@pytest.mark.parametrize("compiler", [pytest.param("aot_eager", marks=pytest.mark.slow), "eager",
-                                      pytest.param("inductor", marks=pytest.mark.slow)])
+# -m slow: aot_eager (13 s), and the eager runtime, which never reshards (it reads the settings
+# alone); the default run compiles them under Inductor below.
+@pytest.mark.slow
+@pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
 def test_resharding_to_the_node_gathers_backward_inside_it(compiler: str) -> None:
     out = run_workers(reshard_worker, 4, "FULL_SHARD", NODE_SETTINGS, compiler)[0]
     _assert_same_sums(out, f"2x2 {compiler}")
@@ -133,6 +163,38 @@ def test_resharding_to_the_node_gathers_backward_inside_it(compiler: str) -> Non
     assert kept and all(name.startswith("blocks.0.") for name in kept)
     assert all(rows == -(-full_rows // 2) for rows, full_rows in kept.values()), kept
     assert "reshard after forward: blocks.0 keeps a shard over 2 ranks" in out["mixed"]["report"]
+
+
+# The default compiler (Inductor, regions, scheduling) at 2 "nodes" x 2, in the default run: every
+# form of the option (False, an int group size, a dict by class, by name and the root) in one job,
+# against one process rather than FULL_SHARD's own compiled run (another Inductor compile at 4
+# ranks on 2 cores: 30 s of the default run).
+COMPILED_SETTINGS = [("keep", False), ("node", 2), ("mixed", {Block: 2, "blocks.1": False, "<root>": True})]
+
+
+def test_every_setting_compiles_under_inductor_to_the_same_gradients() -> None:
+    out = run_workers(reshard_worker, 4, "FULL_SHARD", COMPILED_SETTINGS, "inductor", False)[0]
+    for label in ("keep", "node", "mixed"):
+        run = out[label]
+        assert run["compilers"] == {"inductor"} and run["fallbacks"] == [], (label, run["compilers"], run["fallbacks"])
+        assert run["inlined"] == [] and run["regions"] > 0, (label, run["inlined"], run["regions"])
+        # Per tensor against one process on the whole batch: a unit regathered from the wrong
+        # rows, or not reduced, is off by far more than rounding.
+        assert_grads_close(run["grads"][0], out["reference"]["grads"][0], GRAD_RTOL, f"inductor {label}")
+        # and the same sums whatever each unit keeps, both steps
+        for step, (ours, theirs) in enumerate(zip(run["grads"], out["keep"]["grads"])):
+            assert_bitwise(ours, theirs, f"2x2 inductor {label} step {step} vs keep")
+    assert out["keep"]["reshard_to"] == dict.fromkeys(["", "blocks.0", "blocks.1", "blocks.2"], 1)
+    assert out["node"]["reshard_to"] == dict.fromkeys(["", "blocks.0", "blocks.1", "blocks.2"], 2)
+    assert out["mixed"]["reshard_to"] == {"": 4, "blocks.0": 2, "blocks.1": 1, "blocks.2": 2}
+    assert out["keep"]["backward_gathers"] == {}
+    assert out["node"]["backward_gathers"] == dict.fromkeys(["<root>", "blocks.0", "blocks.1", "blocks.2"], 2)
+    assert out["mixed"]["backward_gathers"] == {"<root>": 4, "blocks.0": 2, "blocks.2": 2}
+    # Forward keeps half of each parameter of a unit resharded to 2 ranks, and no piece of the others.
+    kept = out["mixed"]["kept_rows"]
+    assert {name.split(".")[1] for name in kept} == {"0", "2"}, sorted(kept)
+    assert all(rows == -(-full_rows // 2) for rows, full_rows in kept.values()), kept
+    assert "reshard after forward: blocks.1 keeps its gathered parameters" in out["mixed"]["report"]
 
 
 @pytest.mark.slow  # 16 s: options beyond the defaults; FULL_SHARD takes them at world 2 and 2 x 2 by default
