@@ -38,6 +38,19 @@ BF16_GAP = 1e-3
 # Parameters after 5 AdamW steps: Inductor against eager bf16 (see below), and bf16 against
 # fp32 training; observed 2.3e-3 and 1.9e-3.
 PARAM_RTOL = 1e-2
+# Per tensor, first-step gradients: ||a - b|| / ||b|| of each tensor, bf16 against fp32 training
+# and Inductor's bf16 against FSDP2's. bf16 rounds to 2^-8 (0.39%) relative; a gradient that is a
+# few bf16 roundings away from another sits a few of those away: observed <= 1.2e-2 (3 units,
+# blocks.0.ln1.weight) over every tensor and mode. 2^-5 is 8 units; a tensor reduced or cast
+# wrongly on its own (a 10% error in pos_emb's gradient moves the pooled norm by 3%) lands
+# outside.
+GRAD_TENSOR_RTOL = 2 ** -5
+# Per tensor, parameters after 5 AdamW steps, relative to the tensor's initial norm: observed
+# <= 5.9e-3 (blocks.1.attn.qkv.weight, eager against fp32). A tensor initialized to zero (the
+# biases) holds only AdamW's lr-sized steps, whose direction bf16 rounding decides where the
+# gradient is near zero (the key bias's is zero in exact arithmetic): observed 0.7 of its own
+# norm. Those are compared against the model's largest initial norm (observed <= 2.9e-3).
+PARAM_TENSOR_RTOL = 2e-2
 # Expected (kind, dtype) pairs of every collective, per strategy, for reduce_dtype fp32 / unset.
 BF16, FP32 = "torch.bfloat16", "torch.float32"
 
@@ -112,6 +125,7 @@ def mixed_precision_worker(rank: int, world: int, strategy: str, modes: list[str
                 for a in n.args[:MATMULS[n.target]] if isinstance(a, torch.fx.Node)})
         out[mode] = result
     if rank == 0:
+        out["initial"] = {n: p.detach().clone() for n, p in base.named_parameters()}
         reference = copy.deepcopy(base)
         out["reference"] = train(reference, reference, data, None)
     return out if rank == 0 else {}
@@ -128,6 +142,29 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     num = sum(((a[n] - b[n]).double() ** 2).sum() for n in b)
     den = sum((b[n].double() ** 2).sum() for n in b)
     return float((num / den).sqrt())
+
+
+def worst_tensor(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                 scales: dict[str, float] | None = None) -> tuple[float, str]:
+    """The largest ||a - b|| / scale over single tensors (scale: ||b|| of the tensor unless given),
+    with its name: a pooled norm lets one wrong small tensor hide behind the large ones."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    if scales is None:
+        scales = {n: float(v.double().norm()) for n, v in b.items()}
+    return max((float((a[n].double() - b[n].double()).norm()) / scales[n], n) for n in b)
+
+
+def assert_grads_within_bf16(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    rel, name = worst_tensor(a, b)
+    assert rel <= GRAD_TENSOR_RTOL, f"{what}: first-step gradient of {name} is {rel:.2e} of its norm away"
+
+
+def assert_params_within_bf16(out: dict, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    initial = {n: float(v.double().norm()) for n, v in out["initial"].items()}
+    largest = max(initial.values())
+    scales = {n: norm if norm > 0 else largest for n, norm in initial.items()}
+    rel, name = worst_tensor(a, b, scales)
+    assert rel <= PARAM_TENSOR_RTOL, f"{what}: parameter {name} after {STEPS} steps is {rel:.2e} of its scale away"
 
 
 @pytest.mark.parametrize("strategy", MP_STRATEGIES)
@@ -180,6 +217,11 @@ def test_inductor_computes_in_bf16(strategy: str) -> None:
     assert out["aot_eager"]["matmul_dtypes"] == [BF16]
     assert relative_difference(out["inductor"]["grads0"], out["reference"]["grads0"]) > BF16_GAP
     assert relative_difference(out["inductor"]["params"], out["fsdp2"]["params"]) <= PARAM_RTOL
+    # Tensor by tensor: each gradient within bf16 rounding of FSDP2's bf16 one and of fp32
+    # training's, each parameter close to FSDP2's after 5 steps.
+    assert_grads_within_bf16(out["inductor"]["grads0"], out["fsdp2"]["grads0"], "inductor vs fsdp2")
+    assert_grads_within_bf16(out["inductor"]["grads0"], out["reference"]["grads0"], "inductor vs fp32")
+    assert_params_within_bf16(out, out["inductor"]["params"], out["fsdp2"]["params"], "inductor vs fsdp2")
 
 
 @pytest.mark.parametrize("strategy", MP_STRATEGIES)
@@ -191,6 +233,8 @@ def test_bf16_training_follows_fp32_training(strategy: str) -> None:
         # bf16 has 8 bits of mantissa: per-step losses agree to about 1%.
         assert all(abs(a - b) <= 0.02 * b for a, b in zip(losses, ref)), (mode, losses, ref)
         assert relative_difference(out[mode]["params"], out["reference"]["params"]) <= PARAM_RTOL
+        assert_grads_within_bf16(out[mode]["grads0"], out["reference"]["grads0"], f"{mode} vs fp32")
+        assert_params_within_bf16(out, out[mode]["params"], out["reference"]["params"], f"{mode} vs fp32")
 
 
 def test_policy_validation_names_the_field() -> None:
