@@ -126,31 +126,49 @@ def ours(base: nn.Module, strategy: str, mode: str, mp: bool, batch: torch.Tenso
         forward = torch.compile(model, backend=backend)
     out = train(model, forward, batch)
     if mode == "eager":
-        out["eager_float8_gathers"] = count_float8_gathers(lambda: loss_of(forward(batch)).backward())
+        out["eager_float8_gathers"] = eager_float8_gathers(lambda: loss_of(forward(batch)).backward())
     else:
         out["gathers"] = gather_facts(backend)
         out["regions"] = compiled_regions(backend)
     return out
 
 
-def count_float8_gathers(step) -> int:
-    """How many bucket gathers ``step()`` ran as float8 in the eager runtime (the one definition
-    every gather goes through, wrapped for the step)."""
+def eager_float8_gathers(step) -> dict:
+    """The bucket gathers ``step()`` ran as float8 in the eager runtime (the one definition every
+    gather goes through, wrapped for the step), and per weight they gathered: how far it is from
+    torchao's own float8 round trip of the same weight gathered in the compute dtype (0: the
+    values ``Float8Linear`` would compute from that weight), and whether it differs from that
+    weight at all (the float8 rounding, which a bf16 gather under a float8 label would skip)."""
+    import dataclasses
+
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
     from fsdp_compile.runtime import collectives as runtime
 
-    calls = []
+    calls, weights = [], []
     original = runtime._gather_float8
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    def checked(shards, full_shapes, chunks, dtype, spec):
+        gathered = original(shards, full_shapes, chunks, dtype, spec)
+        calls.append(len(gathered))
+        # The same shards through the gather of the compute dtype: every rank runs it, in step.
+        plain = runtime.gather_params(shards, full_shapes, dataclasses.replace(spec, float8=None))
+        for ours, weight in zip(gathered, plain):
+            expected = hp_tensor_to_float8_dynamic(
+                weight, spec.float8, LinearMMConfig(), gemm_input_role=GemmInputRole.WEIGHT,
+                round_scales_to_power_of_2=spec.float8_pow2_scale).to_original_precision()
+            weights.append({"shape": tuple(weight.shape), "dtype": ours.dtype,
+                            "off_torchao": (ours.float() - expected.float()).abs().max().item(),
+                            "rounded": not torch.equal(ours, weight)})
+        return gathered
 
-    runtime._gather_float8 = counted
+    runtime._gather_float8 = checked
     try:
         step()
     finally:
         runtime._gather_float8 = original
-    return len(calls)
+    return {"buckets": len(calls), "weights": weights}
 
 
 def fsdp2(base: nn.Module, strategy: str, world: int, mp: bool, batch: torch.Tensor) -> dict:
@@ -256,10 +274,22 @@ def test_float8_weights_gather_one_byte_per_element(strategy: str, mode: str) ->
     all-gather of uint8 half the size of the bf16 one; NO_SHARD gathers nothing."""
     case, _ = run_of(strategy, mode)
     if mode == "eager":
-        # the eager runtime gathers each float8 bucket it reads as float8, and nothing else
+        # The eager runtime gathers each float8 bucket it reads as float8, and nothing else:
+        # each block's two linears and the root's head, once a step (it keeps what it
+        # gathered for backward).
         gathers = case["float8"]["eager_float8_gathers"]
-        assert (gathers > 0) == (strategy != "NO_SHARD"), gathers
-        assert case["plain"]["eager_float8_gathers"] == 0
+        assert case["plain"]["eager_float8_gathers"] == {"buckets": 0, "weights": []}
+        if strategy == "NO_SHARD":
+            assert gathers == {"buckets": 0, "weights": []}, gathers
+            return
+        weights = gathers["weights"]
+        assert gathers["buckets"] == 4, gathers
+        assert sorted(w["shape"] for w in weights) == sorted([(2 * WIDTH, WIDTH), (WIDTH, 2 * WIDTH)] * 3
+                                                             + [(16, WIDTH)]), weights
+        # Weight by weight: the values torchao's cast of the bf16 weight gives, bit for bit, and
+        # not the bf16 weight itself (float8 keeps 3 bits of mantissa where bf16 keeps 7).
+        for weight in weights:
+            assert weight["dtype"] == torch.bfloat16 and weight["off_torchao"] == 0 and weight["rounded"], weight
         return
     for phase in ("forward", "backward"):
         float8, plain = case["float8"]["gathers"][phase], case["plain"]["gathers"][phase]
