@@ -94,10 +94,12 @@ def shard_agreement_worker(rank: int, world: int, strategies: list[str]) -> dict
         # first run of a graph).
         store = dist.distributed_c10d._get_default_store()
         _, forward, backend = _sharded(strategy, "aot_eager")
+        start = time.perf_counter()
         _step(forward, rank, world)
         dist.barrier()  # every rank's first-run keys are written
         keys_after_first = store.num_keys()
         _step(forward, rank, world)
+        out[(strategy, "step_seconds")] = time.perf_counter() - start
         dist.barrier()
         out[(strategy, "keys_added_by_later_steps")] = store.num_keys() - keys_after_first
         dist.barrier()  # no rank writes the next shard()'s keys before every rank has counted
@@ -132,7 +134,9 @@ def test_ranks_that_shard_differently_all_raise_naming_the_difference(strategy: 
         assert "on parameter 'head.weight'" in frozen and "true" in frozen and "false" in frozen, frozen
         if strategy == strategies[0]:
             assert errors[(strategy, "keys_added_by_later_steps")] == 0
-            assert errors[(strategy, "verify_seconds")] > 0
+            # The check runs inside the two steps (at the first run of the graph): its time is
+            # part of theirs, whatever the machine's load.
+            assert 0 < errors[(strategy, "verify_seconds")] <= errors[(strategy, "step_seconds")], errors
 
 
 _AGREEMENT_RUNS: dict = {}

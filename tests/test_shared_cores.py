@@ -56,9 +56,12 @@ def step(events, **kw):
 
 def test_compute_alone_takes_the_slowest_ranks_time():
     # priced at the share of a core each rank gets while all compute: 4 x 0.2 s over 2 cores
+    # The cores never idle while a rank has work: at worst the slowest rank gets no core until
+    # the other three are done (0.3 core-seconds on 2 cores, 0.15 s), then finishes its 0.1
+    # core-seconds on a core of its own, at 0.25 s, however far apart the ranks drift.
     played = step([("compute", 0.2)])
-    assert 0.2 < played < 0.2 * 1.3
-    assert step([("compute", 0.2)], drift=2 * DRIFT) > played  # further apart, the last later
+    assert 0.2 < played <= 0.25
+    assert played < step([("compute", 0.2)], drift=2 * DRIFT) <= 0.25  # further apart, the last later
 
 
 def rounds(n: int, before: float, after: float, link: float) -> list:
@@ -75,20 +78,24 @@ def test_a_wait_others_compute_through_costs_the_machine_less_than_lockstep():
     lockstep = simulate_events(events, host=LOCKSTEP).seconds
     waits = lockstep - 12 * 0.022
     assert waits == pytest.approx(12 * 0.013)
-    assert step(events) < lockstep - 0.3 * waits
+    # Nor below the compute alone: 4 ranks' 0.264 s each at half a core is all 2 cores can do.
+    assert 12 * 0.022 <= step(events) < lockstep - 0.3 * waits
 
 
 def test_a_wait_every_rank_reaches_with_nothing_left_costs_all_of_it():
     # NO_SHARD-like: the last reduction, waited for at the end of backward
     events = [("compute", 0.1), ("issue", 0, 0.06, "inter", 0, 0.0, 0.002), ("wait", 0)]
-    assert step(events) >= simulate_events(events, host=LOCKSTEP).seconds
+    # and no more: the last rank issues it when its compute ends (the same draws as compute
+    # alone), and every wait returns the link's 0.06 s after that at the latest.
+    assert simulate_events(events, host=LOCKSTEP).seconds <= step(events) <= step([("compute", 0.1)]) + 0.06 + 1e-9
 
 
 def test_the_backend_starts_when_the_groups_last_rank_has_issued():
     # backend work (7th field) longer than the link: every rank waits for the last one's issue plus it
     events = [("compute", 0.05), ("issue", 0, 0.001, "inter", 0, 0.0, 0.02), ("wait", 0)]
     alone = step([("compute", 0.05)])
-    assert step(events) >= alone + 0.02 - 1e-9
+    # and not later: the link (1 ms) started earlier and ends before it.
+    assert alone + 0.02 - 1e-9 <= step(events) <= alone + 0.02 + 1e-9
     with pytest.raises(ValueError, match="core of its own"):
         shared_step([events], {0: [(0, 1)]}, world=2, per_machine=2, cores=2, drift=DRIFT)
 
@@ -104,7 +111,9 @@ def test_plan_plays_the_step_on_every_rank_where_ranks_share_the_cores():
     lockstep = plan(model, (tokens,), cluster=cluster, **kw).row("FULL_SHARD")
     shared = plan(model, (tokens,), cluster=cluster.with_host(core_sharing=(4, 2), rank_drift=DRIFT),
                   **kw).row("FULL_SHARD")
-    assert shared.step_seconds != lockstep.step_seconds
+    # Playing every rank moves how much communication the step exposes: some, never more than
+    # all of it (the step is nearly all communication here: 52 ms of 53).
+    assert 0 < abs(shared.step_seconds - lockstep.step_seconds) <= lockstep.comm_seconds
     # the difference is communication's: compute and memory are priced as before
     assert shared.exposed_comm_seconds - lockstep.exposed_comm_seconds == pytest.approx(
         shared.step_seconds - lockstep.step_seconds)
