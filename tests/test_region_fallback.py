@@ -98,22 +98,33 @@ def _train(model: torch.nn.Module, forward: Any, data: torch.Tensor) -> dict:
             "buffers": {n: b.clone() for n, b in model.named_buffers()}}
 
 
+def _sharded(base: torch.nn.Module, regions: int | bool) -> tuple[torch.nn.Module, fsdp_compile.FSDPBackend]:
+    """A fresh FULL_SHARD copy of ``base`` under aot_eager, with regions or without."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions)
+    backend.shard(model)
+    return model, backend
+
+
+def _record_fallback(run: dict, caught: list, backend: fsdp_compile.FSDPBackend) -> None:
+    """What a run tells of blocks compiled inline: the warnings, the inlined classes, region calls."""
+    run["warnings"] = [str(w.message) for w in caught if "compile inline" in str(w.message)]
+    run["inlined"] = {c.name: c.reason for c in backend._state.region_fallback.inlined()}
+    run["region_calls"] = compiled_regions(backend)[0]
+
+
 def fallback_worker(rank: int, world: int, name: str) -> dict:
     torch.manual_seed(0)
     base = _model(name)
     data = torch.randint(0, VOCAB, (STEPS, 2, 8), generator=torch.Generator().manual_seed(1 + rank))
     out: dict[str, Any] = {}
     for regions in (2, False):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions)
-        backend.shard(model)
+        model, backend = _sharded(base, regions)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run = _train(model, torch.compile(model, backend=backend), data)
-        run["warnings"] = [str(w.message) for w in caught if "compile inline" in str(w.message)]
-        run["inlined"] = {c.name: c.reason for c in backend._state.region_fallback.inlined()}
-        run["region_calls"] = compiled_regions(backend)[0]
+        _record_fallback(run, caught, backend)
         run["report"] = backend.report()
         out[regions] = run
     return out
@@ -238,10 +249,7 @@ def split_step_worker(rank: int, world: int) -> dict:
     data = torch.randint(0, VOCAB, (STEPS, 2, 8), generator=torch.Generator().manual_seed(1 + rank))
     out: dict[str, Any] = {}
     for regions in (2, False):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=regions)
-        backend.shard(model)
+        model, backend = _sharded(base, regions)
         forward = torch.compile(model, backend=backend)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -253,9 +261,7 @@ def split_step_worker(rank: int, world: int) -> dict:
                     out["first_call"] = {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", []),
                                          "ran_before_the_blocks": _BEFORE_THE_BLOCKS[0]}
             run = _train(model, forward, data)
-        run["warnings"] = [str(w.message) for w in caught if "compile inline" in str(w.message)]
-        run["inlined"] = {c.name: c.reason for c in backend._state.region_fallback.inlined()}
-        run["region_calls"] = compiled_regions(backend)[0]
+        _record_fallback(run, caught, backend)
         out[regions] = run
     return out
 
