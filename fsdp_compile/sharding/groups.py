@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,11 +74,12 @@ class Topology:
 
 
 def world_timeout() -> datetime.timedelta:
-    """The default group's timeout, so groups we create fail as fast as the user asked."""
-    from ..network.emulated import EmulatedProcessGroup
-
-    if isinstance(dist.group.WORLD, EmulatedProcessGroup):
-        return dist.group.WORLD.timeout
+    """The default group's timeout, so groups we create fail as fast as the user asked: the
+    group's own ``timeout`` where its class keeps one (a Python process group, such as the
+    emulated network's), else its backend's options."""
+    own = getattr(dist.group.WORLD, "timeout", None)
+    if isinstance(own, datetime.timedelta):
+        return own
     try:
         backend = dist.group.WORLD._get_backend(torch.device(_default_device_type()))
         return backend.options._timeout
@@ -101,13 +103,11 @@ def end_process_group(*, exit_process: bool = False) -> None:
     made likelier. ``monitored_barrier()`` synchronizes with messages sent from the calling
     thread and holds no earlier work (an emulated network's groups run on gloo and offer it too).
     """
-    from ..network.emulated import EmulatedProcessGroup
-
     if dist.is_initialized():
         try:
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=world_timeout())
-            elif isinstance(dist.group.WORLD, EmulatedProcessGroup):
+            elif _own_monitored_barrier(dist.group.WORLD):
                 dist.group.WORLD.monitored_barrier(world_timeout())
             else:
                 dist.barrier()
@@ -117,6 +117,13 @@ def end_process_group(*, exit_process: bool = False) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _own_monitored_barrier(group: Any) -> bool:
+    """Whether ``group``'s class defines its own monitored barrier: a process group written in
+    Python over gloo (the emulated network's) offers one, where ``dist.monitored_barrier``
+    accepts gloo groups only; c10d's own classes leave it to their backend."""
+    return type(group).monitored_barrier is not dist.ProcessGroup.monitored_barrier
 
 
 def current_device(device_type: str) -> torch.device:
