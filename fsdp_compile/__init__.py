@@ -67,6 +67,19 @@ backend.__doc__ = (
     + inspect.cleandoc(FSDPBackend.__doc__ or ""))
 
 
+def _backend_signature() -> inspect.Signature:
+    """The backend's options (declared in fsdp_compile.api.BackendOptions), then those only
+    ``strategy="auto"`` takes: what help() and IDEs that read signatures show for ``backend``."""
+    options = list(inspect.signature(FSDPBackend).parameters.values())
+    names = {p.name for p in options}
+    auto = [p for p in inspect.signature(AutoBackend).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in names]
+    return inspect.Signature(options + auto, return_annotation=FSDPBackend)
+
+
+backend.__signature__ = _backend_signature()  # type: ignore[attr-defined]
+
+
 def compile(model: nn.Module, strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
             **options: Any) -> nn.Module:
     """Shard ``model`` and return ``torch.compile(model, backend=...)``; the backend is ``.fsdp_backend``."""

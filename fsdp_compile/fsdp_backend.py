@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,9 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from .api import BackendOptions, ConfigError, CPUOffload, MixedPrecision, ShardingStrategy
+from .api import BackendOptions, ConfigError, ShardingStrategy, documents_options, signature_from
 from .checks.agreement import GraphVerifier, agree_on_model
 from .compilation.cache import CacheState, cache_key_parts
 from .compilation.compiler import Compiler
@@ -38,13 +35,14 @@ from .sharding.grad_sync import GradientSync
 from .sharding.groups import Topology, current_device, group_device_type, resolve_topology
 from .sharding.module_state import is_sharded
 from .sharding.regions import region_copies
-from .sharding.shard import shard_module
+from .sharding.shard import Init, shard_module
 from .sharding.sharded_param import ShardedParamInfo
-from .sharding.units import ROOT_UNIT, BucketPolicy
+from .sharding.units import ROOT_UNIT
 
 log = logging.getLogger("fsdp_compile")
 
 
+@documents_options
 class FSDPBackend:
     """A ``torch.compile`` backend that trains a sharded model with FSDP semantics.
 
@@ -54,110 +52,17 @@ class FSDPBackend:
     ``fsdp_compile.backend("auto", ...)`` returns the subclass that plans the strategy at
     :meth:`shard` time (:class:`fsdp_compile.planning.auto.AutoBackend`).
 
-    Args:
-        strategy: a :class:`fsdp_compile.ShardingStrategy` or its name, in any case.
-        compiler: ``"inductor"`` (default), ``"aot_eager"`` (no code generation; bitwise equal
-            to the eager runtime) or ``"eager"`` (the captured graph as Python, every marker run
-            by the eager runtime). ``FSDP_COMPILE_EAGER=1`` forces ``"eager"``.
-        mesh: a ``DeviceMesh``: 1-D, or for hybrid strategies 2-D with dims (replicate, shard).
-            For a model whose parameters are already tensor-parallel DTensors (torch's
-            ``parallelize_module`` on ``mesh["tp"]``), the data-parallel part of that same mesh
-            (``mesh["dp"]``): each parameter's TP-local tensor is sharded over it, as FSDP2's
-            ``fully_shard(mesh=mesh["dp"])`` does (see docs/tensor-parallel.md).
-        process_groups: instead of ``mesh``: one group, or ``(shard_pg, replicate_pg)`` for
-            hybrid strategies (any layout that tiles the world).
-        shard_size: hybrid strategies without ``mesh``/``process_groups``: ranks per shard
-            group (default ``LOCAL_WORLD_SIZE``, one node).
-        timeout: the timeout of groups the backend creates (default: the default group's).
-        bucket: ``"module"`` (default: one bucket per repeated block, plus the root's
-            parameters), a set of module classes or a callable ``module -> bool`` (FSDP1's
-            ``auto_wrap_policy``), an int (bytes of consecutive parameters), or ``"param"``.
-        mixed_precision: a :class:`fsdp_compile.MixedPrecision` (parameter, reduce, output dtypes).
-        schedule: reorder collectives to overlap compute (default True); under Inductor it also
-            turns off Inductor's peak-memory reordering of graphs with collectives (it would undo it).
-        prefetch: how many buckets ahead a gather is issued (default 1; 0: right before use).
-        max_inflight_bytes: most bytes of collectives issued and not yet waited (default: twice
-            the largest bucket, plus twice the largest all-reduce across nodes if hybrid).
-        forward_prefetch: explicit orders ``{unit: [units to gather when it starts]}`` (units by
-            name or module), as FSDP2's ``set_modules_to_forward_prefetch``.
-        backward_prefetch: the same for backward.
-        dump_dir: write every graph before and after each pass, and a JSON summary per graph
-            (or ``FSDP_COMPILE_DUMP=<dir>``); read with ``python -m fsdp_compile inspect``.
-        strict: raise instead of falling back, with a warning, after an error fsdp_compile does not
-            expect: a failed pass (that graph's markers would run in the eager runtime) or regions
-            failing for another reason than torch's region rules, an Inductor error say (those
-            blocks would compile inline). Default: ``FSDP_COMPILE_STRICT=1`` in the environment.
-        passes: extra passes ``{"forward" | "backward": [fn(GraphModule)]}``, run after ours.
-        offload: a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.
-        verify: check at ``shard()`` and on the first run of every compiled graph that all ranks
-            will communicate alike, raising a named error on every rank otherwise (default True).
-        cache_dir: under Inductor, a process that compiles what an earlier one compiled with
-            the same directory loads it from there (warm restarts).
-        disable_passes: names of our optional passes to skip (see
-            ``fsdp_compile.passes.context.OPTIONAL_PASSES``), to debug a pass or measure it.
-        regions: compile each repeated block once (``torch.compiler.nested_compile_region``):
-            True (default: from as many copies as pays under the compiler), False, or the
-            number of copies from which to.
-        verify_gradients: on the first step of each compiled graph, also run it through the
-            eager runtime and raise :class:`fsdp_compile.GradientMismatch` on every rank naming
-            the first parameter whose gradient differs: True (default tolerance), or a
-            tolerance relative to each gradient's largest entry (or ``FSDP_COMPILE_VERIFY=1``).
-        reshard_after_forward: what each unit keeps of its gathered parameters from forward to
-            backward (FSDP2's option of that name): True (drop to the shard; FULL_SHARD),
-            False (keep them; SHARD_GRAD_OP), or an int n (keep a shard over groups of n
-            consecutive ranks of the shard group, n dividing it: backward gathers inside those
-            groups, such as a node, only). One value, or a dict ``{unit name | module | module
-            class: value}`` for some units (the others take the strategy's).
-        memory_budget: with FULL_SHARD or HYBRID_SHARD, bytes per rank (or a string such as
-            ``"12GiB"``): the compiler chooses each unit's ``reshard_after_forward`` so that the
-            predicted exposed communication is least while the step's predicted peak (the
-            graphs' live memory, this rank's shards, gradients and AdamW's state) stays within it
-            (``fsdp_compile/compilation/reshard_choice.py``). Needs ``cluster=``.
-        cluster: the :class:`fsdp_compile.Cluster` ``memory_budget`` predicts communication on
-            (``Cluster.measure()``, which on an emulated network fits its links, or a preset).
-
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (accumulation
     without reduction); see also :mod:`fsdp_compile.training.checkpoint`, :func:`fsdp_compile.clip_grad_norm_`.
+
+    Each option below is declared, documented and checked once, in
+    :class:`fsdp_compile.api.BackendOptions`.
     """
 
-    def __init__(
-        self,
-        strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
-        *,
-        compiler: str = "inductor",
-        mesh: DeviceMesh | None = None,
-        process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
-        shard_size: int | None = None,
-        timeout: datetime.timedelta | None = None,
-        bucket: BucketPolicy = "module",
-        mixed_precision: MixedPrecision | None = None,
-        schedule: bool = True,
-        prefetch: int = 1,
-        max_inflight_bytes: int | None = None,
-        forward_prefetch: dict | None = None,
-        backward_prefetch: dict | None = None,
-        dump_dir: str | os.PathLike | None = None,
-        strict: bool | None = None,
-        passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = None,
-        offload: CPUOffload | None = None,
-        verify: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        disable_passes: Sequence[str] = (),
-        regions: bool | int = True,
-        verify_gradients: bool | float = False,
-        reshard_after_forward: Any = None,
-        memory_budget: Any = None,
-        cluster: Any = None,
-    ) -> None:
-        self.options = BackendOptions.validate(
-            strategy, compiler=compiler, mesh=mesh, process_groups=process_groups, shard_size=shard_size,
-            timeout=timeout, bucket=bucket, mixed_precision=mixed_precision, schedule=schedule, prefetch=prefetch,
-            max_inflight_bytes=max_inflight_bytes, forward_prefetch=forward_prefetch,
-            backward_prefetch=backward_prefetch, dump_dir=dump_dir, strict=strict, passes=passes, offload=offload,
-            verify=verify, cache_dir=cache_dir, disable_passes=disable_passes, regions=regions,
-            verify_gradients=verify_gradients, reshard_after_forward=reshard_after_forward,
-            memory_budget=memory_budget, cluster=cluster)
-        check_cluster(cluster)
+    @signature_from(BackendOptions)
+    def __init__(self, *strategy: Any, **options: Any) -> None:
+        self.options = BackendOptions.validate(*strategy, **options)
+        check_cluster(self.options.cluster)
         self.graphs: list[CompiledGraph] = []
         self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
         self._state = ShardingState()
@@ -265,12 +170,9 @@ class FSDPBackend:
             verifier = agree_on_model(self.options, state.topology, model)
             if state.verifier is None:
                 state.verifier = verifier
-        result = shard_module(model, state.topology, self.bucket_policy, self.options.mixed_precision,
-                              sync=self._gradient_sync, offload=self.options.offload, init_fn=init_fn,
-                              init_device=init_device or current_device(state.topology.mesh.device_type),
-                              materialize=materialize, region_copies=self.region_copies(),
-                              region_fallback=state.region_fallback, reshard=self.options.reshard_after_forward,
-                              reshard_groups=state.reshard_groups, mesh_given=self.options.mesh is not None)
+        init = Init(init_fn, init_device or current_device(state.topology.mesh.device_type), materialize)
+        result = shard_module(model, state.topology, self.options, init, sync=self._gradient_sync,
+                              region_fallback=state.region_fallback, reshard_groups=state.reshard_groups)
         if self.options.memory_budget is not None:
             # The groups a choice may reshard to, made now, when every rank shards (new_group is collective).
             for n in candidate_groups(state.topology.shard_size):

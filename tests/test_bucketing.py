@@ -23,8 +23,9 @@ from helpers import (
 from torch import nn
 
 import fsdp_compile
+from fsdp_compile.api import parse_policy
 from fsdp_compile.models.gpt import GPT
-from fsdp_compile.sharding.units import parse_policy, unit_modules, unit_of
+from fsdp_compile.sharding.units import unit_modules, unit_of
 
 # The default policy ("module") is checked by the parity runs (tests/test_parity.py).
 POLICIES = ["param", "bytes", "classes", "callable"]

@@ -7,10 +7,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # also registers the markers
+from fsdp_compile.api import parse_policy
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.passes.templates import TraceCache
 from fsdp_compile.runtime.collectives import CommSpec
-from fsdp_compile.sharding.units import parse_policy
 
 SPEC = CommSpec("g", 2, True, "", 1, None, None, True)
 

@@ -27,9 +27,10 @@ from layouts import (
 )
 from torch import nn
 
+from fsdp_compile.api import parse_policy
 from fsdp_compile.inspection.bucket_advice import oversized_bucket
 from fsdp_compile.passes.bucketing import unit_label
-from fsdp_compile.sharding.units import parse_policy, repeated_classes, unit_modules, unit_of
+from fsdp_compile.sharding.units import repeated_classes, unit_modules, unit_of
 
 WORLD = 2
 STEPS = 3

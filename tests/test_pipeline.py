@@ -12,14 +12,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile
+from fsdp_compile.api import OPTIONAL_PASSES, parse_policy
 from fsdp_compile.fsdp_backend import FSDPBackend
 from fsdp_compile.inspection.graphinfo import marker_counts
 from fsdp_compile.models.gpt import GPT, GPTConfig
-from fsdp_compile.passes.context import OPTIONAL_PASSES, PassContext
+from fsdp_compile.passes.context import PassContext
 from fsdp_compile.passes.pipeline import PIPELINE, PassFailure, run_stage, stage_passes
 from fsdp_compile.passes.scheduling import ScheduleOptions
 from fsdp_compile.runtime.collectives import CommSpec
-from fsdp_compile.sharding.units import parse_policy
 
 SPEC = CommSpec("g", 2, True, "", 1, None, None, True)
 PACKAGE = Path(fsdp_compile.__file__).parent

@@ -8,11 +8,11 @@ from helpers import inflight_from_order
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # noqa: F401  (registers the markers)
+from fsdp_compile.api import parse_policy
 from fsdp_compile.inspection.memory import estimate_memory
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.passes.scheduling import ScheduleOptions, schedule_collectives
 from fsdp_compile.runtime.collectives import CommSpec
-from fsdp_compile.sharding.units import parse_policy
 
 SPEC = CommSpec("g", 2, True, "", 1, None, None, True)
 BUCKET_BYTES = 8 * 8 * 4  # each layer's 8 x 8 fp32 weight, gathered from a 4 x 8 shard

@@ -17,7 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from ..sharding.units import ROOT_UNIT, Policy, repeated_classes, unit_of
+from ..api import Policy
+from ..sharding.units import ROOT_UNIT, repeated_classes, unit_of
 
 # Over this share of the parameters, one bucket leaves too little to shard.
 MAX_SHARE = 0.5

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..api import Policy
 from ..runtime.collectives import CommSpec
 from ..runtime.markers import Marker
-from ..sharding.units import Policy
 
 TAIL = ":tail"  # a unit's bucket of the graph's last run of markers
 

@@ -8,21 +8,19 @@ schedule, a count) is kept by the runner under the pass's name.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
 
+from .. import api
+
 # The stages of the pipeline, in order: the graph Dynamo captured (before AOTAutograd), the
 # joint graph before partitioning, the pair of partitioned graphs (fix-ups that must see
 # both), then each forward / backward graph.
 STAGES = ("captured", "joint", "partitioned", "graph")
-# Passes a user may switch off by name (backend(disable_passes=...)); the partition fix-up that
-# orders saved RNG states is a correctness repair, not an optimization, and always runs, and so
-# do the captured graph's region passes (backend(regions=False) compiles without regions).
-OPTIONAL_PASSES = ("route_region_inputs", "elide_trivial_unshard", "tag_reshard_policy",
-                   "lower_markers", "schedule_collectives")
 
 
 @dataclass
@@ -56,3 +54,13 @@ class GraphPass:
     stage: str
     graph_only: bool = True
     when: Callable[[PassContext], bool] = lambda ctx: True
+
+
+def __getattr__(name: str) -> Any:
+    # OPTIONAL_PASSES moved to the options' vocabulary (fsdp_compile.api); the backend's
+    # documentation named it here.
+    if name == "OPTIONAL_PASSES":
+        warnings.warn("fsdp_compile.passes.context.OPTIONAL_PASSES moved: use fsdp_compile.api.OPTIONAL_PASSES",
+                      DeprecationWarning, stacklevel=2)
+        return api.OPTIONAL_PASSES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

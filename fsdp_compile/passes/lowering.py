@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from ..api import Policy
 from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from ..runtime.markers import markers
-from ..sharding.units import Policy
 from .bucketing import Bucket, assign_buckets
 from .context import PassContext
 from .graph import (

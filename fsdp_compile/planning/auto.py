@@ -25,7 +25,6 @@ from torch import nn
 
 from ..api import MixedPrecision, ShardingStrategy
 from ..fsdp_backend import FSDPBackend
-from ..sharding.units import parse_policy
 from .cluster import Cluster
 from .numbers import ClusterError
 from .plan import Plan, PlanError, PlanRow, plan, require_fit
@@ -195,5 +194,5 @@ class AutoBackend(FSDPBackend):
         strategy = ShardingStrategy.parse(chosen["strategy"])
         shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
         self._set_options(strategy=strategy, bucket=chosen["bucket"], prefetch=chosen["prefetch"],
-                          shard_size=shard_size, bucket_policy=parse_policy(chosen["bucket"]),
+                          shard_size=shard_size,
                           reshard_after_forward=chosen["reshard_after_forward"])

@@ -23,11 +23,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..api import MixedPrecision, ShardingStrategy
+from ..api import BucketPolicy, MixedPrecision, ShardingStrategy
 from ..compilation.records import CompiledGraph, JointCapture
 from ..fsdp_backend import FSDPBackend
 from ..passes.graph import ROLE_META
-from ..sharding.units import BucketPolicy
 from .attention import use_cuda_attention
 from .tp import TPMeshes
 from .world import fake_inputs, fake_model

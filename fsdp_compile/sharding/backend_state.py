@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -23,8 +23,16 @@ from .sharded_param import ShardedParamInfo
 from .units import ROOT_UNIT
 
 if TYPE_CHECKING:
-    from ..checks.agreement import GraphVerifier
     from .shard import ShardResult
+
+
+class GraphCheck(Protocol):
+    """The cross-rank check of compiled graphs, as the compiled graphs' guard calls it (the
+    rank-agreement layer above implements it: ``fsdp_compile.checks.agreement.GraphVerifier``)."""
+
+    calls: int  # compiled-graph runs so far: the number the next check publishes under
+
+    def verify(self, graph: str, calls: list[Any]) -> None: ...
 
 
 @dataclass
@@ -37,7 +45,7 @@ class ShardingState:
     # {"forward" | "backward": {bucket: [buckets to gather when it starts]}}, from the options.
     explicit_prefetch: dict[str, dict[str, list[str]]] = field(
         default_factory=lambda: {"forward": {}, "backward": {}})
-    verifier: GraphVerifier | None = None  # set by the first shard() with verify=True
+    verifier: GraphCheck | None = None  # set by the first shard() with verify=True
     # Buckets over half of a model's parameters under a resharding strategy, by label: what
     # the report marks (see inspection/bucket_advice.py).
     oversized_buckets: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -49,7 +57,7 @@ class ShardingState:
     # 1: keeps the gathered parameters), and the groups of fewer ranks it made.
     reshard_to: dict[str, int] = field(default_factory=dict)
     reshard_groups: ReshardGroups = field(default_factory=ReshardGroups)
-    # memory_budget=: what the compiler chose (compilation/reshard_choice.py), once it has.
+    # memory_budget=: what the compiler chose (planning/budget.py), once it has.
     reshard_choice: Any = None
     _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
 

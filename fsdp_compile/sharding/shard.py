@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..api import CPUOffload, MixedPrecision
+from ..api import BackendOptions, parse_policy
 from ..runtime.collectives import CommSpec
 from .float8 import float8_gather
 from .grad_sync import GradientSync
@@ -30,12 +30,30 @@ from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
 from .module_state import ModuleState, set_module_state
 from .region_fallback import ModelRegions, RegionFallback
-from .regions import RegionClass, RegionReads, region_units, relative_marker_args, tp_mesh_split_classes
-from .reshard_policy import ReshardGroups, ReshardOption, resolve_reshard
+from .regions import (
+    RegionClass,
+    RegionReads,
+    region_copies,
+    region_units,
+    relative_marker_args,
+    tp_mesh_split_classes,
+)
+from .reshard_policy import ReshardGroups, resolve_reshard
 from .sharded_class import sharded_class
 from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
 from .tensor_parallel import tp_local, tp_spec
-from .units import Policy, parse_policy, unit_modules, unit_of
+from .units import unit_modules, unit_of
+
+
+@dataclass(frozen=True)
+class Init:
+    """How ``shard()`` initializes a model built on the meta device: each module by ``fn`` (default:
+    its own ``reset_parameters``), on ``device`` (default: the mesh's); ``materialize=False``
+    keeps meta shards instead (planning: shapes only)."""
+
+    fn: InitFn | None = None
+    device: torch.device | None = None
+    materialize: bool = True
 
 
 @dataclass
@@ -49,37 +67,28 @@ class ShardResult:
 def shard_module(
     model: nn.Module,
     topology: Topology,
-    policy: Policy,
-    mixed_precision: MixedPrecision | None = None,
+    options: BackendOptions,
+    init: Init = Init(),
     *,
     sync: GradientSync | None = None,
-    offload: CPUOffload | None = None,
-    init_fn: InitFn | None = None,
-    init_device: torch.device | None = None,
-    materialize: bool = True,
-    region_copies: int | None = None,
     region_fallback: RegionFallback | None = None,
-    reshard: ReshardOption = None,
     reshard_groups: ReshardGroups | None = None,
-    mesh_given: bool = False,
 ) -> ShardResult:
-    """Shard every parameter of ``model`` in place; returns the info of each, by name.
+    """Shard every parameter of ``model`` in place, as the backend's ``options`` say (bucket units,
+    mixed precision, offload, regions, ``reshard_after_forward=``); returns the info of each, by name.
 
-    Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`),
-    on ``init_device``, and initialized by ``init_fn`` or each module's ``reset_parameters``;
-    with ``materialize=False`` they become meta shards instead (planning: shapes only).
-    ``region_copies``: compile the units of a class with that many copies or more as regions
-    (see :mod:`.regions`; needs ``sync``); None: no regions. ``region_fallback``: the backend's
-    switches of region classes (:mod:`.region_fallback`; a new one by default).
-    ``reshard``: the ``reshard_after_forward=`` option (:mod:`.reshard_policy`), whose groups of
-    fewer ranks ``reshard_groups`` makes. Tensor-parallel blocks whose hooks
-    hold different mesh objects compile inline, with a warning
-    (:func:`.regions.tp_mesh_split_classes`). Parameters that are already
-    tensor-parallel DTensors are sharded over ``topology``'s dp mesh (see
-    :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave (``mesh_given``).
+    Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`) as
+    ``init`` says. Regions (see :mod:`.regions`) need ``sync``; ``region_fallback``: the
+    backend's switches of region classes (:mod:`.region_fallback`; a new one by default).
+    ``reshard_groups`` makes the groups of fewer ranks that ``reshard_after_forward=``
+    (:mod:`.reshard_policy`) reshards to. Tensor-parallel blocks whose hooks hold different
+    mesh objects compile inline, with a warning (:func:`.regions.tp_mesh_split_classes`).
+    Parameters that are already tensor-parallel DTensors are sharded over ``topology``'s dp
+    mesh (see :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave.
     """
+    policy, mixed_precision, offload = options.bucket_policy, options.mixed_precision, options.offload
     units = unit_modules(model, policy)
-    reshard_to = resolve_reshard(reshard, model, units, topology)
+    reshard_to = resolve_reshard(options.reshard_after_forward, model, units, topology)
     groups = reshard_groups if reshard_groups is not None else ReshardGroups()
     # Every rank creates the same groups, in sorted order (new_group is collective).
     reshard_group_names = {n: groups.group(topology, n).group_name
@@ -87,7 +96,7 @@ def shard_module(
     presharded: dict[int, tuple[torch.Tensor, bool]] = {}
     peak = None
     # Checked before anything is materialized, so bad input fails before any work.
-    tp_specs = {id(param): tp_spec(fqn, param, topology, mesh_given)
+    tp_specs = {id(param): tp_spec(fqn, param, topology, options.mesh is not None)
                 for _, _, _, fqn, param in _owners(model) if isinstance(param, DTensor)}
 
     def shard_full(full: torch.Tensor, original: nn.Parameter) -> tuple[torch.Tensor, bool]:
@@ -96,13 +105,13 @@ def shard_module(
             return shard_tensor(full, topology, offload)
         return shard_tensor(tp_local(full, tp), topology, offload, tp)
 
-    if has_meta(model) and materialize:
+    if has_meta(model) and init.materialize:
         # Without units of its own (bytes / param policies) a model still materializes block by block.
         init_units = units if policy.uses_units else unit_modules(model, parse_policy("module"))
-        result = materialize_units(model, init_units, init_device or current_device(topology.mesh.device_type),
-                                   shard_full, init_fn)
+        result = materialize_units(model, init_units, init.device or current_device(topology.mesh.device_type),
+                                   shard_full, init.fn)
         presharded, peak = result.shards, result.peak_full_bytes
-    elif init_fn is not None and materialize:
+    elif init.fn is not None and init.materialize:
         raise ValueError("init_fn= initializes parameters on the meta device, and this model has none; "
                          "drop init_fn or build the model under torch.device('meta')")
     device = current_device(topology.mesh.device_type)
@@ -164,8 +173,8 @@ def shard_module(
     tied_units = {unit_of(module_names[m], units) for m, specs in per_module.items()
                   if any(info.fqn in tied for info in specs.values())}
     tensor_parallel = any(info.tp is not None for info in infos.values())
-    regional = (region_units(model, units, tied_units, region_copies)
-                if region_copies is not None and sync is not None else set())
+    copies = region_copies(options.regions, options.compiler)
+    regional = region_units(model, units, tied_units, copies) if copies is not None and sync is not None else set()
     if tensor_parallel and regional:
         regional = _without_split_meshes(model, regional)
     fallback = region_fallback if region_fallback is not None else RegionFallback()

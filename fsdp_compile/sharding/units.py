@@ -20,72 +20,19 @@ Policies (``fsdp_compile.backend(bucket=...)``):
 * ``"param"``: one bucket per parameter.
 
 Units travel in each marker's ``unit`` argument, so the bucketing pass needs nothing but the
-graph. This module holds the model side (policies, units); the graph side is
-:mod:`fsdp_compile.passes.bucketing`.
+graph. This module holds the model side (units); the policies are parsed in
+:mod:`fsdp_compile.api.buckets`, the graph side is :mod:`fsdp_compile.passes.bucketing`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch.nn as nn
 
-BucketPolicy = str | int | Iterable[type] | Callable[[nn.Module], bool]
+from ..api.buckets import Policy
+
 ROOT_UNIT = ""
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A validated bucket policy."""
-
-    kind: str  # "module", "classes", "callable", "bytes", "param"
-    classes: tuple[type, ...] = ()
-    predicate: Callable[[nn.Module], bool] | None = None
-    max_bytes: int = 0
-
-    @property
-    def uses_units(self) -> bool:
-        return self.kind in ("module", "classes", "callable")
-
-    def describe(self) -> str:
-        if self.kind == "classes":
-            return "{" + ", ".join(c.__name__ for c in self.classes) + "}"
-        if self.kind == "callable":
-            return getattr(self.predicate, "__name__", repr(self.predicate))
-        if self.kind == "bytes":
-            return str(self.max_bytes)
-        return repr(self.kind)
-
-
-def parse_policy(bucket: BucketPolicy) -> Policy:
-    """Validate ``bucket=``; errors name the argument and what it accepts."""
-    if isinstance(bucket, str):
-        if bucket in ("module", "param"):
-            return Policy(bucket)
-        raise ValueError(
-            f"bucket={bucket!r} is not a policy; use 'module', 'param', a size in bytes, a set of "
-            "module classes, or a callable module -> bool"
-        )
-    if isinstance(bucket, bool):
-        raise TypeError("bucket= takes 'module', 'param', a size in bytes, module classes or a callable, not a bool")
-    if isinstance(bucket, int):
-        if bucket <= 0:
-            raise ValueError(f"bucket={bucket} must be a positive number of bytes")
-        return Policy("bytes", max_bytes=bucket)
-    if isinstance(bucket, type):
-        bucket = (bucket,)
-    if isinstance(bucket, (set, frozenset, list, tuple)):
-        classes = tuple(bucket)
-        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
-        if not classes or bad:
-            raise TypeError(
-                f"bucket= as a collection must hold nn.Module subclasses; got {bad or 'an empty collection'}"
-            )
-        return Policy("classes", classes=classes)
-    if callable(bucket):
-        return Policy("callable", predicate=bucket)
-    raise TypeError(f"bucket= got {type(bucket).__name__}; see fsdp_compile.backend's documentation")
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

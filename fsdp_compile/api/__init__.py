@@ -1,0 +1,32 @@
+"""What a user configures, and the checks it passes: the vocabulary of the public API.
+
+Strategies (:mod:`.strategy`), mixed precision and CPU offload (:mod:`.policies`), the
+``bucket=`` policies (:mod:`.buckets`), single values' checks and parsers (:mod:`.values`), and
+:class:`BackendOptions`, every option of :func:`fsdp_compile.backend` declared and checked once
+(:mod:`.options`), as FSDP2 keeps its policies in ``_fsdp_api.py``. It sits at the bottom of the
+package: nothing here imports the rest of it but :mod:`fsdp_compile.errors`.
+"""
+
+from ..errors import ConfigError as ConfigError  # the options module is where users have imported it from
+from .buckets import BucketPolicy, Policy, parse_policy
+from .options import BackendOptions, documents_options, option, options_doc, signature_from
+from .policies import COMMUNICABLE_DTYPES, CPUOffload, MixedPrecision
+from .strategy import ShardingStrategy
+from .values import (
+    COMPILERS,
+    OPTIONAL_PASSES,
+    STRICT_ENV,
+    ReshardOption,
+    check_inflight_budget,
+    check_prefetch,
+    check_reshard_option,
+    env_flag,
+    parse_bytes,
+)
+
+__version__ = "0.1.0"  # the one definition; readers look it up when they need it
+
+__all__ = ["COMMUNICABLE_DTYPES", "COMPILERS", "OPTIONAL_PASSES", "STRICT_ENV", "BackendOptions", "BucketPolicy",
+           "CPUOffload", "ConfigError", "MixedPrecision", "Policy", "ReshardOption", "ShardingStrategy",
+           "check_inflight_budget", "check_prefetch", "check_reshard_option", "documents_options", "env_flag",
+           "option", "options_doc", "parse_bytes", "parse_policy", "signature_from"]

@@ -1,0 +1,58 @@
+"""The policies a user passes as objects (as FSDP2's ``MixedPrecisionPolicy`` and ``OffloadPolicy``):
+mixed precision and CPU offload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Dtypes every collective backend can move and reduce.
+COMMUNICABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """``param_dtype``: dtype of gathered parameters (and so of compute); ``reduce_dtype``: dtype
+    gradients are reduced in; ``output_dtype``: cast of the root module's floating-point outputs;
+    ``cast_forward_inputs``: cast the root module's floating-point inputs to ``param_dtype``.
+    ``None`` keeps the parameter's dtype (for ``reduce_dtype``: ``param_dtype``)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in COMMUNICABLE_DTYPES:
+                allowed = ", ".join(str(d) for d in COMMUNICABLE_DTYPES)
+                raise ValueError(
+                    f"MixedPrecision({name}={value}) cannot be communicated; use one of {allowed}"
+                )
+        if self.output_dtype is not None and not (
+            isinstance(self.output_dtype, torch.dtype) and self.output_dtype.is_floating_point
+        ):
+            raise ValueError(f"MixedPrecision(output_dtype={self.output_dtype}) must be a floating-point dtype")
+
+    def applies_to(self, param: torch.Tensor) -> bool:
+        return param.is_floating_point()
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep parameter shards (and so their gradients and optimizer state) in CPU memory.
+
+    Each gather copies the bucket's shards to the compute device first (asynchronously from
+    pinned memory), and each reduced gradient shard is copied back to the host, where the
+    optimizer steps. ``pin_memory`` pins the shards so those host-to-device copies overlap;
+    it applies only where an accelerator exists (on a CPU-only machine the compute device is
+    the CPU and every copy is a no-op).
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"CPUOffload(pin_memory=) takes a bool, got {type(self.pin_memory).__name__}")
