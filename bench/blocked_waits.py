@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 from parts import parser, run_part
 from report_files import run_facts, write_report
@@ -104,7 +105,9 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     build, (batch, seq) = (gpt_tiny, (2, 32)) if args.smoke else (gpt_small, (4, 128))
-    cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30)
+    from fsdp_compile_lab import HostCPU
+
+    cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30, host=HostCPU)
     tokens = torch.randint(0, build().cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(rank))
     results = {}
     for strategy in STRATEGIES:

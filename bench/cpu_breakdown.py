@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 from launch import rank_env, torchrun_command
 from plain_loop import full_shard_prediction, gpt_job
@@ -70,6 +71,7 @@ def worker(args) -> None:
 
     import fsdp_compile
     from fsdp_compile.sharding.groups import end_process_group
+    from fsdp_compile_lab import HostCPU
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -78,7 +80,7 @@ def worker(args) -> None:
 
     predicted = None
     if args.mode == "FULL_SHARD":
-        cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30)
+        cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30, host=HostCPU)
         if rank == 0:
             predicted = full_shard_prediction(build, (batch, cfg.block_size), cluster, world)
         dist.barrier()

@@ -15,7 +15,7 @@ gloo's completion, and when its wait was called and returned (``bench/overlap.py
 clusters (the numbers measured beside that strategy's steps, rebuilt as ``bench/replan.py``
 does) with a trace of the same events (``simulate_events(trace=...)``). That trace is one
 rank's timeline (lockstep); where the job's ranks outnumber its cores and its cluster measured
-their drift, the plan's step is every rank played together (``planning.host.shared_cores``), which
+their drift, the plan's step is every rank played together (the lab's ``fsdp_compile_lab.host.shared_cores``), which
 it does not trace: its planned step is that one, its collectives lockstep's.
 
 Per collective in issue order, on the network and on unlimited links: when it was issued and
@@ -74,7 +74,7 @@ def worker(args) -> None:
     from overlap import Tracer
 
     import fsdp_compile
-    from fsdp_compile.compilation.inner import collector_paused
+    from fsdp_compile.compilation import collector_paused
     from fsdp_compile.network.links import unlimited_links
     from fsdp_compile.planning.cli import build_model
     from fsdp_compile.sharding.groups import end_process_group

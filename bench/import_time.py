@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report_files import ROOT, run_facts, write_report
 
-PARTS = ("fsdp_compile", "fsdp_compile.planning", "fsdp_compile.planning.host", "fsdp_compile.planning.calibration",
-         "fsdp_compile.network")
+PARTS = ("fsdp_compile", "fsdp_compile.planning", "fsdp_compile.planning.calibration", "fsdp_compile.network")
 
 
 def import_times(tree: Path) -> dict[str, tuple[int, int]]:

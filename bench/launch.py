@@ -2,7 +2,8 @@
 
 Each rank runs one intra-op thread (``OMP_NUM_THREADS``, 1 unless given: ranks share the
 machine's cores, and a rank that spins up a thread per core competes with its peers), imports
-``fsdp_compile`` and the benchmark's sibling modules from this checkout, and has Python's fault
+``fsdp_compile``, the lab (``lab/fsdp_compile_lab``, not installed) and the benchmark's sibling
+modules from this checkout, and has Python's fault
 handler on: a rank that native code aborts (a heap corruption, a C++ exception in a
 communication thread) prints every thread's Python stack before it dies, so the job's failure
 names where it happened rather than only "exited with signal 6".
@@ -25,6 +26,6 @@ def torchrun_command(world: int, *target: str) -> list[str]:
 
 def rank_env(omp_threads: str = "1") -> dict[str, str]:
     """The environment of a benchmark's ranks: this process's, plus the settings above."""
-    path = [str(ROOT), str(ROOT / "bench"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    path = [str(ROOT), str(ROOT / "bench"), str(ROOT / "lab"), *filter(None, [os.environ.get("PYTHONPATH")])]
     return {**os.environ, "OMP_NUM_THREADS": omp_threads, "PYTHONFAULTHANDLER": "1",
             "PYTHONPATH": os.pathsep.join(path)}

@@ -184,7 +184,9 @@ def measure_job(args, rank: int, world: int, net, plain, log) -> dict:
     else:
         net.set_links(**UNLIMITED_LINKS)
         start = time.monotonic()
-        cluster = fsdp_compile.Cluster.measure(nodes=nodes)
+        from fsdp_compile_lab import HostCPU  # on the ranks' PYTHONPATH (launch.rank_env)
+
+        cluster = fsdp_compile.Cluster.measure(nodes=nodes, host=HostCPU)
         log(f"world {world}: Cluster.measure() in {time.monotonic() - start:.0f} s")
 
     # 1. compute and links; 2. budgets, from the two strategies' measured peaks.

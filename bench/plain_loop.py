@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 from parts import parser, run_part
 from report_files import run_facts
@@ -80,7 +81,9 @@ def worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, batch, build = gpt_job(args.smoke, vocab_size=1024, n_layer=6)
 
-    cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30)
+    from fsdp_compile_lab import HostCPU
+
+    cluster = fsdp_compile.Cluster.measure(device_memory=8 << 30, host=HostCPU)
     predicted = full_shard_prediction(build, (batch, cfg.block_size), cluster, world) if rank == 0 else None
     dist.barrier()
 

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 from launch import rank_env, torchrun_command
 
@@ -46,8 +47,9 @@ import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, plan
 from fsdp_compile.planning.cli import _cross_entropy
-from fsdp_compile.planning.host import HostCPU
 from fsdp_compile.planning.measured import quiet_step_seconds
+from fsdp_compile_lab import HostCPU
+from fsdp_compile_lab.calibration.calibrate import _op_overhead
 
 GB = 1e9
 GiB = 1 << 30
@@ -100,7 +102,9 @@ def _torchrun(world: int, args: list[str], out: Path) -> dict | None:
         print(f"  {out / 'compare.json'} is missing: left out (--reuse-only)", flush=True)
         return None
     load = _wait_for_quiet()
-    cmd = torchrun_command(world, "-m", "fsdp_compile", "compare", *args, "--out", str(out))
+    # The lab's host-CPU model: what ranks sharing this machine's cores and gloo add to the plan.
+    cmd = torchrun_command(world, "-m", "fsdp_compile", "compare", *args, "--host", "fsdp_compile_lab:HostCPU",
+                           "--out", str(out))
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, env=rank_env(), check=True)
     data = json.loads((out / "compare.json").read_text())
@@ -286,7 +290,7 @@ def part_attribution(smoke: bool = False, repeats: int = 5) -> dict:
             attention_flops={torch.float32: measuring._attention_flops(torch.float32, cpu, repeats)},
             memory_bandwidth=measuring._memory_bandwidth(cpu, repeats), intra_node_bandwidth=1e9,
             inter_node_bandwidth=None, intra_node_latency=0.0, inter_node_latency=None,
-            device_type="cpu", host=HostCPU(op_overhead=measuring._op_overhead(cpu, repeats)))
+            device_type="cpu", host=HostCPU(op_overhead=_op_overhead(cpu, repeats)))
         models = []
         for factory, batch, seq in SMOKE_RUNS if smoke else ACCURACY_RUNS:
             model = globals()[factory]()

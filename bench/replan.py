@@ -30,16 +30,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 from plan_emulated import EXPOSED_FLOOR, EXPOSED_WITHIN, STEP_WITHIN
 from report_files import run_facts, write_report
 
 from fsdp_compile.network.links import parse_bandwidth, parse_latency
-from fsdp_compile.planning.calibration.collectives import backend_share
 from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, _cross_entropy, build_model, plan_each
 from fsdp_compile.planning.cluster_numbers import cluster_from_numbers
 from fsdp_compile.planning.compare import clusters_beside_steps
 from fsdp_compile.runtime.ring import ring_steps
+from fsdp_compile_lab import HostCPU
+from fsdp_compile_lab.calibration.host_collectives import backend_share
 
 _NETWORK = re.compile(r"EmulatedNetwork\(intra_node=([^,]+), inter_node=([^,]+), latency=([^,]+),")
 
@@ -92,19 +94,18 @@ def job_clusters(job: dict, cores: int | None = None, rank_drift: float | None =
     if job.get("tp", 1) != 1:
         raise SystemExit("replan: jobs under tensor parallelism are not supported (their mesh is not recorded)")
     nodes, per_node = job_shape(job)
-    share = None
+    sharing = {}
     if "backend_share" not in job["cluster_numbers"]:
         if cores is None:
             raise SystemExit("replan: this compare.json predates the backend's share of the cores: give the cores "
                              "of the machine it ran on (--cores)")
-        share = backend_share(cores / job["world"])
-    sharing = {}
+        sharing["backend_share"] = backend_share(cores / job["world"])
     if rank_drift is not None:
         if cores is None:
             raise SystemExit("replan: --rank-drift needs the cores of the machine the job ran on (--cores)")
-        sharing = ({"core_sharing": (job["world"], cores), "rank_drift": rank_drift}
-                   if job["world"] > cores and rank_drift > 0 else {"core_sharing": None, "rank_drift": 0.0})
-    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, backend_share=share)
+        sharing.update({"core_sharing": (job["world"], cores), "rank_drift": rank_drift}
+                       if job["world"] > cores and rank_drift > 0 else {"core_sharing": None, "rank_drift": 0.0})
+    clusters = {key: cluster_from_numbers(job[key], nodes=nodes, devices_per_node=per_node, host=HostCPU)
                 .with_host(**sharing) if job.get(key) else None
                 for key in ("cluster_numbers", "unlimited_cluster_numbers")}
     unlimited = clusters["unlimited_cluster_numbers"]

@@ -33,3 +33,10 @@ guard_dynamo()
 
 # Workers are spawned processes that import helpers from this folder by module name.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The measuring lab (lab/fsdp_compile_lab: the host-CPU model the CPU figures are predicted with)
+# is not installed with the package: the tests import it from the repository, and so do the
+# processes they start (torchrun jobs, benchmarks run as scripts) through PYTHONPATH.
+LAB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab")
+sys.path.insert(0, LAB)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (LAB, os.environ.get("PYTHONPATH")) if p)

@@ -11,6 +11,7 @@ import torch
 from fsdp_compile.planning.cluster import Cluster
 from fsdp_compile.planning.cluster_numbers import cluster_from_numbers, cluster_numbers
 from fsdp_compile.planning.numbers import MeasuredCollective
+from fsdp_compile_lab import HostCPU
 
 
 def measured_like() -> Cluster:
@@ -21,19 +22,18 @@ def measured_like() -> Cluster:
                               "reduce_scatter": MeasuredCollective(2e-4, 1e9, 4)},
         measured_inter_collectives={"all_reduce": MeasuredCollective(3e-4, 5e8, 2)},
         optimizer_step={"adamw": (7e-4, 3e-9)}, collective_workspace={"all_gather": 1.0}, runtime_per_tensor=2e-4,
-        attention_flops={torch.float32: 3e10},
-    ).with_host(
+        attention_flops={torch.float32: 3e10}, host=HostCPU(
         op_overhead=1.2e-5,
         backend_collectives={"all_gather": MeasuredCollective(5e-5, 4e9, 4)},
         backend_inter_collectives={"all_reduce": MeasuredCollective(6e-5, 3e9, 2)}, backend_share=(0.5, 1.0),
         copy_kernels={"copy_in": (1e-5, 2e-10)},
         collective_issue={"all_gather": (3e-4, 1e-10)}, collective_cpu={"reduce_scatter": (1e-3, 2e-9)},
-        rank_skew=1.5e-3, core_sharing=(4, 2), rank_drift=0.03, compute_scale=1.2)
+        rank_skew=1.5e-3, core_sharing=(4, 2), rank_drift=0.03, compute_scale=1.2))
 
 
 def test_every_number_the_planner_reads_survives_the_round_trip() -> None:
     cluster = measured_like()
-    back = cluster_from_numbers(json.loads(json.dumps(cluster_numbers(cluster))))
+    back = cluster_from_numbers(json.loads(json.dumps(cluster_numbers(cluster))), host=HostCPU)
     for field in dataclasses.fields(Cluster):
         if field.name != "sources":  # where each number came from is the file's header, not a number
             assert getattr(back, field.name) == getattr(cluster, field.name), field.name
@@ -53,3 +53,10 @@ def test_numbers_written_before_the_shape_need_it_and_take_the_links_from_the_fi
     assert (old.intra_node_bandwidth, old.intra_node_latency) == (2e9, 1e-4)
     assert (old.inter_node_bandwidth, old.inter_node_latency) == (1e8, 5e-4)
     assert old.measured_collectives == measured_like().measured_collectives
+
+
+def test_the_host_models_numbers_are_read_back_by_its_class_only() -> None:
+    numbers = json.loads(json.dumps(cluster_numbers(measured_like())))
+    assert cluster_from_numbers(numbers).host is None  # the package reads the devices' numbers alone
+    plain = cluster_numbers(measured_like().replace(host=None))
+    assert "op_overhead" not in plain and cluster_from_numbers(plain, host=HostCPU).host is None

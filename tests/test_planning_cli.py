@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args: list[str], timeout: int = 900, env_extra: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # the lab (lab/fsdp_compile_lab): compare --host fsdp_compile_lab:HostCPU
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "lab")))}
     for key, value in (env_extra or {}).items():
         if value is None:
             env.pop(key, None)
@@ -408,6 +409,8 @@ def test_compare_exposed_needs_an_emulated_network(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit, match="--exposed compares an emulated network with unlimited links: add --emulate"):
         main(["compare", "--exposed"])
+    with pytest.raises(SystemExit, match=r"which a host model times \(its unlimited_links\): add --host"):
+        main(["compare", "--exposed", "--emulate", "1GB/s"])
 
 
 def _measured(name: str, steps_ms: list[float]):
@@ -476,7 +479,7 @@ def test_plan_command_solves_the_largest_batch(tmp_path: Path) -> None:
 def test_compare_runs_strategies_and_writes_json_and_chart(tmp_path: Path) -> None:
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fsdp_compile",
                  "compare", "--model", "gpt-tiny", "--steps", "3", "--strategies", "FULL_SHARD,NO_SHARD",
-                 "--out", str(tmp_path)], timeout=1500)
+                 "--host", "fsdp_compile_lab:HostCPU", "--out", str(tmp_path)], timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "compare.json").read_text())
     assert [r["strategy"] for r in data["rows"]] == ["FULL_SHARD", "NO_SHARD"]

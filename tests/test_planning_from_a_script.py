@@ -29,7 +29,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile.planning import Cluster
-from fsdp_compile.planning.host import HostCPU
+from fsdp_compile_lab.host import HostCPU
 
 VOCAB, DIM = 64, 16
 
@@ -115,7 +115,8 @@ if __name__ == "__main__":
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RUNS_LOG": str(tmp_path / "runs.log")}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "lab"))),
+            "RUNS_LOG": str(tmp_path / "runs.log")}
 
 
 # -m slow: two torchrun processes that import, plan and train (20 s on 2 cores); the default run

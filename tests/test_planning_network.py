@@ -5,7 +5,8 @@ On a network of two nodes whose inter-node link is ten times slower than the int
 inter-node ones on groups of one rank per node, so a plan prices a hybrid strategy's
 all-reduce across nodes on the slow link. The links' fits are what the network charged the
 collectives it ran (an emulated collective's wall time is the later of its link and gloo);
-gloo's own time is fitted apart, with the links unlimited. Timing still fits plain gloo and
+gloo's own time is fitted apart, with the links unlimited, by the lab's host model
+(``Cluster.measure(host=HostCPU)``). Timing still fits plain gloo and
 the ring model (``test_collective_fits_recover_the_emulated_link``).
 """
 
@@ -21,6 +22,7 @@ from distributed import run_workers
 import fsdp_compile
 from fsdp_compile.planning.cli import _emulated_network
 from fsdp_compile.sharding.groups import end_process_group
+from fsdp_compile_lab import HostCPU
 
 INTRA, INTER = 200e6, 20e6
 
@@ -47,7 +49,8 @@ def measure_worker(rank: int, world: int) -> dict:
     net.init_process_group(timeout=datetime.timedelta(seconds=120))
     try:
         with collectives_timed_alone():
-            cluster = fsdp_compile.Cluster.measure(nodes=2, sizes=(1 << 18, 1 << 20), repeats=1, device_memory=1 << 30)
+            cluster = fsdp_compile.Cluster.measure(nodes=2, sizes=(1 << 18, 1 << 20), repeats=1, device_memory=1 << 30,
+                                                   host=HostCPU)
             return {"intra": {k: v.bandwidth for k, v in cluster.measured_collectives.items()},
                     "inter": {k: v.bandwidth for k, v in cluster.measured_inter_collectives.items()},
                     "backend_inter": {k: v.bandwidth for k, v in cluster.host.backend_inter_collectives.items()},
@@ -144,12 +147,8 @@ def test_an_emulated_networks_link_fits_are_its_links_not_gloos_time() -> None:
 def backend_worker(rank: int, world: int) -> dict:
     import torch
 
-    from fsdp_compile.planning.calibration.calibrate import (
-        _backend_collectives,
-        _emulated_network,
-        _link_groups,
-        backend_links,
-    )
+    from fsdp_compile.planning.calibration.calibrate import _emulated_network, _link_groups
+    from fsdp_compile_lab.calibration.calibrate import _backend_collectives, backend_links
 
     net = fsdp_compile.EmulatedNetwork(intra_node=LINK, latency=LATENCY, devices_per_node=2)
     net.init_process_group(timeout=datetime.timedelta(seconds=120))
@@ -157,8 +156,8 @@ def backend_worker(rank: int, world: int) -> dict:
         with collectives_timed_alone():
             own, inter = _backend_collectives(_emulated_network(None), _link_groups(None, 1), torch.device("cpu"),
                                               (1 << 16, 1 << 18, 1 << 20), 3)
-            link = fsdp_compile.Cluster.preset("a10g").replace(device_type="cpu", devices_per_node=2).with_host(
-                backend_collectives=own, backend_share=(0.5, 1.0))
+            link = fsdp_compile.Cluster.preset("a10g").replace(device_type="cpu", devices_per_node=2, host=HostCPU(
+                backend_collectives=own, backend_share=(0.5, 1.0)))
             unlimited = backend_links(link)
             return {"found": _emulated_network(None) is net, "own": {k: v.bandwidth for k, v in own.items()},
                     "inter": inter, "put_back": net.links()["intra"].bandwidth,
@@ -181,10 +180,10 @@ def test_the_backends_own_collectives_are_timed_with_the_links_unlimited() -> No
 
 
 def test_backend_links_needs_the_backends_own_collectives() -> None:
-    from fsdp_compile.planning.calibration.calibrate import backend_links
     from fsdp_compile.planning.numbers import ClusterError
+    from fsdp_compile_lab import backend_links
 
-    with pytest.raises(ClusterError, match=r"no backend_collectives: measure it with Cluster.measure\(\) on an "):
+    with pytest.raises(ClusterError, match=r"no backend_collectives: measure it with Cluster.measure\(host=HostCPU\) on an "):
         backend_links(fsdp_compile.Cluster.preset("a10g"))
 
 

@@ -10,9 +10,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile.planning import Cluster, ClusterError
 from fsdp_compile.planning.cost import Group, collective_cost, graph_costs, node_cost
-from fsdp_compile.planning.host import HOST_NUMBERS, HostCPU
 from fsdp_compile.planning.numbers import MeasuredCollective
 from fsdp_compile.planning.simulate import simulate_events
+from fsdp_compile_lab.host import HOST_NUMBERS, HostCPU
 
 H100 = Cluster.preset("h100-sxm", nodes=2)
 LOCKSTEP = HostCPU()  # a host model that adds nothing of its own: events carry its numbers
@@ -141,8 +141,8 @@ def test_group_of_one_costs_nothing():
 
 def test_issuing_a_collective_takes_the_compute_stream_first():
     from fsdp_compile.planning.cost import NodeCost
-    from fsdp_compile.planning.host.model import CollectiveOnHost
     from fsdp_compile.planning.simulate import simulate_graph
+    from fsdp_compile_lab.host.model import CollectiveOnHost
 
     issued = small_cluster(collective_issue={"reduce_scatter": (1e-4, 1e-9)})
     cost = collective_cost("reduce_scatter", 1_000_000, Group(4, 1), issued)
@@ -297,7 +297,8 @@ def test_compare_plans_each_strategy_on_the_numbers_timed_beside_its_steps():
     from fsdp_compile.planning.compare import beside_steps
     from fsdp_compile.planning.cost import optimizer_seconds
 
-    cluster = small_cluster(optimizer_step={"adamw": (2e-4, 1e-9), "sgd": (1e-5, 1e-10)}, runtime_per_tensor=5e-5)
+    cluster = small_cluster(optimizer_step={"adamw": (2e-4, 1e-9), "sgd": (1e-5, 1e-10)}, runtime_per_tensor=5e-5,
+                            compute_scale=1.1)  # a host model's number: compute_scale is the host's
     moved = beside_steps(cluster, {"compute_scale": 1.3, "optimizer_step": {"adamw": [4e-4, 2e-9]},
                                    "runtime_per_tensor": 8e-5})
     assert moved.host.compute_scale == 1.3 and moved.runtime_per_tensor == 8e-5
@@ -308,7 +309,7 @@ def test_compare_plans_each_strategy_on_the_numbers_timed_beside_its_steps():
 
 
 def rank_skew_worker(rank: int, world: int) -> float:
-    from fsdp_compile.planning.calibration.collectives import _rank_skew
+    from fsdp_compile_lab.calibration.host_collectives import _rank_skew
 
     return _rank_skew(None, torch.device("cpu"), 3)
 
@@ -316,13 +317,14 @@ def rank_skew_worker(rank: int, world: int) -> float:
 def test_rank_skew_is_measured_only_where_ranks_time_slice_the_cores(monkeypatch):
     from distributed import run_workers
 
-    from fsdp_compile.planning.calibration import collectives, compute
+    from fsdp_compile.planning.calibration import compute
+    from fsdp_compile_lab.calibration import host_collectives
 
     # a core per rank: no skew to measure, and nothing runs (no process group here)
     monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert collectives._rank_skew(None, torch.device("cpu"), 3) == 0.0
+    assert host_collectives._rank_skew(None, torch.device("cpu"), 3) == 0.0
     monkeypatch.undo()
     # 4 ranks on this machine's cores: measured, the same (slowest) figure on every rank
     skews = run_workers(rank_skew_worker, 4)
@@ -332,7 +334,7 @@ def test_rank_skew_is_measured_only_where_ranks_time_slice_the_cores(monkeypatch
 def test_each_collective_waits_the_rank_skew_for_the_last_rank():
     from fsdp_compile.planning.cost import collective_cost
 
-    fair = small_cluster()
+    fair = small_cluster().replace(host=LOCKSTEP)
     skewed = fair.with_host(rank_skew=4e-3)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         base = collective_cost(kind, 1 << 20, Group(2, 1), fair.with_host())
@@ -423,6 +425,7 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     ``compute_scale``, runs with every rank at once (timed in turns, world 4 under-predicted its
     plain-gloo steps by 13-16%)."""
     from fsdp_compile.planning.calibration import calibrate as measure
+    from fsdp_compile_lab.calibration import calibrate as host_measure
 
     monkeypatch.setattr(measure.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(measure.dist, "barrier", lambda group=None: None)
@@ -432,6 +435,7 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(measure, "_slowest", lambda value, group: value)
+    monkeypatch.setattr(host_measure, "_slowest", lambda value, group: value)
     synced: dict[str, bool] = {}
 
     def recorded(name, result):
@@ -444,11 +448,11 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     monkeypatch.setattr(measure, "_matmul_flops", recorded("matmul", 1e11))
     monkeypatch.setattr(measure, "_attention_flops", recorded("attention", 1e11))
     monkeypatch.setattr(measure, "_memory_bandwidth", recorded("bandwidth", 1e10))
-    monkeypatch.setattr(measure, "_op_overhead", lambda device, repeats: 1e-6)
+    monkeypatch.setattr(host_measure, "_op_overhead", lambda device, repeats: 1e-6)
     monkeypatch.setattr(measure, "_optimizer_step", recorded("optimizer", (1e-4, 1e-9)))
     monkeypatch.setattr(measure, "_runtime_per_tensor", recorded("runtime", 1e-5))
-    monkeypatch.setattr(measure, "_copy_kernels", recorded("copies", {}))
-    monkeypatch.setattr(measure, "timed_reference", recorded("reference", (0.0, [])))
+    monkeypatch.setattr(host_measure, "_copy_kernels", recorded("copies", {}))
+    monkeypatch.setattr(host_measure, "timed_reference", recorded("reference", (0.0, [])))
     ring = MeasuredCollective(step_latency=1e-5, bandwidth=1e9, group_size=4)
     links_on: list = []
 
@@ -458,14 +462,14 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
 
     monkeypatch.setattr(measure, "_collectives_per_link", collectives_per_link)
     monkeypatch.setattr(measure, "_emulated_network", lambda group: "the network")
-    monkeypatch.setattr(measure, "_backend_collectives", lambda *a: ({}, {}))
-    monkeypatch.setattr(measure, "_issue_seconds", lambda *a: {})
+    monkeypatch.setattr(host_measure, "_backend_collectives", lambda *a: ({}, {}))
+    monkeypatch.setattr(host_measure, "_issue_seconds", lambda *a: {})
     monkeypatch.setattr(measure, "_collective_workspace", lambda *a: {})
-    monkeypatch.setattr(measure, "_collective_cpu", lambda *a: fit)
-    monkeypatch.setattr(measure, "_rank_skew", lambda *a: 0.0)
-    monkeypatch.setattr(measure, "rank_drift", lambda *a: 0.03)
+    monkeypatch.setattr(host_measure, "_collective_cpu", lambda *a: fit)
+    monkeypatch.setattr(host_measure, "_rank_skew", lambda *a: 0.0)
+    monkeypatch.setattr(host_measure, "rank_drift", lambda *a: 0.03)
     cluster = measure.measure_cluster(Cluster, group=None, sizes=None, repeats=1, dtypes=(torch.float32,), nodes=1,
-                                      device="cpu", device_memory=1e9)
+                                      device="cpu", device_memory=1e9, host=HostCPU)
     assert synced.pop("reference") is True
     assert (cluster.host.core_sharing, cluster.host.rank_drift) == ((4, 2), 0.03)  # its step is played on every rank
     assert synced and not any(synced.values()), synced  # local rank 1's turn: no inner barriers
@@ -474,12 +478,13 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
 
 
 def test_cpu_communication_takes_no_compute_with_a_core_to_spare(monkeypatch):
-    from fsdp_compile.planning.calibration import collectives, compute
+    from fsdp_compile.planning.calibration import compute
+    from fsdp_compile_lab.calibration import host_collectives
 
     monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert collectives._collective_cpu(None, torch.device("cpu"), (1 << 16,), 1) == {}
+    assert host_collectives._collective_cpu(None, torch.device("cpu"), (1 << 16,), 1) == {}
 
 
 def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
@@ -728,7 +733,8 @@ def test_symbolic_steps_leave_the_backends_share_out():
 
 def test_collective_cost_carries_the_backends_own_time_on_a_cpu():
     fit = MeasuredCollective(1e-4, 1e8, 2)
-    plain = small_cluster(device_type="cpu", devices_per_node=2, measured_collectives={"all_gather": fit}).with_host()
+    plain = small_cluster(device_type="cpu", devices_per_node=2, measured_collectives={"all_gather": fit}).replace(
+        host=LOCKSTEP)
     cost = collective_cost("all_gather", 1 << 20, Group(2, 1), plain)
     assert cost.host.backend_seconds == cost.seconds  # plain gloo: the link's fit is gloo's own
     own = MeasuredCollective(1e-5, 1e9, 2)
@@ -743,7 +749,7 @@ def test_collective_cost_carries_the_backends_own_time_on_a_cpu():
 
 
 def test_backend_share_follows_the_cores_per_thread():
-    from fsdp_compile.planning.calibration.collectives import backend_share
+    from fsdp_compile_lab.calibration.host_collectives import backend_share
 
     assert backend_share(1.0) == (0.5, 1.0)  # world 2 on 2 cores
     assert backend_share(0.5) == (0.5, 1.0)  # world 4 on 2 cores: the fit already shared the cores

@@ -8,9 +8,9 @@ import torch
 
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, ClusterError, plan
-from fsdp_compile.planning.host import HostCPU
-from fsdp_compile.planning.host.shared_cores import partition, quantum, shared_step, shares, spread
 from fsdp_compile.planning.simulate import simulate_events
+from fsdp_compile_lab.host import HostCPU
+from fsdp_compile_lab.host.shared_cores import partition, quantum, shared_step, shares, spread
 
 LOCKSTEP = HostCPU()  # one rank's timeline, whose events carry the host's numbers
 
@@ -109,7 +109,7 @@ def test_plan_plays_the_step_on_every_rank_where_ranks_share_the_cores():
     kw = {"loss_fn": lambda out: out.float().square().mean(), "prefetch": (1,), "strategies": ["FULL_SHARD"],
           "world_size": 4}
     lockstep = plan(model, (tokens,), cluster=cluster, **kw).row("FULL_SHARD")
-    shared = plan(model, (tokens,), cluster=cluster.with_host(core_sharing=(4, 2), rank_drift=DRIFT),
+    shared = plan(model, (tokens,), cluster=cluster.replace(host=HostCPU(core_sharing=(4, 2), rank_drift=DRIFT)),
                   **kw).row("FULL_SHARD")
     # Playing every rank moves how much communication the step exposes: some, never more than
     # all of it (the step is nearly all communication here: 52 ms of 53).
@@ -119,7 +119,7 @@ def test_plan_plays_the_step_on_every_rank_where_ranks_share_the_cores():
         shared.step_seconds - lockstep.step_seconds)
     assert shared.compute_seconds == lockstep.compute_seconds and shared.peak_bytes == lockstep.peak_bytes
     # measured sharing without a drift (or a world with a core per rank) plans in lockstep
-    none = plan(model, (tokens,), cluster=cluster.with_host(core_sharing=(4, 2)), **kw).row("FULL_SHARD")
+    none = plan(model, (tokens,), cluster=cluster.replace(host=HostCPU(core_sharing=(4, 2))), **kw).row("FULL_SHARD")
     assert none.step_seconds == lockstep.step_seconds
 
 
@@ -127,13 +127,13 @@ def test_core_sharing_must_say_more_ranks_than_cores():
     cluster = cpu_cluster()
     for bad in ((2, 2), (4,), (4, 0), (4.0, 2)):
         with pytest.raises(ClusterError, match="core_sharing"):
-            cluster.with_host(core_sharing=bad)
+            cluster.replace(host=HostCPU(core_sharing=bad))
     with pytest.raises(ClusterError, match="rank_drift"):
-        cluster.with_host(rank_drift=-0.01)
+        cluster.replace(host=HostCPU()).with_host(rank_drift=-0.01)
 
 
 def drift_worker(rank: int, world: int) -> tuple:
-    from fsdp_compile.planning.calibration.drift import core_sharing, rank_drift
+    from fsdp_compile_lab.calibration.drift import core_sharing, rank_drift
 
     return core_sharing(torch.device("cpu")), rank_drift(None, torch.device("cpu"), 3)
 
@@ -143,7 +143,8 @@ def test_the_drift_is_measured_only_where_ranks_outnumber_the_cores(monkeypatch)
 
     from distributed import run_workers
 
-    from fsdp_compile.planning.calibration import compute, drift
+    from fsdp_compile.planning.calibration import compute
+    from fsdp_compile_lab.calibration import drift
 
     monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

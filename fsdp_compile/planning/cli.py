@@ -206,10 +206,14 @@ def add_compare_parser(sub: Any) -> None:
                         "LOCAL_WORLD_SIZE); the cluster is measured on it, so the plan predicts for it")
     p.add_argument("--emulate-latency", default="10us", help="the emulated links' latency per collective")
     p.add_argument("--exposed", action="store_true",
-                   help="with --emulate: also run each timed step on unlimited links (gloo's own speed), "
-                        "alternating with the emulated ones, and time the links both ways, so that the table "
-                        "shows each strategy's exposed communication (step on the network - step on unlimited "
-                        "links) measured and predicted from one calibration")
+                   help="with --emulate and a --host that times the backend's own collectives: also run each "
+                        "timed step on unlimited links (gloo's own speed), alternating with the emulated ones, "
+                        "so that the table shows each strategy's exposed communication (step on the network - "
+                        "step on unlimited links) measured and predicted from one calibration")
+    p.add_argument("--host", metavar="MODULE:CLASS",
+                   help="a host model to calibrate and plan with (Cluster.measure(host=...)): what the device "
+                        "adds to the GPU cost model, e.g. ranks sharing CPU cores with gloo's threads; the "
+                        "repository's lab (lab/, not installed) has fsdp_compile_lab:HostCPU")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: run every strategy over dp = world / tp with the model's TP plan "
                         "on a (dp, tp) mesh, and plan the same (default 1: no TP)")
@@ -221,7 +225,6 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from .calibration.calibrate import backend_links
     from .calibration.compute import _cpu_share
     from .calibration.outside_graphs import BesideSteps
     from .calibration.reference import compute_scale, model_reference_step
@@ -234,6 +237,10 @@ def run_compare(args: argparse.Namespace) -> int:
     network = None
     if args.exposed and not args.emulate:
         raise SystemExit("--exposed compares an emulated network with unlimited links: add --emulate INTRA[,INTER]")
+    host = _import_fn(args.host, "--host")
+    if args.exposed and not hasattr(host, "unlimited_links"):
+        raise SystemExit("--exposed plans each strategy on the links at the backend's own speed too, which a host "
+                         "model times (its unlimited_links): add --host MODULE:CLASS, e.g. fsdp_compile_lab:HostCPU")
     if args.emulate and not owns_group:
         raise SystemExit("--emulate sets up the process group itself: run compare as a torchrun script, before "
                          "any torch.distributed.init_process_group()")
@@ -271,16 +278,18 @@ def run_compare(args: argparse.Namespace) -> int:
     # Only the dtypes the model computes in: a CPU's bf16 calibration takes a minute and prices nothing here.
     dtypes = tuple(dict.fromkeys(p.dtype for p in probe.parameters() if p.is_floating_point()))
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
-                              device_memory=64 << 30, dtypes=dtypes)
+                              device_memory=64 << 30, dtypes=dtypes, host=host)
     # The model's own step on one rank, timed again beside each strategy's steps: the machine's
-    # speed moves, and the model's price rests on the job's calibration (reference.py)
-    # and so do the calibration's optimizer and runtime workloads (outside_graphs.py)
+    # speed moves, and the model's price rests on the job's calibration (reference.py: a host
+    # model's compute_scale), and so do the calibration's optimizer and runtime workloads
+    # (outside_graphs.py)
     reference_graphs, reference, outside_graphs = ([], None, None)
     if cluster.device_type == "cpu":
-        inputs, targets = batches[0]
-        reference_graphs, reference = model_reference_step(build(), inputs, targets, loss_fn)
+        if cluster.host is not None:
+            inputs, targets = batches[0]
+            reference_graphs, reference = model_reference_step(build(), inputs, targets, loss_fn)
         outside_graphs = BesideSteps(None, torch.device("cpu"))
-    unlimited_cluster = backend_links(cluster) if args.exposed else None
+    unlimited_cluster = cluster.host.unlimited_links(cluster) if args.exposed else None
     measured = {}
     gc_between_steps = not args.gc_during_steps
     for name in names:
@@ -294,7 +303,7 @@ def run_compare(args: argparse.Namespace) -> int:
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
-        calibrated = cluster.host.compute_scale if cluster.host is not None else 1.0
+        calibrated = getattr(cluster.host, "compute_scale", 1.0)
         scales = {name: compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
                   if measured[name].reference_seconds else calibrated for name in names}
         beside = {name: {"compute_scale": scales[name], **(measured[name].outside_graphs or {})} for name in names}

@@ -6,8 +6,8 @@ figures with their source beside each (:mod:`.presets`; :meth:`Cluster.for_devic
 one of the GPU it runs on); :meth:`Cluster.measure` calibrates the machine it runs on instead
 (matmul FLOP/s, memory bandwidth, collectives on the current process groups).
 
-A cluster whose ranks compute on CPU cores also carries a host model (``host``,
-:class:`fsdp_compile.planning.host.HostCPU`) for what the cores and gloo add; GPUs carry none.
+A cluster may carry a host model (``host``, :mod:`.host_model`) for what a device other than a
+GPU adds to the GPU's cost model; GPUs and the presets carry none.
 
 Collectives are modelled as rings (what NCCL and gloo use for large messages; the steps
 and the bytes each rank sends are :mod:`fsdp_compile.runtime.ring`'s), and a ring runs at the
@@ -23,11 +23,12 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .host_model import HostModel
 from .numbers import (
     COLLECTIVE_KINDS,
     GB,
@@ -40,9 +41,6 @@ from .numbers import (
     number_problems,
 )
 from .presets import PRESETS, preset_for_device
-
-if TYPE_CHECKING:
-    from .host import HostCPU
 
 
 @dataclass(frozen=True)
@@ -72,10 +70,10 @@ class Cluster:
     ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
     (forward and backward, FLOPs as torch's flop counter counts them; measured by
     :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.
-    ``host``: where ranks compute on CPU cores and communicate through gloo, the host-CPU model
-    (:class:`fsdp_compile.planning.host.HostCPU`: operator calls, gloo's CPU work and its share
-    of the cores, ranks time-slicing the cores), which :meth:`measure` fills in on a CPU; None
-    for GPUs. ``sources`` says where each number comes from.
+    ``host``: a host model (:class:`~.host_model.HostModel`: what the device adds to the GPU's
+    cost model, such as ranks computing on CPU cores beside their communication backend's
+    threads), which ``measure(host=...)`` calibrates; None for GPUs. ``sources`` says where each
+    number comes from.
     """
 
     name: str
@@ -98,7 +96,7 @@ class Cluster:
     collective_workspace: dict[str, float] = field(default_factory=dict)
     runtime_per_tensor: float = 0.0
     attention_flops: dict[torch.dtype, float] = field(default_factory=dict)
-    host: HostCPU | None = None
+    host: HostModel | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,9 +148,7 @@ class Cluster:
         through :meth:`with_host`."""
         unknown = changes.keys() - {f.name for f in dataclasses.fields(self)}
         if unknown:
-            from .host import HOST_NUMBERS
-
-            misplaced = [name for name in changes if name in HOST_NUMBERS]
+            misplaced = [name for name in changes if self.host is not None and hasattr(self.host, name)]
             if not misplaced:
                 raise ClusterError(f"Cluster has no number {', '.join(sorted(unknown))}; its numbers: "
                                    f"{', '.join(f.name for f in dataclasses.fields(self))}")
@@ -162,12 +158,12 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
     def with_host(self, **changes: Any) -> Cluster:
-        """A copy whose host model (:class:`~fsdp_compile.planning.host.HostCPU`) has some numbers
-        changed; a cluster without one gets one, every other number at its default (which adds
-        nothing)."""
-        from .host import HostCPU
-
-        return dataclasses.replace(self, host=(self.host or HostCPU()).replace(**changes))
+        """A copy whose host model has some numbers changed (its ``replace``); a cluster without
+        one gets one with ``replace(host=...)``."""
+        if self.host is None:
+            raise ClusterError(f"cluster {self.name!r} has no host model to change {', '.join(sorted(changes))} of: "
+                               "give it one with cluster.replace(host=...)")
+        return dataclasses.replace(self, host=self.host.replace(**changes))
 
     def describe(self) -> str:
         flops = ", ".join(f"{str(d).replace('torch.', '')} {v / TFLOPS:.4g} TFLOP/s"
@@ -245,7 +241,7 @@ class Cluster:
     def measure(cls, *, group: Any = None, sizes: tuple[int, ...] | None = None, repeats: int = 5,
                 dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
                 nodes: int = 1, device: torch.device | str | None = None,
-                device_memory: float | None = None) -> Cluster:
+                device_memory: float | None = None, host: type[HostModel] | None = None) -> Cluster:
         """Calibrate a cluster on the machine it is called on, over the process group ``group``.
 
         Collective over ``group``: every rank of it must call this with the same arguments, at
@@ -259,40 +255,29 @@ class Cluster:
         * fused causal attention FLOP/s per dtype, forward and backward;
         * memory bandwidth: on a GPU one large copy, on a CPU the median over a step's
           memory-bound operators (elementwise, normalization, softmax, ...) on cold inputs;
-        * on a CPU, the per-operator overhead of a graph run as Python (0 on a GPU);
         * one AdamW and one SGD step over sharded (DTensor) parameters, as seconds per tensor
           and per shard byte, and the runtime's work per sharded parameter outside the graphs;
-        * on a CPU, ``compute_scale``: a one-block GPT's forward and backward graphs run for
-          real (the median of ``repeats``, at least 5) over their cost priced from the above;
-        * on a CPU, the backend's copies around each collective (``copy_kernels``), each the
-          real op on cold operands, as seconds per parameter and per byte;
         * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run; where
-          ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model
-          (:mod:`fsdp_compile.runtime.ring`) as a latency per ring step and a bandwidth;
-        * on an :class:`~fsdp_compile.EmulatedNetwork`, the links' fits are the time its links
-          charged those collectives (its model, not the wall time, which is also gloo's), and
-          the same collectives are timed again with its links unlimited: the backend's own
-          fits (``backend_collectives``);
-        * on a CPU, the issuing thread's time to start each kind (``collective_issue``);
+          ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model (:mod:`fsdp_compile.runtime.ring`) as a latency per ring
+          step and a bandwidth; on a process group that models its links (an
+          :class:`~fsdp_compile.EmulatedNetwork`'s), the time its links charged those
+          collectives (its model, not the wall time, which is also gloo's);
         * the bytes the communication backend allocates beside each collective's result;
-        * on a CPU, the CPU seconds the backend's own threads spend per collective
-          (``collective_cpu``), and how fast their own work goes while the rank computes
-          (``backend_share``, from the cores per rank); on a GPU how much of a collective's
-          time can hide under compute (``comm_overlap``), from a race of an all-reduce against
-          matmuls.
+        * on a GPU how much of a collective's time can hide under compute (``comm_overlap``),
+          from a race of an all-reduce against matmuls;
+        * with ``host``, the host model's own numbers (its ``calibrate``), last.
 
         Compute is timed by the fastest repeat (the matmul and attention passes by the median);
         on a CPU with one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's default for several
         ranks per node) by the thread's CPU time, so other jobs on the machine do not slow it.
         When this node's ranks outnumber its cores the operators' calibrations run in turns, a core
-        per rank (the reference step on all at once), and compute is stretched by each one's share.
+        per rank, and compute is stretched by each one's share.
 
-        It costs seconds to tens of seconds: about 16 s with the defaults at world 2 on a busy
-        2-core CPU, longer with more ``repeats``, larger ``sizes``, ranks taking turns on
-        shared cores, or an emulated network (whose collectives it also runs unlimited). Its largest
-        buffers: on a CPU 256 MB (the bandwidth operators' inputs),
-        on a GPU about 3 GB of float32 matmul operands and 2 GiB for the copy. On a CPU it runs
-        :mod:`torch.profiler` briefly, for the collectives' allocations.
+        It costs seconds to tens of seconds, longer with more ``repeats``, larger ``sizes``, ranks
+        taking turns on shared cores, or a host model to calibrate. Its largest buffers: on a CPU
+        256 MB (the bandwidth operators' inputs), on a GPU about 3 GB of float32 matmul operands
+        and 2 GiB for the copy. On a CPU it runs :mod:`torch.profiler` briefly, for the
+        collectives' allocations.
 
         Args:
             group: the process group to calibrate (default: the world). Its size is the
@@ -318,19 +303,16 @@ class Cluster:
                 device's capacity; on a CPU this node's ``MemTotal`` split evenly between its
                 ranks (``LOCAL_WORLD_SIZE``, else the world's size), which on a CPU is rarely
                 the budget to plan against: pass it.
+            host: a host model's class (:class:`~.host_model.HostModel`), whose ``calibrate``
+                measures the cluster's ``host`` after the device's numbers (default: none).
 
         Returns:
             A :class:`Cluster` named ``"measured-cpu"`` or ``"measured-cuda"`` of ``nodes`` x
             (group size / ``nodes``) devices, with ``measured_collectives`` (and, over several
-            nodes, ``measured_inter_collectives``),
-            ``collective_workspace``, ``optimizer_step`` (``"adamw"``, ``"sgd"``) and
-            ``runtime_per_tensor`` filled in; on a CPU, its ``host``
-            (:class:`~fsdp_compile.planning.host.HostCPU`: ``op_overhead``, ``compute_scale``,
-            ``copy_kernels``, ``collective_issue``, ``collective_cpu``, ``backend_share``,
-            ``rank_skew``, and where ranks outnumber the cores ``core_sharing`` and ``rank_drift``;
-            on an emulated network also ``backend_collectives``), None on a GPU;
-            ``collective_latency`` and ``reserved_memory`` 0, and ``sources`` saying when, at
-            what world size and on which device type each number was measured.
+            nodes, ``measured_inter_collectives``), ``collective_workspace``, ``optimizer_step``
+            (``"adamw"``, ``"sgd"``) and ``runtime_per_tensor`` filled in; ``host`` the calibrated
+            host model, or None; ``collective_latency`` and ``reserved_memory`` 0, and ``sources``
+            saying when, at what world size and on which device type each number was measured.
 
         Raises:
             ClusterError: ``torch.distributed`` is not initialized; ``nodes`` does not divide
@@ -341,7 +323,7 @@ class Cluster:
         from .calibration.calibrate import measure_cluster
 
         return measure_cluster(cls, group=group, sizes=sizes, repeats=repeats, dtypes=dtypes,
-                               nodes=nodes, device=device, device_memory=device_memory)
+                               nodes=nodes, device=device, device_memory=device_memory, host=host)
 
 
 def _problems(cluster: Cluster) -> list[str]:
@@ -390,11 +372,9 @@ def _problems(cluster: Cluster) -> list[str]:
         problems.append(f"attention_flops={cluster.attention_flops!r} must be a dict {{dtype: FLOP/s}}")
     else:
         per_dtype("attention_flops", cluster.attention_flops)
-    if cluster.host is not None:
-        from .host import HostCPU
-
-        if not isinstance(cluster.host, HostCPU):
-            problems.append(f"host={cluster.host!r} must be an fsdp_compile.planning.host.HostCPU or None")
+    if cluster.host is not None and not isinstance(cluster.host, HostModel):
+        problems.append(f"host={cluster.host!r} must be a host model (fsdp_compile.planning.host_model.HostModel: "
+                        "free_node, compute_node, collective, timeline, ...) or None")
     return problems
 
 

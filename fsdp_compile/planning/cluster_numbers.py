@@ -12,14 +12,12 @@ from typing import Any
 import torch
 
 from .cluster import Cluster
+from .host_model import HostModel
 from .numbers import MeasuredCollective
 
-# Tuples of (fixed, per unit) seconds, by name: the cluster's, then its host model's.
+# Tuples of (fixed, per unit) seconds, by name.
 _LINES = ("optimizer_step",)
-_HOST_LINES = ("copy_kernels", "collective_issue", "collective_cpu")
 _FITS = (("collectives", "measured_collectives"), ("inter_node_collectives", "measured_inter_collectives"))
-_HOST_FITS = (("backend_collectives", "backend_collectives"),
-              ("backend_inter_collectives", "backend_inter_collectives"))
 _SHAPE = ("name", "nodes", "devices_per_node", "device_memory", "device_type", "reserved_memory",
           "collective_latency", "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
           "inter_node_latency")
@@ -41,7 +39,8 @@ def _fits_from(numbers: dict[str, Any], key: str) -> dict[str, MeasuredCollectiv
 
 def cluster_numbers(cluster: Cluster) -> dict[str, Any]:
     """Every number of ``cluster``, JSON-ready (:func:`cluster_from_numbers` reads it back). Its
-    host model's numbers sit beside the cluster's (a cluster without one writes none)."""
+    host model's numbers (its ``numbers()``) sit beside the cluster's (a cluster without one
+    writes none)."""
     numbers = {**{name: getattr(cluster, name) for name in _SHAPE},
                "peak_flops": {_dtype_name(k): v for k, v in cluster.peak_flops.items()},
                "attention_flops": {_dtype_name(k): v for k, v in cluster.attention_flops.items()},
@@ -49,30 +48,22 @@ def cluster_numbers(cluster: Cluster) -> dict[str, Any]:
                "runtime_per_tensor": cluster.runtime_per_tensor, "collective_workspace": cluster.collective_workspace,
                **{name: getattr(cluster, name) for name in _LINES},
                **{key: _fits_json(getattr(cluster, field)) for key, field in _FITS}}
-    host = cluster.host
-    if host is not None:
-        numbers.update({"op_overhead": host.op_overhead, "compute_scale": host.compute_scale,
-                        "rank_skew": host.rank_skew,
-                        "core_sharing": list(host.core_sharing) if host.core_sharing else None,
-                        "rank_drift": host.rank_drift, "backend_share": list(host.backend_share),
-                        **{name: getattr(host, name) for name in _HOST_LINES},
-                        **{key: _fits_json(getattr(host, field)) for key, field in _HOST_FITS}})
+    if cluster.host is not None:
+        numbers.update(cluster.host.numbers())
     return numbers
 
 
 def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
                          devices_per_node: int | None = None, device_memory: float | None = None,
-                         backend_share: tuple[float, float] | None = None) -> Cluster:
+                         host: type[HostModel] | None = None) -> Cluster:
     """The :class:`Cluster` that :func:`cluster_numbers` wrote.
 
     Files written before the cluster's shape was recorded (``compare.json`` before it carried
     ``nodes``) need ``nodes`` and ``devices_per_node``; their links are each link's measured
     all-gather fit, as :meth:`Cluster.measure` sets them, their device is a CPU and their memory
-    ``device_memory`` (default 64 GiB, what ``compare`` plans against). Numbers with a host
-    model's (``op_overhead``: every file measured on a CPU) give the cluster its
-    :class:`~fsdp_compile.planning.host.HostCPU`. Files written before ``backend_share`` was
-    measured plan without it unless it is given, and those written before ``core_sharing`` and
-    ``rank_drift`` were measured plan in lockstep. An argument given overrides the file.
+    ``device_memory`` (default 64 GiB, what ``compare`` plans against). ``host``: the host model's
+    class that reads its numbers back (its ``from_numbers``); without it the cluster has none. An
+    argument given overrides the file.
     """
     def dtypes(values: dict[str, float]) -> dict[torch.dtype, float]:
         return {getattr(torch, name): v for name, v in values.items()}
@@ -94,24 +85,10 @@ def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
                      inter_node_bandwidth=inter.bandwidth if several else None,
                      inter_node_latency=inter.step_latency if several else None)
     shape.setdefault("device_memory", float(64 << 30))
-    host = None
-    if backend_share is not None and "op_overhead" not in numbers:
-        raise ValueError("cluster_from_numbers: backend_share= is a host CPU model's number, and these numbers "
-                         "hold no host model (no op_overhead): leave it out")
-    if "op_overhead" in numbers:
-        from .host import HostCPU
-
-        host = HostCPU(op_overhead=numbers["op_overhead"], compute_scale=numbers["compute_scale"],
-                       rank_skew=numbers.get("rank_skew", 0.0),
-                       core_sharing=tuple(numbers["core_sharing"]) if numbers.get("core_sharing") else None,
-                       rank_drift=numbers.get("rank_drift", 0.0),
-                       backend_share=tuple(backend_share or numbers.get("backend_share", (1.0, 1.0))),
-                       **{name: {k: tuple(v) for k, v in numbers.get(name, {}).items()} for name in _HOST_LINES},
-                       **{field: _fits_from(numbers, key) for key, field in _HOST_FITS})
     return Cluster(**shape, peak_flops=dtypes(numbers["peak_flops"]),
                    attention_flops=dtypes(numbers.get("attention_flops", {})),
                    memory_bandwidth=numbers["memory_bandwidth"],
                    comm_overlap=numbers["comm_overlap"], runtime_per_tensor=numbers["runtime_per_tensor"],
                    collective_workspace=dict(numbers.get("collective_workspace", {})),
                    **{name: {k: tuple(v) for k, v in numbers.get(name, {}).items()} for name in _LINES},
-                   **fits, host=host)
+                   **fits, host=host.from_numbers(numbers) if host is not None else None)

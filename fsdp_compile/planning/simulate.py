@@ -11,12 +11,10 @@ communication. Collective time spent while compute runs is *hidden*; on a device
 communication takes time from compute (``comm_overlap`` < 1), that share of the hidden time is
 added back.
 
-That is a GPU's step. Where ranks compute on CPU cores and communicate through gloo, the
-cluster's host model (``Cluster.host``, :mod:`.host`) adds to it through one hook, a
-:class:`HostTimeline` the simulator asks at each compute, issue and wait, and for the events of
-its own (gloo's CPU taken from compute). This is one rank's timeline, the others priced by
-symmetry (lockstep); where a machine's ranks outnumber its cores the host plays every rank
-together instead (:mod:`.host.shared_cores`).
+That is a GPU's step. A cluster's host model (``Cluster.host``, :mod:`.host_model`) adds to it
+through one hook, a :class:`~.host_model.HostTimeline` the simulator asks at each compute, issue
+and wait, and for the events of its own. This is one rank's timeline, the others priced by
+symmetry (lockstep); a host model may play every rank together instead (``played_step``).
 
 Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory`),
 as ints or sympy expressions for graphs traced with symbolic sizes.
@@ -26,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import sympy
 from torch import fx
@@ -34,6 +32,7 @@ from torch import fx
 from ..inspection.memory import ROLES, role_of, storage_lifetimes
 from ..passes.graph import WAIT
 from .cost import NodeCost, maximum
+from .host_model import HostModel, HostTimeline
 
 
 @dataclass
@@ -61,33 +60,8 @@ class Timeline:
 
 
 # Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key);
-# a host model (:mod:`.host`) adds numbers to an issue and events of its own, which its hook plays.
+# a host model (:mod:`.host_model`) adds numbers to an issue and events of its own, which its hook plays.
 Event = tuple
-
-
-class HostTimeline(Protocol):
-    """What a host model adds to one rank's timeline (:class:`.host.timeline.HostTimeline`)."""
-
-    events: frozenset[str]  # the event kinds of its own
-
-    def compute(self, now: Any, seconds: Any) -> None:
-        """The rank computes from ``now`` for ``seconds``."""
-
-    def issue(self, now: Any, event: Event) -> Any:
-        """When the link may start the collective this rank issues at ``now``."""
-
-    def done(self, key: Any, link_end: Any) -> Any:
-        """When the rank's wait for ``key``, whose link is done at ``link_end``, returns."""
-
-    def taken(self, now: Any, event: Event) -> Any:
-        """Compute's seconds one of its own events takes from ``now``."""
-
-
-class HostModel(Protocol):
-    """A cluster's host model as the simulator sees it (:class:`.host.HostCPU`)."""
-
-    def timeline(self, events: Sequence[Event]) -> HostTimeline:
-        """The hook that plays ``events`` on one rank."""
 
 
 def symbolic_events(events: Sequence[Event]) -> bool:
@@ -99,8 +73,8 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
                     host: HostModel | None = None, trace: list[dict] | None = None) -> Timeline:
     """Run ``events`` on one compute and one communication stream (see the module docstring).
 
-    ``host``: the cluster's host model (``Cluster.host``), which plays what ranks on CPU cores
-    and their communication backend add; events that carry its numbers need it.
+    ``host``: the cluster's host model (``Cluster.host``), which plays what the host adds to
+    one rank's timeline; events that carry its numbers need it.
     A collective never waited for is waited at the end (a graph's results are complete
     when it returns). ``trace``: a list that receives, per collective in issue order, when it
     was issued, started and ended on its link, and when its wait was reached and returned

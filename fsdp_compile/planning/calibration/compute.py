@@ -1,7 +1,7 @@
 """What a rank's compute does per second, timed the way a training step runs it.
 
 Matmul and fused-attention FLOP/s, the bytes per second of a step's memory-bound operators,
-the per-operator overhead of a graph run as Python, and what every timing goes through: the
+and what every timing goes through: the
 clock compute is timed by, the share of a core each rank's compute gets, and the slowest
 rank's value, which every rank takes. The reasons for fastest repeats, medians and thread CPU
 time are in :mod:`.calibrate`, where the calibrations are run.
@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import fx
 
 
 def _sync(device: torch.device) -> None:
@@ -237,17 +236,3 @@ def _memory_bandwidth(device: torch.device, repeats: int, group: Any = None, syn
             _sync_ranks(group, sync)
             rates.append(passes * numel * pool.element_size() / _compute_seconds(run, repeats, device))
     return statistics.median(rates)
-
-
-def _op_overhead(device: torch.device, repeats: int) -> float:
-    """Seconds per operator of a graph run as Python (aot_eager), on tiny tensors."""
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    value = x
-    count = 200
-    for _ in range(count):
-        value = graph.call_function(torch.ops.aten.add.Tensor, (value, x))
-    graph.output(value)
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    tiny = torch.ones(1, device=device)
-    return _compute_seconds(lambda: gm(tiny), repeats, device) / count

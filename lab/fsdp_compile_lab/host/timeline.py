@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ..simulate import Event
+from fsdp_compile.planning.simulate import Event
 
 # A host event the two streams have no kind for: compute's time a backend's threads take.
 BACKEND_CPU = "backend_cpu"

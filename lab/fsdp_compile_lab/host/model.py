@@ -10,7 +10,7 @@ share of a core while the rank computes (``backend_share``, at gloo's own fits w
 are slower than it: ``backend_collectives``); and ranks that time-slice the cores reach each
 collective unevenly (``rank_skew`` in lockstep; ``core_sharing`` and ``rank_drift``, where every
 rank is played together: :mod:`.shared_cores`). Every number is measured by
-:meth:`fsdp_compile.Cluster.measure` on a CPU.
+``Cluster.measure(host=HostCPU)`` on a CPU (:meth:`HostCPU.calibrate`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...passes.graph import COPY_KERNELS as COPY_KERNEL_OPS
-from ...passes.graph import COPY_OUT
-from ..numbers import (
+from fsdp_compile.passes.graph import COPY_KERNELS as COPY_KERNEL_OPS
+from fsdp_compile.passes.graph import COPY_OUT
+from fsdp_compile.planning.numbers import (
     COLLECTIVE_KINDS,
     COPY_KERNELS,
     ClusterError,
@@ -37,14 +37,25 @@ from ..numbers import (
 if TYPE_CHECKING:
     from torch import fx
 
-    from ..cost import NodeCost
-    from ..simulate import Event
+    from fsdp_compile.planning.cluster import Cluster
+    from fsdp_compile.planning.cost import NodeCost
+    from fsdp_compile.planning.host_model import HostCalibration
+    from fsdp_compile.planning.simulate import Event
+
     from .timeline import HostTimeline
 
 # Shape queries run no operator, even where a graph runs as Python.
 _SIZE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
 
 NO_SHARING = (1.0, 1.0)
+# The numbers written as JSON beside a cluster's: (fixed, per unit) lines, and ring fits.
+_LINES = ("copy_kernels", "collective_issue", "collective_cpu")
+_FITS = ("backend_collectives", "backend_inter_collectives")
+
+
+def _fits_json(fits: dict[str, MeasuredCollective]) -> dict[str, dict[str, Any]]:
+    return {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
+            for k, v in fits.items()}
 
 
 @dataclass(frozen=True)
@@ -143,11 +154,56 @@ class HostCPU:
         """A copy with some numbers changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def unlimited_links(self, cluster: Cluster) -> Cluster:
+        """``cluster`` (whose host this is) with its links at gloo's own speed, as on an emulated
+        network's links made unlimited (``compare --exposed``):
+        :func:`..calibration.calibrate.backend_links`."""
+        from ..calibration.calibrate import backend_links
+
+        return backend_links(cluster)
+
+    # ------------------------------------------------------------------ measuring, and as JSON
+    @classmethod
+    def calibrate(cls, cluster: Cluster, calibration: HostCalibration) -> HostCPU:
+        """The host measured on this machine (``Cluster.measure(host=HostCPU)``), for ``cluster``
+        (the device's numbers): :mod:`..calibration.calibrate` runs each calibration."""
+        from ..calibration.calibrate import host_numbers, measured_compute_scale
+
+        host = cls(**host_numbers(cluster, calibration))
+        if calibration.device.type != "cpu":
+            return host
+        return host.replace(compute_scale=measured_compute_scale(dataclasses.replace(cluster, host=host), calibration))
+
+    def numbers(self) -> dict[str, Any]:
+        """Every number, JSON-ready (:meth:`from_numbers` reads them back)."""
+        return {"op_overhead": self.op_overhead, "compute_scale": self.compute_scale, "rank_skew": self.rank_skew,
+                "core_sharing": list(self.core_sharing) if self.core_sharing else None,
+                "rank_drift": self.rank_drift, "backend_share": list(self.backend_share),
+                **{name: getattr(self, name) for name in _LINES},
+                **{name: _fits_json(getattr(self, name)) for name in _FITS}}
+
+    @classmethod
+    def from_numbers(cls, numbers: dict[str, Any]) -> HostCPU | None:
+        """The host :meth:`numbers` wrote, from a cluster's numbers; None where they hold none (no
+        ``op_overhead``: every file measured on a CPU has one). Files written before
+        ``backend_share`` was measured plan without it, and those written before ``core_sharing``
+        and ``rank_drift`` were measured plan in lockstep."""
+        if "op_overhead" not in numbers:
+            return None
+        return cls(op_overhead=numbers["op_overhead"], compute_scale=numbers["compute_scale"],
+                   rank_skew=numbers.get("rank_skew", 0.0),
+                   core_sharing=tuple(numbers["core_sharing"]) if numbers.get("core_sharing") else None,
+                   rank_drift=numbers.get("rank_drift", 0.0),
+                   backend_share=tuple(numbers.get("backend_share", NO_SHARING)),
+                   **{name: {k: tuple(v) for k, v in numbers.get(name, {}).items()} for name in _LINES},
+                   **{name: {k: MeasuredCollective(v["step_latency"], v["bandwidth"], v["group_size"])
+                             for k, v in (numbers.get(name) or {}).items()} for name in _FITS})
+
     # ------------------------------------------------------------------ node costs (:mod:`..cost`)
     def free_node(self, target: Any) -> NodeCost:
         """A node that runs no kernel (a view): where graphs run as Python it is still an
         operator call, so it costs the per-operator overhead (getitem and size queries do not)."""
-        from ..cost import NodeCost
+        from fsdp_compile.planning.cost import NodeCost
 
         if self.op_overhead and isinstance(target, torch._ops.OpOverload) and target not in _SIZE_QUERIES:
             return NodeCost("compute", self.op_overhead * self.compute_scale)
@@ -156,7 +212,7 @@ class HostCPU:
     def compute_node(self, roofline: NodeCost, target: Any, args: Any, out: Any) -> NodeCost:
         """A compute node priced by roofline (``roofline``), on this host: a bucket copy at its own
         measured rate, every other node with the operator's call and times ``compute_scale``."""
-        from ..cost import NodeCost
+        from fsdp_compile.planning.cost import NodeCost
 
         fit = self.copy_kernels.get(COPY_KERNEL_OPS.get(target))
         if fit is not None:  # timed as the real op: unscaled
@@ -192,7 +248,8 @@ class HostCPU:
     # ------------------------------------------------------------------ the step (:mod:`..simulate`, :mod:`..plan`)
     def timeline(self, events: Sequence[Event]) -> HostTimeline:
         """The hook :func:`..simulate.simulate_events` plays ``events`` with on one rank."""
-        from ..simulate import symbolic_events
+        from fsdp_compile.planning.simulate import symbolic_events
+
         from .timeline import HostTimeline
 
         # A processor-shared queue has no closed form: expressions are simulated without it.

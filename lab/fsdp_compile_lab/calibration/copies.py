@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...runtime import kernels
-from .compute import _cold_seconds, _sync_ranks
+from fsdp_compile.planning.calibration.compute import _cold_seconds, _sync_ranks
+from fsdp_compile.runtime import kernels
 
 # (parameters, elements each) of the two buckets the line goes through
 _MANY_SMALL, _FEW_LARGE = (64, 1 << 12), (4, 1 << 18)

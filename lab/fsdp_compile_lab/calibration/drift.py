@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_compile.planning.calibration.compute import _machine_cores, _node_ranks
+
 from ..host.shared_cores import REFERENCE_SPAN
-from .compute import _machine_cores, _node_ranks
 
 _DRIFT_ROUNDS = 8
 

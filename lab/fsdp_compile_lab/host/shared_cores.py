@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from ..simulate import Event, graph_events, symbolic_events
+from fsdp_compile.planning.simulate import Event, graph_events, symbolic_events
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from ..cost import NodeCost
+    from fsdp_compile.planning.cost import NodeCost
 
 # The scheduler's weights are log-normal with this scale; the quantum carries the machine's drift.
 WEIGHT_SCALE = 1.0
@@ -262,7 +262,7 @@ def planned_step(graph_costs: Sequence[list[tuple[fx.Node, NodeCost]]], core_sha
     than as consecutive blocks or a stride."""
     import torch.distributed as dist
 
-    from ..cost import group_ranks
+    from fsdp_compile.planning.cost import group_ranks
 
     if not dist.is_initialized():
         return None

@@ -1,0 +1,122 @@
+"""The planner's one extension point: a host model (``Cluster(host=...)``).
+
+The planner's cost model (:mod:`.cost`) and simulator (:mod:`.simulate`) are a GPU's: kernels at
+a roofline, collectives on links, one compute stream and a stream per link. Where the device is
+not that (ranks computing on CPU cores that a communication backend's threads share), a host
+model says what the device adds, at one hook each: what a node costs, what a collective adds to
+one rank's timeline, and what a whole step is where one rank's timeline does not stand for it.
+GPUs and the presets carry none. The package ships no host model: the repository's measuring lab
+(``lab/``, not installed) has the CPU one it reproduces its CPU figures with.
+
+A host model is any object with the methods of :class:`HostModel`; its class, given to
+:meth:`Cluster.measure(host=...) <fsdp_compile.planning.cluster.Cluster.measure>`, calibrates it
+(:meth:`HostModel.calibrate`) after the device's own numbers are measured, and writes and reads
+its numbers as JSON beside the cluster's (:mod:`.cluster_numbers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import fx
+
+    from .cluster import Cluster
+    from .cost import NodeCost
+
+# Events: see :mod:`.simulate`; a host model adds numbers to an issue and events of its own.
+Event = tuple
+
+
+@dataclass(frozen=True)
+class HostCalibration:
+    """What :meth:`Cluster.measure` hands a host model's :meth:`HostModel.calibrate`: the group it
+    calibrates, this rank's groups on each link (intra-node; inter-node, None on one node), the
+    device, the collectives' buffer sizes and the repeats per timing, and the network model the
+    group's links run on (a process group that models its links has a ``network``; else None)."""
+
+    group: Any
+    link_groups: tuple[Any, Any]
+    device: torch.device
+    sizes: tuple[int, ...]
+    repeats: int
+    network: Any = None
+
+
+class HostTimeline(Protocol):
+    """What a host model adds to one rank's timeline: the simulator asks it at each compute,
+    issue and wait, and plays the events of its own kinds (``events``) through it."""
+
+    events: frozenset[str]
+
+    def compute(self, now: Any, seconds: Any) -> None:
+        """The rank computes from ``now`` for ``seconds``."""
+
+    def issue(self, now: Any, event: Event) -> Any:
+        """When the link may start the collective this rank issues at ``now``."""
+
+    def done(self, key: Any, link_end: Any) -> Any:
+        """When the rank's wait for ``key``, whose link is done at ``link_end``, returns."""
+
+    def taken(self, now: Any, event: Event) -> Any:
+        """Compute's seconds one of its own events takes from ``now``."""
+
+
+@runtime_checkable
+class HostModel(Protocol):
+    """What the planner asks of ``Cluster.host``. Each hook's default answer, without a host
+    model, is the GPU's: a view is free, a compute node costs its roofline time, a collective its
+    link's time, a rank's timeline is the simulator's own and no step is played on every rank."""
+
+    def replace(self, **changes: Any) -> HostModel:
+        """A copy with some numbers changed (validated again): ``Cluster.with_host``."""
+        ...
+
+    def free_node(self, target: Any) -> NodeCost:
+        """The cost of a node that runs no kernel (a view)."""
+        ...
+
+    def compute_node(self, roofline: NodeCost, target: Any, args: Any, out: Any) -> NodeCost:
+        """The cost of a compute node that the roofline prices at ``roofline``."""
+        ...
+
+    def operator_calls(self, count: Any) -> Any:
+        """Seconds of ``count`` operator calls beyond their roofline time."""
+        ...
+
+    def collective(self, cost: NodeCost, kind: str, buffer_bytes: Any, steps: int, measured: bool,
+                   device_type: str) -> NodeCost:
+        """``cost`` (a collective of ``steps`` ring steps priced on its link; ``measured``: at a
+        measured fit) with what the host adds in its ``host`` field, whose ``events(issue)`` gives
+        the simulator's events for it."""
+        ...
+
+    def timeline(self, events: Sequence[Event]) -> HostTimeline:
+        """The timeline one rank plays ``events`` on (:func:`.simulate.simulate_events`)."""
+        ...
+
+    def closed_form(self) -> HostModel:
+        """This host without what has no closed form: what a step of symbolic sizes is simulated with."""
+        ...
+
+    def played_step(self, graph_costs: Sequence[list[tuple[fx.Node, NodeCost]]], tail_seconds: Any) -> float | None:
+        """The step played on every rank together, or None where one rank's timeline stands."""
+        ...
+
+    def numbers(self) -> dict[str, Any]:
+        """Every number, JSON-ready, written beside the cluster's (:func:`.cluster_numbers.cluster_numbers`)."""
+        ...
+
+    @classmethod
+    def from_numbers(cls, numbers: dict[str, Any]) -> HostModel | None:
+        """The model :meth:`numbers` wrote, read from a cluster's numbers; None where they hold none."""
+        ...
+
+    @classmethod
+    def calibrate(cls, cluster: Cluster, calibration: HostCalibration) -> HostModel:
+        """The model measured on this machine, collectively on every rank of ``calibration.group``
+        (all ranks return the same), for ``cluster`` (the device's numbers, already measured)."""
+        ...
