@@ -232,7 +232,8 @@ def test_compute_scale_multiplies_what_the_roofline_prices_but_not_measured_copi
 
 
 def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost():
-    from fsdp_compile.planning.calibration.reference import compute_scale, timed_reference
+    from fsdp_compile.planning.calibration.reference import compute_scale
+    from fsdp_compile_lab.calibration.reference import timed_reference
 
     seconds, graphs = timed_reference(1, torch.device("cpu"), sync=False)
     assert seconds > 0 and len(graphs) == 2  # the reference's forward and backward, run for real

@@ -258,8 +258,9 @@ class Cluster:
         * one AdamW and one SGD step over sharded (DTensor) parameters, as seconds per tensor
           and per shard byte, and the runtime's work per sharded parameter outside the graphs;
         * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run; where
-          ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model (:mod:`fsdp_compile.runtime.ring`) as a latency per ring
-          step and a bandwidth; on a process group that models its links (an
+          ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model
+          (:mod:`fsdp_compile.runtime.ring`) as a latency per ring step and a bandwidth; on a
+          process group that models its links (an
           :class:`~fsdp_compile.EmulatedNetwork`'s), the time its links charged those
           collectives (its model, not the wall time, which is also gloo's);
         * the bytes the communication backend allocates beside each collective's result;

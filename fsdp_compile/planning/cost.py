@@ -10,10 +10,11 @@
   nodes at the inter-node one, and the latency counts each intra- and inter-node ring step; a
   measured fit of the collective's kind on its link replaces the data-sheet numbers.
 
-That is a GPU's cost. A cluster whose ranks compute on CPU cores and communicate through gloo
-has a host model (``Cluster.host``, :class:`.host.HostCPU`), the one hook here: it prices each
-operator's call, the backend's own copies and a whole graph's slowdown, and adds to each
-collective what gloo's threads and ranks sharing the cores cost (:mod:`.host.model`).
+That is a GPU's cost. A cluster may carry a host model (``Cluster.host``,
+:class:`~.host_model.HostModel`), the one hook here: it prices each node that runs no kernel and
+each compute node the roofline priced, its operator calls, and adds to each collective what the
+host adds to it (the repository's lab has the model of ranks sharing CPU cores with gloo's
+threads).
 
 Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
 sequence sizes): every cost is then an expression too.
@@ -147,7 +148,7 @@ class NodeCost:
     bytes: Any = 0
     link: str | None = None  # collectives: "intra" or "inter"
     wire_bytes: Any = 0  # collectives: bytes each rank sends
-    host: Any = None  # collectives: what the cluster's host model adds (:class:`.host.model.CollectiveOnHost`)
+    host: Any = None  # collectives: what the cluster's host model adds (its ``events(issue)`` plays it)
 
 
 def _fit(kind: str, link: str, intra: dict[str, Any], inter: dict[str, Any]) -> Any:
@@ -225,7 +226,7 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
 def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] | None = None,
                 symbolic: bool = False) -> list[tuple[fx.Node, NodeCost]]:
     groups = {} if groups is None else groups
-    # The host model (CPU clusters) prices the ops it measured one by one; float8 is emulated there.
+    # A host model prices the ops it measured one by one (on a CPU, float8 is emulated op by op).
     fused = float8_cast_kernels(gm.graph) if cluster.host is None else {}
     costs = []
     for node in gm.graph.nodes:
@@ -292,7 +293,7 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
     parameter, gradient and both moments and
     writes parameter and moments: 7 passes over the shard bytes; SGD reads parameter and
     gradient and writes the parameter. Each foreach operator (about a dozen for AdamW) costs
-    its call once per tensor where the host prices calls (``HostCPU.op_overhead``).
+    its call once per tensor where a host model prices calls (its ``operator_calls``).
     """
     if optimizer == "none":
         return 0.0

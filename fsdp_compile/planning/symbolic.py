@@ -10,9 +10,9 @@ root (or the bound Dynamo's guards put on the size, e.g. a model's maximum seque
 
 What is assumed: the partitioner's choices (which it makes from the example's sizes) and the
 schedule do not change with the size; a real run compiles again for a new size and may
-choose differently. The step time expression leaves out the CPU backend's share of the cores
-(``HostCPU.backend_share``), which has no closed form (:mod:`.host.timeline`): on a CPU whose ranks
-fill the cores it is a little below ``plan()``'s step at the same size.
+choose differently. The step time expression leaves out what a host model has no closed form
+for (its ``closed_form()``: on a CPU, gloo's share of the cores), so on a CPU whose ranks fill
+the cores it is a little below ``plan()``'s step at the same size.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Collectives on the current process group: their timing fitted to the ring model, what the
-backend allocates beside each, the CPU a CPU backend's threads spend on each, and on a GPU how
-much of their time can hide under compute.
+backend allocates beside each, and on a GPU how much of their time can hide under compute.
 
 A collective's timing is the median run's, not the fastest (why: :mod:`.calibrate`), fitted to
 a line over the bytes each rank sends (:func:`fsdp_compile.runtime.ring.wire_bytes`): the slope
@@ -9,20 +8,16 @@ is the bandwidth, the intercept spread over the ring's steps the latency per ste
 Where this node's ranks fill its cores (a CPU backend with one compute thread per core, one rank
 per core), each rank runs a thread of matmuls while its collectives are timed
 (:func:`_beside_compute`; not where ranks outnumber the cores, which it says why): a
-training step's collectives run beside its compute, and gloo's threads then wait for a core. On
-a 2-core Xeon at world 2, collectives of 1-4 MB took 1.3-3.3x longer beside compute than alone
-(two trials of every kind); with fits timed alone, steps planned from the same calibration
-against the same measured steps came out 1-4 points lower (world 2 and 4, plain gloo and an
-emulated link of 469 MB/s). On an emulated link the computing thread also delays each wake-up
-from a wait, as it does in a step, so a fit can come out a few percent off the link's speed.
+training step's collectives run beside its compute, and gloo's threads then wait for a core.
+On an emulated link the computing thread also delays each wake-up from a wait, as it does in a
+step, so a fit can come out a few percent off the link's speed.
 
 A run is a burst of collectives issued back to back and waited at the end, its time divided by
 their number: what the planner needs is how long a collective holds the link (its simulator
 queues a step's collectives on it), and a single collective timed from a barrier also pays the
 ranks' skew leaving the barrier and the backend's threads waking, which a step's collectives,
-issued while the link is still busy, do not. On an emulated link of 20 us latency the single
-collective fitted 2-5 ms of latency per step on this machine and overpriced each bucket of a
-step by that much; the burst fits the emulated latency and bandwidth
+issued while the link is still busy, do not: the burst fits an emulated link's latency and
+bandwidth where single collectives fitted milliseconds of latency per step
 (``tests/test_planning_network.py``).
 
 On an emulated network the links' fits are not timed at all: each burst's time is what the
@@ -85,11 +80,7 @@ def _beside_compute(device: torch.device) -> Iterator[None]:
 
     Not where the ranks outnumber the cores (4 ranks on 2): there the computing threads starve
     the ranks' own threads of the wake-ups a burst needs, and on some hosts the timings became
-    noise. On a 2-core Xeon VM at 2 x 2 ranks on an emulated network of 315 / 31.5 MB/s, a
-    70 KB all-reduce's median burst took 20-129 ms beside compute against 1.7-2.2 ms alone,
-    and the fitted links came out anywhere from 22 MB/s to unbounded; timed alone, every fit was
-    within 13% of the links on that host. On another host of the same kind the same setup fitted
-    the links well either way, and the planned world-4 steps differed by 1-4 points."""
+    noise (the figures: :mod:`fsdp_compile_lab.calibration`, in the repository's lab)."""
     if device.type != "cpu" or _cores_per_thread() != 1.0:
         yield
         return
@@ -141,12 +132,9 @@ def _modeled_seconds(network: Any, kind: str, burst: Callable[[], None]) -> floa
     ran (their modeled duration, the links' own account).
 
     An emulated collective ends when both its link and gloo are done with it, so its wall time
-    is the larger of the two. Where gloo is the slower (small buffers; 4 ranks on 2 cores), a
-    line through wall times takes gloo's time for the link's: at 2 x 2 ranks on this kind of
-    machine, bursts fitted 0.7-0.9 ms of latency per ring step on a 20 us link, and every
-    collective of a 4-rank group paid it three times over; FULL_SHARD's planned step on a link
-    as slow as its compute came out 5.6% high. Gloo's own time is timed apart (the backend's
-    fits, with the links unlimited), and the planner's simulator takes the later of the two."""
+    is the larger of the two. Where gloo is the slower (small buffers, ranks sharing cores), a
+    line through wall times would take gloo's time for the link's. Gloo's own time is a host
+    model's to time apart (with the links unlimited)."""
     before = network.stats().total(kind)
     burst()
     after = network.stats().total(kind)

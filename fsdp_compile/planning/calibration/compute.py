@@ -146,9 +146,8 @@ def _matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group:
     ``g.T @ x`` (weight gradient). A step runs each of its matmuls once, after other operators
     have filled the caches with other data, so the calibration runs all of them in sequence,
     every operand distinct, and takes the median pass: total FLOPs over its time, which weighs
-    each shape by its share of the work as a step's time does. (Timing each shape in a loop
-    and keeping the fastest repeat read 98 GFLOP/s on a 2-core Xeon where the matmuls of a
-    training step ran at 84-94.)
+    each shape by its share of the work as a step's time does (a loop over each shape, its
+    fastest repeat kept, read faster than a step's matmuls ran).
     """
     pairs = []
     flops = 0
@@ -177,8 +176,7 @@ def _attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, gro
                      sync: bool = True) -> float:
     """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts
     them (the formulas the cost model applies): attention kernels run softmax and masking
-    beside their matmuls and reach a rate of their own (on a 2-core Xeon, about 70 GFLOP/s
-    where the matmuls reach 90-98)."""
+    beside their matmuls and reach a rate of their own, below the matmuls'."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     shape = _CPU_ATTENTION if device.type == "cpu" else _GPU_ATTENTION
@@ -202,8 +200,8 @@ def _memory_bandwidth(device: torch.device, repeats: int, group: Any = None, syn
     softmax, reductions, concatenation, transposing copies) at the sizes of its activations,
     each on *cold* inputs. In a graph an operator reads what others wrote long before, and
     writes a freshly allocated output; a loop over one hot buffer would time the caches, not
-    the memory (about twice as fast on a 2-core Xeon), and a single large copy misses that
-    many of these operators are bound by the CPU's vector units, not by memory.
+    the memory, and a single large copy misses that many of these operators are bound by the
+    CPU's vector units, not by memory.
     """
     if device.type != "cpu":
         src = torch.ones(256 << 20, device=device)

@@ -54,8 +54,7 @@ def allocator_peak(records: list[tuple[int, int, int]]) -> int:
     recorded on one thread can carry a later time than an allocation on another thread that
     already reuses its address. An address is never handed out twice, so an allocation of an
     address still live in the sum closes the earlier allocation first; summed naively, the
-    buffer counts twice (on a 2-core CPU machine: 2-5 MiB spikes in some steps of a 2 x 2
-    hybrid world, up to 14% of the step's peak).
+    buffer counts twice (spikes of megabytes in some steps of a hybrid world on a CPU).
     """
     live: dict[int, int] = {}
     running = peak = 0

@@ -65,8 +65,8 @@ def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: i
     """(seconds per parameter tensor, seconds per shard byte) of one real ``optimizer`` step
     over DTensor shards on ``group``, as the backend's sharded parameters are: a line through
     a step over many small tensors (per-tensor dispatch) and one over few large ones (bytes).
-    Each step is timed with cold caches, as it runs after a backward (on a 2-core Xeon a loop
-    of steps ran 10% faster per tensor than the same steps after the caches were refilled)."""
+    Each step is timed with cold caches, as it runs after a backward (a loop of steps runs
+    faster per tensor than the same steps after the caches were refilled)."""
     def step_seconds(count: int, numel: int) -> float:
         step = _optimizer_workload(optimizer, count, numel, group, device)
         _sync_ranks(group, sync)
@@ -119,11 +119,9 @@ class BesideSteps:
     job (:func:`~fsdp_compile.planning.compare.measure_strategy`), so that the fits they give
     are those of the machine while the job's steps ran, not while the calibration did.
 
-    The calibration times each workload within a fraction of a second, once per job. On a
-    shared 2-core virtual machine the fits it gave moved up to 2x between jobs a few minutes
-    apart (AdamW 211-398 us per tensor at world 2) while the jobs' steps did not, and the jobs
-    calibrated at the fast end had every strategy predicted up to 19% short
-    (``bench/results/plan_emulated.md`` as run on bf75372). Each sample here is one run of each
+    The calibration times each workload within a fraction of a second, once per job: on a shared
+    machine the fits it gives move between jobs a few minutes apart while the jobs' steps do not
+    (the figures: :mod:`fsdp_compile_lab.calibration`, in the repository's lab). Each sample here is one run of each
     workload on the compute clock, stretched by the rank's share of a core, as the model's own
     reference beside the steps is (:func:`.reference.time_reference`), and the fit is drawn
     through the medians: the step runs the optimizer at the machine's typical speed, not its

@@ -1,41 +1,12 @@
 """How far a whole graph's measured compute lies from the sum of its nodes' priced costs.
 
-Each operator's calibration (matmul FLOP/s, memory bandwidth, operator overhead) times that
-operator in isolation. A training graph runs them differently: a linear layer's forward is an
-``addmm`` with a bias on a transposed weight, shapes are smaller than the calibration's mix,
-each operator reads what others just evicted, and a graph run as Python pays for its frame and
-its intermediate values. On a 2-core Xeon, two ranks side by side, a one-block GPT's forward
-and backward took 1.1-1.25x the sum of their nodes' priced costs (its addmms ran 15% below
-their priced rate, the memory-bound operators 20-40%).
-
-So the calibration runs one such graph for real and prices it with the same cost model:
-``HostCPU.compute_scale`` is measured over priced, which the cost model applies to every
-compute node it prices by roofline. It is a residual, not a rate: it is the ratio of a typical
-transformer step's graphs, not of any operator alone. On a GPU it is 1: the CPU runs ahead of
-the device, and a thread's clock cannot time the kernels.
-
-Every rank runs the reference at once, also where the ranks outnumber the cores and each
-operator's calibration takes turns with a core to itself: ranks time-slicing a core refill
-each other's caches at every switch, a cost a whole step pays at the same rate per CPU second
-as the reference does. With 4 ranks on 2 cores, the reference took 8% more CPU time all at
-once than two at a time, and timed two at a time it left world-4 steps on plain gloo
-predicted 13-16% short (their main threads spent 151 ms of CPU per FULL_SHARD step against
-132 ms priced); all at once, -12% to -4% (``bench/results/archive/plan_emulated_cross_job.md``).
-
-The machine's speed is not constant: on a shared virtual machine the same reference took 29 ms
-in one round and 37-40 ms in the next, a minute later, and within one ``compare`` job the main
-thread's CPU per step over the compute the calibration priced ranged 1.05-1.23 across three
-strategies (``bench/results/plan_emulated.md`` as run on ecd421c).
-``compare`` therefore times a reference again after every timed step (:func:`time_reference`)
-and predicts each strategy at the speed the machine had while that strategy's steps ran. There
-the reference is the compared model itself, its forward, loss and backward on one rank's batch
-without collectives (:func:`model_reference_step`): a one-block reference priced through each
-job's operator calibration carried that calibration's spread into the whole model's price. In
-``bench/results/plan_emulated.md`` as run on a981643 (world 2), the model's priced compute over
-the one-block reference's time moved from 4.4 to 5.0 between jobs while the reference itself
-took 40-45 ms in each, and the jobs whose steps were predicted 15-22% short were those at the
-low end. Timing the model's own graphs leaves only the cost model's split of that time between
-strategies (sharded optimizer, collectives, the backend's copies) to the plan.
+Each operator's calibration times that operator in isolation; a training graph runs them
+differently (other shapes, caches that others just evicted, on a CPU each operator a Python call).
+A host model's ``compute_scale`` corrects every compute node it prices by roofline with the ratio
+of a step's graphs run for real over their priced cost (:func:`compute_scale`). ``compare`` times
+the compared model's own step again after every timed step (:func:`model_reference_step`,
+:func:`time_reference`) and predicts each strategy at the speed the machine had while that
+strategy's steps ran: the speed of a shared machine moves between a calibration and the steps.
 """
 
 from __future__ import annotations
@@ -47,22 +18,7 @@ import torch
 from torch import fx, nn
 
 from ..cost import graph_costs
-from .compute import _compute_clock, _compute_seconds, _stretched, _sync_ranks
-
-# The reference: a GPT block as the CPU demos and benchmarks train it (d_model 256, 4 heads,
-# 4 x 128 tokens), with its embeddings and output head, the loss inside the graph.
-_REFERENCE = {"vocab_size": 512, "block_size": 128, "n_layer": 1, "n_head": 4, "d_model": 256}
-_BATCH = 4
-
-
-class _WithLoss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.model(tokens)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+from .compute import _compute_clock, _stretched
 
 
 class _ModelLoss(nn.Module):
@@ -97,16 +53,6 @@ def _captured_step(module: nn.Module, args: tuple) -> tuple[list[fx.GraphModule]
     return graphs, step
 
 
-def reference_step(device: torch.device) -> tuple[list[fx.GraphModule], Callable[[], None]]:
-    """The calibration's reference (a one-block GPT with its loss): its forward and backward
-    graphs and a function running one step of them."""
-    from ...models.gpt import GPT, GPTConfig
-
-    model = _WithLoss(GPT(GPTConfig(**_REFERENCE))).to(device)
-    tokens = torch.randint(0, _REFERENCE["vocab_size"], (_BATCH, _REFERENCE["block_size"]), device=device)
-    return _captured_step(model, (tokens,))
-
-
 def model_reference_step(
     model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
 ) -> tuple[list[fx.GraphModule], Callable[[], None]]:
@@ -116,23 +62,9 @@ def model_reference_step(
     return _captured_step(_ModelLoss(model, loss_fn), (tuple(inputs), targets))
 
 
-def timed_reference(repeats: int, device: torch.device, group: Any = None,
-                    sync: bool = True) -> tuple[float, list[fx.GraphModule]]:
-    """(this rank's median seconds of one reference step on the compute clock, its graphs) on a
-    CPU; ``(0.0, [])`` elsewhere, where no scale is measured.
-
-    With ``sync`` the ranks start together, as they compute in training: a rank timed while
-    its peers idle would have the machine's shared cache and memory to itself."""
-    if device.type != "cpu":
-        return 0.0, []
-    graphs, step = reference_step(device)
-    _sync_ranks(group, sync)
-    return _compute_seconds(step, max(repeats, 5), device, typical=True), graphs
-
-
 def time_reference(step: Callable[[], None], device: torch.device) -> float:
-    """One run of a :func:`reference_step` on the compute clock, stretched by the rank's share
-    of a core as :func:`timed_reference` stretches its median: a sample of the same number."""
+    """One run of a reference ``step`` on the compute clock, stretched by the rank's share of a
+    core as the calibration stretches its timings: a sample of what the calibration measures."""
     clock = _compute_clock(device)
     start = clock()
     step()
@@ -140,8 +72,8 @@ def time_reference(step: Callable[[], None], device: torch.device) -> float:
 
 
 def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
-    """Measured over priced for the reference's graphs on ``cluster`` (its own scale left out);
-    1 where nothing was measured."""
+    """Measured over priced for the reference's graphs on ``cluster`` (its host model's own
+    ``compute_scale`` left out); 1 where nothing was measured."""
     if not graphs:
         return 1.0
     unscaled = cluster.with_host(compute_scale=1.0)

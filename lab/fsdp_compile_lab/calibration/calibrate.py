@@ -6,7 +6,7 @@ per-operator overhead of a graph run as Python (``op_overhead``); the backend's 
 each collective, each the real op on cold operands (``copy_kernels``, :mod:`.copies`); the
 ``compute_scale`` of a one-block GPT's forward and backward graphs run for real (the median of
 ``repeats``, at least 5) over their cost priced from the cluster's numbers
-(:mod:`fsdp_compile.planning.calibration.reference`); on an
+(:mod:`.reference`); on an
 :class:`~fsdp_compile.EmulatedNetwork`, gloo's own fits, the same collectives timed again with
 its links unlimited (``backend_collectives``); the issuing thread's time to start each kind
 (``collective_issue``), the CPU seconds gloo's threads spend per collective (``collective_cpu``)
@@ -29,7 +29,7 @@ from torch import fx
 from fsdp_compile.network.links import unlimited_links
 from fsdp_compile.planning.calibration.calibrate import _collectives_per_link, _in_turns, _link_fields
 from fsdp_compile.planning.calibration.compute import _compute_seconds, _slowest
-from fsdp_compile.planning.calibration.reference import compute_scale, timed_reference
+from fsdp_compile.planning.calibration.reference import compute_scale
 from fsdp_compile.planning.cluster import Cluster
 from fsdp_compile.planning.host_model import HostCalibration
 from fsdp_compile.planning.numbers import ClusterError
@@ -37,6 +37,7 @@ from fsdp_compile.planning.numbers import ClusterError
 from .copies import _copy_kernels
 from .drift import core_sharing, rank_drift
 from .host_collectives import _backend_share, _collective_cpu, _issue_seconds, _rank_skew
+from .reference import timed_reference
 
 
 def _op_overhead(device: torch.device, repeats: int) -> float:
