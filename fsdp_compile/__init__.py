@@ -13,13 +13,15 @@ import torch
 import torch.nn as nn
 
 from .api import ConfigError, CPUOffload, MixedPrecision, ShardingStrategy
+from .auto_backend import AutoBackend
 from .checks.agreement import AgreementError, GraphMismatchError
 from .checks.gradients import GradientMismatch
 from .compilation.records import CompiledGraph
 from .fsdp_backend import FSDPBackend
 from .inspection.memory import MemoryEstimate, estimate_memory
 from .planning import Cluster, Plan, PlanError, plan
-from .planning.auto import AUTO_OPTIONS, AutoBackend
+from .planning.auto import AUTO_OPTIONS
+from .planning.trace import trace_with
 from .runtime.faults import RankFailure
 from .training.checkpoint import (
     CheckpointError,
@@ -48,6 +50,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fsdp_compile' has no attribute {name!r}")
 
 
+trace_with(FSDPBackend)  # the planner shards and traces its candidates with this backend
+
+
 def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **options: Any) -> FSDPBackend:
     # The docstring is FSDPBackend's (set below): the options are documented once, there.
     if isinstance(strategy, str) and strategy.strip().lower() == "auto":
@@ -63,7 +68,7 @@ def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **op
 
 backend.__doc__ = (
     "Create a backend: ``FSDPBackend(strategy, **options)``; ``strategy=\"auto\"`` returns\n"
-    ":class:`fsdp_compile.planning.auto.AutoBackend`, which plans the strategy at ``shard()``.\n\n"
+    ":class:`fsdp_compile.auto_backend.AutoBackend`, which plans the strategy at ``shard()``.\n\n"
     + inspect.cleandoc(FSDPBackend.__doc__ or ""))
 
 

@@ -3,8 +3,8 @@
 :class:`FSDPBackend` shards a model over its process groups (:mod:`fsdp_compile.sharding`),
 checks that every rank shards alike (:mod:`fsdp_compile.checks.agreement`), and, as the object
 ``torch.compile`` is given, hands every graph Dynamo captures to its
-:class:`~fsdp_compile.compilation.compiler.Compiler`, which runs the pipeline (joint passes,
-partition, graph passes, inner compiler). ``backend.graphs`` keeps what the compiler produced.
+:class:`~fsdp_compile.compilation.pipeline.Compiler`, which runs the pipeline (captured, joint,
+partition and graph stages, inner compiler). ``backend.graphs`` keeps what the compiler produced.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import torch.nn as nn
 
 from .api import BackendOptions, ConfigError, ShardingStrategy, documents_options, signature_from
 from .checks.agreement import GraphVerifier, agree_on_model
+from .compilation import CompiledGraph, Compiler
 from .compilation.cache import CacheState, cache_key_parts
-from .compilation.compiler import Compiler
-from .compilation.records import CompiledGraph
-from .compilation.reshard_choice import candidate_groups, check_cluster
 from .inspection.bucket_advice import oversized_in
 from .inspection.report import graph_summary, render_report
+from .planning.budget import candidate_groups, check_cluster, memory_budget
 from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.backend_state import ShardingState
 from .sharding.grad_sync import GradientSync
@@ -50,7 +49,7 @@ class FSDPBackend:
     optimizer afterwards), then ``torch.compile(model, backend=this)``. A sharded model also
     runs without ``torch.compile`` (the eager runtime), bit for bit as under ``aot_eager``.
     ``fsdp_compile.backend("auto", ...)`` returns the subclass that plans the strategy at
-    :meth:`shard` time (:class:`fsdp_compile.planning.auto.AutoBackend`).
+    :meth:`shard` time (:class:`fsdp_compile.auto_backend.AutoBackend`).
 
     Training-loop controls: :meth:`no_sync` / :meth:`set_requires_gradient_sync` (accumulation
     without reduction); see also :mod:`fsdp_compile.training.checkpoint`, :func:`fsdp_compile.clip_grad_norm_`.
@@ -69,12 +68,13 @@ class FSDPBackend:
         self._state.region_fallback.strict = self.options.strict
         self._gradient_sync = GradientSync()
         self._warned_oversized = False
-        self.compiler = Compiler(self.options, self._state, self.graphs)
+        self.compiler = Compiler(self.options, self._state, self.graphs, budget=memory_budget(self.options))
 
     def _set_options(self, **changes: Any) -> None:
         """Replace options before anything is sharded (``strategy="auto"`` applies its plan)."""
         self.options = dataclasses.replace(self.options, **changes)
         self.compiler.options = self.compiler.guard.options = self.options
+        self.compiler.budget = memory_budget(self.options)
         self._state.region_fallback.strict = self.options.strict
 
     @property
@@ -194,7 +194,7 @@ class FSDPBackend:
 
     def _before_sharding(self, model: nn.Module) -> None:
         """A hook for subclasses that decide options from the model (``strategy="auto"``:
-        :class:`fsdp_compile.planning.auto.AutoBackend`)."""
+        :class:`fsdp_compile.auto_backend.AutoBackend`)."""
 
     def _device_type(self, model: nn.Module, init_device: torch.device | None = None) -> str:
         return model_device_type(model, init_device, mesh_given=self.options.mesh is not None)

@@ -23,7 +23,7 @@ from helpers import full
 from model_zoo import VOCAB, BlockStack, GraphBreakBlock
 
 import fsdp_compile
-from fsdp_compile.compilation.compiler import lone_read
+from fsdp_compile.compilation.inputs import lone_read
 from fsdp_compile.runtime.collectives import CommSpec
 
 BLOCKS = 3

@@ -24,8 +24,8 @@ from helpers import PER_RANK_BATCH, SEQ, TEST_CONFIG, batches, expect_error, ful
 from torch import nn
 
 import fsdp_compile
-from fsdp_compile.compilation import reshard_choice
 from fsdp_compile.models.gpt import GPT
+from fsdp_compile.planning import budget as memory_budget
 from fsdp_compile.planning.host import HostCPU
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +133,7 @@ def budget_warning_worker(rank: int, world: int) -> dict:
     base = GPT(TEST_CONFIG)
     x, y = (local_slice(t, rank) for t in batches(TEST_CONFIG, world, 1)[0])
     cluster = fsdp_compile.Cluster.preset("h100-sxm", nodes=1, devices_per_node=world)
-    real_choose = reshard_choice.choose
+    real_choose = memory_budget.choose
 
     def optimistic_choose(step, budget, shard_size, groups):
         # A prediction off by far more than the 2% seen: the choice keeps every unit, as if the
@@ -149,13 +149,13 @@ def budget_warning_worker(rank: int, world: int) -> dict:
         backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", memory_budget=budget, cluster=cluster)
         backend.shard(model)
         if label == "above":
-            reshard_choice.choose = optimistic_choose
+            memory_budget.choose = optimistic_choose
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 lm_loss(torch.compile(model, backend=backend)(x), y).backward()
         finally:
-            reshard_choice.choose = real_choose  # the workers serve the tests that follow
+            memory_budget.choose = real_choose  # the workers serve the tests that follow
         choice = backend._state.reshard_choice
         out[label] = {"warnings": [str(w.message) for w in caught if "memory_budget=" in str(w.message)],
                       "compiled_peak": choice.compiled_peak, "budget": choice.budget}

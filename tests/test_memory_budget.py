@@ -1,6 +1,6 @@
 """``memory_budget=``: the compiler chooses each unit's ``reshard_after_forward`` under a budget.
 
-The choice (compilation/reshard_choice.py) on hand-made steps, where the arithmetic can be done
+The choice (planning/budget.py) on hand-made steps, where the arithmetic can be done
 by hand, and on a GPT at 2 "nodes" x 2 ranks: a budget below FULL_SHARD's own peak is an error
 naming the smallest that fits; a budget between FULL_SHARD's and SHARD_GRAD_OP's keeps some units
 and no more than fits (by the compiled graphs' own estimate), and every rank chose alike; the
@@ -29,10 +29,9 @@ from helpers import (
 )
 
 import fsdp_compile
-from fsdp_compile.compilation import reshard_choice
-from fsdp_compile.compilation.reshard_choice import choose, kept_bytes
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.passes.graph import COMM_META, decode_collective
+from fsdp_compile.planning.budget import choose, kept_bytes
 
 # ---------------------------------------------------------------- the greedy choice, by hand
 
@@ -192,12 +191,8 @@ def default_compiler_worker(rank: int, world: int) -> dict:
     backend = fsdp_compile.backend("FULL_SHARD", compiler="aot_eager", regions=False, memory_budget="1GiB",
                                    cluster=cluster)
     backend.shard(model)
-    traced = reshard_choice.trace_strategy_step
-    reshard_choice.trace_strategy_step = fail_on_rank_0
-    try:
-        out["rank0_failure"] = expect_error(lambda: torch.compile(model, backend=backend)(local_slice(x, rank)))
-    finally:
-        reshard_choice.trace_strategy_step = traced  # the workers serve the tests that follow
+    backend.compiler.trace_step = fail_on_rank_0  # this backend's compiler only
+    out["rank0_failure"] = expect_error(lambda: torch.compile(model, backend=backend)(local_slice(x, rank)))
     return out
 
 

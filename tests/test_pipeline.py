@@ -104,7 +104,7 @@ def _compiled_records(**options):
     with fake_world(2):
         backend = FSDPBackend("FULL_SHARD", compiler="aot_eager", **options)
         sharded = backend._shard(fake_model(model, mode), materialize=False)
-        records, _ = backend.compiler.trace_for_planning(lambda t: sharded(t).float().sum(), tokens, fake_mode=mode)
+        records, _ = backend.compiler.trace(lambda t: sharded(t).float().sum(), tokens, fake_mode=mode)
     return records
 
 
@@ -184,8 +184,8 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
     # parameter, and one parameter as an activation, before).
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from fsdp_compile.compilation.compiler import output_roles as _output_roles
-    from fsdp_compile.compilation.compiler import tag_saved_inputs
+    from fsdp_compile.compilation.roles import output_roles as _output_roles
+    from fsdp_compile.compilation.roles import tag_saved_inputs
     from fsdp_compile.inspection.memory import output_storage_keys, storage_lifetimes
     from fsdp_compile.passes.graph import ROLE_META, SAVED_STORAGE_META
 

@@ -33,11 +33,13 @@ used safely: a user pass without a ``uuid()`` method (its behaviour cannot be ke
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,6 +155,27 @@ def compile_cache_key(cache: CacheState, options: BackendOptions, state: Shardin
         # under the same key stays right for later runs without dumps).
         return key, False, "dumping graphs (dump_dir / FSDP_COMPILE_DUMP) needs the passes to run"
     return key, True, ""
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    """How Inductor's caches may be used for a graph (see :func:`~.cache.compile_cache_key`)."""
+
+    key: str | None  # our key, carried by the hooks' uuids; None makes Inductor bypass its caches
+    lookups: bool  # whether AOTAutograd's cache may be read
+    why_off: str
+    fx_graph_cache: bool = True  # False: an unusable cache_dir, nothing read or written
+
+
+def record_outcome(record: Any, outcome: str, key: str | None, stats: dict[str, int], directory: str | None,
+                   graph_code: str, calls: Callable[[], list[Any]]) -> None:
+    """What Inductor's caches did for a compiled graph (``outcome``: "hit", "miss" or "off: <why>"),
+    on its record and in the compiler's counts; a miss stores the graph's collectives
+    (``calls()``) beside the cache entry, which a later hit checks across ranks."""
+    record.cache, record.cache_key = outcome, key
+    stats["hits" if outcome == "hit" else "misses" if outcome == "miss" else "off"] += 1
+    if outcome == "miss":
+        save_collectives(directory, key, graph_code, [dataclasses.asdict(c) for c in calls()])
 
 
 def prepare_directory(directory: str | os.PathLike) -> CacheState:

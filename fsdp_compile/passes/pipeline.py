@@ -96,6 +96,21 @@ def run_stage(
                       regenerate=regenerate)
 
 
+def fix_partition(forward: fx.GraphModule, backward: fx.GraphModule, disabled: Collection[str] = ()) -> None:
+    """The repairs a partitioned pair needs (stage "partitioned"), whoever partitioned it.
+
+    A failure is a real error, raised as the pass raised it: the pair would not run as
+    partitioned, so there is no graph to fall back to. Takes nothing of a compilation but the
+    disabled pass names, so that Inductor's partitioner hook, which calls it, stays a plain
+    object that Inductor's caches can key.
+    """
+    ctx = PassContext("partitioned", forward=forward)
+    try:
+        run_stage(backward, "partitioned", ctx, disabled=disabled, rollback=False, regenerate=False)
+    except PassFailure as failure:
+        raise failure.__cause__ from None
+
+
 def _bound(graph_pass: GraphPass, ctx: PassContext) -> Callable[[fx.GraphModule], Any]:
     def run(gm: fx.GraphModule) -> Any:
         return graph_pass.fn(gm, ctx)

@@ -18,7 +18,7 @@ that owns it (the body returns it for this purpose when it did not already). The
 shared are left without readers, and Inductor drops them.
 
 What this pass cannot see is sharing that Inductor itself introduces inside a body: see
-:func:`fsdp_compile.compilation.inner.compile_inductor` (donated buffers) and ``docs/design.md``.
+:func:`fsdp_compile.compilation.inner_compilers.compile_inductor` (donated buffers) and ``docs/design.md``.
 """
 
 from __future__ import annotations

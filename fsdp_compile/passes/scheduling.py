@@ -20,7 +20,7 @@ only the stages move:
 
 The order this pass leaves is the order the step runs in: under Inductor the compiler turns
 off Inductor's peak-memory reordering for graphs with collectives while this pass runs (see
-:func:`fsdp_compile.compilation.inner.compile_inductor`).
+:func:`fsdp_compile.compilation.inner_compilers.compile_inductor`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""``strategy="auto"``: plan for the actual world, topology and device memory, then shard.
+"""``strategy="auto"``: plan for the actual world, topology and device memory.
 
-:class:`AutoBackend` is what ``fsdp_compile.backend("auto", ...)`` returns: an
-:class:`~fsdp_compile.FSDPBackend` whose strategy, bucket policy and prefetch depth come from a
-plan made when the model is sharded (the planner runs the backend's own pipeline, so the
-planner depends on the backend and this subclass on both).
+``fsdp_compile.backend("auto", ...)`` returns :class:`fsdp_compile.auto_backend.AutoBackend`,
+a backend whose strategy, bucket policy and prefetch depth come from a plan made when the model
+is sharded: what it plans with, and how a plan's row becomes the backend's options, is here.
+The class itself lives beside the backend (``fsdp_compile/auto_backend.py``), which is above
+the planner: the planner traces candidates with the backend's own pipeline.
 
 Rank 0 plans (in a subprocess: the job's process group is the default one here, see
 :mod:`.isolated`) and broadcasts the plan, so every rank applies the same choice; a planning
@@ -23,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import MixedPrecision, ShardingStrategy
-from ..fsdp_backend import FSDPBackend
+from ..api import MixedPrecision
 from .cluster import Cluster
 from .numbers import ClusterError
 from .plan import Plan, PlanError, PlanRow, plan, require_fit
@@ -151,48 +151,14 @@ def check_plan_options(plan_options: dict[str, Any]) -> None:
 AUTO_OPTIONS = ("example_inputs", "loss_fn", "cluster", "memory_budget", "plan_options")
 
 
-class AutoBackend(FSDPBackend):
-    """An :class:`~fsdp_compile.FSDPBackend` that plans its strategy at :meth:`shard` time.
+def __getattr__(name: str) -> Any:
+    # AutoBackend moved up to fsdp_compile.auto_backend, beside the backend it extends; the old
+    # spelling still works, read from the package (the planner does not import the backend).
+    if name == "AutoBackend":
+        import sys
+        import warnings
 
-    It plans for this job's world, topology and device memory and applies the fastest
-    configuration that fits (strategy, bucket policy, prefetch depth, and which units keep their
-    gathered parameters after forward where the budget has room: ``reshard_after_forward``); it takes
-    ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default: the GPU's
-    preset, matched by its name and memory, or measured where none describes it; measured on a
-    CPU), ``memory_budget`` (bytes per device; needed on a CPU) and ``plan_options`` (passed to
-    :func:`fsdp_compile.plan`; not ``tp_degrees``: auto applies 1-D strategies only); the plan is
-    ``backend.plan``. Every other option is the backend's. See docs/planning.md.
-    """
-
-    def __init__(self, *, example_inputs: Any = None, loss_fn: Callable[[Any], Any] | None = None,
-                 cluster: Cluster | None = None, memory_budget: float | None = None,
-                 plan_options: dict[str, Any] | None = None, **options: Any) -> None:
-        if any(options.get(name) is not None for name in ("mesh", "process_groups", "shard_size")):
-            raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
-        if any(options.get(name) is not None for name in ("forward_prefetch", "backward_prefetch", "offload")):
-            raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
-        if options.get("reshard_after_forward") is not None:
-            raise ValueError("strategy='auto' chooses reshard_after_forward itself, within memory_budget=: drop "
-                             "reshard_after_forward=, or name a strategy to set it yourself")
-        check_plan_options(dict(plan_options or {}))
-        super().__init__(ShardingStrategy.FULL_SHARD, **options)  # replaced by the plan's choice in shard()
-        self.request = AutoRequest(example_inputs, loss_fn, cluster, memory_budget,
-                                   plan_options=dict(plan_options or {}))
-
-    def __repr__(self) -> str:
-        if self.plan is None:
-            return f"fsdp_compile.backend(strategy='auto', compiler={self.options.compiler!r})"
-        return super().__repr__()
-
-    def _before_sharding(self, model: nn.Module) -> None:
-        """Plan for this world (rank 0 plans, every rank gets the choice) and apply the choice."""
-        if self.plan is not None:
-            return
-        device_type = self._device_type(model)
-        self.plan, row = choose(model, self.request, self.options.mixed_precision, device_type)
-        chosen = candidate_options(self.plan, row)
-        strategy = ShardingStrategy.parse(chosen["strategy"])
-        shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
-        self._set_options(strategy=strategy, bucket=chosen["bucket"], prefetch=chosen["prefetch"],
-                          shard_size=shard_size,
-                          reshard_after_forward=chosen["reshard_after_forward"])
+        warnings.warn("fsdp_compile.planning.auto.AutoBackend moved: use fsdp_compile.auto_backend.AutoBackend "
+                      "(or fsdp_compile.backend('auto', ...))", DeprecationWarning, stacklevel=2)
+        return sys.modules["fsdp_compile"].AutoBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,10 +66,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import ShardingStrategy
-from ..compilation.inner import collector_paused
+from ..compilation import collector_paused
 from ..network.links import unlimited_links
 from ..runtime.ring import wire_bytes
 from .measured import Measured, quiet_step_seconds
+from .trace import make_backend
 
 
 def _slowest(value: float) -> float:
@@ -257,8 +258,6 @@ def measure_strategy(
     ``outside_graphs``: a :class:`~.calibration.outside_graphs.BesideSteps` sampled after each
     timed step; its fits become ``Measured.outside_graphs``.
     """
-    import fsdp_compile
-
     if unlimited_too and network is None:
         raise ValueError("measure_strategy(unlimited_too=True) compares a network's links with unlimited ones: "
                          "pass the EmulatedNetwork the process group runs on as network=")
@@ -268,7 +267,7 @@ def measure_strategy(
         import os
 
         options["shard_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    backend = fsdp_compile.backend(strategy, compiler=compiler, **options)
+    backend = make_backend(strategy, compiler=compiler, **options)
     model = backend.shard(build())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     compiled = torch.compile(model, backend=backend)

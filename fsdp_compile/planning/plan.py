@@ -29,6 +29,8 @@ from torch import nn
 
 from ..api import ConfigError, MixedPrecision, ShardingStrategy
 from ..inspection.memory import input_bytes
+from .budget import ReshardStep, candidate_groups
+from .budget import choose as choose_reshard
 from .choice import choose, rank, require_fit  # noqa: F401 (require_fit: re-exported for auto and tests)
 from .cluster import Cluster
 from .cost import Group, graph_costs, group_ranks, outside_graph_seconds
@@ -414,12 +416,9 @@ def budget_mixes(traced: dict[Candidate, Traced], rows: Sequence[PlanRow], clust
                  states: dict[tuple[ShardingStrategy, int], dict[str, float]], world: int,
                  devices_per_node: int) -> list[Candidate]:
     """A candidate for the fastest fitting FULL_SHARD (HYBRID_SHARD) row's bucketing for the mix that a memory budget
-    (``backend(memory_budget=...)``, compilation/reshard_choice.py) would choose within the plan's
+    (``backend(memory_budget=...)``, :mod:`.budget`) would choose within the plan's
     budget, where it keeps some units and so differs from the strategy itself and from the strategy
     that keeps every unit (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2), whose rows the plan has already."""
-    from ..compilation.reshard_choice import ReshardStep, candidate_groups
-    from ..compilation.reshard_choice import choose as choose_reshard
-
     fastest: dict[ShardingStrategy, Candidate] = {}
     for row in sorted(rows, key=rank):
         candidate = next((c for c in traced if c.label() == row.label()), None)

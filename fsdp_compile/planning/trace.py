@@ -6,9 +6,13 @@ same joint graph for all of them except for the markers' arguments (their groups
 flag, the bucket unit): one trace per such *layout* (FULL_SHARD and SHARD_GRAD_OP share one,
 the two hybrid strategies another, NO_SHARD its own), and each further candidate replays the
 joint graph with its own markers through the backend's partitioner and passes
-(``Compiler.replay_for_planning``). Replaying gives exactly the graphs a trace of that
-candidate gives (tests/test_planning_trace.py checks it); it only skips repeating the
-capture. Candidates with the same reshard policy also share the partitioned graphs.
+(``Compiler.replay``). Replaying gives exactly the graphs a trace of that candidate gives
+(tests/test_planning_plan.py checks it); it only skips repeating the capture. Candidates with
+the same reshard policy also share the partitioned graphs.
+
+The backend that shards and traces a candidate sits above the planner, which never imports it:
+the package names it here when it is imported (:func:`trace_with`), and the planner reaches its
+compiler through the compiler's tracing door only (``Compiler.trace``, ``Compiler.replay``).
 """
 
 from __future__ import annotations
@@ -17,15 +21,14 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..api import BucketPolicy, MixedPrecision, ShardingStrategy
-from ..compilation.records import CompiledGraph, JointCapture
-from ..fsdp_backend import FSDPBackend
+from ..compilation import CompiledGraph, Compiler, JointCapture
 from ..passes.graph import ROLE_META
 from .attention import use_cuda_attention
 from .tp import TPMeshes
@@ -42,7 +45,7 @@ class Candidate:
     tp: int = 1  # the tensor-parallel degree (1: no TP); FSDP shards over dp = world / tp
     # Units that reshard after forward to other than the strategy's, as reshard_after_forward=
     # gives them (unit name, False or n): the mix a memory budget chose
-    # (compilation/reshard_choice.py); empty: the strategy's own.
+    # (planning/budget.py); empty: the strategy's own.
     reshard: tuple[tuple[str, bool | int], ...] = ()
 
     def layout(self, devices_per_node: int, world: int) -> tuple[int, int]:
@@ -82,12 +85,39 @@ def describe_reshard(reshard: dict[str, bool | int]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+class TracingBackend(Protocol):
+    """What the planner shards and traces a candidate with: a backend's own ``shard()`` and compiler."""
+
+    compiler: Compiler
+
+    def shard(self, model: nn.Module, *, materialize: bool = True) -> nn.Module:
+        """Shard ``model`` in place; with ``materialize=False`` a meta-device model keeps meta shards."""
+
+
+_backend_factory: Callable[..., TracingBackend] | None = None
+
+
+def trace_with(factory: Callable[..., TracingBackend]) -> None:
+    """Name the backend the planner shards, traces and measures candidates with, called as
+    ``factory(strategy, **options)`` (``fsdp_compile.FSDPBackend``). The package does so when it
+    is imported, before any of the planner runs: the backend is the layer above the planner."""
+    global _backend_factory
+    _backend_factory = factory
+
+
+def make_backend(strategy: ShardingStrategy | str, **options: Any) -> TracingBackend:
+    """A backend of the class :func:`trace_with` named, with these options."""
+    if _backend_factory is None:
+        raise RuntimeError("the planner has no backend to trace with: import fsdp_compile, which names it")
+    return _backend_factory(strategy, **options)
+
+
 @dataclass
 class Traced:
     """A candidate's compiled graphs and the backend (with its sharded fake model) that made them."""
 
     candidate: Candidate
-    backend: FSDPBackend
+    backend: TracingBackend
     model: nn.Module
     records: list[CompiledGraph]
     seconds: float
@@ -109,7 +139,7 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, devices_per_node: int,
-                  world: int, tp_meshes: TPMeshes | None = None) -> FSDPBackend:
+                  world: int, tp_meshes: TPMeshes | None = None) -> TracingBackend:
     hybrid = candidate.strategy.is_hybrid
     # Without regions: the cost model prices the flat graph node by node; regions change where a
     # block's operators are written down, not which run or what is communicated.
@@ -118,7 +148,7 @@ def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, 
         options = {"mesh": tp_meshes.dp_mesh(candidate.tp, candidate.strategy)}
     if candidate.reshard:
         options["reshard_after_forward"] = dict(candidate.reshard)
-    return FSDPBackend(candidate.strategy, compiler="aot_eager", bucket=candidate.bucket,
+    return make_backend(candidate.strategy, compiler="aot_eager", bucket=candidate.bucket,
                        prefetch=candidate.prefetch, mixed_precision=mixed_precision, regions=False, **options)
 
 
@@ -212,8 +242,8 @@ def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devic
                 def step(*args: Any, _model: nn.Module = sharded) -> torch.Tensor:
                     return loss_fn(_model(*args))
 
-                records, captures = backend.compiler.trace_for_planning(step, inputs, keep_joint=len(group) > 1,
-                                                                dynamo_pass=dynamo_pass, fake_mode=mode)
+                records, captures = backend.compiler.trace(step, inputs, keep_joint=len(group) > 1,
+                                                           dynamo_pass=dynamo_pass, fake_mode=mode)
                 for k, capture in enumerate(captures):
                     if capture.partitioned is not None:
                         partitions[(candidate.strategy, k)] = capture.partitioned
@@ -221,8 +251,7 @@ def _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devic
             else:
                 records = []
                 for k, capture in enumerate(captures):
-                    record, partitioned = backend.compiler.replay_for_planning(
-                        capture, partitions.get((candidate.strategy, k)))
+                    record, partitioned = backend.compiler.replay(capture, partitions.get((candidate.strategy, k)))
                     partitions[(candidate.strategy, k)] = partitioned
                     records.append(record)
                 replayed = True

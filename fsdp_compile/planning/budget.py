@@ -1,24 +1,26 @@
-"""``memory_budget=``: what each unit keeps from forward to backward, chosen by the compiler.
+"""``memory_budget=``: what each unit keeps from forward to backward, chosen at compile time.
 
 FULL_SHARD (HYBRID_SHARD inside a node) gathers every unit twice a step; SHARD_GRAD_OP gathers
 once but holds every unit from forward to backward. Between them, a unit can keep its gathered
 parameters (``reshard_after_forward=False`` for it), or keep a shard over a group of ``n`` ranks
 so that backward gathers it inside that group only (``=n``, sharding/reshard_policy.py). The
-compiler knows the step's memory timeline and can predict what each choice saves, so it
-chooses, per unit, the settings that leave the least exposed communication while the step's
-peak stays within the budget.
+compiler can trace the step's graphs and the planner's cost model can predict what each choice
+saves, so :class:`MemoryBudget`, which the backend hands its compiler, chooses, per unit, the
+settings that leave the least exposed communication while the step's peak stays within the
+budget.
 
 How, at the first compile of a graph that gathers parameters:
 
-1. **The strategy's step, traced.** The captured graph goes through AOTAutograd, the
-   partitioner and our passes once without code generation, under the strategy's setting
-   (every unit reshards to the shard): its forward and backward graphs, as they would run.
+1. **The strategy's step, traced** (by the compiler, ``Compiler.trace_step``). The captured
+   graph goes through AOTAutograd, the partitioner and our passes once without code
+   generation, under the strategy's setting (every unit reshards to the shard): its forward
+   and backward graphs, as they would run.
 2. **What each setting costs in memory.** A unit that keeps its parameters holds their full
    bytes from its last use in forward on; the backward graph receives them as inputs, which
    the estimate counts as held through the whole graph, where the strategy held them only
    from its gather to their last use. One that keeps a shard over ``n`` ranks holds ``1/n`` of
    them the same way, and backward still gathers them. Added to the two graphs' memory
-   timelines (the planner's, :func:`fsdp_compile.planning.simulate.memory_timeline`, with this
+   timelines (the planner's, :func:`.simulate.memory_timeline`, with this
    rank's parameter shards, gradients and AdamW's two moments per parameter, as ``plan()``
    counts them, and the optimizer step's own peak), this gives the peak of any mix without
    tracing it again.
@@ -42,19 +44,22 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..compilation import CompiledGraph
 from ..errors import ConfigError
 from ..inspection.memory import input_bytes, storage_lifetimes
 from ..passes.bucketing import unit_label
 from ..passes.graph import COMM_META
-from .inner import backward_now, collector_paused, compile_aot_eager
-from .records import CompiledGraph
+from ..sharding.backend_state import ShardingState
+from .cluster import Cluster
+from .cost import Group, NodeCost, collective_cost, graph_costs
+from .simulate import memory_timeline, simulate_graph
 
 log = logging.getLogger("fsdp_compile")
 
@@ -136,8 +141,6 @@ class ReshardStep:
     """The strategy's traced step, and the peak and exposure of any mix of settings."""
 
     def __init__(self, record: CompiledGraph, cluster: Any, states: dict[str, float]) -> None:
-        from ..planning.cost import graph_costs
-
         self.cluster = cluster
         self.forward, self.backward = record.forward, record.backward
         self.forward_live = graph_live(self.forward, states, cluster)
@@ -171,9 +174,6 @@ class ReshardStep:
 
     def exposed(self, settings: Mapping[str, int]) -> tuple[float, float]:
         """(exposed communication, communication seconds) of the step with ``settings``."""
-        from ..planning.cost import Group, NodeCost, collective_cost
-        from ..planning.simulate import simulate_graph
-
         changed: dict[fx.Node, NodeCost] = {}
         for unit, ranks in settings.items():
             info = self.units.get(unit)
@@ -292,87 +292,66 @@ def rank_states(local_shards: Iterable[Any]) -> dict[str, float]:
     return {"params": shard, "grads": grads, "optimizer": _OPTIMIZER_STATES * grads}
 
 
-def choose_under_budget(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Choose each unit's setting under the budget, before the captured graph compiles."""
-    choice = decide(compiler, gm, example_inputs)
-    compiler.state.reshard_choice = choice
-    compiler.state.reshard_to.update(choice.reshard_to)
+class MemoryBudget:
+    """``memory_budget=`` as the backend hands it to its compiler: the compiler traces the
+    step, this prices and chooses (the compiler itself knows nothing of the cost model)."""
+
+    def __init__(self, budget: float, cluster: Cluster) -> None:
+        self.budget = float(budget)
+        self.cluster = cluster
+
+    def decide(self, trace: Callable[[], CompiledGraph], state: ShardingState) -> ReshardChoice:
+        """Trace the strategy's step (``trace()``), choose, and make rank 0's choice every rank's.
+
+        Whatever rank 0 meets on the way (a trace that fails included) is broadcast and raised
+        on every rank: a rank that raised alone would leave the others waiting in a collective,
+        and a retry of the compile on that rank alone would run another program than theirs."""
+        shard_size = state.topology.shard_size
+        choice: Any = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                step = ReshardStep(trace(), self.cluster, rank_states(state.local_shards))
+                choice = choose(step, self.budget, shard_size, candidate_groups(shard_size))
+            except ConfigError as error:
+                choice = error
+            except Exception as error:  # raised on every rank below
+                if not dist.is_initialized() or dist.get_world_size() == 1:
+                    raise
+                choice = RuntimeError(f"fsdp_compile: memory_budget=: tracing the strategy's step on rank 0 failed: "
+                                      f"{type(error).__name__}: {error}")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [choice]
+            dist.broadcast_object_list(shared, src=0)
+            choice = shared[0]
+        if isinstance(choice, BaseException):
+            raise choice
+        return choice
+
+    def check_compiled(self, record: CompiledGraph, state: ShardingState) -> None:
+        """The compiled graphs' own estimate against the budget: the choice's prediction held?"""
+        choice = state.reshard_choice
+        if choice is None or choice.compiled_peak is not None or record.backward is None:
+            return
+        choice.compiled_peak = compiled_peak([record], self.cluster, state.local_shards)
+        if choice.compiled_peak > choice.budget:
+            message = (f"fsdp_compile: memory_budget={int(choice.budget)} bytes: the compiled graphs' estimated peak "
+                       f"is {int(choice.compiled_peak)} bytes, above the budget (the choice predicted "
+                       f"{int(choice.peak)}); give a smaller budget to keep fewer units gathered")
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            log.warning(message)
 
 
-def decide(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> ReshardChoice:
-    """Trace the strategy's step, choose, and make rank 0's choice every rank's.
-
-    Whatever rank 0 meets on the way (a trace that fails included) is broadcast and raised on
-    every rank: a rank that raised alone would leave the others waiting in a collective, and a
-    retry of the compile on that rank alone would run another program than theirs."""
-    options, state = compiler.options, compiler.state
-    shard_size = state.topology.shard_size
-    choice: Any = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            record = trace_strategy_step(compiler, gm, example_inputs)
-            step = ReshardStep(record, options.cluster, rank_states(state.local_shards))
-            choice = choose(step, float(options.memory_budget), shard_size, candidate_groups(shard_size))
-        except ConfigError as error:
-            choice = error
-        except Exception as error:  # raised on every rank below
-            if not dist.is_initialized() or dist.get_world_size() == 1:
-                raise
-            choice = RuntimeError(f"fsdp_compile: memory_budget=: tracing the strategy's step on rank 0 failed: "
-                                  f"{type(error).__name__}: {error}")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        shared = [choice]
-        dist.broadcast_object_list(shared, src=0)
-        choice = shared[0]
-    if isinstance(choice, BaseException):
-        raise choice
-    return choice
-
-
-def trace_strategy_step(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledGraph:
-    """The forward and backward graphs this captured graph makes under the strategy's own
-    setting, through our passes, without code generation and without dumps.
-
-    The trace gets a tracing context of its own: AOTAutograd caches what it traced of each
-    region body (invoke_subgraph) in the context, and the compile that follows would reuse this
-    trace's graphs, made without the inner compiler's decompositions (Inductor then refuses
-    ``native_layer_norm``) and under the strategy's own reshard tags."""
-    from torch._guards import TracingContext, tracing
-
-    outer = TracingContext.try_get()
-    context = TracingContext(outer.fake_mode if outer is not None else None)
-    if outer is not None:
-        context.tensor_to_context = outer.tensor_to_context
-    record = CompiledGraph(index=-1, dynamo=gm, compiler="aot_eager")
-    compiler.quiet = True
-    try:
-        with tracing(context), backward_now(), collector_paused():
-            compile_aot_eager(compiler, gm, example_inputs, record)
-    finally:
-        compiler.quiet = False
-    return record
-
-
-def check_compiled_peak(compiler: Any, record: CompiledGraph) -> None:
-    """The compiled graphs' own estimate against the budget: the choice's prediction held?"""
-    choice = compiler.state.reshard_choice
-    if choice is None or choice.compiled_peak is not None or record.backward is None:
-        return
-    choice.compiled_peak = compiled_peak([record], compiler.options.cluster, compiler.state.local_shards)
-    if choice.compiled_peak > choice.budget:
-        message = (f"fsdp_compile: memory_budget={int(choice.budget)} bytes: the compiled graphs' estimated peak is "
-                   f"{int(choice.compiled_peak)} bytes, above the budget (the choice predicted "
-                   f"{int(choice.peak)}); give a smaller budget to keep fewer units gathered")
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-        log.warning(message)
+def memory_budget(options: Any) -> MemoryBudget | None:
+    """What a backend with ``options`` hands its compiler for ``memory_budget=``; None without one."""
+    if options.memory_budget is None:
+        return None
+    return MemoryBudget(options.memory_budget, options.cluster)
 
 
 def check_cluster(cluster: Any) -> None:
     """``cluster=`` is checked where it is used, so that the options module stays free of the planner."""
     if cluster is None:
         return
-    from ..planning.cluster import Cluster
-
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster= takes an fsdp_compile.Cluster, got {type(cluster).__name__}")
 
@@ -380,8 +359,6 @@ def check_cluster(cluster: Any) -> None:
 def graph_live(gm: fx.GraphModule, states: Mapping[str, float], cluster: Any) -> list[float]:
     """Live bytes after each node of ``gm``, with what lives outside it (as ``plan()`` counts:
     the parameter shards the graph does not read, and the optimizer's state)."""
-    from ..planning.simulate import memory_timeline
-
     held = {"param": max(0.0, states["params"] - input_bytes(gm, "param"))}
     workspace = getattr(cluster, "collective_workspace", None)
     return [float(sum(live.values())) + states["optimizer"]

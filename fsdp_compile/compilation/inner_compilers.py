@@ -1,48 +1,61 @@
-"""The inner compilers our passes run inside: AOTAutograd with ``aot_eager``, or Inductor.
+"""The inner compilers the pipeline's stages run inside: AOTAutograd with ``aot_eager``, or Inductor.
 
-Both hand every joint graph to the compiler's joint passes before the min-cut partitioner, the
-partitioned pair to the partition fix-ups, and every forward / backward graph to the graph
-passes before compiling it. Inductor is reached through its public hooks: its joint-graph
-custom pass and partitioner (:class:`JointPassHook`, :class:`PartitionerHook`, whose uuids carry
-our cache key) and ``compile_fx``'s ``inner_compile``.
+Both are handed the same :class:`Stages` of one captured graph and call them in the same order:
+the joint stage on the joint graph, then the partition (the partitioner and the partition
+fix-ups), then the graph stage on every forward / backward graph before compiling it. Under
+``aot_eager`` the stages are AOTAutograd's ``partition_fn`` and phase compilers; Inductor is
+reached through its public hooks: its joint-graph custom pass and partitioner
+(:class:`JointPassHook`, :class:`PartitionerHook`, whose uuids carry our cache key) and
+``compile_fx``'s ``inner_compile``. The stages come as callables: this module does not know the
+pipeline (:mod:`.pipeline`), which calls it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ..checks.agreement import collective_calls
-from ..passes.context import PassContext
 from ..passes.graph import is_collective
-from ..passes.pipeline import PassFailure, run_stage
+from ..passes.pipeline import fix_partition
 from ..passes.regions import is_region_call
 from ..runtime.faults import reraise_named
-from .cache import save_collectives
+from .cache import CacheLookup
 from .records import CompiledGraph
 
-if TYPE_CHECKING:
-    from .compiler import Compiler
+
+@dataclass(frozen=True)
+class Stages:
+    """The pipeline's stages for one captured graph, as an inner compiler calls them."""
+
+    record: CompiledGraph
+    joint: Callable[[fx.GraphModule], None]  # the joint passes, in place
+    # aot_eager's partition: the min-cut partitioner and the fix-ups, (joint, inputs, **kwargs)
+    partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
+    graph: Callable[[fx.GraphModule, str, dict | None], fx.GraphModule]  # (graph, phase, decompositions)
+    disabled: tuple[str, ...] = ()  # disable_passes=, for the fix-ups Inductor's partitioner hook runs
 
 
-def compile_aot_eager(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                      record: CompiledGraph) -> Callable:
-    """AOTAutograd with our passes and no code generation: graphs run as Python."""
+def compile_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: Stages,
+                      timeout: Any = None) -> Callable:
+    """AOTAutograd with our stages and no code generation: graphs run as Python."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    timeout = compiler.guard.timeout
+    record = stages.record
+
+    def partition(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        stages.joint(joint)  # where Inductor's joint-graph hook runs it: before partitioning
+        return stages.partition(joint, joint_inputs, **kwargs)
 
     def phase_compiler(phase: str):
         def compile_graph(g: fx.GraphModule, inputs: Sequence[Any]):
-            run = compiler.graph_passes(g, phase, record).forward
+            run = stages.graph(g, phase, None).forward
             if phase != "backward":
                 return make_boxed_func(run)
 
@@ -60,23 +73,30 @@ def compile_aot_eager(compiler: Compiler, gm: fx.GraphModule, example_inputs: Se
         fw_compiler=phase_compiler("forward"),
         bw_compiler=phase_compiler("backward"),
         inference_compiler=phase_compiler("inference"),
-        partition_fn=functools.partial(compiler.partition, record=record),
+        partition_fn=partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
 
 
-def compile_inductor(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                     record: CompiledGraph) -> Callable:
-    """Inductor with our passes in its joint-graph, partitioner and inner-compile hooks."""
+def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: Stages, cache: CacheLookup,
+                     fallback_random: bool = False) -> tuple[Callable, str]:
+    """Inductor with our stages in its joint-graph, partitioner and inner-compile hooks.
+
+    Returns the compiled graph and what Inductor's caches did for it: "hit" (loaded: no stage
+    ran), "miss" (compiled and stored) or "off: <why>". ``fallback_random``: random ops draw
+    what the eager runtime draws (``verify_gradients=``).
+    """
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
+
+    record = stages.record
 
     def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
         if kwargs.get("is_backward"):
             phase = "backward"
         else:
             phase = "inference" if kwargs.get("is_inference") else "forward"
-        lowered = compiler.graph_passes(g, phase, record, select_decomp_table())
+        lowered = stages.graph(g, phase, select_decomp_table())
         scheduled = record.backward_schedule if phase == "backward" else record.forward_schedule
         if scheduled is None or not any(is_collective(n) for n in lowered.graph.nodes):
             return compile_fx_inner(lowered, inputs, **kwargs)
@@ -90,18 +110,16 @@ def compile_inductor(compiler: Compiler, gm: fx.GraphModule, example_inputs: Seq
         with torch._inductor.config.patch(reorder_for_peak_memory=False):
             return compile_fx_inner(lowered, inputs, **kwargs)
 
-    options = compiler.options
-    key, lookups, why_off = compiler.cache_key()
-    joint_pass = JointPassHook(compiler, record, torch._inductor.config.joint_custom_pre_pass, key)
+    key, lookups, why_off = cache.key, cache.lookups, cache.why_off
+    joint_pass = JointPassHook(stages.joint, torch._inductor.config.joint_custom_pre_pass, key)
     patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pass}
     if hasattr(torch._inductor.config, "custom_partitioner_fn"):  # torch >= 2.12
         patches["custom_partitioner_fn"] = PartitionerHook(torch._inductor.config.custom_partitioner_fn,
-                                                           options.disable_passes, key)
-    if compiler.gradient_check is not None:
-        patches["fallback_random"] = True  # random ops draw what the eager runtime draws
-    cache_state = compiler.cache_state
-    if not cache_state.enabled and cache_state.directory is not None:
-        patches["fx_graph_cache"] = False  # an unusable cache_dir: cold, nothing read or written
+                                                           stages.disabled, key)
+    if fallback_random:
+        patches["fallback_random"] = True
+    if not cache.fx_graph_cache:
+        patches["fx_graph_cache"] = False
     # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
     # key travels as the uuid of the joint pass and partitioner above: a hit is exactly what
     # our passes would produce again. A key of None (a pass we cannot key) makes Inductor
@@ -120,48 +138,25 @@ def compile_inductor(compiler: Compiler, gm: fx.GraphModule, example_inputs: Seq
         compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     if lookups and counts["autograd_cache_bypass"] > bypasses:
         lookups, why_off = False, "Inductor bypassed its cache for this graph (TORCH_LOGS=+aot_autograd says why)"
-    stats = compiler.cache_stats
     if not lookups:
-        record.cache = f"off: {why_off}"
-        stats["off"] += 1
-    elif counts["autograd_cache_hit"] > hits:
-        record.cache = "hit"
-        stats["hits"] += 1
-    else:
-        record.cache = "miss"
-        stats["misses"] += 1
-        calls = collective_calls(record, compiler.state.group_roles())
-        save_collectives(cache_state.directory, key, gm.code, [dataclasses.asdict(c) for c in calls])
-    record.cache_key = key
-    return compiled
-
-
-def partition_fixups(forward: fx.GraphModule, backward: fx.GraphModule, disabled: Sequence[str] = ()) -> None:
-    """The repairs a partitioned pair needs (stage "partitioned"). A failure is a real error:
-    the pair would not run as partitioned. Needs nothing of a compilation but the disabled
-    pass names, so Inductor's copy of its partitioner hook stays a plain object."""
-    ctx = PassContext("partitioned", forward=forward)
-    try:
-        run_stage(backward, "partitioned", ctx, disabled=disabled, rollback=False, regenerate=False)
-    except PassFailure as failure:
-        raise failure.__cause__ from None
+        return compiled, f"off: {why_off}"
+    return compiled, "hit" if counts["autograd_cache_hit"] > hits else "miss"
 
 
 class JointPassHook(torch._inductor.custom_graph_pass.CustomGraphPass):
-    """Our joint-graph passes, run by Inductor's partition step before it partitions.
+    """The pipeline's joint stage, run by Inductor's partition step before it partitions.
 
     A joint pass the user already configured still runs, after ours.
     """
 
-    def __init__(self, compiler: Compiler, record: CompiledGraph,
+    def __init__(self, joint_stage: Callable[[fx.GraphModule], None],
                  user_pass: Callable[[fx.Graph], None] | None, key: str | None = None) -> None:
-        self.compiler = compiler
-        self.record = record
+        self.joint_stage = joint_stage
         self.user_pass = user_pass
         self.key = key
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.compiler.joint_passes(graph.owning_module, self.record)
+        self.joint_stage(graph.owning_module)
         if self.user_pass is not None:
             self.user_pass(graph)
 
@@ -182,7 +177,10 @@ def _uuid(key: str | None, user_pass: Any) -> Any:
 
 
 class PartitionerHook(getattr(torch._inductor.custom_graph_pass, "CustomPartitionerFn", object)):
-    """Inductor's partitioner (or the user's) followed by the RNG-state reordering fix."""
+    """Inductor's partitioner (or the user's) followed by the partition fix-ups.
+
+    A plain object (the disabled pass names and our key): one that held the compilation made
+    the AOTAutograd cache bypass."""
 
     def __init__(self, user_partitioner: Callable[..., Any] | None, disabled: Sequence[str] = (),
                  key: str | None = None) -> None:
@@ -195,7 +193,7 @@ class PartitionerHook(getattr(torch._inductor.custom_graph_pass, "CustomPartitio
 
         partition = self.user_partitioner or min_cut_rematerialization_partition
         forward, backward = partition(gm, joint_inputs, **kwargs)
-        partition_fixups(forward, backward, self.disabled)
+        fix_partition(forward, backward, self.disabled)
         return forward, backward
 
     def uuid(self) -> Any:

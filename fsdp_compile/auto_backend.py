@@ -1,0 +1,67 @@
+"""``strategy="auto"``: the backend that plans its strategy when it shards a model.
+
+:class:`AutoBackend` is what ``fsdp_compile.backend("auto", ...)`` returns: an
+:class:`~fsdp_compile.FSDPBackend` whose strategy, bucket policy and prefetch depth come from a
+plan made when the model is sharded (:mod:`fsdp_compile.planning.auto`). It lives beside the
+backend, above the planner: the planner traces candidates with the backend's own pipeline, so
+the backend's layer uses the planner, never the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .api import ShardingStrategy
+from .fsdp_backend import FSDPBackend
+from .planning.auto import AutoRequest, candidate_options, check_plan_options, choose
+from .planning.cluster import Cluster
+
+
+class AutoBackend(FSDPBackend):
+    """An :class:`~fsdp_compile.FSDPBackend` that plans its strategy at :meth:`shard` time.
+
+    It plans for this job's world, topology and device memory and applies the fastest
+    configuration that fits (strategy, bucket policy, prefetch depth, and which units keep their
+    gathered parameters after forward where the budget has room: ``reshard_after_forward``); it takes
+    ``example_inputs`` (one rank's inputs), ``loss_fn``, ``cluster`` (default: the GPU's
+    preset, matched by its name and memory, or measured where none describes it; measured on a
+    CPU), ``memory_budget`` (bytes per device; needed on a CPU) and ``plan_options`` (passed to
+    :func:`fsdp_compile.plan`; not ``tp_degrees``: auto applies 1-D strategies only); the plan is
+    ``backend.plan``. Every other option is the backend's. See docs/planning.md.
+    """
+
+    def __init__(self, *, example_inputs: Any = None, loss_fn: Callable[[Any], Any] | None = None,
+                 cluster: Cluster | None = None, memory_budget: float | None = None,
+                 plan_options: dict[str, Any] | None = None, **options: Any) -> None:
+        if any(options.get(name) is not None for name in ("mesh", "process_groups", "shard_size")):
+            raise ValueError("strategy='auto' chooses the layout itself; drop mesh=, process_groups= and shard_size=")
+        if any(options.get(name) is not None for name in ("forward_prefetch", "backward_prefetch", "offload")):
+            raise ValueError("strategy='auto' plans without forward_prefetch=, backward_prefetch= or offload=")
+        if options.get("reshard_after_forward") is not None:
+            raise ValueError("strategy='auto' chooses reshard_after_forward itself, within memory_budget=: drop "
+                             "reshard_after_forward=, or name a strategy to set it yourself")
+        check_plan_options(dict(plan_options or {}))
+        super().__init__(ShardingStrategy.FULL_SHARD, **options)  # replaced by the plan's choice in shard()
+        self.request = AutoRequest(example_inputs, loss_fn, cluster, memory_budget,
+                                   plan_options=dict(plan_options or {}))
+
+    def __repr__(self) -> str:
+        if self.plan is None:
+            return f"fsdp_compile.backend(strategy='auto', compiler={self.options.compiler!r})"
+        return super().__repr__()
+
+    def _before_sharding(self, model: nn.Module) -> None:
+        """Plan for this world (rank 0 plans, every rank gets the choice) and apply the choice."""
+        if self.plan is not None:
+            return
+        device_type = self._device_type(model)
+        self.plan, row = choose(model, self.request, self.options.mixed_precision, device_type)
+        chosen = candidate_options(self.plan, row)
+        strategy = ShardingStrategy.parse(chosen["strategy"])
+        shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
+        self._set_options(strategy=strategy, bucket=chosen["bucket"], prefetch=chosen["prefetch"],
+                          shard_size=shard_size,
+                          reshard_after_forward=chosen["reshard_after_forward"])

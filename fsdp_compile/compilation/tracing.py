@@ -1,0 +1,71 @@
+"""Running a step through ``torch.compile`` to trace it, not to train: what the tracing door needs.
+
+:func:`run_traced` compiles and runs ``fn`` once with a given backend under Dynamo settings for
+tracing many candidates (no recompile limit, no automatic dynamic shapes) and, on a torch whose
+AOTAutograd lowers backward lazily, runs backward too, so that every graph is traced.
+:func:`own_tracing_context` gives a trace inside a compile a tracing context of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .records import CompiledGraph
+
+
+def run_traced(backend: Callable[[fx.GraphModule, Sequence[Any]], Callable], fn: Callable,
+               example_inputs: Sequence[Any], records: Callable[[], list[CompiledGraph]], *,
+               dynamo_pass: Callable[[fx.GraphModule], None] | None = None, fake_mode: Any = None) -> None:
+    """Run ``fn(*example_inputs)`` through ``torch.compile(backend=backend)``; ``records()``: the
+    records the backend made meanwhile. ``dynamo_pass`` rewrites each Dynamo graph first;
+    ``fake_mode``: the FakeTensorMode of fake inputs, under which the compiled graphs run."""
+
+    def capture(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+        if dynamo_pass is not None:
+            dynamo_pass(gm)
+            gm.recompile()
+        compiled = backend(gm, inputs)
+        if fake_mode is None:
+            return compiled
+
+        def run(*args: Any) -> Any:
+            with fake_mode:
+                return compiled(*args)
+        return run
+
+    functorch_patches = {}
+    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        functorch_patches["force_non_lazy_backward_lowering"] = True  # lower backward now, not at .backward()
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    dynamo_patches = {limit: 1 << 20, "accumulated_" + limit: 1 << 20, "automatic_dynamic_shapes": False}
+    with torch._functorch.config.patch(**functorch_patches), torch._dynamo.config.patch(**dynamo_patches):
+        output = torch.compile(fn, backend=capture)(*example_inputs)
+        if any(r.backward is None and not r.inference for r in records()):
+            # A torch whose AOTAutograd lowers backward lazily: run it (on fake tensors).
+            loss = [t for t in torch.utils._pytree.tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+            if loss:
+                torch.autograd.backward(loss, [torch.ones_like(t) for t in loss])
+
+
+@contextlib.contextmanager
+def own_tracing_context() -> Iterator[None]:
+    """A tracing context of its own for a trace run inside a compile, sharing the outer one's
+    fake mode and tensors.
+
+    AOTAutograd caches what it traced of each region body (invoke_subgraph) in the context, and
+    the compile that follows would reuse this trace's graphs, made without the inner compiler's
+    decompositions (Inductor then refuses ``native_layer_norm``) and under another reshard policy."""
+    from torch._guards import TracingContext, tracing
+
+    outer = TracingContext.try_get()
+    context = TracingContext(outer.fake_mode if outer is not None else None)
+    if outer is not None:
+        context.tensor_to_context = outer.tensor_to_context
+    with tracing(context):
+        yield
