@@ -26,7 +26,7 @@ from torch import nn
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT
 from fsdp_compile.planning import budget as memory_budget
-from fsdp_compile.planning.host import HostCPU
+from fsdp_compile_lab.host import HostCPU
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -214,7 +214,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_compile
-from fsdp_compile.planning.host import HostCPU
+from fsdp_compile_lab.host import HostCPU
 
 VOCAB = len("abcdefghijklmnop")
 WIDTH = 16
@@ -264,7 +264,7 @@ dist.destroy_process_group()
 def test_an_unguarded_scripts_name_computed_by_a_call_is_missing_in_the_planning_child(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(UNGUARDED_SCRIPT))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "lab")))}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script)], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
