@@ -4,6 +4,7 @@ it), and the ``fsdp-compile`` command beside ``python -m fsdp_compile``."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -36,3 +37,24 @@ def test_the_console_script_is_the_module_command() -> None:
     done = subprocess.run([sys.executable, "-m", "fsdp_compile", "--help"], capture_output=True, text=True,
                           check=True)
     assert done.stdout.startswith("usage: python -m fsdp_compile") and "{inspect,plan,compare}" in done.stdout
+
+
+def test_the_lab_is_not_installed_with_the_package() -> None:
+    """``lab/fsdp_compile_lab`` (the model of the CPU machine the figures are measured on) is the
+    repository's, not the package's: setuptools' discovery, as pyproject.toml configures it, finds
+    the package and its subpackages only, and a process without ``lab/`` on its path cannot
+    import the lab."""
+    from setuptools import find_namespace_packages
+
+    include = re.search(r"^\[tool\.setuptools\.packages\.find\]\n(?:#.*\n)*include = \[(.*)\]$", PYPROJECT,
+                        re.MULTILINE)
+    patterns = re.findall(r'"([^"]+)"', include[1])
+    found = find_namespace_packages(str(ROOT), include=patterns)
+    assert "fsdp_compile.planning.calibration" in found and "fsdp_compile.network" in found
+    assert [p for p in found if p != "fsdp_compile" and not p.startswith("fsdp_compile.")] == []
+    assert (ROOT / "lab" / "fsdp_compile_lab" / "__init__.py").exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", "import importlib.util, fsdp_compile; "
+                           "print(importlib.util.find_spec('fsdp_compile_lab'))"],
+                          capture_output=True, text=True, check=True, env=env, cwd=ROOT.parent)
+    assert done.stdout.strip() == "None", done.stdout
