@@ -476,6 +476,13 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     assert synced and not any(synced.values()), synced  # local rank 1's turn: no inner barriers
     # the links' fits read an emulated network's own account of its links (_modeled_seconds)
     assert links_on == ["the network"]
+    assert "rank_drift" in cluster.sources and "compute_scale" in cluster.sources  # the host's numbers, sourced
+    # without a host model the package measures the device's own numbers only
+    synced.clear()
+    plain = measure.measure_cluster(Cluster, group=None, sizes=None, repeats=1, dtypes=(torch.float32,), nodes=1,
+                                    device="cpu", device_memory=1e9)
+    assert plain.host is None and "op_overhead" not in plain.sources and "copies" not in synced
+    assert plain.replace(host=cluster.host) == cluster.replace(sources=plain.sources)
 
 
 def test_cpu_communication_takes_no_compute_with_a_core_to_spare(monkeypatch):
