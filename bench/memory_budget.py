@@ -144,7 +144,7 @@ def measured_peak(v: Variant, idx: torch.Tensor, vocab: int) -> float:
     """The allocator's peak of one step, as ``python -m fsdp_compile compare`` reads it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp_compile.planning.calibration.memory import allocation_records, allocator_peak, quiet_profiler
+    from fsdp_compile.planning.calibration.allocator import allocation_records, allocator_peak, quiet_profiler
 
     gc.collect()
     quiet_profiler()
@@ -155,7 +155,7 @@ def measured_peak(v: Variant, idx: torch.Tensor, vocab: int) -> float:
 
 def cluster_at(cluster, speeds: dict) -> Any:
     """``cluster`` with its links' fits set to what the emulated links charge at ``speeds``."""
-    from fsdp_compile.planning.numbers import MeasuredCollective
+    from fsdp_compile.planning.vocabulary import MeasuredCollective
 
     latency = speeds["latency"]
 

@@ -205,7 +205,7 @@ def main() -> None:
         return
     if args.smoke:
         args.layers, args.compiler, args.d_model, args.seq = [2, 3], "aot_eager", 16, 8
-    from fsdp_compile.sharding.regions import regions_supported
+    from fsdp_compile.sharding.compile_regions import regions_supported
 
     if not regions_supported():
         parser.error("this torch has no region trace reuse (torch >= 2.13): there is no per-call cost to time")

@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
-from fsdp_compile.planning.calibration.memory import allocation_records, allocator_peak
+from fsdp_compile.planning.calibration.allocator import allocation_records, allocator_peak
 from fsdp_compile.sharding.groups import end_process_group
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::native_layer_norm",

@@ -18,7 +18,7 @@ from .checks.agreement import AgreementError, GraphMismatchError
 from .checks.gradients import GradientMismatch
 from .compilation.records import CompiledGraph
 from .fsdp_backend import FSDPBackend
-from .inspection.memory import MemoryEstimate, estimate_memory
+from .inspection.memory_estimate import MemoryEstimate, estimate_memory
 from .planning import Cluster, Plan, PlanError, plan
 from .planning.auto import AUTO_OPTIONS
 from .planning.trace import trace_with

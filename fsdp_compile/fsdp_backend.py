@@ -30,10 +30,10 @@ from .inspection.report import graph_summary, render_report
 from .planning.budget import candidate_groups, check_cluster, memory_budget
 from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.backend_state import ShardingState
+from .sharding.compile_regions import region_copies
 from .sharding.grad_sync import GradientSync
 from .sharding.groups import Topology, current_device, group_device_type, resolve_topology
 from .sharding.module_state import is_sharded
-from .sharding.regions import region_copies
 from .sharding.shard import Init, shard_module
 from .sharding.sharded_param import ShardedParamInfo
 from .sharding.units import ROOT_UNIT
@@ -114,7 +114,7 @@ class FSDPBackend:
         return f"fsdp_compile.backend(strategy={self.strategy.name!r}, compiler={self.options.compiler!r})"
 
     def region_copies(self) -> int | None:
-        """From how many copies a block class is compiled as a region (sharding/regions.py);
+        """From how many copies a block class is compiled as a region (sharding/compile_regions.py);
         None: no regions (``regions=False``, a torch without region reuse, the eager compiler)."""
         return region_copies(self.options.regions, self.options.compiler)
 

@@ -147,7 +147,7 @@ ZOO: dict[str, Entry] = {
                                  max_position_embeddings=64, hidden_dropout_prob=0.0,
                                  attention_probs_dropout_prob=0.0), "masked"),
     # T5's blocks after the first return the position bias they were given: a region returns a
-    # reference to that input instead (sharding/regions.py), so they stay regions.
+    # reference to that input instead (sharding/compile_regions.py), so they stay regions.
     "t5": Entry("encoder-decoder", _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=WIDTH,
                                        d_kv=16, d_ff=2 * WIDTH, num_layers=3, num_decoder_layers=3, num_heads=2,
                                        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0), "seq2seq"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_compile.sharding.regions import regions_supported
+from fsdp_compile.sharding.compile_regions import regions_supported
 
 ROOT = Path(__file__).resolve().parent.parent
 

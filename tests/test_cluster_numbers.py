@@ -10,7 +10,7 @@ import torch
 
 from fsdp_compile.planning.cluster import Cluster
 from fsdp_compile.planning.cluster_numbers import cluster_from_numbers, cluster_numbers
-from fsdp_compile.planning.numbers import MeasuredCollective
+from fsdp_compile.planning.vocabulary import MeasuredCollective
 from fsdp_compile_lab import HostCPU
 
 

@@ -23,7 +23,7 @@ from distributed import run_workers
 from torch import nn
 
 import fsdp_compile
-from fsdp_compile.sharding.regions import regions_supported
+from fsdp_compile.sharding.compile_regions import regions_supported
 
 CHANGES = ["strategy", "bucket", "mixed_precision", "schedule", "regions", "version", "user_pass"]
 # Options that change what the passes produce and are checked through the key alone (no compile).

@@ -84,7 +84,7 @@ def _relu_module() -> torch.fx.GraphModule:
 
 
 def test_failed_pass_restores_the_graph_the_caller_gave() -> None:
-    from fsdp_compile.passes.pipeline import PassFailure, run_passes
+    from fsdp_compile.passes.stages import PassFailure, run_passes
 
     gm = _relu_module()
     before = gm.code
@@ -109,7 +109,7 @@ def test_failed_pass_restores_the_graph_the_caller_gave() -> None:
 
 
 def test_a_user_pass_sees_the_code_of_the_graph_so_far() -> None:
-    from fsdp_compile.passes.pipeline import run_passes
+    from fsdp_compile.passes.stages import run_passes
 
     gm = _relu_module()
     seen = []

@@ -404,7 +404,7 @@ def test_every_test_the_pages_name_exists() -> None:
 
 def test_the_design_notes_list_the_pipeline_as_declared() -> None:
     from fsdp_compile.api import OPTIONAL_PASSES
-    from fsdp_compile.passes.pipeline import PIPELINE
+    from fsdp_compile.passes.stages import PIPELINE
 
     text = (ROOT / "docs" / "design.md").read_text().split("## The pipeline", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"^\| (\w+) \| `(\w+)` \|", text, re.M)

@@ -397,7 +397,7 @@ def test_a_float8_cast_is_priced_as_inductors_two_kernels() -> None:
 def test_float8_without_torchao_names_the_extra(monkeypatch) -> None:
     import sys
 
-    from fsdp_compile.planning.float8 import float8_training_model
+    from fsdp_compile.planning.float8_plan import float8_training_model
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r'plan\(float8=True\) needs torchao.*pip install -e "\.\[float8\]"'):

@@ -36,7 +36,7 @@ from helpers import (
 from model_shapes import MODEL_SHAPES, make_model
 
 import fsdp_compile
-from fsdp_compile.sharding.regions import regions_supported
+from fsdp_compile.sharding.compile_regions import regions_supported
 
 MODES = ("inductor", "aot_eager", "eager")
 # What users get by default, Inductor, runs in the default test run for every strategy; the

@@ -31,7 +31,7 @@ from helpers import compiled_regions, full
 from model_zoo import SEQ, VOCAB, ZOO, HFModel, build, loss_of
 
 import fsdp_compile
-from fsdp_compile.sharding.regions import regions_supported
+from fsdp_compile.sharding.compile_regions import regions_supported
 
 WORLD = 2
 PER_RANK = 2

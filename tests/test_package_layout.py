@@ -157,3 +157,14 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
                         break
                 components.append(component)
     return components
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    # A name used twice (regions, report, memory) makes a reader open the wrong one: each module's
+    # name says what it holds, wherever it sits.
+    folders_of: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            folders_of.setdefault(path.name, []).append(str(path.parent.relative_to(PACKAGE.parent)))
+    shared = {name: sorted(folders) for name, folders in folders_of.items() if len(folders) > 1}
+    assert not shared, shared

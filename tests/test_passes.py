@@ -8,7 +8,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import fsdp_compile  # noqa: F401  (registers the markers)
 from fsdp_compile.inspection.graphinfo import marker_counts, saved_gathered_parameters
-from fsdp_compile.passes.reshard import elide_trivial_unshard, tag_reshard_policy
+from fsdp_compile.passes.save_or_regather import elide_trivial_unshard, tag_reshard_policy
 from fsdp_compile.runtime.collectives import CommSpec
 
 

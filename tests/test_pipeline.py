@@ -17,8 +17,8 @@ from fsdp_compile.fsdp_backend import FSDPBackend
 from fsdp_compile.inspection.graphinfo import marker_counts
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.passes.context import PassContext
-from fsdp_compile.passes.pipeline import PIPELINE, PassFailure, run_stage, stage_passes
 from fsdp_compile.passes.scheduling import ScheduleOptions
+from fsdp_compile.passes.stages import PIPELINE, PassFailure, run_stage, stage_passes
 from fsdp_compile.runtime.collectives import CommSpec
 
 SPEC = CommSpec("g", 2, True, "", 1, None, None, True)
@@ -186,7 +186,7 @@ def test_saved_inputs_get_their_forward_roles_when_sizes_are_saved_too() -> None
 
     from fsdp_compile.compilation.roles import output_roles as _output_roles
     from fsdp_compile.compilation.roles import tag_saved_inputs
-    from fsdp_compile.inspection.memory import output_storage_keys, storage_lifetimes
+    from fsdp_compile.inspection.memory_estimate import output_storage_keys, storage_lifetimes
     from fsdp_compile.passes.graph import ROLE_META, SAVED_STORAGE_META
 
     size = ShapeEnv().create_unbacked_symint()

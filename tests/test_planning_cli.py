@@ -190,7 +190,7 @@ def test_the_profiler_speaks_only_when_asked() -> None:
     # The control for the test above: the same profile prints kineto's lines when the user asks
     # for them (KINETO_LOG_LEVEL), so their absence there is the tools' doing.
     code = ("import torch\n"
-            "from fsdp_compile.planning.calibration.memory import _allocated_peak\n"
+            "from fsdp_compile.planning.calibration.allocator import _allocated_peak\n"
             "_allocated_peak(lambda: torch.ones(8).sum(), torch.device('cpu'))\n")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two processes, side by side
         quiet, asked = pool.map(lambda level: _run(["-c", code], timeout=300, env_extra={"KINETO_LOG_LEVEL": level}),

@@ -3,7 +3,7 @@ itself (``__main__``), where the planner's child process must find them.
 
 Inside a job with a real process group the planner runs in a child process, and pickle sends
 functions and classes by reference: the child prepares the parent's main script as Python's
-``spawn`` does (fsdp_compile/planning/isolated.py). One run under torchrun (2 ranks, a tiny
+``spawn`` does (fsdp_compile/planning/child_process.py). One run under torchrun (2 ranks, a tiny
 model) of a script with everything at its top level, which ``spawn`` itself cannot take, and one
 plain run of a script that keeps its program under ``if __name__ == "__main__":``.
 """
@@ -106,7 +106,7 @@ def describe(model, inputs, **kwargs):
 
 
 if __name__ == "__main__":
-    from fsdp_compile.planning.isolated import run_in_subprocess
+    from fsdp_compile.planning.child_process import run_in_subprocess
 
     with open(os.environ["RUNS_LOG"], "a") as log:
         log.write("the program ran\\n")

@@ -34,7 +34,7 @@ def collectives_timed_alone() -> Iterator[None]:
     delays each wake-up from a wait by a varying amount, and the fitted line can then tilt
     either way; what that costs a step is the calibration's business, not these tests'. The
     ranks serve one test after another, so the switch is put back."""
-    from fsdp_compile.planning.calibration import collectives
+    from fsdp_compile.planning.calibration import collective_fits as collectives
 
     before = collectives._cores_per_thread
     collectives._cores_per_thread = lambda: 2.0
@@ -78,7 +78,7 @@ LINK, LATENCY = 50e6, 1e-3
 def fit_worker(rank: int, world: int) -> dict:
     import torch
 
-    from fsdp_compile.planning.calibration.collectives import _collectives
+    from fsdp_compile.planning.calibration.collective_fits import _collectives
     from fsdp_compile.runtime.ring import ring_steps
 
     net = fsdp_compile.EmulatedNetwork(intra_node=LINK, latency=LATENCY, devices_per_node=2)
@@ -180,7 +180,7 @@ def test_the_backends_own_collectives_are_timed_with_the_links_unlimited() -> No
 
 
 def test_backend_links_needs_the_backends_own_collectives() -> None:
-    from fsdp_compile.planning.numbers import ClusterError
+    from fsdp_compile.planning.vocabulary import ClusterError
     from fsdp_compile_lab import backend_links
 
     with pytest.raises(ClusterError, match=r"no backend_collectives: measure it with Cluster.measure\(host=HostCPU\) on an "):

@@ -10,8 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile.planning import Cluster, ClusterError
 from fsdp_compile.planning.cost import Group, collective_cost, graph_costs, node_cost
-from fsdp_compile.planning.numbers import MeasuredCollective
 from fsdp_compile.planning.simulate import simulate_events
+from fsdp_compile.planning.vocabulary import MeasuredCollective
 from fsdp_compile_lab.host import HOST_NUMBERS, HostCPU
 
 H100 = Cluster.preset("h100-sxm", nodes=2)
@@ -536,7 +536,7 @@ def test_collective_calibration_keeps_the_typical_run_not_the_fastest(monkeypatc
     import collections
     import time
 
-    from fsdp_compile.planning.calibration import collectives as measure
+    from fsdp_compile.planning.calibration import collective_fits as measure
 
     _collectives_calibrated_in_a_world_of_two(monkeypatch, measure)
     runs: collections.Counter = collections.Counter()
@@ -568,7 +568,7 @@ def test_collectives_are_timed_beside_compute_where_ranks_fill_the_cores(monkeyp
     import threading
     import time
 
-    from fsdp_compile.planning.calibration import collectives as measure
+    from fsdp_compile.planning.calibration import collective_fits as measure
 
     _collectives_calibrated_in_a_world_of_two(monkeypatch, measure)
     monkeypatch.setattr(measure, "_cores_per_thread", lambda: cores_per_thread)
@@ -585,7 +585,7 @@ def test_collectives_are_timed_beside_compute_where_ranks_fill_the_cores(monkeyp
 
 
 def test_allocator_peak_counts_a_reused_address_once():
-    from fsdp_compile.planning.calibration.memory import allocator_peak
+    from fsdp_compile.planning.calibration.allocator import allocator_peak
 
     MiB = 1 << 20
     records = [

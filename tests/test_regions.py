@@ -1,4 +1,4 @@
-"""Repeated blocks compiled once (``backend(regions=...)``; sharding/regions.py).
+"""Repeated blocks compiled once (``backend(regions=...)``; sharding/compile_regions.py).
 
 Each claim is checked against the same model compiled without regions and against the eager
 runtime: one traced body for all blocks, every collective in the top-level graph under its own
@@ -30,11 +30,10 @@ from helpers import (
 from layouts import LAYOUTS, VOCAB
 
 import fsdp_compile
-from fsdp_compile.inspection.memory import estimate_memory, storage_keys
+from fsdp_compile.inspection.memory_estimate import estimate_memory, storage_keys
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.passes.context import PassContext
 from fsdp_compile.passes.graph import COLLECTIVE_OPS, COMM_META
-from fsdp_compile.passes.pipeline import PassFailure, run_stage
 from fsdp_compile.passes.regions import (
     PARAM_META,
     _reorders_gradients,
@@ -44,9 +43,10 @@ from fsdp_compile.passes.regions import (
     region_body,
     route_region_inputs,
 )
+from fsdp_compile.passes.stages import PassFailure, run_stage
 from fsdp_compile.runtime.collectives import CommSpec
 from fsdp_compile.runtime.markers import UNSHARD
-from fsdp_compile.sharding.regions import REGION_UNIT, regions_supported
+from fsdp_compile.sharding.compile_regions import REGION_UNIT, regions_supported
 
 pytestmark = pytest.mark.skipif(not regions_supported(), reason="this torch does not reuse region traces")
 
@@ -169,7 +169,7 @@ def test_memory_estimate_of_region_graphs_stays_that_of_the_flat_graphs(full_sha
 def measured_peak_worker(rank: int, world: int) -> dict:
     """The estimated and the allocator's peak of one training step, with regions and without,
     on blocks big enough that activations dominate (4 x d_model 128, 4 x 128 tokens a rank)."""
-    from fsdp_compile.planning.calibration.memory import _allocated_peak
+    from fsdp_compile.planning.calibration.allocator import _allocated_peak
 
     config = GPTConfig(n_layer=4, d_model=128, n_head=4, block_size=128)
     x = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(rank))

@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # noqa: F401  (registers the markers)
 from fsdp_compile.api import parse_policy
-from fsdp_compile.inspection.memory import estimate_memory
+from fsdp_compile.inspection.memory_estimate import estimate_memory
 from fsdp_compile.passes.lowering import lower_markers
 from fsdp_compile.passes.scheduling import ScheduleOptions, schedule_collectives
 from fsdp_compile.runtime.collectives import CommSpec

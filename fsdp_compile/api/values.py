@@ -19,7 +19,7 @@ COMPILERS = ("inductor", "aot_eager", "eager")
 STRICT_ENV = "FSDP_COMPILE_STRICT"
 
 # Passes a user may switch off by name (backend(disable_passes=...)), as the pipeline names them
-# (passes/pipeline.py); the partition fix-up that orders saved RNG states is a correctness repair,
+# (passes/stages.py); the partition fix-up that orders saved RNG states is a correctness repair,
 # not an optimization, and always runs, and so do the captured graph's region passes
 # (backend(regions=False) compiles without regions). Declared here, with the option, so that the
 # options need nothing of the passes.

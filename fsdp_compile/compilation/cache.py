@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from .. import api
 from ..passes import pass_fingerprint
-from ..sharding.regions import region_copies
+from ..sharding.compile_regions import region_copies
 from ..sharding.sharded_param import sharded_name
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 
 from ..passes.graph import is_collective
-from ..passes.pipeline import fix_partition
 from ..passes.regions import is_region_call
+from ..passes.stages import fix_partition
 from ..runtime.faults import reraise_named
 from .cache import CacheLookup
 from .records import CompiledGraph

@@ -17,7 +17,7 @@ before the inner compiler compiles the result. The methods below come in that or
 :class:`~.inner_compilers.Stages` (:meth:`Compiler._inner_compile`): AOTAutograd calls them as
 its partition function and phase compilers, Inductor from its joint-graph hook, partitioner
 hook and ``inner_compile`` (:mod:`.inner_compilers`). The passes and their order are data
-(``fsdp_compile.passes.pipeline.PIPELINE``); one runner dumps, times and falls back for every
+(``fsdp_compile.passes.stages.PIPELINE``); one runner dumps, times and falls back for every
 stage. Every compiled graph runs behind a :class:`~.guard.StepGuard`.
 
 Tracing without code generation has one door: :meth:`Compiler.trace` (a whole step, on fake
@@ -47,11 +47,11 @@ from ..api import BackendOptions, env_flag
 from ..checks.agreement import collective_calls
 from ..checks.gradients import GradientCheck, requested
 from ..inspection.dump import graph_code
-from ..inspection.memory import estimate_memory, input_bytes, output_storage_keys, storage_lifetimes
+from ..inspection.memory_estimate import estimate_memory, input_bytes, output_storage_keys, storage_lifetimes
 from ..passes.context import PassContext
 from ..passes.graph import copy_graph_module
-from ..passes.pipeline import PassFailure, fix_partition, run_stage
 from ..passes.regions import PARAM_META, has_regions, inline_regions, is_region_body_joint
+from ..passes.stages import PassFailure, fix_partition, run_stage
 from ..runtime.markers import UNSHARD
 from ..sharding.backend_state import ShardingState
 from ..sharding.sharded_param import sharded_name

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import torch.fx as fx
 
-from ..inspection.memory import MemoryEstimate
+from ..inspection.memory_estimate import MemoryEstimate
 from ..passes.bucketing import Bucket
 from ..passes.scheduling import Schedule
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..api import BackendOptions
 from ..inspection.dump import Dumper, manifest_for
 from ..inspection.report import graph_summary
-from ..passes.pipeline import PassFailure
+from ..passes.stages import PassFailure
 from ..sharding.backend_state import ShardingState
 from .records import CompiledGraph
 

@@ -41,7 +41,7 @@ class PassContext:
 
 @dataclass(frozen=True)
 class GraphPass:
-    """One pass of the pipeline, declared as data (see passes/pipeline.py: ``PIPELINE``).
+    """One pass of the pipeline, declared as data (see passes/stages.py: ``PIPELINE``).
 
     ``graph_only``: the pass rewrites ``gm.graph`` and never runs or reads ``gm``'s generated
     code, so the runner regenerates code once at the end instead of after it (user passes may

@@ -50,8 +50,8 @@ VIEW_LIKE = PURE_VIEWS | {
 
 # node.meta keys our passes set.
 COMM_META = "fsdp_comm"  # a CommTag on every node a bucket was lowered into
-ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see inspection/memory.py)
-# On a backward graph's saved inputs: the storage key (inspection/memory.py) of the forward
+ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see inspection/memory_estimate.py)
+# On a backward graph's saved inputs: the storage key (inspection/memory_estimate.py) of the forward
 # output it is, so saved views of one storage count once and saved values of different
 # region calls, which fake propagation may put on one fake storage, count apart.
 SAVED_STORAGE_META = "fsdp_saved_storage"

@@ -1,6 +1,6 @@
 """Passes that keep the collectives of compile regions in the top-level graph.
 
-A unit compiled as a region (:mod:`fsdp_compile.sharding.regions`) is one body that every
+A unit compiled as a region (:mod:`fsdp_compile.sharding.compile_regions`) is one body that every
 block calls through ``invoke_subgraph``. Collectives inside that body would be invisible to
 bucketing and scheduling (which work on the top-level graph), would run once per read through
 the eager runtime, and the strategy's reshard policy could not reach them. Three passes move
@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.markers import REDUCE_GRAD, UNSHARD, UNSHARD_TARGETS
-from ..sharding.regions import REGION_UNIT
+from ..sharding.compile_regions import REGION_UNIT
 from .context import PassContext
 from .graph import PURE_VIEWS, copy_graph_module, is_random
 

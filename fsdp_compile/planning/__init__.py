@@ -6,7 +6,7 @@ size, costs every node against a :class:`Cluster` and simulates the schedule; se
 """
 
 from .cluster import Cluster
-from .numbers import ClusterError, MeasuredCollective
 from .plan import Plan, PlanError, PlanRow, plan
+from .vocabulary import ClusterError, MeasuredCollective
 
 __all__ = ["Cluster", "ClusterError", "MeasuredCollective", "Plan", "PlanError", "PlanRow", "plan"]

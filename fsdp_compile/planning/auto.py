@@ -7,7 +7,7 @@ The class itself lives beside the backend (``fsdp_compile/auto_backend.py``), wh
 the planner: the planner traces candidates with the backend's own pipeline.
 
 Rank 0 plans (in a subprocess: the job's process group is the default one here, see
-:mod:`.isolated`) and broadcasts the plan, so every rank applies the same choice; a planning
+:mod:`.child_process`) and broadcasts the plan, so every rank applies the same choice; a planning
 error is raised on every rank. The choice is the plan's best row: strategy, bucket policy and
 prefetch depth (and, for hybrid strategies, shard groups of one node).
 """
@@ -26,8 +26,8 @@ from torch import nn
 
 from ..api import MixedPrecision
 from .cluster import Cluster
-from .numbers import ClusterError
 from .plan import Plan, PlanError, PlanRow, plan, require_fit
+from .vocabulary import ClusterError
 
 log = logging.getLogger("fsdp_compile")
 

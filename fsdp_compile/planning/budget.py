@@ -53,7 +53,7 @@ import torch.fx as fx
 
 from ..compilation import CompiledGraph
 from ..errors import ConfigError
-from ..inspection.memory import input_bytes, storage_lifetimes
+from ..inspection.memory_estimate import input_bytes, storage_lifetimes
 from ..passes.bucketing import unit_label
 from ..passes.graph import COMM_META
 from ..sharding.backend_state import ShardingState

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .numbers import PlanError
+from .vocabulary import PlanError
 
 if TYPE_CHECKING:
     from .plan import Plan, PlanRow

@@ -228,9 +228,9 @@ def run_compare(args: argparse.Namespace) -> int:
     from .calibration.compute import _cpu_share
     from .calibration.outside_graphs import BesideSteps
     from .calibration.reference import compute_scale, model_reference_step
+    from .child_process import run_in_subprocess
     from .cluster import Cluster
     from .compare import bar_chart, clusters_beside_steps, measure_strategy
-    from .isolated import run_in_subprocess
     from .measured import step_range, within_noise
 
     owns_group = not dist.is_initialized()
@@ -372,7 +372,7 @@ def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[An
               **kwargs: Any) -> dict[str, Any]:
     """``plan(cluster=..., strategies=...)`` for each entry of ``on``, in one process: inside a job
     with a real process group each ``plan()`` would start a planning subprocess of its own
-    (:mod:`.isolated`), and ``compare`` plans every strategy on a cluster of its own."""
+    (:mod:`.child_process`), and ``compare`` plans every strategy on a cluster of its own."""
     from .plan import plan
 
     return {key: plan(model, example_inputs, cluster=cluster, strategies=strategies, **kwargs)
@@ -446,8 +446,8 @@ def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .numbers import PlanError
     from .tp import check_tp_degrees
+    from .vocabulary import PlanError
 
     if args.emulate:
         raise SystemExit("--tp with --emulate: not supported yet (the emulated network has no 2-D mesh)")

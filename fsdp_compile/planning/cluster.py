@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .host_model import HostModel
-from .numbers import (
+from .presets import PRESETS, preset_for_device
+from .vocabulary import (
     COLLECTIVE_KINDS,
     GB,
     TFLOPS,
@@ -40,7 +41,6 @@ from .numbers import (
     line_problems,
     number_problems,
 )
-from .presets import PRESETS, preset_for_device
 
 
 @dataclass(frozen=True)

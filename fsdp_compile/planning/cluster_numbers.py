@@ -13,7 +13,7 @@ import torch
 
 from .cluster import Cluster
 from .host_model import HostModel
-from .numbers import MeasuredCollective
+from .vocabulary import MeasuredCollective
 
 # Tuples of (fixed, per unit) seconds, by name.
 _LINES = ("optimizer_step",)

@@ -211,7 +211,7 @@ def _profiled_step(step: Callable[[], None], device: torch.device) -> tuple[floa
     """The largest running sum of allocator events during one step, and the profiler's events."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .calibration.memory import allocation_records, allocator_peak, quiet_profiler
+    from .calibration.allocator import allocation_records, allocator_peak, quiet_profiler
 
     quiet_profiler()
     if device.type == "cuda":

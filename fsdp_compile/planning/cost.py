@@ -36,7 +36,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from ..inspection.memory import size_hint
+from ..inspection.memory_estimate import size_hint
 from ..passes.graph import ALL_GATHER, COLLECTIVES, PURE_VIEWS, WAIT
 from ..runtime.ring import ring_steps, wire_bytes
 

@@ -28,19 +28,19 @@ import torch
 from torch import nn
 
 from ..api import ConfigError, MixedPrecision, ShardingStrategy
-from ..inspection.memory import input_bytes
+from ..inspection.memory_estimate import input_bytes
 from .budget import ReshardStep, candidate_groups
 from .budget import choose as choose_reshard
+from .child_process import run_in_subprocess
 from .choice import choose, rank, require_fit  # noqa: F401 (require_fit: re-exported for auto and tests)
 from .cluster import Cluster
 from .cost import Group, graph_costs, group_ranks, outside_graph_seconds
-from .isolated import run_in_subprocess
-from .numbers import OPTIMIZER_STATES, ClusterError, GiB, PlanError
 from .simulate import Timeline, memory_timeline, simulate_graph
 from .states import model_state_bytes  # noqa: F401 (re-exported: tests and benches import it here)
 from .symbolic import symbolic_analysis
 from .tp import TPMeshes, check_tp_degrees, tp_model_states
 from .trace import Candidate, Traced, candidate_label, trace_candidates
+from .vocabulary import OPTIMIZER_STATES, ClusterError, GiB, PlanError
 
 # Tensor parallelism's collective buffers count as activations in a plan's breakdown: the
 # planner traces data parallelism alone, so its graphs hold none of them.
@@ -124,7 +124,7 @@ class Plan:
         return state
 
     def __str__(self) -> str:
-        from .report import render_plan
+        from .plan_table import render_plan
 
         return render_plan(self)
 
@@ -355,7 +355,7 @@ def plan(
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError("mixed_precision= must be an fsdp_compile.MixedPrecision")
     if float8:
-        from .float8 import float8_training_model
+        from .float8_plan import float8_training_model
 
         model = float8_training_model(model, cluster)
     world = cluster.world_size if world_size is None else world_size

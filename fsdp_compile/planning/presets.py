@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .numbers import GB, GBITS, TFLOPS, GiB
+from .vocabulary import GB, GBITS, TFLOPS, GiB
 
 _NCCL_LATENCY = ("NCCL src/graph/tuning.cc defaults for ring/Simple (quoted in torch/_inductor/"
                  "comm_analysis.py): base {base} us, {hw} hop {hop} us per step")

@@ -16,7 +16,7 @@ through one hook, a :class:`~.host_model.HostTimeline` the simulator asks at eac
 and wait, and for the events of its own. This is one rank's timeline, the others priced by
 symmetry (lockstep); a host model may play every rank together instead (``played_step``).
 
-Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory`),
+Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory_estimate`),
 as ints or sympy expressions for graphs traced with symbolic sizes.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import sympy
 from torch import fx
 
-from ..inspection.memory import ROLES, role_of, storage_lifetimes
+from ..inspection.memory_estimate import ROLES, role_of, storage_lifetimes
 from ..passes.graph import WAIT
 from .cost import NodeCost, maximum
 from .host_model import HostModel, HostTimeline
@@ -171,7 +171,7 @@ def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
                     symbolic: bool = False, workspace: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Live bytes by role after each node's allocations, in graph order.
 
-    Same lifetimes as :func:`fsdp_compile.inspection.memory.estimate_memory` (inputs live throughout,
+    Same lifetimes as :func:`fsdp_compile.inspection.memory_estimate.estimate_memory` (inputs live throughout,
     outputs from their node to their last use); ``held`` adds bytes per role the caller keeps
     alive without passing them in. ``workspace`` maps a collective kind to the bytes the
     communication backend allocates per byte of the collective's buffer, alive from the

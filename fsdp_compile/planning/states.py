@@ -9,7 +9,7 @@ from torch import nn
 
 from ..api import ShardingStrategy
 from ..runtime.collectives import padded_rows
-from .numbers import OPTIMIZER_STATES
+from .vocabulary import OPTIMIZER_STATES
 
 
 def _shard_numel(shape: tuple[int, ...], shard_size: int) -> int:

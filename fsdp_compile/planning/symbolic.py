@@ -25,12 +25,12 @@ import sympy
 import torch
 
 from ..api import ShardingStrategy
-from ..inspection.memory import input_bytes
+from ..inspection.memory_estimate import input_bytes
 from .cost import graph_costs, outside_graph_seconds
-from .numbers import OPTIMIZER_STATES, PlanError
 from .simulate import memory_timeline, simulate_graph
 from .states import model_state_bytes
 from .trace import trace_candidates
+from .vocabulary import OPTIMIZER_STATES, PlanError
 from .world import fake_world
 
 

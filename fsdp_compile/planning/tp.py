@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from ..api import ShardingStrategy
-from .numbers import PlanError
+from .vocabulary import PlanError
 
 # Attributes that name a count of attention heads, on a model's config or on its modules.
 HEAD_ATTRIBUTES = ("n_heads", "n_kv_heads", "n_head", "num_heads", "num_attention_heads", "num_key_value_heads")

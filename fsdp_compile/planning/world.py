@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from ..sharding.float8 import like_float8_weight, plain_tensor
+from ..sharding.float8_gather import like_float8_weight, plain_tensor
 
 
 class RealProcessGroupError(RuntimeError):
@@ -36,7 +36,7 @@ def fake_world(world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks (this process is rank 0).
 
     Reuses a fake default group of the same size; any other default group is left alone
-    (the planner then runs in a subprocess, see :mod:`fsdp_compile.planning.isolated`).
+    (the planner then runs in a subprocess, see :mod:`fsdp_compile.planning.child_process`).
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

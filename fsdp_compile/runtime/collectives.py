@@ -63,7 +63,7 @@ class CommSpec:
     forward to groups of that many ranks of the shard group (``reshard_after_forward=n``):
     backward gathers it inside ``reshard_group`` (sharding/reshard_policy.py).
 
-    ``float8`` (a float8 dtype) is set for a torchao float8 weight (sharding/float8.py): its
+    ``float8`` (a float8 dtype) is set for a torchao float8 weight (sharding/float8_gather.py): its
     gather moves that dtype, scaled as ``Float8Linear`` scales it (``float8_pow2_scale``: its
     ``round_scales_to_power_of_2``), and returns it in the compute dtype.
     """

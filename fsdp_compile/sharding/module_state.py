@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from ..api import MixedPrecision
+from .compile_regions import RegionClass, RegionReads
 from .grad_sync import GradientSync
 from .local_shards import LocalShards
 from .region_fallback import ModelRegions
-from .regions import RegionClass, RegionReads
 from .sharded_param import ShardedParamInfo
 from .tensor_parallel import TPSpec
 

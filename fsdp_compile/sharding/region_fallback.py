@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .regions import RegionClass, class_key, forget_traced_region, last_traced_region
+from .compile_regions import RegionClass, class_key, forget_traced_region, last_traced_region
 
 log = logging.getLogger("fsdp_compile")
 

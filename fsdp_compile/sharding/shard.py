@@ -22,15 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..api import BackendOptions, parse_policy
 from ..runtime.collectives import CommSpec
-from .float8 import float8_gather
-from .grad_sync import GradientSync
-from .groups import Topology, current_device
-from .local_shards import LocalShards
-from .materialize import InitFn, has_meta
-from .materialize import materialize as materialize_units
-from .module_state import ModuleState, set_module_state
-from .region_fallback import ModelRegions, RegionFallback
-from .regions import (
+from .compile_regions import (
     RegionClass,
     RegionReads,
     region_copies,
@@ -38,6 +30,14 @@ from .regions import (
     relative_marker_args,
     tp_mesh_split_classes,
 )
+from .float8_gather import float8_gather
+from .grad_sync import GradientSync
+from .groups import Topology, current_device
+from .local_shards import LocalShards
+from .materialize import InitFn, has_meta
+from .materialize import materialize as materialize_units
+from .module_state import ModuleState, set_module_state
+from .region_fallback import ModelRegions, RegionFallback
 from .reshard_policy import ReshardGroups, resolve_reshard
 from .sharded_class import sharded_class
 from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter

@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..api import MixedPrecision
+from .compile_regions import make_region_forward, region_input
 from .eager_buckets import eager_read
 from .local_shards import LocalShards
 from .region_fallback import region_fallback_call
-from .regions import make_region_forward, region_input
 from .tensor_parallel import as_tp_dtensor
 
 _CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...], bool, bool], type] = {}
@@ -85,7 +85,7 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
     def read_in_region(self: nn.Module) -> torch.Tensor:
         region = self._fsdp_state.region
         if not region.sync.accumulating and torch.compiler.is_compiling():
-            # Inside a compile region (sharding/regions.py): nothing here may name the block,
+            # Inside a compile region (sharding/compile_regions.py): nothing here may name the block,
             # or the next block could not reuse this trace, nor read the root's per-forward
             # state (Dynamo does not reuse a region that read what the outer frame wrote). A
             # class compiled inline reads the same way: a frame Dynamo compiles for one of its

@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import CPUOffload
 from ..runtime.collectives import CommSpec, padded_rows, shard_bounds
-from .float8 import plain_tensor
+from .float8_gather import plain_tensor
 from .grad_sync import add_local_grad
 from .groups import Topology, current_device
 from .tensor_parallel import TPSpec, combined_layout

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from ..host_model import HostCalibration, HostModel
-from ..numbers import ClusterError
-from .collectives import _collective_workspace, _collectives, _gpu_overlap
+from ..vocabulary import ClusterError
+from .allocator import _cpu_memory_per_rank
+from .collective_fits import _collective_workspace, _collectives, _gpu_overlap
 from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwidth, _slowest
-from .memory import _cpu_memory_per_rank
 from .outside_graphs import _optimizer_step, _runtime_per_tensor
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from fsdp_compile.planning.calibration.compute import _compute_seconds, _slowest
 from fsdp_compile.planning.calibration.reference import compute_scale
 from fsdp_compile.planning.cluster import Cluster
 from fsdp_compile.planning.host_model import HostCalibration
-from fsdp_compile.planning.numbers import ClusterError
+from fsdp_compile.planning.vocabulary import ClusterError
 
 from .copies import _copy_kernels
 from .drift import core_sharing, rank_drift

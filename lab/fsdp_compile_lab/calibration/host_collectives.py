@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_compile.planning.calibration.collectives import (
+from fsdp_compile.planning.calibration.collective_fits import (
     _COLLECTIVE_REPEATS,
     _c10d,
     _issue_collective,
@@ -24,7 +24,7 @@ from fsdp_compile.planning.calibration.collectives import (
     _run_collective,
 )
 from fsdp_compile.planning.calibration.compute import _cores_per_thread, _cpu_share, _slowest
-from fsdp_compile.planning.numbers import COLLECTIVE_KINDS, fit_line
+from fsdp_compile.planning.vocabulary import COLLECTIVE_KINDS, fit_line
 from fsdp_compile.runtime.ring import wire_bytes
 
 

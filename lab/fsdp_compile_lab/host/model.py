@@ -24,7 +24,7 @@ import torch
 
 from fsdp_compile.passes.graph import COPY_KERNELS as COPY_KERNEL_OPS
 from fsdp_compile.passes.graph import COPY_OUT
-from fsdp_compile.planning.numbers import (
+from fsdp_compile.planning.vocabulary import (
     COLLECTIVE_KINDS,
     COPY_KERNELS,
     ClusterError,

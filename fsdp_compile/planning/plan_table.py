@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .numbers import GiB
 from .trace import describe_reshard
+from .vocabulary import GiB
 
 
 def _unit(plan: Any) -> tuple[str, float]:

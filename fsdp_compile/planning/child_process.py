@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .numbers import PlanError
+from .vocabulary import PlanError
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -166,7 +166,7 @@ def run_in_subprocess(planner: Callable[..., Any], model: nn.Module, example_inp
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
             env.pop(key, None)  # the child is no member of the job
-        done = subprocess.run([sys.executable, "-m", "fsdp_compile.planning.isolated", request_path, result_path,
+        done = subprocess.run([sys.executable, "-m", "fsdp_compile.planning.child_process", request_path, result_path,
                                script_path], env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not os.path.exists(result_path):
             raise PlanError(f"the planning subprocess failed (exit {done.returncode}):\n{done.stderr[-4000:]}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..numbers import ClusterError
+from ..vocabulary import ClusterError
 from .compute import _node_ranks
 
 # Above every level kineto logs at: on torch 2.13 its "USDT: ... profiler_start" and

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.ring import ring_steps, wire_bytes
-from ..numbers import COLLECTIVE_KINDS, MeasuredCollective, fit_line
+from ..vocabulary import COLLECTIVE_KINDS, MeasuredCollective, fit_line
+from .allocator import _allocated_peak
 from .compute import _cores_per_thread, _fastest_time, _slowest, _typical_time
-from .memory import _allocated_peak
 
 _c10d = torch.ops._c10d_functional
 
