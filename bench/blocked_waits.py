@@ -98,7 +98,7 @@ def worker(args) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import fsdp_compile
-    from fsdp_compile.planning.cli import _cross_entropy
+    from fsdp_compile.planning.cli import cross_entropy_loss
     from fsdp_compile.sharding.groups import end_process_group
 
     torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def worker(args) -> None:
     results = {}
     for strategy in STRATEGIES:
         torch.manual_seed(0)
-        planned = fsdp_compile.plan(build(), (tokens,), cluster=cluster, loss_fn=_cross_entropy, world_size=world,
+        planned = fsdp_compile.plan(build(), (tokens,), cluster=cluster, loss_fn=cross_entropy_loss, world_size=world,
                                     strategies=[strategy], prefetch=(1,), memory_budget=8 << 30).row(strategy)
         backend = fsdp_compile.backend(strategy, compiler="aot_eager")
         torch.manual_seed(0)

@@ -145,7 +145,7 @@ def simulated(job: dict, strategy: str) -> dict:
 
 
 def _simulated(job: dict, strategy: str) -> dict:
-    from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, _cross_entropy
+    from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, cross_entropy_loss
     from fsdp_compile.planning.cost import COLLECTIVE_KIND, graph_costs
     from fsdp_compile.planning.plan import plan
     from fsdp_compile.planning.simulate import simulate_graph
@@ -155,7 +155,7 @@ def _simulated(job: dict, strategy: str) -> dict:
     out = {}
     for where, key in (("network", strategy), ("unlimited", f"{strategy} unlimited")):
         cluster = on[key][0]
-        result = plan(model, example, cluster=cluster, strategies=[strategy], loss_fn=_cross_entropy,
+        result = plan(model, example, cluster=cluster, strategies=[strategy], loss_fn=cross_entropy_loss,
                       world_size=job["world"], **COMPARE_PLAN_OPTIONS)
         (traced,) = result._context.traced.values()  # the graphs it simulated
         records, clock, groups = [], 0.0, {}

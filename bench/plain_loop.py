@@ -42,10 +42,10 @@ def full_shard_prediction(build, tokens_shape: tuple[int, int], cluster, world: 
     """The plan's FULL_SHARD row (prefetch 1, an 8 GiB budget) for a GPT from ``build()`` fed
     token batches of ``tokens_shape``: step, compute, communication and exposed seconds."""
     import fsdp_compile
-    from fsdp_compile.planning.cli import _cross_entropy
+    from fsdp_compile.planning.cli import cross_entropy_loss
 
     example = (torch.zeros(*tokens_shape, dtype=torch.long),)
-    row = fsdp_compile.plan(build(), example, cluster=cluster, loss_fn=_cross_entropy, world_size=world,
+    row = fsdp_compile.plan(build(), example, cluster=cluster, loss_fn=cross_entropy_loss, world_size=world,
                             strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=8 << 30).row("FULL_SHARD")
     return {"step_s": row.step_seconds, "compute_s": row.compute_seconds, "comm_s": row.comm_seconds,
             "exposed_s": row.exposed_comm_seconds, "backend_cpu_s": row.backend_cpu_seconds}

@@ -46,10 +46,10 @@ from launch import rank_env, torchrun_command
 import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, plan
-from fsdp_compile.planning.cli import _cross_entropy
+from fsdp_compile.planning.cli import cross_entropy_loss
 from fsdp_compile.planning.measured import quiet_step_seconds
 from fsdp_compile_lab import HostCPU
-from fsdp_compile_lab.calibration.calibrate import _op_overhead
+from fsdp_compile_lab.calibration.calibrate import time_op_overhead
 
 GB = 1e9
 GiB = 1 << 30
@@ -197,7 +197,7 @@ def _peaks_with_workspace(runs: list[dict]) -> None:
                           intra_node_bandwidth=1e9, inter_node_bandwidth=1e9, intra_node_latency=0.0,
                           inter_node_latency=0.0, device_type="cpu", collective_workspace=GLOO_WORKSPACE)
         result = plan(globals()[factory](), (torch.zeros(batch, seq, dtype=torch.long),), cluster=cluster,
-                      loss_fn=_cross_entropy, world_size=world, strategies=[r["strategy"] for r in here],
+                      loss_fn=cross_entropy_loss, world_size=world, strategies=[r["strategy"] for r in here],
                       prefetch=(1,), memory_budget=64 * GiB)
         for r in here:
             r["predicted_peak_run_bytes"] = r["predicted_peak_bytes"]
@@ -286,16 +286,16 @@ def part_attribution(smoke: bool = False, repeats: int = 5) -> dict:
         cpu = torch.device("cpu")
         cluster = Cluster(
             name="cpu (compute calibrations only)", nodes=1, devices_per_node=2, device_memory=64 * GiB,
-            peak_flops={torch.float32: measuring._matmul_flops(torch.float32, cpu, repeats)},
-            attention_flops={torch.float32: measuring._attention_flops(torch.float32, cpu, repeats)},
-            memory_bandwidth=measuring._memory_bandwidth(cpu, repeats), intra_node_bandwidth=1e9,
+            peak_flops={torch.float32: measuring.measure_matmul_flops(torch.float32, cpu, repeats)},
+            attention_flops={torch.float32: measuring.measure_attention_flops(torch.float32, cpu, repeats)},
+            memory_bandwidth=measuring.measure_memory_bandwidth(cpu, repeats), intra_node_bandwidth=1e9,
             inter_node_bandwidth=None, intra_node_latency=0.0, inter_node_latency=None,
-            device_type="cpu", host=HostCPU(op_overhead=_op_overhead(cpu, repeats)))
+            device_type="cpu", host=HostCPU(op_overhead=time_op_overhead(cpu, repeats)))
         models = []
         for factory, batch, seq in SMOKE_RUNS if smoke else ACCURACY_RUNS:
             model = globals()[factory]()
             tokens = torch.zeros(batch, seq, dtype=torch.long)
-            result = plan(model, (tokens,), cluster=cluster, loss_fn=_cross_entropy, world_size=2,
+            result = plan(model, (tokens,), cluster=cluster, loss_fn=cross_entropy_loss, world_size=2,
                           strategies=["FULL_SHARD"], prefetch=(1,), memory_budget=64 * GiB)
             traced = next(iter(result._context.traced.values()))
             by_kind: dict = {}
@@ -366,7 +366,7 @@ def part_zero(smoke: bool = False) -> dict:
         model = GPT(cfg)
     P = sum(p.numel() for p in model.parameters())
     tokens = torch.zeros(1, cfg.block_size, dtype=torch.long)
-    result = plan(model, (tokens,), cluster=Cluster.preset("h100-sxm", nodes=8), loss_fn=_cross_entropy,
+    result = plan(model, (tokens,), cluster=Cluster.preset("h100-sxm", nodes=8), loss_fn=cross_entropy_loss,
                   mixed_precision=BF16, strategies=["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"], prefetch=(1,),
                   memory_budget=1e15)
     paper = {"NO_SHARD": (120, "16P"), "SHARD_GRAD_OP": (16.6, "2P + 14P/N"), "FULL_SHARD": (1.88, "16P/N")}
@@ -397,7 +397,7 @@ def part_anchors() -> dict:
         gpt175 = GPT(GPTConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, d_model=12288))
     tokens = torch.zeros(20, 512, dtype=torch.long)
     a100 = Cluster.preset("a100-80gb", nodes=16)
-    r = plan(gpt175, (tokens,), cluster=a100, loss_fn=_cross_entropy, mixed_precision=BF16,
+    r = plan(gpt175, (tokens,), cluster=a100, loss_fn=cross_entropy_loss, mixed_precision=BF16,
              strategies=["FULL_SHARD"], prefetch=(1,), trace_all=True)
     row = r.row("FULL_SHARD")
     out["fsdp_paper_gpt175b_128xA100"] = {
@@ -414,7 +414,7 @@ def part_anchors() -> dict:
         with torch.device("meta"):
             llama = Llama(LlamaConfig.llama3_8b(checkpoint_blocks=checkpoint))
         tokens = torch.zeros(1, 8192, dtype=torch.long)
-        r = plan(llama, (tokens,), cluster=Cluster.preset("h100-sxm", nodes=1), loss_fn=_cross_entropy,
+        r = plan(llama, (tokens,), cluster=Cluster.preset("h100-sxm", nodes=1), loss_fn=cross_entropy_loss,
                  mixed_precision=BF16, strategies=["FULL_SHARD"], prefetch=(1,), trace_all=True)
         row = r.row("FULL_SHARD")
         rows["full activation checkpointing" if checkpoint else "no activation checkpointing"] = {
@@ -444,7 +444,7 @@ def part_a10g(width: int = 4096, seq: int = 1024, memory_budget: float | None = 
                 with torch.device("meta"):
                     model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=depth, n_head=max(width // 128, 1),
                                           d_model=width))
-                r = plan(model, (tokens,), cluster=cluster, loss_fn=_cross_entropy, mixed_precision=BF16,
+                r = plan(model, (tokens,), cluster=cluster, loss_fn=cross_entropy_loss, mixed_precision=BF16,
                          strategies=[strategy], prefetch=(1,), memory_budget=memory_budget)
                 cache[depth] = r.row(strategy).fits
                 print(f"  {strategy} depth {depth}: {'fits' if cache[depth] else 'does not fit'}", flush=True)

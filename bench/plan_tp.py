@@ -90,7 +90,7 @@ def part_measured(steps: int, out: Path, smoke: bool = False) -> dict:
 
 def part_anchor(smoke: bool = False) -> dict:
     from fsdp_compile.planning import Cluster, plan
-    from fsdp_compile.planning.cli import _cross_entropy
+    from fsdp_compile.planning.cli import cross_entropy_loss
 
     layers = 2 if smoke else None
     overrides = {"checkpoint_blocks": True, "max_seq_len": 8192, **({"n_layers": layers} if layers else {})}
@@ -98,11 +98,11 @@ def part_anchor(smoke: bool = False) -> dict:
         llama = Llama(LlamaConfig.llama3_70b(**overrides))
     tokens = torch.zeros(16, 8192, dtype=torch.long)
     cluster = Cluster.preset("h100-sxm", nodes=32)
-    result = plan(llama, (tokens,), cluster=cluster, loss_fn=_cross_entropy, mixed_precision=BF16,
+    result = plan(llama, (tokens,), cluster=cluster, loss_fn=cross_entropy_loss, mixed_precision=BF16,
                   strategies=["FULL_SHARD"], prefetch=(1,), trace_all=True, tp_degrees=(8,))
     row = result.row("FULL_SHARD", tp=8)
     # torchtitan's run: its linears in float8 (torchao), as plan(float8=True) converts them.
-    float8 = plan(llama, (tokens,), cluster=cluster, loss_fn=_cross_entropy, mixed_precision=BF16,
+    float8 = plan(llama, (tokens,), cluster=cluster, loss_fn=cross_entropy_loss, mixed_precision=BF16,
                   strategies=["FULL_SHARD"], prefetch=(1,), trace_all=True, tp_degrees=(8,), float8=True)
     row8 = float8.row("FULL_SHARD", tp=8)
     # torchtitan's local batch is per data-parallel rank: the 8 ranks of a tp group share its

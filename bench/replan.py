@@ -36,7 +36,7 @@ from plan_emulated import EXPOSED_FLOOR, EXPOSED_WITHIN, STEP_WITHIN
 from report_files import run_facts, write_report
 
 from fsdp_compile.network.links import parse_bandwidth, parse_latency
-from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, _cross_entropy, build_model, plan_each
+from fsdp_compile.planning.cli import COMPARE_PLAN_OPTIONS, build_model, cross_entropy_loss, plan_each
 from fsdp_compile.planning.cluster_numbers import cluster_from_numbers
 from fsdp_compile.planning.compare import clusters_beside_steps
 from fsdp_compile.runtime.ring import ring_steps
@@ -129,7 +129,7 @@ def replan_job(job: dict, cores: int | None = None, rank_drift: float | None = N
     """Every strategy of ``job`` planned again: one row per strategy (see :func:`job_clusters`)."""
     on = job_clusters(job, cores, rank_drift)
     model, example = job_model(job)
-    plans = plan_each(model, example, on=on, loss_fn=_cross_entropy, world_size=job["world"], tp_degrees=(1,),
+    plans = plan_each(model, example, on=on, loss_fn=cross_entropy_loss, world_size=job["world"], tp_degrees=(1,),
                       parallelize_fn=None, **COMPARE_PLAN_OPTIONS)
     rows = []
     for row in job["rows"]:

@@ -446,10 +446,10 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
         return calibration
 
     fit = {"all_gather": (1e-4, 1e-9)}
-    monkeypatch.setattr(measure, "_matmul_flops", recorded("matmul", 1e11))
-    monkeypatch.setattr(measure, "_attention_flops", recorded("attention", 1e11))
-    monkeypatch.setattr(measure, "_memory_bandwidth", recorded("bandwidth", 1e10))
-    monkeypatch.setattr(host_measure, "_op_overhead", lambda device, repeats: 1e-6)
+    monkeypatch.setattr(measure, "measure_matmul_flops", recorded("matmul", 1e11))
+    monkeypatch.setattr(measure, "measure_attention_flops", recorded("attention", 1e11))
+    monkeypatch.setattr(measure, "measure_memory_bandwidth", recorded("bandwidth", 1e10))
+    monkeypatch.setattr(host_measure, "time_op_overhead", lambda device, repeats: 1e-6)
     monkeypatch.setattr(measure, "_optimizer_step", recorded("optimizer", (1e-4, 1e-9)))
     monkeypatch.setattr(measure, "_runtime_per_tensor", recorded("runtime", 1e-5))
     monkeypatch.setattr(host_measure, "_copy_kernels", recorded("copies", {}))
@@ -518,7 +518,7 @@ def test_matmul_calibration_is_the_median_pass_over_every_shape(monkeypatch):
     monkeypatch.setattr(measure, "_cpu_share", lambda device: 1.0)
     monkeypatch.setattr(measure, "_samples", lambda fn, repeats, device, clock: [1.0, 3.0, 2.0])
     flops = 3 * 2 * (8 * 8 * 8 + 16 * 8 * 4)  # three layouts of each shape, in one pass
-    assert measure._matmul_flops(torch.float32, torch.device("cpu"), 3, sync=False) == pytest.approx(flops / 2.0)
+    assert measure.measure_matmul_flops(torch.float32, torch.device("cpu"), 3, sync=False) == pytest.approx(flops / 2.0)
 
 
 def _collectives_calibrated_in_a_world_of_two(monkeypatch, measure) -> None:

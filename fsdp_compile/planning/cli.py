@@ -308,7 +308,7 @@ def run_compare(args: argparse.Namespace) -> int:
                   if measured[name].reference_seconds else calibrated for name in names}
         beside = {name: {"compute_scale": scales[name], **(measured[name].outside_graphs or {})} for name in names}
         on = {"at_calibration": (cluster, names), **clusters_beside_steps(cluster, unlimited_cluster, beside)}
-        plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=_cross_entropy, world_size=world,
+        plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=cross_entropy_loss, world_size=world,
                                   tp_degrees=(args.tp,), parallelize_fn=tp["fn"] if tp else None,
                                   **COMPARE_PLAN_OPTIONS)
         for name in names:
@@ -481,7 +481,7 @@ def _emulated_network(links: str, latency: str, devices_per_node: int | None) ->
         raise SystemExit(f"--emulate {links!r}: {exc}") from None
 
 
-def _cross_entropy(logits: torch.Tensor) -> torch.Tensor:
+def cross_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the logits against class 0 (the values do not change the cost);
     module level, so the planner can pickle it for its subprocess."""
     import torch.nn.functional as F

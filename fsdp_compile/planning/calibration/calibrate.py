@@ -9,7 +9,7 @@ Each compute timing is the fastest of several repeats: noise (other processes, i
 only ever adds time, so the fastest repeat is the closest to what the machine does. Matmuls
 and attention are the exception: a step runs each of them once, after other operators, so
 they are timed as a pass over every shape and the median pass counts
-(:func:`.compute._matmul_flops`). A collective's time is the median: its spread is the
+(:func:`.compute.measure_matmul_flops`). A collective's time is the median: its spread is the
 collective's own (the backend's threads waking on every rank, fresh buffers), and a step pays
 the typical one. On a CPU whose ops run on one thread, compute is timed by the thread's CPU time,
 not the wall clock: on a shared machine a rank waits for a core whenever other jobs hold it, and
@@ -39,7 +39,7 @@ from ..host_model import HostCalibration, HostModel
 from ..vocabulary import ClusterError
 from .allocator import _cpu_memory_per_rank
 from .collective_fits import _collective_workspace, _collectives, _gpu_overlap
-from .compute import _attention_flops, _cpu_share, _matmul_flops, _memory_bandwidth, _slowest
+from .compute import _cpu_share, _slowest, measure_attention_flops, measure_matmul_flops, measure_memory_bandwidth
 from .outside_graphs import _optimizer_step, _runtime_per_tensor
 
 if TYPE_CHECKING:
@@ -146,14 +146,15 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     flops: dict[torch.dtype, float] = {}
     for _ in range(2):
         for dtype in dtypes:
-            rate = -_slowest(-_in_turns(lambda sync, dtype=dtype: _matmul_flops(dtype, device, repeats, group, sync),
-                                        group, device), group)
+            timed = _in_turns(lambda sync, dtype=dtype: measure_matmul_flops(dtype, device, repeats, group, sync),
+                              group, device)
+            rate = -_slowest(-timed, group)
             flops[dtype] = max(flops.get(dtype, 0.0), rate)
     attention = {dtype: -_slowest(-_in_turns(
-        lambda sync, dtype=dtype: _attention_flops(dtype, device, repeats, group, sync), group, device), group)
+        lambda sync, dtype=dtype: measure_attention_flops(dtype, device, repeats, group, sync), group, device), group)
         for dtype in dtypes}
-    bandwidth = -_slowest(-_in_turns(lambda sync: _memory_bandwidth(device, repeats, group, sync), group, device),
-                          group)
+    bandwidth = -_slowest(
+        -_in_turns(lambda sync: measure_memory_bandwidth(device, repeats, group, sync), group, device), group)
     optimizer_step = {
         name: tuple(_slowest(v, group) for v in _in_turns(
             lambda sync, name=name: _optimizer_step(name, group, device, repeats, sync), group, device))

@@ -138,7 +138,7 @@ _CPU_ACTIVATIONS = ((512, 256), (512, 1024), (1024, 512), (1024, 2048))
 _GPU_MATMULS = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 16384), (8192, 16384, 4096))
 
 
-def _matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
+def measure_matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
                   sync: bool = True) -> float:
     """FLOP/s of the matmuls a training step runs, run the way a step runs them.
 
@@ -172,7 +172,7 @@ _CPU_ATTENTION = (4, 8, 256, 64)
 _GPU_ATTENTION = (4, 32, 2048, 128)
 
 
-def _attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
+def measure_attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
                      sync: bool = True) -> float:
     """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts
     them (the formulas the cost model applies): attention kernels run softmax and masking
@@ -192,7 +192,7 @@ def _attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, gro
     return flops / _compute_seconds(forward_backward, repeats, device, typical=True)
 
 
-def _memory_bandwidth(device: torch.device, repeats: int, group: Any = None, sync: bool = True) -> float:
+def measure_memory_bandwidth(device: torch.device, repeats: int, group: Any = None, sync: bool = True) -> float:
     """Bytes per second the memory-bound operators of a training step move.
 
     On a GPU: one large copy (what the data sheets quote). On a CPU: the median over the

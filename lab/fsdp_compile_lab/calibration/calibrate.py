@@ -40,7 +40,7 @@ from .host_collectives import _backend_share, _collective_cpu, _issue_seconds, _
 from .reference import timed_reference
 
 
-def _op_overhead(device: torch.device, repeats: int) -> float:
+def time_op_overhead(device: torch.device, repeats: int) -> float:
     """Seconds per operator of a graph run as Python (aot_eager), on tiny tensors."""
     graph = fx.Graph()
     x = graph.placeholder("x")
@@ -82,7 +82,7 @@ def host_numbers(cluster: Cluster, calibration: HostCalibration) -> dict[str, An
     group, device, sizes, repeats = calibration.group, calibration.device, calibration.sizes, calibration.repeats
     if device.type != "cpu":
         return {}
-    overhead = _slowest(_in_turns(lambda sync: _op_overhead(device, repeats), group, device), group)
+    overhead = _slowest(_in_turns(lambda sync: time_op_overhead(device, repeats), group, device), group)
     copy_kernels = {name: tuple(_slowest(v, group) for v in fit) for name, fit in _in_turns(
         lambda sync: _copy_kernels(group, device, repeats, sync), group, device).items()}
     backend, backend_inter = _backend_collectives(calibration.network, calibration.link_groups, device, sizes,
