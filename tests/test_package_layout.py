@@ -168,3 +168,14 @@ def test_no_two_modules_share_a_file_name() -> None:
             folders_of.setdefault(path.name, []).append(str(path.parent.relative_to(PACKAGE.parent)))
     shared = {name: sorted(folders) for name, folders in folders_of.items() if len(folders) > 1}
     assert not shared, shared
+
+
+def test_benchmarks_import_public_names_only() -> None:
+    # A benchmark is a user of the package: what it needs from it is public, so a change of a
+    # private name cannot quietly break the figures the results page cites.
+    private = []
+    for path in sorted((PACKAGE.parent / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_compile"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not private, private
