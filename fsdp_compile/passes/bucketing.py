@@ -16,8 +16,8 @@ gradient exists, where neither can hide under compute. So the graph's last run o
 its unit was also read earlier, is a bucket of its own, ``<unit>:tail`` (torchtitan shards
 ``[norm, output]`` apart from the root by hand for this reason). A tail parameter already gathered
 earlier in the graph (a head tied to the embeddings) stays in the earlier bucket: one gather.
-On an emulated link (``bench/overlap.py``, world 2, communication about equal to compute) the
-split cut what a FULL_SHARD step waited from 171 to 105 ms (``bench/results/overlap_cpu.md``).
+What the split saves on an emulated link is on the results page (docs/results.md, "Overlap on
+an emulated network").
 """
 
 from __future__ import annotations

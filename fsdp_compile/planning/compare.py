@@ -8,8 +8,8 @@ few steps with AdamW and measures:
   collector runs between steps, not inside them (``gc_between_steps``, the default; what
   torchtitan's trainer does with ``gc_freq``): a collection pauses whichever step allocates
   past its threshold, for a time set by everything the process holds (the compiled graphs'
-  objects included), not by the strategy. On a 2-core x86_64 CPU (torch 2.13) the median
-  gpt_medium FULL_SHARD step at world 2 took 8% longer with automatic collection inside the steps;
+  objects included), not by the strategy, so collecting inside the steps adds noise that no
+  strategy causes;
 * compile time: the first step's time minus a steady step's;
 * peak memory per rank, by the allocator: the bytes of every storage alive before a profiled
   step (shards, optimizer state, buffers: storages the allocator handed out, counted once

@@ -46,11 +46,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 # From how many copies of a block a region pays for its fixed cost (one more trace of the body,
-# torch's per-call schema for the region), by compiler, measured for bench/compile_time.py's GPT
-# on a 2-core CPU with torch 2.13 (bench/results/compile_time_cpu_regions_*.md): under
-# Inductor, which compiles the body once, 4 blocks compile 28% faster as regions; under
-# aot_eager, which compiles nothing, regions cost at 4 blocks (the plain model: +12%) and save
-# from 16 (fsdp_compile: -20%), so 8 sits between.
+# torch's per-call schema for the region), by compiler: Inductor compiles the body once, so
+# regions pay from a few blocks; aot_eager compiles nothing, so regions pay only in deeper
+# models, and 8 sits between where they cost and where they save (bench/compile_time.py;
+# docs/results.md, "Compile time").
 # The eager compiler runs every region inline: none there.
 MIN_REGION_COPIES = {"inductor": 2, "aot_eager": 8}
 # The unit a marker inside a region names: hoisting replaces it with the call site's unit.
