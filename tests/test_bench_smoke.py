@@ -442,9 +442,15 @@ def test_replan_reproduces_a_published_job_and_judges_it() -> None:
     job = json.loads((ROOT / "bench" / "results" / "plan_emulated" / "w2_1x" / "compare.json").read_text())
     rows = replan.replan_job(job)
     assert [r["strategy"] for r in rows] == [r["strategy"] for r in job["rows"]]
-    for row in rows:  # the planner unchanged since the job: its predictions again, to the rounding
-        assert row["replanned_step_s"] == pytest.approx(row["published_step_s"], rel=1e-9), row["strategy"]
-        assert row["replanned_exposed_s"] == pytest.approx(row["published_exposed_s"], rel=1e-6, abs=1e-9)
+    # The cost model is unchanged since the job, but the graphs it prices are not: since b570ef9
+    # each reduced gradient is cut from its buffer by a narrow and a view (one node more per
+    # parameter in backward), priced at the per-operator overhead. Before it the predictions came
+    # back to the rounding (checked at b570ef9^); with it each step is up to 0.05% longer and each
+    # exposed communication up to 0.14% shorter.
+    for row in rows:
+        assert row["replanned_step_s"] == pytest.approx(row["published_step_s"], rel=1e-3), row["strategy"]
+        assert row["replanned_step_s"] >= row["published_step_s"], row["strategy"]
+        assert row["replanned_exposed_s"] == pytest.approx(row["published_exposed_s"], rel=2e-3, abs=1e-6)
         assert replan.held(row, "replanned") == replan.held(row, "published")
 
 
