@@ -459,8 +459,8 @@ def test_a_rank_that_dies_makes_the_others_raise_naming_what_waited(where: str, 
     expected = {
         ("forward", "aot_eager"): "the forward of compiled graph 0",
         ("backward", "aot_eager"): "the backward of compiled graph 0",
-        ("forward", "eager"): "the gather of parameter",
-        ("backward", "eager"): "the gradient reduction of parameter",
+        ("forward", "eager"): "the gather of the bucket of",  # the eager runtime gathers by bucket
+        ("backward", "eager"): "the gradient reduction of the bucket of",
     }.get((where, mode), f"save_checkpoint({str(tmp_path / 'ckpt')!r})")
     assert out["error"].startswith(f"RankFailure: fsdp_compile: {expected}"), out["error"]
     assert "on rank 0 failed while waiting for the other ranks" in out["error"]
