@@ -10,6 +10,8 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
+from distributed import run_workers
 
 import fsdp_compile
 from fsdp_compile.api import OPTIONAL_PASSES, BackendOptions
@@ -78,3 +80,25 @@ def test_the_options_vocabulary_imports_nothing_of_the_package_but_errors() -> N
                     "fsdp_compile"):
                 found.append(f"{path.name}: {ast.unparse(node)}")
     assert not found, found
+
+
+def _checked_options(rank: int, world: int) -> dict[str, list[str]]:
+    """The options the shard() agreement and the compile-cache key use, read off what they build."""
+    from fsdp_compile.checks.agreement import sharding_items
+
+    backend = fsdp_compile.backend(compiler="aot_eager")
+    model = backend.shard(torch.nn.Linear(4, 4))
+    items = sharding_items(backend.options, backend._state.topology, model)
+    names = {spec.name for spec in dataclasses.fields(BackendOptions)}
+    return {"agree": [label[:-1] for label, _ in items if label[:-1] in names],
+            "cache": [key for key in backend.cache_key_parts() if key in names]}
+
+
+def test_each_option_declares_whether_ranks_agree_on_it_and_whether_it_keys_the_cache() -> None:
+    fields = dataclasses.fields(BackendOptions)
+    lacking = [spec.name for spec in fields
+               if not isinstance(spec.metadata.get("agree"), bool) or not isinstance(spec.metadata.get("cache"), bool)]
+    assert not lacking, f"declare agree= and cache= in option(...) for {lacking}"
+    checked = run_workers(_checked_options, 1)[0]
+    for flag in ("agree", "cache"):
+        assert checked[flag] == [spec.name for spec in fields if spec.metadata[flag]], flag

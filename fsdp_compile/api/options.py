@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import enum
 import functools
 import inspect
 import os
@@ -46,10 +47,33 @@ if TYPE_CHECKING:
 Check = Callable[[Any, "BackendOptions"], Any]
 
 
-def option(doc: str, check: Check | None = None) -> dict[str, Any]:
-    """What a field needs to be an option, besides its name, type and default: its Args: entry
-    and its check (``field(default=..., metadata=option(doc, check))``)."""
-    return {"doc": doc, "check": check}
+def option(doc: str, check: Check | None = None, *, agree: bool, cache: bool,
+           describe: Callable[[Any, BackendOptions], Any] | None = None) -> dict[str, Any]:
+    """What a field needs to be an option, besides its name, type and default: its Args: entry, its
+    check, whether every rank must pass the same value (``agree``: compared at ``shard()``), whether
+    it keys the compile cache (``cache``: the passes' result depends on it; options the backend
+    resolves first, such as prefetch orders or ``reshard_after_forward``, are keyed by what they
+    resolve to), and how to spell the value alike on every rank (``describe``, else :func:`described`)."""
+    return {"doc": doc, "check": check, "agree": agree, "cache": cache, "describe": describe}
+
+
+def described(options: BackendOptions, flag: str) -> dict[str, Any]:
+    """The options declared with ``flag`` (``"agree"`` or ``"cache"``), each spelled as JSON-able
+    text that is equal on ranks given equal values (enums by name, objects by repr)."""
+    found = {}
+    for spec in dataclasses.fields(options):
+        if spec.metadata[flag]:
+            value, describe = getattr(options, spec.name), spec.metadata["describe"]
+            if describe is not None:
+                value = describe(value, options)
+            elif isinstance(value, enum.Enum):
+                value = value.name
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif value is not None and not isinstance(value, (bool, int, float, str)):
+                value = repr(value)
+            found[spec.name] = value
+    return found
 
 
 def _strategy(value: Any, o: BackendOptions) -> ShardingStrategy:
@@ -227,88 +251,99 @@ class BackendOptions:
 
     # The one option also given by position: backend("FULL_SHARD").
     strategy: ShardingStrategy | str = field(default=ShardingStrategy.FULL_SHARD, kw_only=False, metadata=option(
-        "a :class:`fsdp_compile.ShardingStrategy` or its name, in any case.", _strategy))
+        "a :class:`fsdp_compile.ShardingStrategy` or its name, in any case.", _strategy, agree=True, cache=True))
     compiler: str = field(default="inductor", metadata=option(
         "``\"inductor\"`` (default), ``\"aot_eager\"`` (no code generation; bitwise equal to the "
         "eager runtime) or ``\"eager\"`` (the captured graph as Python, every marker run by the eager "
-        "runtime). ``FSDP_COMPILE_EAGER=1`` forces ``\"eager\"``.", _compiler))
+        "runtime). ``FSDP_COMPILE_EAGER=1`` forces ``\"eager\"``.", _compiler, agree=True, cache=True))
     mesh: DeviceMesh | None = field(default=None, metadata=option(
         "a ``DeviceMesh``: 1-D, or for hybrid strategies 2-D with dims (replicate, shard). For a model "
         "whose parameters are already tensor-parallel DTensors (torch's ``parallelize_module`` on "
         "``mesh[\"tp\"]``), the data-parallel part of that same mesh (``mesh[\"dp\"]``): each parameter's "
         "TP-local tensor is sharded over it, as FSDP2's ``fully_shard(mesh=mesh[\"dp\"])`` does (see "
-        "docs/tensor-parallel.md).", _mesh))
+        "docs/tensor-parallel.md).", _mesh, agree=False, cache=False))
     process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = field(default=None, metadata=option(
         "instead of ``mesh``: one group, or ``(shard_pg, replicate_pg)`` for hybrid strategies (any "
-        "layout that tiles the world).", _process_groups))
+        "layout that tiles the world).", _process_groups, agree=False, cache=False))
     shard_size: int | None = field(default=None, metadata=option(
         "hybrid strategies without ``mesh``/``process_groups``: ranks per shard group (default "
-        "``LOCAL_WORLD_SIZE``, one node).", _shard_size))
+        "``LOCAL_WORLD_SIZE``, one node).", _shard_size, agree=False, cache=False))
     timeout: datetime.timedelta | None = field(default=None, metadata=option(
-        "the timeout of groups the backend creates (default: the default group's).", _timeout))
+        "the timeout of groups the backend creates (default: the default group's).",
+        _timeout, agree=False, cache=False))
     bucket: BucketPolicy = field(default="module", metadata=option(
         "``\"module\"`` (default: one bucket per repeated block, plus the root's parameters), a set "
         "of module classes or a callable ``module -> bool`` (FSDP1's ``auto_wrap_policy``), an int (bytes "
-        "of consecutive parameters), or ``\"param\"``.", _bucket))
+        "of consecutive parameters), or ``\"param\"``.", _bucket, agree=True, cache=True,
+        describe=lambda value, o: o.bucket_policy.describe()))
     mixed_precision: MixedPrecision | None = field(default=None, metadata=option(
-        "a :class:`fsdp_compile.MixedPrecision` (parameter, reduce, output dtypes).", _mixed_precision))
+        "a :class:`fsdp_compile.MixedPrecision` (parameter, reduce, output dtypes).",
+        _mixed_precision, agree=True, cache=True))
     schedule: bool = field(default=True, metadata=option(
         "reorder collectives to overlap compute (default True); under Inductor it also turns off "
-        "Inductor's peak-memory reordering of graphs with collectives (it would undo it)."))
+        "Inductor's peak-memory reordering of graphs with collectives (it would undo it).", agree=True, cache=True))
     prefetch: int = field(default=1, metadata=option(
-        "how many buckets ahead a gather is issued (default 1; 0: right before use).", _prefetch))
+        "how many buckets ahead a gather is issued (default 1; 0: right before use).",
+        _prefetch, agree=True, cache=True))
     max_inflight_bytes: int | None = field(default=None, metadata=option(
         "most bytes of collectives issued and not yet waited (default: twice the largest bucket, plus "
-        "twice the largest all-reduce across nodes if hybrid).", _max_inflight_bytes))
+        "twice the largest all-reduce across nodes if hybrid).", _max_inflight_bytes, agree=True, cache=True))
     forward_prefetch: dict | None = field(default=None, metadata=option(
         "explicit orders ``{unit: [units to gather when it starts]}`` (units by name or module), as "
-        "FSDP2's ``set_modules_to_forward_prefetch``.", _prefetch_order("forward_prefetch")))
+        "FSDP2's ``set_modules_to_forward_prefetch``.", _prefetch_order("forward_prefetch"), agree=False, cache=False))
     backward_prefetch: dict | None = field(default=None, metadata=option(
-        "the same for backward.", _prefetch_order("backward_prefetch")))
+        "the same for backward.", _prefetch_order("backward_prefetch"), agree=False, cache=False))
     dump_dir: str | os.PathLike | None = field(default=None, metadata=option(
         "write every graph before and after each pass, and a JSON summary per graph (or "
-        "``FSDP_COMPILE_DUMP=<dir>``); read with ``python -m fsdp_compile inspect``.", _path))
+        "``FSDP_COMPILE_DUMP=<dir>``); read with ``python -m fsdp_compile inspect``.", _path, agree=False, cache=False))
     strict: bool | None = field(default=None, metadata=option(
         "raise instead of falling back, with a warning, after an error fsdp_compile does not expect: a "
         "failed pass (that graph's markers would run in the eager runtime) or regions failing for another "
         "reason than torch's region rules, an Inductor error say (those blocks would compile inline). "
-        "Default: ``FSDP_COMPILE_STRICT=1`` in the environment.", _strict))
+        "Default: ``FSDP_COMPILE_STRICT=1`` in the environment.", _strict, agree=False, cache=True))
     passes: dict[str, Sequence[Callable[[fx.GraphModule], Any]]] | None = field(default=None, metadata=option(
-        "extra passes ``{\"forward\" | \"backward\": [fn(GraphModule)]}``, run after ours.", _passes))
+        "extra passes ``{\"forward\" | \"backward\": [fn(GraphModule)]}``, run after ours.",
+        _passes, agree=False, cache=False))
     offload: CPUOffload | None = field(default=None, metadata=option(
-        "a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.", _offload))
+        "a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.",
+        _offload, agree=True, cache=True))
     verify: bool = field(default=True, metadata=option(
         "check at ``shard()`` and on the first run of every compiled graph that all ranks will "
-        "communicate alike, raising a named error on every rank otherwise (default True).", _verify))
+        "communicate alike, raising a named error on every rank otherwise (default True).",
+        _verify, agree=False, cache=False))
     cache_dir: str | os.PathLike | None = field(default=None, metadata=option(
         "under Inductor, a process that compiles what an earlier one compiled with the same directory "
-        "loads it from there (warm restarts).", _cache_dir))
+        "loads it from there (warm restarts).", _cache_dir, agree=False, cache=False))
     disable_passes: Sequence[str] = field(default=(), metadata=option(
         f"names of our optional passes to skip, some of {', '.join(OPTIONAL_PASSES)} "
-        "(``fsdp_compile.api.OPTIONAL_PASSES``), to debug a pass or measure it.", _disable_passes))
+        "(``fsdp_compile.api.OPTIONAL_PASSES``), to debug a pass or measure it.",
+        _disable_passes, agree=True, cache=True))
     regions: bool | int = field(default=True, metadata=option(
         "compile each repeated block once (``torch.compiler.nested_compile_region``): True (default: "
-        "from as many copies as pays under the compiler), False, or the number of copies from which to.", _regions))
+        "from as many copies as pays under the compiler), False, or the number of copies from which to.",
+        _regions, agree=False, cache=True))
     verify_gradients: bool | float = field(default=False, metadata=option(
         "on the first step of each compiled graph, also run it through the eager runtime and raise "
         ":class:`fsdp_compile.GradientMismatch` on every rank naming the first parameter whose gradient "
         "differs: True (default tolerance), or a tolerance relative to each gradient's largest entry (or "
-        "``FSDP_COMPILE_VERIFY=1``).", _verify_gradients))
+        "``FSDP_COMPILE_VERIFY=1``).", _verify_gradients, agree=False, cache=False))
     reshard_after_forward: ReshardOption = field(default=None, metadata=option(
         "what each unit keeps of its gathered parameters from forward to backward (FSDP2's option of "
         "that name): True (drop to the shard; FULL_SHARD), False (keep them; SHARD_GRAD_OP), or an int n "
         "(keep a shard over groups of n consecutive ranks of the shard group, n dividing it: backward "
         "gathers inside those groups, such as a node, only). One value, or a dict ``{unit name | module | "
-        "module class: value}`` for some units (the others take the strategy's).", _reshard_after_forward))
+        "module class: value}`` for some units (the others take the strategy's).",
+        _reshard_after_forward, agree=True, cache=False))
     memory_budget: int | float | str | None = field(default=None, metadata=option(
         "with FULL_SHARD or HYBRID_SHARD, bytes per rank (or a string such as ``\"12GiB\"``): the "
         "compiler chooses each unit's ``reshard_after_forward`` so that the predicted exposed communication "
         "is least while the step's predicted peak (the graphs' live memory, this rank's shards, gradients "
         "and AdamW's state) stays within it (``fsdp_compile/planning/budget.py``). Needs "
-        "``cluster=``.", _memory_budget))
+        "``cluster=``.", _memory_budget, agree=False, cache=False))
     cluster: Any = field(default=None, metadata=option(
         "the :class:`fsdp_compile.Cluster` ``memory_budget`` predicts communication on "
-        "(``Cluster.measure()``, which on an emulated network fits its links, or a preset).", _cluster))
+        "(``Cluster.measure()``, which on an emulated network fits its links, or a preset).",
+        _cluster, agree=False, cache=False))
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):

@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import api
+from ..api.options import described
 from ..passes.graph import COMM_META, decode_collective
 from ..runtime.markers import REDUCE_GRAD, UNSHARD_TARGETS, decode
 from ..sharding.groups import world_timeout
@@ -384,30 +385,24 @@ def _unique_parameters(model: nn.Module):
 def sharding_items(options: BackendOptions, topology: Topology, model: nn.Module) -> list[tuple[str, Any]]:
     """What must be equal on every rank for the ranks to communicate alike, in a fixed order."""
     o = options
+    agreed = described(o, "agree")
+    if "reshard_after_forward" in agreed:  # modules by name, which only the model knows
+        agreed["reshard_after_forward"] = describe_reshard_option(o.reshard_after_forward, model)
     items: list[tuple[str, Any]] = [
         ("the fsdp_compile version", api.__version__),
         ("the torch version", torch.__version__),
-        ("strategy=", o.strategy.name),
-        ("compiler=", o.compiler),
-        ("bucket=", o.bucket_policy.describe()),
-        ("mixed_precision=", repr(o.mixed_precision)),
-        ("offload=", repr(o.offload)),
-        ("schedule=", o.schedule),
-        ("prefetch=", o.prefetch),
-        ("max_inflight_bytes=", o.max_inflight_bytes),
-        ("disable_passes=", list(o.disable_passes)),
-        ("reshard_after_forward=", describe_reshard_option(o.reshard_after_forward, model)),
+        *((f"{name}=", value) for name, value in agreed.items()),
         ("the world size", dist.get_world_size()),
         ("the mesh (replicate x shard ranks)", topology.mesh.mesh.tolist()),
     ]
     units = unit_modules(model, o.bucket_policy)
     for module_name, name, param in _unique_parameters(model):
         fqn = f"{module_name}.{name}" if module_name else name
-        described = [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
-                     unit_of(module_name, units) or "<root>"]
+        about = [list(param.shape), str(param.dtype).replace("torch.", ""), param.requires_grad,
+                 unit_of(module_name, units) or "<root>"]
         if isinstance(param, DTensor):  # tensor parallel: the ranks' TP plans must agree too
-            described.append([param.device_mesh.mesh_dim_names, [repr(p) for p in param.placements]])
-        items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit[, TP layout])", described))
+            about.append([param.device_mesh.mesh_dim_names, [repr(p) for p in param.placements]])
+        items.append((f"parameter {fqn!r} (shape, dtype, requires_grad, bucket unit[, TP layout])", about))
     # After the parameters: a missing or extra parameter is named before the count differs.
     items.append(("the number of parameters", sum(1 for _ in _unique_parameters(model))))
     return items

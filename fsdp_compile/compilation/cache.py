@@ -9,10 +9,11 @@ must, to build the guards of the new process).
 Our passes run inside Inductor's compilation, which the AOTAutograd key does not see, so the
 backend puts everything their result depends on into the key, as the ``uuid()`` of the joint
 pass and partitioner it installs in Inductor's configuration (:func:`cache_key_parts`): this
-package's version and the hash of its sources, the strategy, world size and group layout, the
-bucket policy, scheduling options and prefetch orders, mixed precision, offload, and the uuids
-of the user's passes. Anything that changes one of them misses; the Dynamo graph itself
-already spells out every parameter's shapes, groups and dtypes (the markers' arguments).
+package's version and the hash of its sources, the options declared ``cache=True``
+(``fsdp_compile/api/options.py``), world size and group layout, prefetch orders and reshard
+choices as resolved, and the uuids of the user's passes. Anything that changes one of them
+misses; the Dynamo graph itself already spells out every parameter's shapes, groups and dtypes
+(the markers' arguments).
 
 The cache is used when the user asks for it with ``cache_dir=``: that points Inductor's cache
 (``TORCHINDUCTOR_CACHE_DIR``, which holds the generated code too) at a directory of the
@@ -48,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 from .. import api
+from ..api.options import described
 from ..passes import pass_fingerprint
-from ..sharding.compile_regions import region_copies
 from ..sharding.sharded_param import sharded_name
 
 if TYPE_CHECKING:
@@ -104,7 +105,6 @@ def cache_key_parts(options: BackendOptions, state: ShardingState) -> dict[str, 
     groups = {}
     for name, group in (("shard", topo and topo.shard_group), ("replicate", topo and topo.replicate_group)):
         groups[name] = dist.get_process_group_ranks(group) if group is not None else None
-    policy = options.bucket_policy
     # AOTAutograd keys a DTensor input by its global metadata only, so with uneven shards
     # ranks whose local shards differ would share an entry (a wrong graph, caught by a
     # size assertion at best): the rank and every local shard's metadata are part of ours.
@@ -117,22 +117,14 @@ def cache_key_parts(options: BackendOptions, state: ShardingState) -> dict[str, 
                         for info in state.params.values() if info.tp is not None for dim in range(info.tp.mesh.ndim)})
     groups["tensor_parallel"] = [list(g) for g in tp_groups] or None
     return {
-        "strategy": options.strategy.name,
-        "compiler": options.compiler,
+        **described(options, "cache"),
         "world": dist.get_world_size() if dist.is_initialized() else 1,
         "rank": dist.get_rank() if dist.is_initialized() else 0,
         "local_shards": local,
         "groups": groups,
-        "bucket": {"kind": policy.kind, "max_bytes": policy.max_bytes, "describe": policy.describe()},
-        "schedule": {"on": options.schedule, "prefetch": options.prefetch,
-                     "max_inflight_bytes": options.max_inflight_bytes, "explicit": state.explicit_prefetch},
-        "mixed_precision": repr(options.mixed_precision),
-        "offload": repr(options.offload),
-        "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
-        "disable_passes": list(options.disable_passes),
-        "region_copies": region_copies(options.regions, options.compiler),
+        "explicit_prefetch": state.explicit_prefetch,
         "reshard_to": dict(sorted(state.reshard_to.items())),
-        "strict": options.strict,
+        "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
     }
 
 
