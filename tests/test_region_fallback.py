@@ -27,8 +27,7 @@ from helpers import assert_bitwise, compiled_regions, full
 from model_zoo import VOCAB, BatchNormBlock, BlockStack, CountingBlock, GraphBreakBlock
 
 import fsdp_compile
-from fsdp_compile.passes.region_mutations import inline_mutating_regions
-from fsdp_compile.passes.regions import is_region_call
+from fsdp_compile.passes.regions import inline_mutating_regions, is_region_call
 from fsdp_compile.sharding import compile_regions as region_module
 from fsdp_compile.sharding.compile_regions import regions_supported
 from fsdp_compile.sharding.region_fallback import ModelRegions, RegionFallback, describe_failure, refused_by_torch

@@ -1,16 +1,15 @@
-"""The graph vocabulary every pass, report and estimate shares.
-
-Which operators are collectives and waits, the backend's copies around them, which only
-reinterpret storage, the metadata keys
-our passes leave on nodes, how a lowered node is tagged, and one way to read a collective
-(kind, group, group size, dtype, bytes) off its node. Defined once here so a pass and the
-code that reports on its result cannot disagree about what a node is.
+"""The graph vocabulary every pass, report and estimate shares: which operators communicate,
+copy or only reinterpret storage, the metadata our passes leave on nodes, the node predicates,
+and one way to read a collective off its node. Defined once so a pass and the code that reports
+on its result cannot disagree about what a node is.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -19,6 +18,7 @@ from ..runtime import kernels, ring
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 WAIT = _c10d.wait_tensor.default
 ALL_GATHER = _c10d.all_gather_into_tensor.default
@@ -97,14 +97,47 @@ class Collective:
         return ring.wire_bytes(self.kind, self.buffer_bytes, self.resolved_group_size())
 
 
+def calls(node: object, targets: Collection) -> bool:
+    """Whether ``node`` is a call of one of ``targets``."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
 def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in COLLECTIVES
+    return calls(node, COLLECTIVES)
+
+
+def is_region_call(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is INVOKE_SUBGRAPH
 
 
 def is_random(node: fx.Node) -> bool:
-    """Whether ``node`` draws random numbers (dropout on a weight): run again, in backward, it
-    would draw others."""
+    """Whether ``node`` draws random numbers (dropout on a weight): run again, it would draw others."""
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def node_value(node: fx.Node) -> Any:
+    """The (fake) value a node holds: AOTAutograd's ``val``, else Dynamo's ``example_value``."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def output_values(graph: fx.Graph) -> Any:
+    """What the graph's output node returns."""
+    return next(n for n in reversed(graph.nodes) if n.op == "output").args[0]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()
+    return getattr(storage, "_cdata", None) or id(storage)
+
+
+def storage_keys(value: Any) -> set[int]:
+    """Keys of the storages behind a value: a tensor's, or each tensor's of a tuple (a ``split``)."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return {storage_key(t) for t in values if isinstance(t, torch.Tensor)}
 
 
 def decode_collective(node: fx.Node) -> Collective | None:
@@ -125,7 +158,7 @@ def decode_collective(node: fx.Node) -> Collective | None:
 
 
 def collective_bytes(node: fx.Node) -> int:
-    """Unsharded bytes a collective holds in flight: an all-gather's output, else its input."""
+    """Unsharded bytes a collective holds in flight."""
     return decode_collective(node).buffer_bytes
 
 
@@ -134,11 +167,17 @@ def is_compute(node: fx.Node) -> bool:
     return node.op == "call_function" and COMM_META not in node.meta and node.target not in PURE_VIEWS
 
 
-def tag_parameter_input(node: fx.Node) -> None:
-    """Mark the graph input a marker reads (through views, e.g. DTensor's ``to_local``) as a
-    parameter, for the memory estimate."""
-    while node.op == "call_function" and node.target in PURE_VIEWS:
+def view_base(node: object) -> object:
+    """What a chain of pure views reads (``node`` itself when it is no view)."""
+    while calls(node, PURE_VIEWS):
         node = node.args[0]
+    return node
+
+
+def tag_parameter_input(node: fx.Node) -> None:
+    """Mark the graph input a marker reads (through views, e.g. ``to_local``) as a parameter,
+    for the memory estimate."""
+    node = view_base(node)
     if node.op == "placeholder":
         # a role already given stays: backward's regather reads the kept piece of a gathered
         # parameter (reshard_after_forward=n), which forward saved as "gathered", not a shard
@@ -148,9 +187,8 @@ def tag_parameter_input(node: fx.Node) -> None:
 def stable_topological_sort(graph: fx.Graph) -> None:
     """Reorder nodes so each follows its inputs, keeping the existing order where it is valid.
 
-    Splicing a bucket in before its first marker can place a collective ahead of an input that
-    is computed later (or a use of a reduced gradient ahead of the reduction); each such node is
-    moved just far enough: its missing inputs are placed first, in their original order.
+    Splicing a bucket in before its first marker can place a collective ahead of an input
+    computed later; each such node's missing inputs are placed first, in their original order.
     """
     position = {n: i for i, n in enumerate(graph.nodes)}
     placed: set[fx.Node] = set()
@@ -174,10 +212,9 @@ def stable_topological_sort(graph: fx.Graph) -> None:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy with its own graph, as a lazy graph module where torch has them: the passes'
-    ``recompile()`` calls then defer Python code generation to the first call of ``forward``
-    (or read of ``.code``) instead of regenerating it after every pass, which for a graph of
-    tens of thousands of nodes costs seconds each time. It runs the same code either way."""
+    """A copy with its own graph, as a lazy graph module where torch has them: ``recompile()``
+    then defers code generation to the first call instead of after every pass (seconds each
+    for a graph of tens of thousands of nodes)."""
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule as cls
     except ImportError:  # a torch without lazy graph modules: copies recompile eagerly

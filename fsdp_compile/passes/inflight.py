@@ -1,42 +1,29 @@
 """The invariant of every graph handed to the inner compiler: a collective's buffers are left
 alone until its wait.
 
-A functional collective (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``)
-starts communicating when it is called and finishes at its ``wait_tensor``; between the two the
-communication library reads its input and writes its output from threads of its own (gloo) or
-another stream (NCCL). Scheduling moves starts early and waits late, so whatever runs between
-them must not touch those buffers. This check states the rule on the graph, where every pass
-can be held to it, and raises naming the nodes when a graph breaks it:
+A functional collective starts communicating when called and finishes at its ``wait_tensor``;
+in between the communication library reads its input and writes its output from threads of its
+own (gloo) or another stream (NCCL). Scheduling moves starts early and waits late, so this check
+holds every graph to the rule, naming the nodes that break it:
 
-- each collective has exactly one user, its wait, placed after it: nothing reads the output
-  before the data has arrived, and no collective is left unwaited;
-- no node between a collective and its wait writes to a storage that the collective's input or
-  output lives on (an in-place op, a ``copy_`` into a view of it).
+- each collective has exactly one user, its wait, placed after it;
+- no node between a collective and its wait writes to a storage its input or output lives on.
 
 That the buffers stay *alive* until the wait is the runtime's part: the collective's work holds
 its tensors (gloo) or records them on its stream (NCCL), and Inductor models a collective and
-its wait as a two-step mutation of them, so it neither frees nor reuses them in between
-(``torch/_inductor/ir.py``, "In-Place Collective Safety"). Under the eager runtime every
-collective is waited inside the op that issues it.
+its wait as a two-step mutation (``torch/_inductor/ir.py``, "In-Place Collective Safety").
 """
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .context import PassContext
-from .graph import WAIT, is_collective
+from .graph import WAIT, is_collective, storage_keys
 
 
 class InflightBufferError(RuntimeError):
     """A graph touches a collective's buffer before its wait."""
-
-
-def _storages(value: object) -> set[StorageWeakRef]:
-    tensors = value if isinstance(value, (list, tuple)) else [value]
-    return {StorageWeakRef(t.untyped_storage()) for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def _written(node: fx.Node) -> list[fx.Node]:
@@ -68,10 +55,10 @@ def check_inflight_buffers(graph: fx.Graph) -> int:
                 f"collective {start.name} ({start.target}) must have its wait as its only user; "
                 f"its users are {[u.name for u in users] or 'none'}")
         wait = users[0]
-        buffers = _storages(start.args[0].meta.get("val")) | _storages(start.meta.get("val"))
+        buffers = storage_keys(start.args[0].meta.get("val")) | storage_keys(start.meta.get("val"))
         for node in nodes[position[start] + 1:position[wait]]:
             for target in _written(node):
-                if _storages(target.meta.get("val")) & buffers:
+                if storage_keys(target.meta.get("val")) & buffers:
                     raise InflightBufferError(
                         f"{node.name} ({node.target}) writes to {target.name}, which shares a buffer "
                         f"with collective {start.name} before its wait {wait.name}")
@@ -80,6 +67,5 @@ def check_inflight_buffers(graph: fx.Graph) -> int:
 
 
 def check_inflight_buffers_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline pass: checks (rewrites nothing) that the graph as lowered and scheduled leaves
-    every collective's buffers alone until its wait; see the module docstring."""
+    """Each graph, last: checks (rewrites nothing) that no collective's buffers are touched before its wait."""
     return check_inflight_buffers(gm.graph)

@@ -1,15 +1,14 @@
 """Replace each bucket of markers by the collectives it stands for.
 
-Forward (and backward re-gathers): a bucket's ``unshard`` markers become copy-in of every shard
-(cast to the compute dtype) into one flat buffer, one ``all_gather_into_tensor`` and its wait,
-and copy-out into per-parameter full tensors. Backward: a bucket's ``reduce_grad`` markers
-become one chunk-concatenated buffer of the full gradients (cast to the reduce dtype), one
-``reduce_scatter_tensor`` (all-reduce for NO_SHARD), for hybrid one ``all_reduce`` across
-replicas, the divide factor, and per-parameter shard gradients in the parameter's dtype.
+A bucket's ``unshard`` markers become copy-in of every shard (cast to the compute dtype) into
+one flat buffer, one ``all_gather_into_tensor`` and its wait, and copy-out into full tensors;
+its ``reduce_grad`` markers become one chunk-concatenated buffer of the full gradients, one
+``reduce_scatter_tensor`` (all-reduce for NO_SHARD; for hybrid, then an ``all_reduce`` across
+replicas), the divide factor, and shard gradients in the parameter's dtype.
 
-The replacement is the traced body of :func:`gather_params` / :func:`reduce_grads`, the same
-functions the markers' eager implementations call, so lowering changes how many collectives
-run, never what they compute.
+The replacement is the traced body of :func:`gather_params` / :func:`reduce_grads`, the
+functions the markers' eager implementations call: lowering changes how many collectives run,
+never what they compute.
 """
 
 from __future__ import annotations
@@ -25,13 +24,7 @@ from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
 from ..runtime.markers import markers
 from .bucketing import Bucket, assign_buckets
 from .context import PassContext
-from .graph import (
-    COMM_META,
-    WAIT,
-    CommTag,
-    stable_topological_sort,
-    tag_parameter_input,
-)
+from .graph import COMM_META, WAIT, CommTag, stable_topological_sort, tag_parameter_input
 from .templates import TraceCache, stamp_fake_values
 
 Decompositions = dict | None
@@ -40,14 +33,10 @@ Decompositions = dict | None
 def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
             decompositions: Decompositions, tag: Callable[[int], CommTag],
             cache: TraceCache | None = None, key: Hashable | None = None) -> list[fx.Node]:
-    """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``.
-
-    ``decompositions`` must be the table the graph itself was traced with (Inductor rejects an
-    op it has a decomposition for, such as ``aten._to_copy``). Every new node gets
-    ``tag(stage)`` as its ``fsdp_comm`` metadata. With a ``cache``, ``key`` names ``fn``'s
-    constants: a lowering already traced with the same key and input signatures is stamped
-    from that trace instead of traced again (see :mod:`.templates`).
-    """
+    """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``; every new
+    node gets ``tag(stage)`` as its ``fsdp_comm`` metadata. ``decompositions`` must be the table
+    the graph was traced with (Inductor rejects an op it has a decomposition for). ``key`` names
+    ``fn``'s constants for ``cache`` (:mod:`.templates`)."""
     values = [n.meta["val"] for n in inputs]
     cache = cache if cache is not None else TraceCache()
     traced, fresh = cache.graph_for(key, fn, values, decompositions)
@@ -117,13 +106,9 @@ def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
 
 def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decompositions = None,
                   reuse_traces: bool = True, trace_cache: TraceCache | None = None) -> dict[str, list[Bucket]]:
-    """Lower every marker of ``gm`` bucket by bucket; returns the buckets by kind.
-
-    Rewrites ``gm.graph`` only: call ``gm.recompile()`` before running ``gm``.
-
-    ``reuse_traces=False`` traces every bucket afresh (the result is the same; for tests);
-    ``trace_cache`` is the cache to use (a fresh one by default; it counts traces and stamps).
-    """
+    """Lower every marker of ``gm`` bucket by bucket (``gm.graph`` only: recompile before
+    running it); returns the buckets by kind. ``reuse_traces=False`` traces every bucket afresh
+    (same result); ``trace_cache``: the cache to use (a fresh one by default)."""
     buckets = {
         "unshard": assign_buckets(markers(gm.graph, "unshard"), policy),
         "reduce_grad": assign_buckets(markers(gm.graph, "reduce_grad"), policy),
@@ -133,18 +118,14 @@ def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decomposit
             tag_parameter_input(marker.input)
     # Identical blocks have identical buckets: each distinct lowering is traced once.
     cache = (trace_cache if trace_cache is not None else TraceCache()) if reuse_traces else None
-    group = 0
-    for bucket in buckets["unshard"]:
-        _lower_gather(gm.graph, bucket, decompositions, group, cache)
-        group += 1
-    for bucket in buckets["reduce_grad"]:
-        _lower_reduce(gm.graph, bucket, decompositions, group, cache)
-        group += 1
+    lowerings = [(_lower_gather, b) for b in buckets["unshard"]] + [(_lower_reduce, b) for b in buckets["reduce_grad"]]
+    for group, (lower, bucket) in enumerate(lowerings):
+        lower(gm.graph, bucket, decompositions, group, cache)
     stable_topological_sort(gm.graph)
     gm.graph.lint()
     return buckets
 
 
 def lower_markers_pass(gm: fx.GraphModule, ctx: PassContext) -> dict[str, list[Bucket]]:
-    """Pipeline entry of :func:`lower_markers` with the backend's bucket policy."""
+    """Each graph: markers become bucketed collectives, under the backend's bucket policy."""
     return lower_markers(gm, ctx.bucket_policy, ctx.decompositions)

@@ -1,24 +1,17 @@
 """Keep a region call's outputs from sharing memory that Inductor does not know is shared.
 
-Inductor lowers a region call (``invoke_subgraph``) as one kernel whose outputs each get a
-buffer of their own in the top-level graph: its memory planner frees a buffer after its last
-reader and hands the storage to the next allocation of the same size. It never asks whether two
-outputs of one call, or an output and one of the call's operands, are one storage, and a
-partitioned body often makes them so: its forward returns its inputs and views of its values as
-saved tensors (q, k and v as three views of one projection), and a backward body may return an
-incoming gradient as it came. When one of them dies, its storage is given to another tensor
-while the others are still to be read, which then read that tensor's data: silently wrong
-results.
+Inductor lowers a region call (``invoke_subgraph``) as one kernel whose outputs each get a buffer
+of their own; its memory planner hands a dead buffer's storage to the next allocation of that
+size. It never asks whether two outputs of one call, or an output and an operand, are one
+storage, and a partitioned body often makes them so (q, k and v saved as views of one
+projection; a backward body returning an incoming gradient as it came): the survivors then read
+another tensor's data, silently.
 
-:func:`unalias_region_outputs` rewrites the forward and backward graphs so that this cannot
-happen whatever order the graph is in: every top-level reader of an output that shares its
-storage is given a view of the storage's owner instead, made in the top-level graph, where
-Inductor tracks views like any other: the operand the storage belongs to, or the one output
-that owns it (the body returns it for this purpose when it did not already). The outputs that
-shared are left without readers, and Inductor drops them.
-
-What this pass cannot see is sharing that Inductor itself introduces inside a body: see
-:func:`fsdp_compile.compilation.inner_compilers.compile_inductor` (donated buffers) and ``docs/design.md``.
+:func:`unalias_region_outputs` gives every top-level reader of such an output a view of the
+storage's owner instead, made in the top-level graph where Inductor tracks views: the operand
+the storage belongs to, or the one output that owns it (returned by the body for this purpose
+if it was not). Sharing Inductor itself introduces inside a body is another matter:
+:func:`fsdp_compile.compilation.inner_compilers.compile_inductor` (donated buffers), docs/design.md.
 """
 
 from __future__ import annotations
@@ -33,39 +26,25 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from .context import PassContext
-from .regions import inline_call, is_region_call, region_body
+from .graph import calls, is_region_call, node_value, output_values, placeholders, storage_keys
+from .regions import inline_call, region_body
 from .templates import refresh_fake_values
-
-
-def _storages(value: Any) -> set[int]:
-    """Keys of the (fake) storages behind a node's value: one for a tensor, one per tensor of a
-    tuple (a ``split``'s pieces)."""
-    keys: set[int] = set()
-    for t in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            keys.add(getattr(storage, "_cdata", None) or id(storage))
-    return keys
-
-
-def _value(node: fx.Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
 
 
 def alias_path(node: fx.Node) -> list[fx.Node]:
     """``[owner, ..., node]``: the chain of nodes on ``node``'s storage, from the one that owns
     it (a graph input, or the op that allocated it) to ``node``. ``[node]`` when it owns it."""
-    (key,) = _storages(_value(node)) or {None}
+    (key,) = storage_keys(node_value(node)) or {None}
     path = [node]
     while key is not None and path[-1].op != "placeholder":
-        source = next((i for i in path[-1].all_input_nodes if key in _storages(_value(i))), None)
+        source = next((i for i in path[-1].all_input_nodes if key in storage_keys(node_value(i))), None)
         if source is None:
             break
         path.append(source)
     path.reverse()
     # An op of several results (native_layer_norm) allocates each on its own storage: the
     # owner is the getitem that names it, not the op.
-    while len(path) > 1 and not isinstance(_value(path[0]), torch.Tensor):
+    while len(path) > 1 and not isinstance(node_value(path[0]), torch.Tensor):
         path.pop(0)
     return path
 
@@ -74,14 +53,13 @@ def _readers(call: fx.Node) -> dict[int, list[fx.Node]]:
     """The call's ``getitem`` nodes that something reads, by output index."""
     readers: dict[int, list[fx.Node]] = {}
     for user in call.users:
-        if user.op == "call_function" and user.target is operator.getitem and user.users:
+        if calls(user, (operator.getitem,)) and user.users:
             readers.setdefault(user.args[1], []).append(user)
     return readers
 
 
 def _outputs(body: fx.GraphModule) -> list[Any]:
-    output = next(n for n in reversed(body.graph.nodes) if n.op == "output")
-    values = output.args[0]
+    values = output_values(body.graph)
     return list(values) if isinstance(values, (tuple, list)) else [values]
 
 
@@ -102,9 +80,9 @@ def _output_of(call: fx.Node, owner: fx.Node, added: dict[fx.Node, int], fake_mo
     existing = [u for u in call.users if u.target is operator.getitem and u.args[1] == index]
     if existing:
         return existing[0]
-    values = list(_value(call))
+    values = list(node_value(call))
     while len(values) <= index:  # this call's value lacks the output the body gained
-        template = _value(owner)
+        template = node_value(owner)
         with fake_mode:
             values.append(torch.empty_strided(template.shape, template.stride(), dtype=template.dtype,
                                               device=template.device))
@@ -142,7 +120,7 @@ def _shared_outputs(call: fx.Node) -> dict[fx.Node, list[tuple[int, list[fx.Node
     readers = _readers(call)
     groups: dict[fx.Node, list[tuple[int, list[fx.Node]]]] = {}
     for index, output in enumerate(_outputs(region_body(call))):
-        if index in readers and isinstance(output, fx.Node) and isinstance(_value(output), torch.Tensor):
+        if index in readers and isinstance(output, fx.Node) and isinstance(node_value(output), torch.Tensor):
             path = alias_path(output)
             groups.setdefault(path[0], []).append((index, path))
     return {owner: read for owner, read in groups.items() if owner.op == "placeholder" or len(read) > 1}
@@ -154,7 +132,7 @@ def unalias_region_outputs(gm: fx.GraphModule) -> int:
     cannot be made outside its body (sized by the body's own values) is inlined instead."""
     graph = gm.graph
     # Values are fake tensors in a compilation; a test may give real ones.
-    fake_mode = detect_fake_mode([_value(n) for n in graph.nodes if n.op == "placeholder"]) or contextlib.nullcontext()
+    fake_mode = detect_fake_mode([node_value(n) for n in placeholders(graph)]) or contextlib.nullcontext()
     added: dict[int, dict[fx.Node, int]] = {}  # id(body) -> outputs it gained
     count = 0
     for call in [n for n in graph.nodes if is_region_call(n)]:
@@ -167,10 +145,10 @@ def unalias_region_outputs(gm: fx.GraphModule) -> int:
             continue
         body = region_body(call)
         readers = _readers(call)
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        inputs = placeholders(body.graph)
         for owner, read in shared.items():
             if owner.op == "placeholder":
-                source = call.args[2 + placeholders.index(owner)]
+                source = call.args[2 + inputs.index(owner)]
             else:
                 source = _output_of(call, owner, added.setdefault(id(body), {}), fake_mode)
             for index, path in read:
@@ -187,5 +165,5 @@ def unalias_region_outputs(gm: fx.GraphModule) -> int:
 
 
 def unalias_region_outputs_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline entry of :func:`unalias_region_outputs` (each forward / backward graph)."""
+    """Each graph: readers of region outputs that share a storage read views of its owner."""
     return unalias_region_outputs(gm)

@@ -1,31 +1,28 @@
-"""Passes that keep the collectives of compile regions in the top-level graph.
+"""Passes that keep the collectives of compile regions in the top-level graph, and inline the
+region calls AOTAutograd would refuse or sum gradients differently for.
 
-A unit compiled as a region (:mod:`fsdp_compile.sharding.compile_regions`) is one body that every
-block calls through ``invoke_subgraph``. Collectives inside that body would be invisible to
-bucketing and scheduling (which work on the top-level graph), would run once per read through
-the eager runtime, and the strategy's reshard policy could not reach them. Three passes move
-them out and keep them out:
+A unit compiled as a region (:mod:`fsdp_compile.sharding.compile_regions`) is one body every
+block calls through ``invoke_subgraph``. Collectives inside it would be invisible to bucketing
+and scheduling, run once per read through the eager runtime, and escape the reshard policy.
 
-* ``hoist_region_markers`` (the Dynamo graph, before AOTAutograd): every ``unshard`` marker a
-  body applies to one of its inputs becomes an input of the body that takes the full
-  parameter, and each call site gathers it in the top-level graph with its own parameter's
-  marker (name, unit, groups). The body is shared, so it is rewritten once; the call sites
-  each get their markers. AOTAutograd then derives the reductions at the top level too.
-* ``inline_reordering_regions`` (the Dynamo graph, after hoisting): a region changes where
-  autograd adds up a gradient when one of its inputs is read twice inside the body and is
-  also read elsewhere (a decoder's cross-attention over the encoder's output): the body sums
-  its own reads first, eagerly every read is added in turn. The sums are equal up to
-  rounding, but compiled runs promise the eager runtime's bits, so the calls of such a body
-  are inlined (its blocks then compile as without regions; the others keep their region).
-* ``route_region_inputs`` (the joint graph, before the reshard policy): AOTAutograd's
-  partition of a body saves what its backward needs as extra outputs of its forward call,
-  gathered parameters included, so the backward call would receive the full parameter from
-  the forward call and the top-level partitioner could only save it (FULL_SHARD would hold
-  every gathered block until backward). A backward call's input that is only an input of the
-  forward call passed through (or a view of one) is taken from the forward call's input
-  instead: the gather's output, which the reshard policy can then recompute in backward. A
-  chain of views that ends where it began (``t(t(w))``) is not redone: the input itself is
-  passed.
+* ``hoist_region_markers`` (captured graph): every ``unshard`` marker a body applies to an input
+  becomes a body input taking the full parameter; each call site gathers it in the top-level
+  graph with its own parameter's marker (name, unit, groups). AOTAutograd then derives the
+  reductions at the top level too.
+* ``inline_mutating_regions`` (captured graph): a body that writes one of its inputs while
+  training (BatchNorm's running statistics) is refused by the autograd kernel of every
+  higher-order operator (``HigherOrderOperator.py_autograd_impl``, from the body's
+  ``invoke_subgraph.gen_schema``). The same test, made before AOTAutograd, inlines those calls;
+  a graph traced without gradients keeps its regions.
+* ``inline_reordering_regions`` (captured graph): when an input is read twice inside the body
+  and also elsewhere (a decoder's cross-attention over the encoder's output), the body sums
+  its own reads first where eager adds every read in turn: equal up to rounding, but compiled
+  runs promise the eager runtime's bits, so such calls are inlined.
+* ``route_region_inputs`` (joint graph): the partition of a body saves what its backward needs
+  as extra outputs of its forward call, gathered parameters included, so the top-level
+  partitioner could only save them (FULL_SHARD would hold every gathered block until backward).
+  A backward call's input that is a forward call's input passed through (or a view of one) is
+  taken from that input instead, the gather's output, which the reshard policy can recompute.
 """
 
 from __future__ import annotations
@@ -37,63 +34,57 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..runtime.markers import REDUCE_GRAD, UNSHARD, UNSHARD_TARGETS
 from ..sharding.compile_regions import REGION_UNIT
 from .context import PassContext
-from .graph import PURE_VIEWS, copy_graph_module, is_random
+from .graph import (
+    INVOKE_SUBGRAPH,
+    PURE_VIEWS,
+    calls,
+    copy_graph_module,
+    is_random,
+    is_region_call,
+    node_value,
+    output_values,
+    placeholders,
+    view_base,
+)
 
-INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 # node.meta key: the sharded parameter a Dynamo graph input stands for (set by the compiler).
 PARAM_META = "fsdp_param"
 # Dynamo's graphs call the marker through its overload packet, AOTAutograd's through .default.
 _UNSHARD_TARGETS = (UNSHARD, UNSHARD.overloadpacket)
 
 
-def is_region_call(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is INVOKE_SUBGRAPH
+def _is_region_marker(node: fx.Node) -> bool:
+    return calls(node, _UNSHARD_TARGETS) and node.args[2] == REGION_UNIT
 
 
 def has_regions(graph: fx.Graph) -> bool:
     """Whether a captured graph calls regions, or holds the markers of a region Dynamo inlined."""
-    return any(is_region_call(n) or (n.op == "call_function" and n.target in _UNSHARD_TARGETS
-                                     and n.args[2] == REGION_UNIT) for n in graph.nodes)
+    return any(is_region_call(n) or _is_region_marker(n) for n in graph.nodes)
 
 
 def is_region_body_joint(graph: fx.Graph) -> bool:
-    """Whether a joint graph is a region body's (AOTAutograd partitions each body through the
-    backend's partitioner too): no markers of ours and no region calls. A body's markers were
-    hoisted; a top-level graph reads parameters through markers or calls regions."""
-    ours = (*UNSHARD_TARGETS, REDUCE_GRAD, INVOKE_SUBGRAPH)
-    return not any(n.op == "call_function" and n.target in ours for n in graph.nodes)
+    """Whether a joint graph is a region body's (AOTAutograd partitions bodies through our
+    partitioner too): a body's markers were hoisted, a top-level graph has markers or calls."""
+    return not any(calls(n, (*UNSHARD_TARGETS, REDUCE_GRAD, INVOKE_SUBGRAPH)) for n in graph.nodes)
 
 
 def region_body(node: fx.Node) -> fx.GraphModule:
     """The graph module a region call runs."""
-    owner = node.graph.owning_module
-    return getattr(owner, node.args[0].target)
-
-
-def _value(node: fx.Node):
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
-def _region_markers(body: fx.GraphModule) -> list[tuple[fx.Node, int]]:
-    """The markers of ``body`` that read one of its inputs, with that input's index."""
-    index = {p: i for i, p in enumerate(n for n in body.graph.nodes if n.op == "placeholder")}
-    return [(n, index[n.args[0]]) for n in body.graph.nodes
-            if n.op == "call_function" and n.target in _UNSHARD_TARGETS and n.args[0] in index
-            and n.args[2] == REGION_UNIT]
+    return getattr(node.graph.owning_module, node.args[0].target)
 
 
 def _hoist_from_body(body: fx.GraphModule, hoisted: list[tuple[fx.Node, int]]) -> tuple[list[int], list[fx.Node]]:
-    """Rewrite ``body`` so the outputs of ``hoisted`` markers are inputs; returns which
-    original inputs it still takes (by index), and the new inputs (one per marker, in order;
-    their metadata is the marker's: the full parameter)."""
+    """Turn the outputs of the ``hoisted`` markers (each with the input index it reads) into new
+    inputs of ``body``; returns the original inputs it still takes, by index, and the new ones."""
     graph = body.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    inputs = placeholders(graph)
     new_inputs = []
-    last = placeholders[-1] if placeholders else None
+    last = inputs[-1] if inputs else None
     for marker, _ in hoisted:
         with graph.inserting_after(last) if last is not None else contextlib.nullcontext():
             full = graph.placeholder(f"{marker.name}_full")
@@ -103,16 +94,15 @@ def _hoist_from_body(body: fx.GraphModule, hoisted: list[tuple[fx.Node, int]]) -
         graph.erase_node(marker)
         new_inputs.append(full)
     read = {j for _, j in hoisted}
-    dropped = {j for j, p in enumerate(placeholders) if j in read and not p.users}
+    dropped = {j for j, p in enumerate(inputs) if j in read and not p.users}
     for j in sorted(dropped):
-        graph.erase_node(placeholders[j])
+        graph.erase_node(inputs[j])
     body.recompile()
-    return [j for j in range(len(placeholders)) if j not in dropped], new_inputs
+    return [j for j in range(len(inputs)) if j not in dropped], new_inputs
 
 
-# Higher-order operators whose body the hoisting reaches into: where their operands start.
-# A block that checkpoints its activations holds its reads inside a checkpoint body inside the
-# region's body.
+# Higher-order operators whose body the hoisting reaches into, and where their operands start: a
+# block that checkpoints its activations reads inside a checkpoint body inside the region's body.
 _OPERANDS_START = {INVOKE_SUBGRAPH: 2, torch.ops.higher_order.tag_activation_checkpoint: 1,
                    torch.ops.higher_order.wrap: 1}
 
@@ -129,22 +119,22 @@ class _Hoisted:
 
 
 def _lift(owner: fx.GraphModule, done: dict[int, _Hoisted]) -> int:
-    """Move region markers out of every body ``owner``'s graph calls (bodies first, so markers
-    nested deeper come up level by level) into ``owner``'s graph, where they keep naming the
-    region; returns how many ``owner`` gained. Bodies are rewritten as copies registered beside
-    the originals, which stay as they were (a failed pass rolls back ``owner``'s graph only)."""
+    """Move the region markers of every body ``owner`` calls (bodies first, so nested markers
+    come up level by level) into ``owner``'s graph; returns how many it gained. Bodies are
+    rewritten as copies beside the originals (a failed pass rolls back ``owner``'s graph only)."""
     count = 0
-    for call in [n for n in owner.graph.nodes if n.op == "call_function" and n.target in _OPERANDS_START]:
+    for call in [n for n in owner.graph.nodes if calls(n, _OPERANDS_START)]:
         start, attr = _OPERANDS_START[call.target], call.args[0]
         original = getattr(owner, attr.target)
         if id(original) not in done:
             body = copy_graph_module(original)
             _lift(body, done)
-            markers = _region_markers(body)
+            inputs = {p: i for i, p in enumerate(placeholders(body.graph))}
+            markers = [(n, inputs[n.args[0]]) for n in body.graph.nodes if _is_region_marker(n) and n.args[0] in inputs]
             reads = [(j, tuple(marker.args[1:])) for marker, j in markers]
             kept, new_inputs = _hoist_from_body(body, markers)
-            name = f"{attr.target}_hoisted"
-            done[id(original)] = _Hoisted(body, name, kept, reads, [_value(n) for n in new_inputs])
+            values = [node_value(n) for n in new_inputs]
+            done[id(original)] = _Hoisted(body, f"{attr.target}_hoisted", kept, reads, values)
         hoisted = done[id(original)]
         if not hasattr(owner, hoisted.attr):
             owner.register_module(hoisted.attr, hoisted.body)
@@ -166,50 +156,39 @@ def _lift(owner: fx.GraphModule, done: dict[int, _Hoisted]) -> int:
 
 
 def hoist_region_markers(gm: fx.GraphModule, params: dict[str, tuple]) -> int:
-    """Move every region body's markers to its call sites (see the module docstring), through
-    checkpoint bodies inside regions too; returns how many markers the top-level graph gained
-    or had renamed. ``params``: each sharded parameter's name -> its marker's arguments after
-    the input (:attr:`ShardedParamInfo.unshard_args`).
+    """Move every region body's markers to its call sites, through checkpoint bodies inside
+    regions too; returns how many markers the top-level graph gained or had renamed.
+    ``params``: each sharded parameter's name -> its marker's arguments after the input.
 
-    Markers that reach the top-level graph still name the region, as do those of a body Dynamo
-    inlined because only one call used it (a block that matched no other, such as a frozen
-    one): each is given its parameter's own name, unit and groups, found from the graph input
-    it reads (the leaf of that parameter)."""
+    Markers that reach the top level still name the region, as do those of a body Dynamo
+    inlined (a block that matched no other): each gets its parameter's own name, unit and
+    groups, found from the graph input (the parameter's leaf) it reads."""
     _lift(gm, {})
-    markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _UNSHARD_TARGETS
-               and n.args[2] == REGION_UNIT]
-    renamed = {m: _call_site_args(m, m.args[0], params) for m in markers}
-    for marker, args in renamed.items():
-        marker.args = (marker.args[0], *args)
+    markers = [n for n in gm.graph.nodes if _is_region_marker(n)]
+    for marker in markers:
+        name = marker.args[0].meta.get(PARAM_META)
+        if name not in params:
+            raise ValueError(f"{marker.name} reads {marker.args[0].name} as a sharded parameter, but that input is "
+                             "not one this backend sharded")
+        marker.args = (marker.args[0], *params[name])
     _drop_unused_bodies(gm)
-    return len(renamed)  # the markers _lift added are among them
+    return len(markers)  # the markers _lift added are among them
 
 
 def _drop_unused_bodies(gm: fx.GraphModule) -> None:
-    """Delete the graph modules ``gm`` holds that its graph no longer reads. Not
-    ``delete_all_unused_submodules()``: it also deletes the bodies nested in kept bodies,
-    which only those bodies' own graphs read."""
+    """Delete the graph modules ``gm``'s graph no longer reads. Not
+    ``delete_all_unused_submodules()``: it also deletes bodies nested in kept bodies."""
     read = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     for name, child in list(gm.named_children()):
         if isinstance(child, fx.GraphModule) and name not in read:
             delattr(gm, name)
 
 
-def _call_site_args(where: fx.Node, source: fx.Node, params: dict[str, tuple]) -> tuple:
-    """The marker arguments of the parameter whose leaf ``source`` is (read at ``where``)."""
-    name = source.meta.get(PARAM_META)
-    if name is None or name not in params:
-        raise ValueError(f"{where.name} reads {source.name} as a sharded parameter, but that input is not one "
-                         "this backend sharded")
-    return params[name]
-
-
 def _reorders_gradients(call: fx.Node, body: fx.GraphModule) -> bool:
     """Whether ``call`` passes a tensor that needs a gradient, is read more than once in the
     body, and has other readers (so its gradient's sum would be grouped differently)."""
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    for operand, placeholder in zip(call.args[2:], placeholders):
-        value = _value(operand) if isinstance(operand, fx.Node) else None
+    for operand, placeholder in zip(call.args[2:], placeholders(body.graph)):
+        value = node_value(operand) if isinstance(operand, fx.Node) else None
         if (isinstance(value, torch.Tensor) and value.requires_grad and len(placeholder.users) > 1
                 and len(operand.users) > 1):
             return True
@@ -219,9 +198,7 @@ def _reorders_gradients(call: fx.Node, body: fx.GraphModule) -> bool:
 def inline_call(call: fx.Node) -> None:
     """Replace a region call by a copy of its body's nodes."""
     graph, gm, body = call.graph, call.graph.owning_module, region_body(call)
-    env: dict[fx.Node, object] = {}
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    env.update(zip(placeholders, call.args[2:]))
+    env: dict[fx.Node, object] = dict(zip(placeholders(body.graph), call.args[2:]))
     outputs: object = None
     with graph.inserting_before(call):
         for node in body.graph.nodes:
@@ -239,7 +216,7 @@ def inline_call(call: fx.Node) -> None:
             env[node] = copy
     results = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     for user in list(call.users):
-        if user.op == "call_function" and user.target is operator.getitem:
+        if calls(user, (operator.getitem,)):
             user.replace_all_uses_with(results[user.args[1]])
             graph.erase_node(user)
     if call.users:
@@ -247,21 +224,12 @@ def inline_call(call: fx.Node) -> None:
     graph.erase_node(call)
 
 
-def inline_reordering_regions(gm: fx.GraphModule) -> int:
-    """Inline every call of a body that some call would reorder a gradient sum for (see the
-    module docstring); returns how many calls were inlined."""
-    calls = [n for n in gm.graph.nodes if is_region_call(n)]
-    unsafe = {c.args[0].target for c in calls if _reorders_gradients(c, region_body(c))}
-    return inline_regions(gm, unsafe)
-
-
 def inline_regions(gm: fx.GraphModule, bodies: Collection[str] | None = None) -> int:
     """Inline the calls of the given bodies (by attribute name; all by default); returns how
     many calls were inlined. A graph run as Python (``compiler="eager"``) needs them all
     inlined: a region's backward is traced when it first runs, which only works under
     AOTAutograd."""
-    calls = [n for n in gm.graph.nodes if is_region_call(n)]
-    inlined = [c for c in calls if bodies is None or c.args[0].target in bodies]
+    inlined = [c for c in gm.graph.nodes if is_region_call(c) and (bodies is None or c.args[0].target in bodies)]
     for call in inlined:
         attr = call.args[0]
         inline_call(call)
@@ -272,21 +240,68 @@ def inline_regions(gm: fx.GraphModule, bodies: Collection[str] | None = None) ->
     return len(inlined)
 
 
-def _mentions_nodes(args: object) -> bool:
-    found: list[fx.Node] = []
-    fx.node.map_arg(args, found.append)
-    return bool(found)
+@dataclass(frozen=True)
+class InlinedRegion:
+    """A body whose calls were inlined: its block class (the module the first call runs), and
+    the input it writes."""
+
+    block_class: type | None
+    written: str
+
+
+def _block_class(call: fx.Node) -> type | None:
+    """The class of the module whose forward made the region call (Dynamo's module stack)."""
+    stack = call.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    _, cls = list(stack.values())[-1]
+    return getattr(cls, "_fsdp_original_class", cls)
+
+
+def _written_input(call: fx.Node) -> str | None:
+    """The name of an input ``call``'s body writes to while it needs gradients, if any: the test
+    ``HigherOrderOperator.py_autograd_impl`` makes."""
+    operands = [a.meta.get("example_value", a.meta.get("val")) if isinstance(a, fx.Node) else a for a in call.args[2:]]
+    tensors = [v for v in operands if isinstance(v, torch.Tensor)]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return None
+    # The operands' own mode: the context Dynamo calls the backend in may hold another.
+    fake_mode = next((t.fake_mode for t in tensors if isinstance(t, FakeTensor)), None)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        schema = INVOKE_SUBGRAPH.gen_schema(region_body(call), call.args[1], *operands)
+    # The schema's arguments are the body, its identifier, then the operands in order.
+    written = [i for i, arg in enumerate(schema.arguments[2:]) if arg.is_write]
+    if not written:
+        return None
+    operand = call.args[2 + written[0]]
+    return operand.name if isinstance(operand, fx.Node) else f"operand {written[0]}"
+
+
+def inline_mutating_regions(gm: fx.GraphModule) -> list[InlinedRegion]:
+    """Inline every call of a body that writes to an input while training; returns one entry
+    per body inlined."""
+    checked: dict[str, str | None] = {}
+    found: list[InlinedRegion] = []
+    for call in [n for n in gm.graph.nodes if is_region_call(n)]:
+        body = call.args[0].target
+        if body not in checked:
+            checked[body] = _written_input(call)
+            if checked[body] is not None:
+                found.append(InlinedRegion(_block_class(call), checked[body]))
+    bodies = {body for body, written in checked.items() if written is not None}
+    if bodies:
+        inline_regions(gm, bodies)
+    return found
 
 
 def _view_chain(body: fx.GraphModule, output_index: int) -> tuple[fx.Node | None, list[fx.Node]]:
     """The node ``body``'s output ``output_index`` is a chain of pure views of (or is), and
     those views from it to the output; (None, []) when there is no such output."""
-    output = next(n for n in reversed(body.graph.nodes) if n.op == "output")
-    values = output.args[0]
+    values = output_values(body.graph)
     if not isinstance(values, (tuple, list)) or output_index >= len(values):
         return None, []
     node, views = values[output_index], []
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in PURE_VIEWS:
+    while calls(node, PURE_VIEWS):
         views.append(node)
         node = node.args[0]
     return (node if isinstance(node, fx.Node) else None), views[::-1]
@@ -295,22 +310,22 @@ def _view_chain(body: fx.GraphModule, output_index: int) -> tuple[fx.Node | None
 def _input_index(body: fx.GraphModule, node: fx.Node | None) -> int | None:
     if node is None or node.op != "placeholder":
         return None
-    return [n for n in body.graph.nodes if n.op == "placeholder"].index(node)
+    return placeholders(body.graph).index(node)
 
 
 def aliased_input(body: fx.GraphModule, output_index: int) -> int | None:
-    """The index of the input that ``body``'s output ``output_index`` is, or is a view of:
-    that output is on the input's storage, not a new one."""
+    """The index of the input that ``body``'s output ``output_index`` is, or is a view of."""
     return _input_index(body, _view_chain(body, output_index)[0])
 
 
 def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[fx.Node]] | None:
-    """(input index, views from that input to the output) when ``body``'s output
-    ``output_index`` is one of its inputs or a view of one that can be redone outside the
-    body; else None."""
+    """(input index, views from it to the output) when ``body``'s output ``output_index`` is
+    one of its inputs or a view of one that can be redone outside the body; else None."""
     root, views = _view_chain(body, output_index)
     index = _input_index(body, root)
-    if index is None or any(_mentions_nodes((view.args[1:], view.kwargs)) for view in views):
+    found: list[fx.Node] = []
+    fx.node.map_arg([(view.args[1:], view.kwargs) for view in views], found.append)
+    if index is None or found:
         return None  # a view sized by the body's own values cannot be redone outside it
     return index, views
 
@@ -318,17 +333,15 @@ def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[f
 def parameter_computation(body: fx.GraphModule, output_index: int,
                           gathered: Collection[int]) -> list[fx.Node] | None:
     """The body's nodes that compute its output ``output_index`` from the inputs at positions
-    ``gathered`` alone, in body order; None when it reads anything else (another input, a
-    constant) or is an input itself."""
-    output = next(n for n in reversed(body.graph.nodes) if n.op == "output")
-    values = output.args[0]
+    ``gathered`` alone, in body order; None when it reads anything else or is an input."""
+    values = output_values(body.graph)
     if not isinstance(values, (tuple, list)) or output_index >= len(values):
         return None
     target = values[output_index]
     if not isinstance(target, fx.Node) or target.op != "call_function":
         return None
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    allowed = {placeholders[i] for i in gathered if i < len(placeholders)}
+    inputs = placeholders(body.graph)
+    allowed = {inputs[i] for i in gathered if i < len(inputs)}
     needed: set[fx.Node] = set()
     pending = [target]
     while pending:
@@ -344,17 +357,16 @@ def parameter_computation(body: fx.GraphModule, output_index: int,
 
 def _redo_parameter_computation(graph: fx.Graph, call: fx.Node, producer: fx.Node, body: fx.GraphModule,
                                 output_index: int) -> fx.Node | None:
-    """Compute a forward call's output that backward reads again in the top-level graph,
-    before ``call``, when the body computes it from gathered parameters alone (a float8
-    weight's scaled cast): the reshard policy then recomputes it in backward from the
-    regathered parameter instead of the partitioner saving it. None when it does not."""
+    """Compute, before ``call``, a forward call's output that backward reads when the body
+    computes it from gathered parameters alone (a float8 weight's scaled cast): the reshard
+    policy then recomputes it from the regathered parameter instead of saving it."""
     operands = producer.args[2:]
-    gathered = [i for i, operand in enumerate(operands) if _is_gathered(operand)]
+    gathered = [i for i, operand in enumerate(operands) if calls(view_base(operand), UNSHARD_TARGETS)]
     nodes = parameter_computation(body, output_index, gathered) if gathered else None
     if not nodes:
         return None
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    mapping: dict[fx.Node, fx.Node] = {placeholders[i]: operands[i] for i in gathered}
+    inputs = placeholders(body.graph)
+    mapping: dict[fx.Node, fx.Node] = {inputs[i]: operands[i] for i in gathered}
     with graph.inserting_before(call):
         for node in nodes:
             args, kwargs = fx.map_arg((node.args, dict(node.kwargs)), mapping.__getitem__)
@@ -364,17 +376,9 @@ def _redo_parameter_computation(graph: fx.Graph, call: fx.Node, producer: fx.Nod
     return mapping[nodes[-1]]
 
 
-def _is_gathered(operand: object) -> bool:
-    """Whether a region call's operand is a gathered parameter (a marker's output, or a pure
-    view of one)."""
-    while isinstance(operand, fx.Node) and operand.op == "call_function" and operand.target in PURE_VIEWS:
-        operand = operand.args[0]
-    return isinstance(operand, fx.Node) and operand.op == "call_function" and operand.target in UNSHARD_TARGETS
-
-
 def _same_view(base: object, view: object) -> bool:
-    """Whether ``view`` reads exactly what ``base`` does (same dtype, sizes, strides and
-    offset); symbolic layouts never count as the same."""
+    """Whether ``view`` reads exactly what ``base`` does (dtype, sizes, strides, offset);
+    symbolic layouts never count as the same."""
     if not (isinstance(base, torch.Tensor) and isinstance(view, torch.Tensor)):
         return False
     layouts = [(t.dtype, *t.shape, *t.stride(), t.storage_offset()) for t in (base, view)]
@@ -390,8 +394,7 @@ def route_region_inputs(graph: fx.Graph) -> int:
     for call in [n for n in graph.nodes if is_region_call(n)]:
         args = list(call.args)
         for position, operand in enumerate(args[2:], start=2):
-            if not (isinstance(operand, fx.Node) and operand.op == "call_function"
-                    and operand.target is operator.getitem and is_region_call(operand.args[0])):
+            if not (calls(operand, (operator.getitem,)) and is_region_call(operand.args[0])):
                 continue
             producer, output_index = operand.args
             body = region_body(producer)
@@ -404,7 +407,7 @@ def route_region_inputs(graph: fx.Graph) -> int:
                 continue
             input_index, views = found
             value = producer.args[2 + input_index]
-            if _same_view(_value(value), _value(operand)):
+            if _same_view(node_value(value), node_value(operand)):
                 # e.g. t(t(w)), which a linear layer's body saves for its backward: a graph
                 # of many blocks would carry two nodes per weight that change nothing.
                 views = []
@@ -413,7 +416,7 @@ def route_region_inputs(graph: fx.Graph) -> int:
                     value_meta = dict(view.meta)
                     value = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
                     value.meta.update(value_meta)
-            value.meta.setdefault("val", _value(operand))
+            value.meta.setdefault("val", node_value(operand))
             args[position] = value
             count += 1
         call.args = tuple(args)
@@ -421,15 +424,21 @@ def route_region_inputs(graph: fx.Graph) -> int:
 
 
 def hoist_region_markers_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline entry of :func:`hoist_region_markers` (the captured Dynamo graph)."""
+    """Captured graph: region bodies' gathers move to their call sites, to be bucketed there."""
     return hoist_region_markers(gm, ctx.params or {})
 
 
+def inline_mutating_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> list[InlinedRegion]:
+    """Captured graph: calls of bodies that write an input while training are inlined."""
+    return inline_mutating_regions(gm)
+
+
 def inline_reordering_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline entry of :func:`inline_reordering_regions` (the captured Dynamo graph)."""
-    return inline_reordering_regions(gm)
+    """Captured graph: calls whose input gradient the body would sum in another order are inlined."""
+    unsafe = {c.args[0].target for c in gm.graph.nodes if is_region_call(c) and _reorders_gradients(c, region_body(c))}
+    return inline_regions(gm, unsafe)
 
 
 def route_region_inputs_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline entry of :func:`route_region_inputs` (joint graph)."""
+    """Joint graph: region calls take gathered parameters from the gather, not an earlier call."""
     return route_region_inputs(gm.graph)

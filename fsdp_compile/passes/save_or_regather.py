@@ -1,22 +1,19 @@
-"""Joint-graph passes that turn a strategy's reshard policy into partitioner decisions.
+"""Joint-graph passes that turn each unit's reshard policy into partitioner decisions.
 
-AOTAutograd's partitioner decides which forward values the backward graph receives. By default
-it saves the full parameter an ``unshard`` produced (ZeRO-2 behaviour). Each marker's spec says
-what its unit keeps (``reshard_after_forward=``, sharding/reshard_policy.py):
+AOTAutograd's partitioner decides which forward values backward receives; by default it saves
+the full parameter a gather produced. Each marker's spec says what its unit keeps
+(``reshard_after_forward=``, sharding/reshard_policy.py):
 
-* resharding to the shard (FULL_SHARD, HYBRID_SHARD): the full parameter is dropped after
-  forward and gathered again in backward, so the marker and everything computed from gathered
-  parameters alone (views, casts, a float8 weight's amax, scale and cast) are tagged
-  must-recompute: the partitioner then saves the (already resident) shard and re-runs the
-  gather in the backward graph. Tagging only views let it save a float8 copy of every weight
-  instead, which silently kept half of a bf16 unit resident from forward to backward;
+* resharding to the shard (FULL_SHARD, HYBRID_SHARD): the marker and everything computed from
+  gathered parameters alone (views, casts, a float8 weight's amax, scale and cast) are tagged
+  must-recompute, so the partitioner saves the resident shard and gathers again in backward.
+  Tagging only views let it save a float8 copy of every weight instead, which silently kept
+  half of a bf16 unit resident from forward to backward;
 * keeping it (SHARD_GRAD_OP): the marker is tagged must-save;
-* resharding to a group of ``n`` ranks: the joint graph is rewritten. Forward keeps this rank's
-  ``1/n`` of the full parameter (a ``reshard`` node, must-save), and every backward use of the
-  full parameter reads instead a gather of those kept pieces inside the group (an ``unshard``
-  over ``reshard_group``, must-recompute, and the same parameter-only computation redone on
-  it). Forward's own uses still read the first gather, which nothing saves. The gradient's
-  reduction is untouched.
+* resharding to a group of ``n`` ranks: forward keeps this rank's ``1/n`` of the full parameter
+  (a ``reshard`` node, must-save), and every backward use reads a gather of those pieces inside
+  the group (an ``unshard`` over ``reshard_group``, must-recompute, with the parameter-only
+  computation redone on it). The gradient's reduction is untouched.
 """
 
 from __future__ import annotations
@@ -31,20 +28,17 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..runtime.collectives import CommSpec
 from ..runtime.markers import REDUCE_GRAD, RESHARD, UNSHARD, UNSHARD_TARGETS, Marker, decode
 from .context import PassContext
-from .graph import ROLE_META, is_collective, is_random, tag_parameter_input
+from .graph import ROLE_META, calls, is_collective, is_random, tag_parameter_input
 
 
 def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in UNSHARD_TARGETS]
+    return [n for n in graph.nodes if calls(n, UNSHARD_TARGETS)]
 
 
 def elide_trivial_unshard(graph: fx.Graph) -> int:
-    """Replace markers that neither gather nor cast by their input; returns how many.
-
-    NO_SHARD parameters (and 0-d ones) are whole on every rank: their marker is a copy that
-    exists only so the eager runtime never aliases a parameter. In a functional graph the copy
-    is useless, and saving it for backward would double the parameter memory.
-    """
+    """Replace markers that neither gather nor cast by their input; returns how many. A NO_SHARD
+    (or 0-d) parameter's marker is a copy that only keeps the eager runtime from aliasing it;
+    saved for backward, it would double the parameter memory."""
     count = 0
     for node in unshard_nodes(graph):
         spec = decode(node).spec
@@ -60,14 +54,10 @@ def elide_trivial_unshard(graph: fx.Graph) -> int:
 
 
 def tag_reshard_policy(graph: fx.Graph) -> int:
-    """Tag each gather with its unit's policy; returns how many gathers reshard.
-
-    Resharding gathers (and their view chains) become must-recompute. The others become
-    must-save, so ZeRO-2 behaviour is stated rather than left to the min-cut partitioner's
-    cost model (which keeps custom ops today only because they are not on its recompute
-    allowlist; re-running a gather there would silently double backward communication).
-    Gathers of units that reshard to a group of fewer ranks are rewritten (module docstring).
-    """
+    """Tag each gather with its unit's policy; returns how many gathers reshard. Must-save is
+    stated rather than left to the min-cut partitioner's cost model, which keeps custom ops only
+    because they are not on its recompute allowlist (re-running a gather would silently double
+    backward communication)."""
     count = 0
     backward = backward_nodes(graph)
     dropped: list[fx.Node] = []
@@ -90,15 +80,9 @@ def tag_reshard_policy(graph: fx.Graph) -> int:
 
 
 def parameter_only(graph: fx.Graph, sources: list[fx.Node], backward: set[fx.Node]) -> list[fx.Node]:
-    """``sources`` and the forward nodes computed from them alone, in graph order.
-
-    A node belongs when every graph value it reads is one of these or a constant (a
-    ``get_attr``), and it reads at least one: a gathered parameter's views and casts, and
-    whatever else is a function of gathered parameters only (a float8 weight's amax, scale
-    and cast, the sum of two gathered weights). Nothing that reads an activation, an input
-    or a gradient joins, so recomputing these in backward needs only the regathered
-    parameters.
-    """
+    """``sources`` and the forward nodes computed from them (and constants) alone, in graph
+    order: a gathered parameter's views and casts, a float8 weight's amax, scale and cast.
+    Recomputing these in backward needs only the regathered parameters."""
     chain = set(sources)
     for node in graph.nodes:
         if node in chain or node.op != "call_function" or node in backward or _communicates(node) or is_random(node):
@@ -110,8 +94,7 @@ def parameter_only(graph: fx.Graph, sources: list[fx.Node], backward: set[fx.Nod
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes of a joint graph that backward computes: everything the incoming gradients
-    (AOTAutograd's ``tangents_*`` inputs) reach."""
+    """The nodes of a joint graph that the incoming gradients (``tangents_*``) reach."""
     reached: set[fx.Node] = set()
     pending = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     while pending:
@@ -164,7 +147,7 @@ def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) 
 
 
 def _communicates(node: fx.Node) -> bool:
-    return is_collective(node) or node.target in (*UNSHARD_TARGETS, REDUCE_GRAD, RESHARD)
+    return is_collective(node) or calls(node, (*UNSHARD_TARGETS, REDUCE_GRAD, RESHARD))
 
 
 def _position(graph: fx.Graph):
@@ -180,8 +163,8 @@ def _fake(node: fx.Node, fake_mode) -> None:
 
 
 def apply_reshard_choice(graph: fx.Graph, reshard: dict[str, tuple[int, str]]) -> int:
-    """Give each gather of a unit the setting chosen for it (``memory_budget=``): its spec says
-    what it keeps, which :func:`tag_reshard_policy` then applies; returns how many changed."""
+    """Give each unit's gathers the setting ``memory_budget=`` chose, for :func:`tag_reshard_policy`
+    to apply; returns how many changed."""
     count = 0
     for node in unshard_nodes(graph):
         marker = decode(node)
@@ -197,15 +180,15 @@ def apply_reshard_choice(graph: fx.Graph, reshard: dict[str, tuple[int, str]]) -
 
 
 def apply_reshard_choice_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline entry of :func:`apply_reshard_choice` (joint graph, under ``memory_budget=``)."""
+    """Joint graph, under ``memory_budget=``: each unit's gathers get the reshard setting chosen."""
     return apply_reshard_choice(gm.graph, ctx.reshard or {})
 
 
 def elide_trivial_unshard_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline entry of :func:`elide_trivial_unshard` (joint graph, and every graph after)."""
+    """Joint graph and each graph: markers that neither gather nor cast are dropped."""
     return elide_trivial_unshard(gm.graph)
 
 
 def tag_reshard_policy_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Pipeline entry of :func:`tag_reshard_policy` (joint graph)."""
+    """Joint graph: the reshard policy as partitioner tags (FULL_SHARD gathers again in backward)."""
     return tag_reshard_policy(gm.graph)

@@ -25,9 +25,13 @@ from ..errors import ConfigError
 from .context import STAGES, GraphPass, PassContext
 from .inflight import check_inflight_buffers_pass
 from .lowering import lower_markers_pass
-from .region_mutations import inline_mutating_regions_pass
 from .region_outputs import unalias_region_outputs_pass
-from .regions import hoist_region_markers_pass, inline_reordering_regions_pass, route_region_inputs_pass
+from .regions import (
+    hoist_region_markers_pass,
+    inline_mutating_regions_pass,
+    inline_reordering_regions_pass,
+    route_region_inputs_pass,
+)
 from .rng_state_order import order_rng_states_pass
 from .save_or_regather import apply_reshard_choice_pass, elide_trivial_unshard_pass, tag_reshard_policy_pass
 from .scheduling import schedule_collectives_pass

@@ -1,19 +1,13 @@
 """Trace each distinct lowering once and stamp copies of it for identical buckets.
 
-Lowering replaces a bucket's markers by the traced body of ``gather_params`` / ``reduce_grads``
-(:mod:`.lowering`). Tracing with ``make_fx`` costs milliseconds per bucket, and a model of
-repeated blocks has one bucket per block, all alike: same shapes, strides, dtypes and
-communication spec. :class:`TraceCache` traces a signature the first time it is seen and hands
-out the same traced graph afterwards; the caller copies it into the target graph and
-:func:`stamp_fake_values` gives each copied node fresh fake values (what ``make_fx`` records on
-a node: ``val``, ``tensor_meta`` and, for ops with exact stride requirements,
-``eager_input_vals``). A stamp is therefore node for node what a fresh trace would have
-produced, with storages of its own (the memory estimate and Inductor's re-inplacing tell
-buffers apart by storage). The values are the template's, re-created on new storages (views
-keep sharing theirs), which costs a few microseconds per tensor; a value that aliases an input
-is recomputed by running its op on fake tensors instead (:func:`refresh_fake_values`).
-
-Inputs with symbolic sizes are never shared: each such lowering is traced on its own.
+Tracing a bucket's lowering with ``make_fx`` costs milliseconds, and a model of repeated blocks
+has one bucket per block, all alike. :class:`TraceCache` traces a signature the first time and
+hands out that graph afterwards; :func:`stamp_fake_values` gives each copied node fresh fake
+values (``val``, ``tensor_meta``, ``eager_input_vals``), re-created on storages of their own,
+so a stamp is node for node what a fresh trace would have produced (the memory estimate and
+Inductor's re-inplacing tell buffers apart by storage). A value that aliases an input is
+recomputed on fake tensors instead (:func:`refresh_fake_values`). Inputs with symbolic sizes
+are never shared.
 """
 
 from __future__ import annotations
@@ -25,6 +19,8 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from .graph import storage_key
 
 try:  # what make_fx stores as a node's value (a detached alias of the traced fake tensor)
     from torch.fx.experimental.proxy_tensor import extract_val as _extract_val
@@ -50,8 +46,8 @@ def value_signature(value: Any) -> Hashable | None:
 
 
 class TraceCache:
-    """Traced graphs by signature, for one graph's lowering (one fake mode, one decomposition
-    table). ``traces`` and ``stamps`` count fresh traces and reuses."""
+    """Traced graphs by signature for one graph's lowering; ``traces`` and ``stamps`` count fresh
+    traces and reuses."""
 
     def __init__(self) -> None:
         self._graphs: dict[Hashable, fx.Graph] = {}
@@ -60,11 +56,8 @@ class TraceCache:
 
     def graph_for(self, key: Hashable | None, fn: Callable, values: Sequence[Any],
                   decompositions: dict | None) -> tuple[fx.Graph, bool]:
-        """(graph of ``fn`` traced on ``values``, whether it was traced just now).
-
-        ``key`` must identify everything ``fn``'s trace depends on besides the inputs'
-        signatures (its constants); ``None`` always traces.
-        """
+        """(graph of ``fn`` traced on ``values``, whether it was traced just now). ``key`` names
+        what the trace depends on besides the inputs' signatures; ``None`` always traces."""
         signatures = tuple(value_signature(v) for v in values)
         full_key = None if key is None or any(s is None for s in signatures) else (key, signatures)
         graph = self._graphs.get(full_key) if full_key is not None else None
@@ -91,8 +84,7 @@ def _eager_input_value(node: Any) -> Any:
 
 
 def refresh_fake_values(node: fx.Node) -> None:
-    """Recompute a stamped node's fake value (and the metadata derived from it) from its
-    inputs. Call it with the graph's fake mode active."""
+    """Recompute a node's fake value and the metadata derived from it, under the graph's fake mode."""
     if node.op != "call_function":
         return
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
@@ -110,24 +102,16 @@ class _Aliases(Exception):
     """A template value lives on an input's storage: it must be recomputed, not re-created."""
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    storage = t.untyped_storage()
-    return getattr(storage, "_cdata", None) or id(storage)
-
-
 def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence[fx.Node],
                       fake_mode: Any) -> None:
-    """Give the copies of a template's nodes fresh fake values (see the module docstring).
-
-    ``pairs`` are (template node, its copy) in graph order, ``inputs`` the template's
-    placeholders.
-    """
+    """Give the copies of a template's nodes fresh fake values. ``pairs``: (template node, its
+    copy) in graph order; ``inputs``: the template's placeholders."""
     converter = getattr(fake_mode, "fake_tensor_converter", None)
-    input_storages = {_storage_key(t) for n in inputs for t in _tensors(n.meta.get("val"))}
+    input_storages = {storage_key(t) for n in inputs for t in _tensors(n.meta.get("val"))}
     storages: dict[int, Any] = {}
 
     def recreate(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key in input_storages or t.requires_grad or converter is None:
             raise _Aliases
         storage = storages.get(key)
