@@ -6,7 +6,7 @@ Regions only shorten compilation (:mod:`.regions`): a model that trains with
 
 * **While AOTAutograd traces the graph** (a block that updates a buffer in place while
   training, such as BatchNorm's running statistics): decided from the captured graph before
-  AOTAutograd runs, by the pass ``inline_mutating_regions`` (passes/region_mutations.py), which
+  AOTAutograd runs, by the pass ``inline_mutating_regions`` (passes/regions.py), which
   inlines those calls.
 * **While Dynamo traces the model** (a graph break inside the block, a tensor it keeps in an
   object outside itself that aliases one of its inputs, an output that is a view of an
