@@ -6,6 +6,7 @@
     print(fsdp_compile.plan(model, inputs, cluster=fsdp_compile.Cluster.preset("h100-sxm", nodes=4)))
 """
 
+import importlib
 import inspect
 from typing import Any
 
@@ -17,11 +18,9 @@ from .auto_backend import AutoBackend
 from .checks.agreement import AgreementError, GraphMismatchError
 from .checks.gradients import GradientMismatch
 from .compilation.records import CompiledGraph
+from .compilation.tracing import trace_with
 from .fsdp_backend import FSDPBackend
 from .inspection.memory_estimate import MemoryEstimate, estimate_memory
-from .planning import Cluster, Plan, PlanError, plan
-from .planning.auto import AUTO_OPTIONS
-from .planning.trace import trace_with
 from .runtime.faults import RankFailure
 from .training.checkpoint import (
     CheckpointError,
@@ -39,14 +38,17 @@ __all__ = ["AgreementError", "CPUOffload", "CheckpointError", "Cluster", "Compil
            "save_checkpoint"]
 from .api import __version__ as __version__
 
+# Loaded on first use: a training job should pay for neither the planner nor the emulated
+# network (a testing tool for CPU runs that stand in for a cluster).
+_LAZY = {"Cluster": "planning", "Plan": "planning", "PlanError": "planning", "plan": "planning",
+         "EmulatedNetwork": "network"}
+
 
 def __getattr__(name: str) -> Any:
-    # The emulated network is for CPU runs that stand in for a cluster: a GPU job, and every
-    # training script, should not pay for importing it.
-    if name == "EmulatedNetwork":
-        from .network import EmulatedNetwork
-
-        return EmulatedNetwork
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'fsdp_compile' has no attribute {name!r}")
 
 
@@ -57,6 +59,8 @@ def backend(strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, **op
     # The docstring is FSDPBackend's (set below): the options are documented once, there.
     if isinstance(strategy, str) and strategy.strip().lower() == "auto":
         return AutoBackend(**options)
+    from .planning.auto import AUTO_OPTIONS
+
     # memory_budget= and cluster= are the backend's too (it chooses reshard_after_forward with them).
     auto_only = [name for name in AUTO_OPTIONS if name not in ("memory_budget", "cluster")]
     given = [name for name in auto_only if options.get(name) is not None]

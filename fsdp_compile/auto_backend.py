@@ -10,14 +10,15 @@ the backend's layer uses the planner, never the reverse.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .api import ShardingStrategy
 from .fsdp_backend import FSDPBackend
-from .planning.auto import AutoRequest, candidate_options, check_plan_options, choose
-from .planning.cluster import Cluster
+
+if TYPE_CHECKING:
+    from .planning.cluster import Cluster
 
 
 class AutoBackend(FSDPBackend):
@@ -43,6 +44,8 @@ class AutoBackend(FSDPBackend):
         if options.get("reshard_after_forward") is not None:
             raise ValueError("strategy='auto' chooses reshard_after_forward itself, within memory_budget=: drop "
                              "reshard_after_forward=, or name a strategy to set it yourself")
+        from .planning.auto import AutoRequest, check_plan_options  # the planner loads when auto is asked for
+
         check_plan_options(dict(plan_options or {}))
         super().__init__(ShardingStrategy.FULL_SHARD, **options)  # replaced by the plan's choice in shard()
         self.request = AutoRequest(example_inputs, loss_fn, cluster, memory_budget,
@@ -57,6 +60,8 @@ class AutoBackend(FSDPBackend):
         """Plan for this world (rank 0 plans, every rank gets the choice) and apply the choice."""
         if self.plan is not None:
             return
+        from .planning.auto import candidate_options, choose
+
         device_type = self._device_type(model)
         self.plan, row = choose(model, self.request, self.options.mixed_precision, device_type)
         chosen = candidate_options(self.plan, row)

@@ -27,7 +27,6 @@ from .compilation import CompiledGraph, Compiler
 from .compilation.cache import CacheState, cache_key_parts
 from .inspection.bucket_advice import oversized_in
 from .inspection.report import graph_summary, render_report
-from .planning.budget import candidate_groups, check_cluster, memory_budget
 from .runtime import markers  # noqa: F401  (registers the marker ops)
 from .sharding.backend_state import ShardingState
 from .sharding.compile_regions import region_copies
@@ -39,6 +38,16 @@ from .sharding.sharded_param import ShardedParamInfo
 from .sharding.units import ROOT_UNIT
 
 log = logging.getLogger("fsdp_compile")
+
+
+def _memory_budget(options: BackendOptions) -> Any:
+    """What the compiler is handed for ``memory_budget=`` (the planner prices it: imported only then)."""
+    if options.memory_budget is None:  # cluster= alone is refused by its option check
+        return None
+    from .planning.budget import check_cluster, memory_budget
+
+    check_cluster(options.cluster)
+    return memory_budget(options)
 
 
 @documents_options
@@ -61,20 +70,19 @@ class FSDPBackend:
     @signature_from(BackendOptions)
     def __init__(self, *strategy: Any, **options: Any) -> None:
         self.options = BackendOptions.validate(*strategy, **options)
-        check_cluster(self.options.cluster)
         self.graphs: list[CompiledGraph] = []
         self.plan = None  # strategy="auto": the fsdp_compile.Plan the choice came from
         self._state = ShardingState()
         self._state.region_fallback.strict = self.options.strict
         self._gradient_sync = GradientSync()
         self._warned_oversized = False
-        self.compiler = Compiler(self.options, self._state, self.graphs, budget=memory_budget(self.options))
+        self.compiler = Compiler(self.options, self._state, self.graphs, budget=_memory_budget(self.options))
 
     def _set_options(self, **changes: Any) -> None:
         """Replace options before anything is sharded (``strategy="auto"`` applies its plan)."""
         self.options = dataclasses.replace(self.options, **changes)
         self.compiler.options = self.compiler.guard.options = self.options
-        self.compiler.budget = memory_budget(self.options)
+        self.compiler.budget = _memory_budget(self.options)
         self._state.region_fallback.strict = self.options.strict
 
     @property
@@ -175,6 +183,8 @@ class FSDPBackend:
                               region_fallback=state.region_fallback, reshard_groups=state.reshard_groups)
         if self.options.memory_budget is not None:
             # The groups a choice may reshard to, made now, when every rank shards (new_group is collective).
+            from .planning.budget import candidate_groups
+
             for n in candidate_groups(state.topology.shard_size):
                 state.reshard_groups.group(state.topology, n)
         infos = result.infos

@@ -4,6 +4,7 @@
 tracing many candidates (no recompile limit, no automatic dynamic shapes) and, on a torch whose
 AOTAutograd lowers backward lazily, runs backward too, so that every graph is traced.
 :func:`own_tracing_context` gives a trace inside a compile a tracing context of its own.
+:func:`make_backend` builds the backend class the package named with :func:`trace_with`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,24 @@ import torch
 import torch.fx as fx
 
 from .records import CompiledGraph
+
+_backend_factory: Callable[..., Any] | None = None
+
+
+def trace_with(factory: Callable[..., Any]) -> None:
+    """Name the backend the planner shards, traces and measures candidates with, called as
+    ``factory(strategy, **options)`` (``fsdp_compile.FSDPBackend``). The package does so when it
+    is imported, before any of the planner runs: the backend is the layer above the planner,
+    and naming it here keeps the planner itself out of ``import fsdp_compile``."""
+    global _backend_factory
+    _backend_factory = factory
+
+
+def make_backend(strategy: Any, **options: Any) -> Any:
+    """A backend of the class :func:`trace_with` named, with these options."""
+    if _backend_factory is None:
+        raise RuntimeError("the planner has no backend to trace with: import fsdp_compile, which names it")
+    return _backend_factory(strategy, **options)
 
 
 def run_traced(backend: Callable[[fx.GraphModule, Sequence[Any]], Callable], fn: Callable,

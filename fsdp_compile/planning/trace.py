@@ -11,8 +11,8 @@ joint graph with its own markers through the backend's partitioner and passes
 the same reshard policy also share the partitioned graphs.
 
 The backend that shards and traces a candidate sits above the planner, which never imports it:
-the package names it here when it is imported (:func:`trace_with`), and the planner reaches its
-compiler through the compiler's tracing door only (``Compiler.trace``, ``Compiler.replay``).
+the package names it when it is imported (``compilation/tracing.py``'s ``trace_with``), and the
+planner reaches its compiler through the compiler's tracing door only (``Compiler.trace``, ``Compiler.replay``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..api import BucketPolicy, MixedPrecision, ShardingStrategy
 from ..compilation import CompiledGraph, Compiler, JointCapture
+from ..compilation.tracing import make_backend
 from ..passes.graph import ROLE_META
 from .attention import use_cuda_attention
 from .tp import TPMeshes
@@ -92,24 +93,6 @@ class TracingBackend(Protocol):
 
     def shard(self, model: nn.Module, *, materialize: bool = True) -> nn.Module:
         """Shard ``model`` in place; with ``materialize=False`` a meta-device model keeps meta shards."""
-
-
-_backend_factory: Callable[..., TracingBackend] | None = None
-
-
-def trace_with(factory: Callable[..., TracingBackend]) -> None:
-    """Name the backend the planner shards, traces and measures candidates with, called as
-    ``factory(strategy, **options)`` (``fsdp_compile.FSDPBackend``). The package does so when it
-    is imported, before any of the planner runs: the backend is the layer above the planner."""
-    global _backend_factory
-    _backend_factory = factory
-
-
-def make_backend(strategy: ShardingStrategy | str, **options: Any) -> TracingBackend:
-    """A backend of the class :func:`trace_with` named, with these options."""
-    if _backend_factory is None:
-        raise RuntimeError("the planner has no backend to trace with: import fsdp_compile, which names it")
-    return _backend_factory(strategy, **options)
 
 
 @dataclass

@@ -13,21 +13,27 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from collections.abc import Sequence
 
 import torch
 
-from . import triton_kernels
-
 NAMESPACE = "fsdp_compile"
+
+
+def _triton() -> types.ModuleType:
+    # Imported on the first CUDA copy: importing Triton costs every other process ~80 ms.
+    from . import triton_kernels
+
+    return triton_kernels
 
 
 def _use_triton(device: torch.device, *dtypes: torch.dtype) -> bool:
     if device.type != "cuda" or os.environ.get("FSDP_COMPILE_KERNELS", "").lower() == "torch":
         return False
     # float64 -> bfloat16 would round twice through float32 in the kernel; torch rounds once.
-    return triton_kernels.available() and torch.float64 not in dtypes and all(
-        d in triton_kernels.SUPPORTED_DTYPES for d in dtypes)
+    return _triton().available() and torch.float64 not in dtypes and all(
+        d in _triton().SUPPORTED_DTYPES for d in dtypes)
 
 
 # ----------------------------------------------------------------------------- copy-in
@@ -47,7 +53,7 @@ def copy_in_reference(shards: Sequence[torch.Tensor], padded_numels: Sequence[in
 def copy_in(shards: list[torch.Tensor], padded_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
     """One flat buffer: each shard flattened, cast to ``dtype``, zero-padded to its chunk."""
     if _use_triton(shards[0].device, shards[0].dtype, dtype):
-        return triton_kernels.copy_in(shards, padded_numels, dtype)
+        return _triton().copy_in(shards, padded_numels, dtype)
     return copy_in_reference(shards, padded_numels, dtype)
 
 
@@ -69,7 +75,7 @@ def chunk_cat_reference(grads: Sequence[torch.Tensor], world: int, padded_numels
 def chunk_cat(grads: list[torch.Tensor], world: int, padded_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
     """The reduce-scatter input: for each rank, its zero-padded chunk of every gradient, cast."""
     if _use_triton(grads[0].device, grads[0].dtype, dtype):
-        return triton_kernels.chunk_cat(grads, world, padded_numels, dtype)
+        return _triton().chunk_cat(grads, world, padded_numels, dtype)
     return chunk_cat_reference(grads, world, padded_numels, dtype)
 
 
@@ -113,7 +119,7 @@ def copy_out(gathered: torch.Tensor, world: int, padded_numels: list[int], dims:
     """
     shapes = unflatten_shapes(dims, ranks)
     if _use_triton(gathered.device, gathered.dtype):
-        return triton_kernels.copy_out(gathered, world, padded_numels, shapes)
+        return _triton().copy_out(gathered, world, padded_numels, shapes)
     return copy_out_reference(gathered, world, padded_numels, shapes)
 
 
@@ -167,9 +173,9 @@ def copy_in_float8(shards: list[torch.Tensor], scales: torch.Tensor, padded_nume
                    float8: torch.dtype) -> torch.Tensor:
     """One flat byte buffer: each shard, rounded to ``dtype`` (the compute dtype), scaled by
     its ``scales`` entry and cast to ``float8`` (saturating), zero-padded to its chunk."""
-    if _use_triton(shards[0].device, shards[0].dtype) and float8 in triton_kernels.FLOAT8_DTYPES \
+    if _use_triton(shards[0].device, shards[0].dtype) and float8 in _triton().FLOAT8_DTYPES \
             and dtype in (shards[0].dtype, torch.bfloat16):
-        return triton_kernels.copy_in_float8(shards, scales, padded_numels, dtype, float8)
+        return _triton().copy_in_float8(shards, scales, padded_numels, dtype, float8)
     return copy_in_float8_reference(shards, scales, padded_numels, dtype, float8)
 
 
