@@ -1,8 +1,5 @@
-"""The threads that complete emulated collectives: an alarm that fires at modeled ends, and
-watchers that see when gloo itself finished a transfer.
-
-Both run off the caller's thread because a compiled graph waits late on purpose: completion
-(and the overrun it may reveal) has to be observed when it happens, not when the graph waits.
+"""The threads that complete emulated collectives (an alarm at modeled ends) and see gloo finish
+(watchers): off the caller's thread, because a compiled graph waits late on purpose.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ def sleep_until(deadline: float) -> None:
 
 
 class Alarm:
-    """One daemon thread that runs callbacks at given times (completes futures at their modeled
-    end); it sleeps on a condition until the earliest one is due."""
+    """One daemon thread that runs callbacks at given times (futures at their modeled end)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -61,13 +57,9 @@ class Alarm:
 
 
 class Watchers:
-    """Daemon threads that each wait for one gloo work and report when it finished.
-
-    Gloo's reduce-scatters have no future to hang a callback on, and a caller may wait long
-    after the modeled end (a compiled graph waits late on purpose), so completion is observed
-    off the caller's thread. Threads are reused; a new one starts only when all are busy, so
-    each in-flight collective has its own. Not for gloo's send and receive: each wait on those
-    consumes a completion, so a second waiter would leave the caller's wait hanging.
+    """Daemon threads that each wait for one gloo work and report when it finished (gloo's
+    reduce-scatters have no future to hang a callback on). A thread starts only when all are busy.
+    Not for send and receive: each wait consumes a completion, so the caller's would hang.
     """
 
     def __init__(self) -> None:

@@ -1,34 +1,22 @@
 """An emulated cluster network: a process-group backend that moves data through gloo and completes
 each collective when a link of a chosen bandwidth and latency would have finished it.
 
-Every process group of the run (the default group and every group made after it: ``new_group``,
-``DeviceMesh``, fsdp_compile's hybrid shard / replicate groups) is an
-:class:`EmulatedProcessGroup`: a Python ``dist.ProcessGroup`` that hands each collective to a
-plain gloo process group built on the same store (so results are bit for bit gloo's) and returns
-an :class:`EmulatedWork` that completes at the modeled time, sleeping until then.
+Every process group of the run is an :class:`EmulatedProcessGroup`, which hands each collective
+to a plain gloo group on the same store (results are bit for bit gloo's) and returns an
+:class:`EmulatedWork` that completes at the modeled time. The model, per rank:
 
-The model, per rank:
+* Two links, each a separate resource: intra-node (NVLink-like) for a group within this rank's
+  node, inter-node (the NIC, the bottleneck) for one that spans nodes. So HSDP's intra-node
+  reduce-scatter and inter-node all-reduce overlap, as on real hardware.
+* A collective starts when issued or when its link is free, whichever is later (one at a time
+  per link, like one NCCL stream), and lasts ``latency + wire bytes / bandwidth``
+  (:mod:`fsdp_compile.network.links`). A coalesced call is one collective (one latency), as
+  NCCL's one launch; a group of one rank takes no time.
+* The start is fixed at issue from this rank's clock only. Gloo makes the collective wait for
+  every rank, so a late peer, like gloo being slower than the link, shows up as an *overrun* in
+  :meth:`EmulatedNetwork.stats`: the emulation holds only where the model is slower than gloo.
 
-* Two links, each a separate resource: the **intra-node** link (NVLink-like) and the
-  **inter-node** link (the NIC). A group whose ranks all sit on this rank's node uses the
-  intra-node link; a group whose ranks span nodes uses the inter-node link, its bottleneck (the
-  intra-node hops of such a ring are taken as free). So HSDP's intra-node reduce-scatter and
-  inter-node all-reduce overlap, as they do on real hardware; collectives on one link serialize.
-* A collective starts when it is issued or when its link is free, whichever is later (one
-  collective at a time per link, like one NCCL stream), and lasts ``latency + wire bytes /
-  bandwidth`` (:mod:`fsdp_compile.network.links`: ring all-gather / reduce-scatter send
-  ``(n-1)/n`` of the buffer, all-reduce twice that, broadcast / reduce the buffer once, a barrier
-  pays the latency only). A coalesced call is one collective over the summed buffers (one
-  latency), as NCCL runs a coalesced group as one launch. A group of one rank uses no link and
-  takes no time.
-* The start is fixed when the collective is issued, before gloo is called, from this rank's
-  clock only: a peer that issues later does not move it. Gloo does make the collective wait
-  for every rank, so a late peer, like gloo being slower than the link, shows up as an
-  *overrun* in :meth:`EmulatedNetwork.stats`.
-
-Nodes are consecutive blocks of ``devices_per_node`` global ranks. The emulation holds only
-where the modeled time exceeds gloo's own time for the transfer; ``stats()`` says where it did
-not.
+Nodes are consecutive blocks of ``devices_per_node`` global ranks.
 """
 
 from __future__ import annotations
@@ -70,15 +58,10 @@ def _nbytes(value: Any) -> int:
 
 
 class EmulatedWork(dist.Work):
-    """A collective in flight on an emulated link: completes when gloo has finished it and the
-    modeled end has come, whichever is later. ``wait()`` before the modeled end sleeps.
-
-    ``issued_at``, ``modeled_start`` and ``modeled_end`` are ``time.monotonic()`` seconds;
-    ``kind``, ``link`` and ``seconds`` (the modeled duration) say what the model made of it;
-    ``gloo_done_at`` when gloo was seen to finish (``None`` while in flight). A send or receive
-    is seen to finish only by its own ``wait()`` (see
-    :class:`~fsdp_compile.network.completion.Watchers`), so a late wait on one can report an
-    overrun that was not.
+    """A collective in flight on an emulated link: complete once gloo finished it and the modeled
+    end has come. Times are ``time.monotonic()`` seconds; ``gloo_done_at`` is None in flight. A
+    send or receive is seen to finish only by its own ``wait()``, so a late wait on one can
+    report an overrun that was not.
     """
 
     def __init__(self, inner: dist.Work, network: EmulatedNetwork, kind: str, link: str,
@@ -131,8 +114,8 @@ class EmulatedWork(dist.Work):
         self.wait()
 
     def get_future(self) -> torch.futures.Future:
-        """A future holding gloo's result from the modeled end on (DDP's reducer waits on it).
-        Where gloo's work has no future (reduce-scatter, send, recv) this raises gloo's error."""
+        """Gloo's result from the modeled end on (DDP's reducer waits on it); gloo's error where
+        its work has no future (reduce-scatter, send, recv)."""
         if self._future is None:
             inner = self._inner.get_future()
             future: torch.futures.Future = torch.futures.Future()
@@ -155,39 +138,23 @@ class EmulatedWork(dist.Work):
                 f"ends at {self.modeled_end:.6f})")
 
 
-def _collective(name: str, kind: str, buffer: Callable[..., int]) -> Callable:
-    """A process-group method that issues ``kind`` on the emulated link and the same call on gloo.
-
-    The arguments go to gloo's method of the same name unchanged, so every overload and option
-    behaves as on plain gloo; ``buffer(*args)`` says how many bytes the collective's buffer holds.
-    """
+def _collective(name: str, kind: str, buffer: int | None) -> Callable:
+    """A process-group method that issues ``kind`` on the emulated link and passes its arguments
+    to gloo's method of the same name unchanged (every overload behaves as on gloo); the bytes of
+    positional argument ``buffer`` (None: no data) are the collective's buffer."""
 
     def method(self: EmulatedProcessGroup, *args: Any, **kwargs: Any) -> EmulatedWork:
-        return self._issue(kind, self.link, buffer(*args, **kwargs), getattr(self._gloo, name), args, kwargs)
+        nbytes = 0 if buffer is None else _nbytes(args[buffer])
+        return self._issue(kind, self.link, nbytes, getattr(self._gloo, name), args, kwargs)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"``{name}`` through gloo, completed at the modeled end of a {kind}."
     return method
 
 
-def _first(*args: Any, **_: Any) -> int:
-    return _nbytes(args[0])
-
-
-def _second(*args: Any, **_: Any) -> int:
-    return _nbytes(args[1])
-
-
-def _nothing(*_: Any, **__: Any) -> int:
-    return 0
-
-
 class EmulatedProcessGroup(dist.ProcessGroup):
-    """A process group of an :class:`EmulatedNetwork`: gloo's results at the link's pace.
-
-    ``link`` is "intra" (all ranks on one node), "inter" (ranks on several nodes) or "local" (a
-    group of one rank); ``global_ranks`` its members; ``timeout`` the gloo group's timeout.
-    """
+    """A process group of an :class:`EmulatedNetwork`: gloo's results at the link's pace; ``link``
+    is "intra" (one node), "inter" (several) or "local" (a group of one rank)."""
 
     def __init__(self, network: EmulatedNetwork, store: dist.Store, rank: int, size: int,
                  timeout: datetime.timedelta, global_ranks: list[int], gloo_ranks: list[int], name: str) -> None:
@@ -205,9 +172,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def _issue(self, kind: str, link: str, buffer_bytes: int, call: Callable, args: tuple,
                kwargs: dict) -> EmulatedWork:
-        # The issue time is taken before gloo is called: its reduce-scatter clones its input
-        # before it returns, which is compute on this rank, not time on the link. The link is
-        # booked after, so a call gloo refuses books nothing.
+        # Issued before gloo's call (its reduce-scatter clones its input: compute, not link
+        # time); booked after, so a call gloo refuses books nothing.
         issued_at = time.monotonic()
         inner = call(*args, **kwargs)
         start, seconds = self.network._reserve(kind, link, buffer_bytes, self.size(), issued_at)
@@ -234,27 +200,26 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    # ---- collectives: the names torch 2.13 calls, from C++ (DDP, functional collectives) and
-    # from torch.distributed's Python functions; old names kept where torch still falls back.
-    allreduce = _collective("allreduce", "all_reduce", _first)
-    allreduce_coalesced = _collective("allreduce_coalesced", "all_reduce", _first)
-    broadcast = _collective("broadcast", "broadcast", _first)
-    reduce = _collective("reduce", "reduce", _first)
-    allgather = _collective("allgather", "all_gather", _first)
-    allgather_coalesced = _collective("allgather_coalesced", "all_gather", _first)
-    _allgather_base = _collective("_allgather_base", "all_gather", _first)
-    all_gather_single = _collective("all_gather_single", "all_gather", _first)
-    all_gather_single_coalesced = _collective("all_gather_single_coalesced", "all_gather", _first)
-    allgather_into_tensor_coalesced = _collective("allgather_into_tensor_coalesced", "all_gather", _first)
-    reduce_scatter = _collective("reduce_scatter", "reduce_scatter", _second)
-    _reduce_scatter_base = _collective("_reduce_scatter_base", "reduce_scatter", _second)
-    reduce_scatter_single = _collective("reduce_scatter_single", "reduce_scatter", _second)
-    reduce_scatter_single_coalesced = _collective("reduce_scatter_single_coalesced", "reduce_scatter", _second)
-    reduce_scatter_tensor_coalesced = _collective("reduce_scatter_tensor_coalesced", "reduce_scatter", _second)
-    all_to_all_single = _collective("all_to_all_single", "all_to_all", _second)
-    alltoall_base = _collective("alltoall_base", "all_to_all", _second)
-    alltoall = _collective("alltoall", "all_to_all", _second)
-    barrier = _collective("barrier", "barrier", _nothing)
+    # ---- collectives: the names torch 2.13 calls from C++ and Python (old ones where it falls back)
+    allreduce = _collective("allreduce", "all_reduce", 0)
+    allreduce_coalesced = _collective("allreduce_coalesced", "all_reduce", 0)
+    broadcast = _collective("broadcast", "broadcast", 0)
+    reduce = _collective("reduce", "reduce", 0)
+    allgather = _collective("allgather", "all_gather", 0)
+    allgather_coalesced = _collective("allgather_coalesced", "all_gather", 0)
+    _allgather_base = _collective("_allgather_base", "all_gather", 0)
+    all_gather_single = _collective("all_gather_single", "all_gather", 0)
+    all_gather_single_coalesced = _collective("all_gather_single_coalesced", "all_gather", 0)
+    allgather_into_tensor_coalesced = _collective("allgather_into_tensor_coalesced", "all_gather", 0)
+    reduce_scatter = _collective("reduce_scatter", "reduce_scatter", 1)
+    _reduce_scatter_base = _collective("_reduce_scatter_base", "reduce_scatter", 1)
+    reduce_scatter_single = _collective("reduce_scatter_single", "reduce_scatter", 1)
+    reduce_scatter_single_coalesced = _collective("reduce_scatter_single_coalesced", "reduce_scatter", 1)
+    reduce_scatter_tensor_coalesced = _collective("reduce_scatter_tensor_coalesced", "reduce_scatter", 1)
+    all_to_all_single = _collective("all_to_all_single", "all_to_all", 1)
+    alltoall_base = _collective("alltoall_base", "all_to_all", 1)
+    alltoall = _collective("alltoall", "all_to_all", 1)
+    barrier = _collective("barrier", "barrier", None)
 
     def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> EmulatedWork:
         """``gather`` through gloo; the buffer is the gathered whole (every rank's input)."""
@@ -281,8 +246,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         return self._issue("recv", self.link, _nbytes(tensors), self._gloo.recv_anysource, (tensors, tag), {})
 
     def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
-        """gloo's monitored barrier (``dist.monitored_barrier`` accepts gloo groups only; call
-        this on the group): names the ranks that did not arrive. Not modeled: it is a check."""
+        """Gloo's monitored barrier, unmodeled (``dist.monitored_barrier`` takes gloo groups only)."""
         backend = self._gloo._get_backend(torch.device("cpu"))
         backend.monitored_barrier(self.timeout if timeout is None else timeout, wait_all_ranks)
 
@@ -298,8 +262,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
 def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, global_ranks: list[int],
                 name: str) -> dist.ProcessGroup:
-    """A plain gloo process group, built as ``init_process_group("gloo")`` / ``new_group`` build
-    one, but registered nowhere: only its emulated group calls it."""
+    """A plain gloo group, built as ``new_group`` builds one but registered nowhere."""
     group = dist.ProcessGroup(store, rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -312,8 +275,7 @@ def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timed
 
 
 def _create_group(options: Any, backend_options: Any) -> EmulatedProcessGroup:
-    """The backend's creator (``register_backend(..., extended_api=True)``): it receives the
-    group's global ranks, which decide its link."""
+    """The backend's creator (``extended_api=True``: it receives the global ranks, which decide the link)."""
     if _active is None:
         raise RuntimeError(f"the {BACKEND_NAME!r} process-group backend is set up by "
                            "fsdp_compile.EmulatedNetwork(...).init_process_group(); call that instead of "
@@ -325,14 +287,12 @@ class EmulatedNetwork:
     """A cluster network emulated on one machine, for every process group of the run.
 
     ``intra_node`` / ``inter_node``: bandwidth of a rank's link within its node and to other
-    nodes (bytes per second, or a string such as "2GB/s", "200MB/s", "10Gbit/s", "1.5GiB/s";
-    ``inter_node`` defaults to ``intra_node``; ``float("inf")`` is a link without a bandwidth
-    limit); ``latency``: paid once per collective (seconds, or "20us", "0.5ms"; default 10 us,
-    about what NCCL pays per collective on NVLink or InfiniBand); ``devices_per_node``: ranks
-    per node (default: ``LOCAL_WORLD_SIZE``, else the world size: one node). Use :meth:`init_process_group` instead of
-    ``torch.distributed.init_process_group("gloo")``; every group made afterwards (``new_group``,
-    ``init_device_mesh("cpu", ...)``, fsdp_compile's hybrid groups, FSDP2's and DDP's) then runs
-    on this network. See :mod:`fsdp_compile.network.emulated` for the model.
+    nodes (bytes per second, or "2GB/s", "10Gbit/s", "1.5GiB/s"; ``inter_node`` defaults to
+    ``intra_node``; ``float("inf")``: unlimited); ``latency``: paid once per collective (seconds,
+    or "20us"; default 10 us, about NCCL's on NVLink or InfiniBand); ``devices_per_node``: ranks
+    per node (default ``LOCAL_WORLD_SIZE``, else one node). Call :meth:`init_process_group`
+    instead of ``torch.distributed.init_process_group("gloo")``: every group made afterwards
+    runs on this network (see :mod:`fsdp_compile.network.emulated` for the model).
 
         net = fsdp_compile.EmulatedNetwork(intra_node="2GB/s", inter_node="200MB/s", latency="20us",
                                            devices_per_node=2)
@@ -369,15 +329,11 @@ class EmulatedNetwork:
 
     def set_links(self, intra_node: float | str | None = None, inter_node: float | str | None = None,
                   latency: float | str | None = None) -> None:
-        """Change the links of a running network; ``None`` keeps a value as it is.
-
-        For sweeping link speeds over the same compiled models in one process (the default group
-        exists only once per process, and compiling again per speed would take longer than the
-        measurement). Collectives issued before keep their modeled times, and a link stays busy
-        until the last of them ends; later ones run at the new speed. Call it on every rank with
-        the same values between steps: ranks modeling one collective differently finish it at
-        different times, which ``stats()`` then reports as overruns. Bad values are refused as
-        by the constructor, and leave the links as they were.
+        """Change the links of a running network (``None`` keeps a value), to sweep link speeds
+        over the same compiled models in one process. Collectives issued before keep their times;
+        later ones run at the new speed. Call it on every rank with the same values between
+        steps (ranks modeling one collective differently show overruns). Bad values are refused
+        as by the constructor and change nothing.
         """
         seconds = self.intra.latency if latency is None else parse_latency(latency, "latency")
         intra = self.intra.bandwidth if intra_node is None else parse_bandwidth(intra_node, "intra_node")
@@ -462,14 +418,12 @@ class EmulatedNetwork:
         return start, seconds
 
     def stats(self) -> NetworkStats:
-        """What this rank's links carried since the start (or :meth:`reset_stats`): per collective
-        kind and link, count, wire and buffer bytes, modeled busy seconds, and the overruns (gloo
-        finishing after the modeled end: how often, the largest and the total lateness)."""
+        """What this rank's links carried since the start (or :meth:`reset_stats`), per collective
+        kind and link, with the overruns (gloo finishing after the modeled end)."""
         return self._recorder.snapshot()
 
     def reset_stats(self) -> None:
-        """Start counting afresh (e.g. after warm-up steps); collectives in flight are counted
-        at completion in the new window."""
+        """Count afresh (after warm-up, say); collectives in flight complete in the new window."""
         self._recorder.reset()
 
     def record(self, on: bool = True) -> None:

@@ -1,13 +1,10 @@
 """Why emulated collectives finished after their modeled end: a late peer, or gloo itself.
 
-``stats()`` says how often and by how much gloo finished a collective after the link would
-have. Two things make it late, and they call for different readings of a benchmark: the group's
-last rank reached the collective late (ranks that time-slice a machine's cores drift apart
-between collectives; gloo cannot start before every rank has issued), or gloo's transfer, once
-every rank was there, took longer than the link's remaining time (gloo's threads waiting for a
-core beside the ranks' compute). :func:`lateness_causes` splits the lateness of the collectives
-recorded with :meth:`EmulatedNetwork.record` between the two, from every rank's issue times on
-one host's monotonic clock (the ranks of an emulated network share a machine).
+The group's last rank may reach a collective late (ranks time-slicing a machine's cores drift
+apart; gloo starts only once every rank issued), or gloo's transfer may outlast the link's time
+(its threads waiting for a core). The two call for different readings of a benchmark;
+:func:`lateness_causes` splits the lateness of recorded collectives between them, from every
+rank's issue times on the one host's monotonic clock.
 """
 
 from __future__ import annotations
@@ -26,14 +23,12 @@ from .links import format_seconds
 class LatenessCauses:
     """The split of the recorded collectives' lateness, over every rank's records.
 
-    ``collectives``: records whose group's every member recorded the same collective and whose
-    completion gloo reported; ``late``: those gloo finished after the modeled end;
-    ``lateness_seconds``: their summed lateness; ``from_peers_seconds``: the part of it the last
-    rank's arrival alone explains (how late the collective would have been had gloo finished
-    the moment the last rank issued it); the rest is gloo's own. ``peer_wait_seconds`` and
-    ``gloo_after_last_seconds``: over the late ones, the 10th, 50th and 90th percentiles of the
-    time from this rank's issue to the last rank's, and from the last rank's issue to gloo's
-    completion. ``by_kind`` holds the counts and sums per "kind/link".
+    ``collectives``: records every group member made, completed; ``late``: those finished after
+    the modeled end, ``lateness_seconds`` in all, of which ``from_peers_seconds`` the last rank's
+    arrival alone explains (the rest is gloo's). ``peer_wait_seconds`` and
+    ``gloo_after_last_seconds``: over the late ones, the 10th/50th/90th percentiles of the time
+    from this rank's issue to the last rank's, and from there to gloo's completion; ``by_kind``:
+    counts and sums per "kind/link".
     """
 
     collectives: int
@@ -95,22 +90,18 @@ def split_lateness(records: list[list[tuple]]) -> LatenessCauses:
             # how late it would have been had gloo finished the moment the last rank issued it
             peers_part = min(done, max(last, modeled_end)) - modeled_end
             overdue = done - modeled_end
-            late += 1
-            lateness += overdue
-            from_peers += peers_part
+            late, lateness, from_peers = late + 1, lateness + overdue, from_peers + peers_part
             waits.append(last - issued_at)
             after_last.append(done - last)
             row = by_kind.setdefault(f"{kind}/{link}", {"late": 0, "lateness_seconds": 0.0, "from_peers_seconds": 0.0})
-            row["late"] += 1
-            row["lateness_seconds"] += overdue
-            row["from_peers_seconds"] += peers_part
+            for name, add in (("late", 1), ("lateness_seconds", overdue), ("from_peers_seconds", peers_part)):
+                row[name] += add
     return LatenessCauses(seen, late, lateness, from_peers, _quantiles(waits), _quantiles(after_last), by_kind)
 
 
 def lateness_causes(network: EmulatedNetwork, group: Any = None) -> LatenessCauses:
-    """Split the lateness of what ``network`` recorded (:meth:`EmulatedNetwork.record`) on every
-    rank of ``group`` (default: the world) between late peers and gloo. Collective: every rank
-    of ``group`` calls it at the same point, after the recorded collectives were waited for."""
+    """Split the lateness of what ``network`` recorded on every rank of ``group`` (default: the
+    world) between late peers and gloo. Collective: call it on every rank, after the waits."""
     mine = [(ranks, index, work.kind, work.link, work.issued_at, work.modeled_end, work.gloo_done_at)
             for ranks, index, work in network.recorded()]
     everyone: list[Any] = [None] * dist.get_world_size(group)

@@ -1,10 +1,6 @@
-"""The link model of an emulated network: units, links and the ring model of wire bytes.
-
-A link moves a collective in ``latency + wire_bytes / bandwidth`` seconds, one collective at a
-time. Wire bytes are what each rank sends, as NCCL's bus bandwidth counts them: for all-gather,
-reduce-scatter and all-reduce the ring model every part shares (:mod:`fsdp_compile.runtime.ring`,
-also the planner's and the graph inspection's), extended here to the other collectives a process
-group carries.
+"""The link model of an emulated network: a link moves one collective at a time, in
+``latency + wire_bytes / bandwidth`` seconds; wire bytes follow the ring model every part shares
+(:mod:`fsdp_compile.runtime.ring`), extended to the other collectives a process group carries.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ from ..runtime import ring
 RING_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # The kinds a process group can issue; "barrier" moves no data.
 KINDS = (*RING_KINDS, "broadcast", "reduce", "gather", "scatter", "all_to_all", "send", "recv", "barrier")
-LINKS = ("intra", "inter")
 
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
              "ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30, "ti": 2.0 ** 40}
@@ -36,27 +31,25 @@ BANDWIDTH_FORMS = ('a number of bytes per second (2e9, float("inf") for an unlim
 LATENCY_FORMS = 'a number of seconds (2e-5) or a string such as "20us", "0.5ms", "1e-5s", "800ns"'
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool):  # True is an int to Python, but never a bandwidth
-        return None
-    if isinstance(value, (int, float)):
+def _matched(value: Any, argument: str, what: str, pattern: re.Pattern, forms: str) -> re.Match | float:
+    """A number as a float (True is an int to Python, but never a quantity), else the string's match."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    return None
+    if not isinstance(value, str):
+        raise TypeError(f"{argument}= must be {forms}; got {type(value).__name__} {value!r}")
+    match = pattern.match(value)
+    if match is None:
+        raise ValueError(f"{argument}={value!r} is not a {what} this understands; pass {forms}")
+    return match
 
 
 def parse_bandwidth(value: Any, argument: str = "bandwidth") -> float:
     """Bytes per second from a number (bytes/s) or a string with a unit; ``argument`` names the
     parameter in errors."""
-    number = _number(value)
-    if number is None:
-        if not isinstance(value, str):
-            raise TypeError(f"{argument}= must be {BANDWIDTH_FORMS}; got {type(value).__name__} {value!r}")
-        match = _BANDWIDTH.match(value)
-        if match is None:
-            raise ValueError(f"{argument}={value!r} is not a bandwidth this understands; pass {BANDWIDTH_FORMS}")
-        unit = match["unit"]
-        bits = unit.lower().startswith("bit") or unit == "b"
-        number = float(match["number"]) * _PREFIXES[(match["prefix"] or "").lower()] / (8 if bits else 1)
+    number = _matched(value, argument, "bandwidth", _BANDWIDTH, BANDWIDTH_FORMS)
+    if isinstance(number, re.Match):
+        bits = number["unit"].lower().startswith("bit") or number["unit"] == "b"
+        number = float(number["number"]) * _PREFIXES[(number["prefix"] or "").lower()] / (8 if bits else 1)
     if math.isnan(number) or number <= 0:
         raise ValueError(f"{argument}={value!r}: a bandwidth must be positive; pass {BANDWIDTH_FORMS}")
     return number
@@ -65,14 +58,9 @@ def parse_bandwidth(value: Any, argument: str = "bandwidth") -> float:
 def parse_latency(value: Any, argument: str = "latency") -> float:
     """Seconds from a number (seconds) or a string with a unit; ``argument`` names the parameter
     in errors."""
-    number = _number(value)
-    if number is None:
-        if not isinstance(value, str):
-            raise TypeError(f"{argument}= must be {LATENCY_FORMS}; got {type(value).__name__} {value!r}")
-        match = _LATENCY.match(value)
-        if match is None:
-            raise ValueError(f"{argument}={value!r} is not a latency this understands; pass {LATENCY_FORMS}")
-        number = float(match["number"]) * _SECONDS[match["unit"].lower()]
+    number = _matched(value, argument, "latency", _LATENCY, LATENCY_FORMS)
+    if isinstance(number, re.Match):
+        number = float(number["number"]) * _SECONDS[number["unit"].lower()]
     # No real link answers in no time: a latency of 0 is a mistake for a unit (20 with no "us").
     if math.isnan(number) or math.isinf(number) or number <= 0:
         raise ValueError(f"{argument}={value!r}: a latency must be a positive, finite number of seconds; "
@@ -81,40 +69,28 @@ def parse_latency(value: Any, argument: str = "latency") -> float:
 
 
 def wire_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
-    """Bytes each rank sends for one collective on ``group_size`` ranks.
-
-    ``buffer_bytes`` is the all-gather's output, the reduce-scatter's input, the all-reduce's
-    buffer, the broadcast's / reduce's tensor, the gathered or scattered whole, an all-to-all's
-    input, a point-to-point message. All-gather, reduce-scatter and all-reduce follow
-    :func:`fsdp_compile.runtime.ring.wire_bytes` (``(n-1)/n`` of the buffer, twice that for
-    all-reduce). Gather, scatter and all-to-all send ``(n-1)/n`` too (all but one's own share);
-    a pipelined broadcast or reduce passes the whole buffer along the chain once; a send or
-    receive moves it once; a barrier moves nothing. A group of one rank sends nothing.
-    """
+    """Bytes each rank sends for one collective on ``group_size`` ranks, ``buffer_bytes`` being
+    the whole the collective moves (gathered, scattered, reduced or sent). Beyond the ring kinds,
+    gather, scatter and all-to-all send all but one's own share; a pipelined broadcast or reduce
+    passes the buffer along the chain once; a barrier moves nothing."""
     if kind in RING_KINDS:
         return ring.wire_bytes(kind, buffer_bytes, group_size)
     if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(KINDS)}")
-    n = group_size
-    if kind in ("send", "recv"):
+    if kind in ("send", "recv") or (group_size > 1 and kind in ("broadcast", "reduce")):
         return float(buffer_bytes)
-    if n <= 1 or kind == "barrier":
+    if group_size <= 1 or kind == "barrier":
         return 0.0
-    if kind in ("broadcast", "reduce"):
-        return float(buffer_bytes)
-    return (n - 1) / n * buffer_bytes
+    return (group_size - 1) / group_size * buffer_bytes
 
 
-# ``EmulatedNetwork.set_links`` keywords for links that add nothing to gloo's own time: a step
-# run on them is the step's compute plus what gloo itself costs (``compare --exposed``,
-# ``bench/overlap.py``).
+# Links that add nothing to gloo's own time: a step run on them costs its compute plus gloo's.
 UNLIMITED_LINKS: dict[str, float] = {"intra_node": math.inf, "inter_node": math.inf, "latency": 1e-9}
 
 
 @contextlib.contextmanager
 def unlimited_links(network: Any) -> Iterator[None]:
-    """While open, ``network``'s links add nothing to gloo's own time; its links are put back
-    as they were after (call it on every rank, between steps, as ``set_links`` asks)."""
+    """``network``'s links add nothing to gloo's time while open (on every rank, between steps)."""
     links = network.links()
     network.set_links(**UNLIMITED_LINKS)
     try:
@@ -133,8 +109,7 @@ class Link:
     latency: float  # seconds per collective
 
     def seconds(self, kind: str, buffer_bytes: float, group_size: int) -> float:
-        """Modeled duration: ``latency + wire bytes / bandwidth``; 0 for a group of one rank, which
-        communicates with nobody (a point-to-point message always pays)."""
+        """``latency + wire bytes / bandwidth``; 0 for a group of one rank (a message always pays)."""
         if group_size <= 1 and kind not in ("send", "recv"):
             return 0.0
         wire = wire_bytes(kind, buffer_bytes, group_size)

@@ -1,8 +1,7 @@
-"""What an emulated network carried: per collective kind and link, and where gloo overran the model.
+"""What an emulated network carried, per collective kind and link, and where gloo overran the model.
 
-An *overrun* is a collective whose real gloo transfer finished after its modeled end: its work
-then completed late by that much, so a timing taken over it does not rest on the emulated link
-alone. Every figure measured on an emulated network should be read next to its overruns.
+An *overrun*: gloo finished a transfer after its modeled end, so a timing taken over it does not
+rest on the emulated link alone; read every figure measured on an emulated network beside them.
 """
 
 from __future__ import annotations
@@ -15,14 +14,10 @@ from .links import format_seconds
 
 @dataclass(frozen=True)
 class LinkUsage:
-    """What collectives of one kind (or a sum of kinds) did on one link (or a sum of links).
-
-    ``wire_bytes``: bytes each rank sent under the ring model; ``buffer_bytes``: the buffers'
-    sizes (an all-gather's output, a reduce-scatter's input, ...); ``busy_seconds``: the modeled
-    time the link was busy with them. ``observed``: collectives whose gloo completion was seen
-    (the others were still in flight); ``overruns``: how many of those gloo finished after the
-    modeled end, the largest and the summed lateness in seconds.
-    """
+    """What collectives of one kind (or a sum) did on one link (or a sum): ``wire_bytes`` each rank
+    sent under the ring model, the buffers' bytes, the modeled busy time; ``observed``: those whose
+    gloo completion was seen; ``overruns``: those gloo finished after the modeled end, and by how
+    much (largest, summed)."""
 
     count: int = 0
     wire_bytes: float = 0.0
@@ -41,8 +36,7 @@ class LinkUsage:
 
 @dataclass(frozen=True)
 class Overruns:
-    """How often gloo finished a collective after its modeled end, out of ``observed``
-    completions, and by how much: the largest and the summed lateness in seconds."""
+    """How often gloo finished after the modeled end, of ``observed`` completions, and by how much."""
 
     count: int
     observed: int
@@ -50,18 +44,13 @@ class Overruns:
     total_seconds: float
 
     def held(self) -> bool:
-        """No collective completed later than the model said."""
         return self.count == 0
 
 
 @dataclass(frozen=True)
 class NetworkStats:
-    """A snapshot of :meth:`fsdp_compile.EmulatedNetwork.stats` on one rank.
-
-    ``usage`` maps ``(kind, link)`` to its :class:`LinkUsage`; kinds as in
-    :data:`fsdp_compile.network.links.KINDS`, links "intra" and "inter". Collectives on a group
-    of one rank use no link and are listed under link "local".
-    """
+    """A snapshot of :meth:`fsdp_compile.EmulatedNetwork.stats` on one rank: ``usage`` maps
+    ``(kind, link)`` to its :class:`LinkUsage` (link "intra", "inter", or "local" for a group of one)."""
 
     usage: dict[tuple[str, str], LinkUsage]
 
@@ -85,8 +74,7 @@ class NetworkStats:
         return out
 
     def __add__(self, other: NetworkStats) -> NetworkStats:
-        """Two windows' stats as one (e.g. the emulated steps of a run that switches its links
-        between steps, each window read and reset around its step)."""
+        """Two windows' stats as one (a run that switches its links between steps reads each)."""
         usage = dict(self.usage)
         for key, use in other.usage.items():
             usage[key] = usage[key] + use if key in usage else use
@@ -103,8 +91,7 @@ class NetworkStats:
                 "overruns": asdict(self.overruns())}
 
     def overrun_summary(self) -> str:
-        """One line saying whether the emulation held: how often gloo's own time exceeded the
-        model, by how much at most and in total."""
+        """One line saying whether the emulation held, and by how much gloo overran it."""
         o = self.overruns()
         if o.held():
             return f"emulation held: no overrun in {o.observed} observed collectives"
@@ -123,11 +110,8 @@ class NetworkStats:
 
 
 class StatsRecorder:
-    """The mutable counters behind :class:`NetworkStats`; thread-safe (collectives are issued
-    from the main thread and autograd's, and completed on gloo's threads)."""
-
-    _FIELDS = ("count", "wire_bytes", "buffer_bytes", "busy_seconds", "observed", "overruns",
-               "overrun_max_seconds", "overrun_total_seconds")
+    """The counters behind :class:`NetworkStats` (issued from the main and autograd's threads,
+    completed on gloo's), in :class:`LinkUsage`'s field order."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
