@@ -47,8 +47,8 @@ import fsdp_compile
 from fsdp_compile.models.gpt import GPT, GPTConfig
 from fsdp_compile.planning import Cluster, plan
 from fsdp_compile.planning.cli import cross_entropy_loss
-from fsdp_compile.planning.measured import quiet_step_seconds
 from fsdp_compile_lab import HostCPU
+from fsdp_compile_lab.calibration.beside_steps import quiet_step_seconds
 from fsdp_compile_lab.calibration.calibrate import time_op_overhead
 
 GB = 1e9

@@ -34,14 +34,14 @@ def collectives_timed_alone() -> Iterator[None]:
     delays each wake-up from a wait by a varying amount, and the fitted line can then tilt
     either way; what that costs a step is the calibration's business, not these tests'. The
     ranks serve one test after another, so the switch is put back."""
-    from fsdp_compile.planning.calibration import collective_fits as collectives
+    from fsdp_compile_lab.calibration import cores
 
-    before = collectives._cores_per_thread
-    collectives._cores_per_thread = lambda: 2.0
+    before = cores._cores_per_thread
+    cores._cores_per_thread = lambda: 2.0
     try:
         yield
     finally:
-        collectives._cores_per_thread = before
+        cores._cores_per_thread = before
 
 
 def measure_worker(rank: int, world: int) -> dict:

@@ -232,8 +232,7 @@ def test_compute_scale_multiplies_what_the_roofline_prices_but_not_measured_copi
 
 
 def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost():
-    from fsdp_compile.planning.calibration.reference import compute_scale
-    from fsdp_compile_lab.calibration.reference import timed_reference
+    from fsdp_compile_lab.calibration.reference import compute_scale, timed_reference
 
     seconds, graphs = timed_reference(1, torch.device("cpu"), sync=False)
     assert seconds > 0 and len(graphs) == 2  # the reference's forward and backward, run for real
@@ -249,7 +248,8 @@ def test_compute_scale_is_a_reference_graphs_measured_time_over_its_priced_cost(
 def test_compare_prices_the_models_own_step_as_its_reference():
     # compare's reference beside the steps is the compared model with the user's loss, on this
     # rank's batch: its graphs hold that model's layers and loss, and the step keeps no gradient
-    from fsdp_compile.planning.calibration.reference import compute_scale, model_reference_step
+    from fsdp_compile_lab.calibration.beside_steps import model_reference_step
+    from fsdp_compile_lab.calibration.reference import compute_scale
 
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
     inputs, targets = (torch.randn(16, 24),), torch.randn(16, 8)
@@ -267,7 +267,7 @@ def test_compare_prices_the_models_own_step_as_its_reference():
 
 
 def beside_steps_worker(rank: int, world: int) -> dict:
-    from fsdp_compile.planning.calibration.outside_graphs import BesideSteps
+    from fsdp_compile_lab.calibration.beside_steps import BesideSteps
 
     fits = {}
     for optimizer in ("adamw", "sgd"):
@@ -318,11 +318,10 @@ def rank_skew_worker(rank: int, world: int) -> float:
 def test_rank_skew_is_measured_only_where_ranks_time_slice_the_cores(monkeypatch):
     from distributed import run_workers
 
-    from fsdp_compile.planning.calibration import compute
-    from fsdp_compile_lab.calibration import host_collectives
+    from fsdp_compile_lab.calibration import cores, host_collectives
 
     # a core per rank: no skew to measure, and nothing runs (no process group here)
-    monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert host_collectives._rank_skew(None, torch.device("cpu"), 3) == 0.0
@@ -395,7 +394,7 @@ def test_runtime_work_per_parameter_is_added_outside_the_graphs():
 
 
 def test_compute_calibrations_take_turns_when_ranks_outnumber_cores(monkeypatch):
-    from fsdp_compile.planning.calibration import calibrate as measure
+    from fsdp_compile_lab.calibration import cores as measure
 
     cpu = torch.device("cpu")
     barriers: list = []
@@ -406,18 +405,18 @@ def test_compute_calibrations_take_turns_when_ranks_outnumber_cores(monkeypatch)
     monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
     calls: list = []
 
-    def calibrate(sync: bool) -> float:
-        calls.append(sync)
+    def calibrate(share: float) -> float:
+        calls.append(share)
         return 1.0
 
     # every rank has a core: side by side, the calibration barriers itself
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert measure._in_turns(calibrate, None, cpu) == 1.0 and calls == [True] and barriers == []
+    assert measure.in_turns(calibrate, None, cpu) == 1.0 and calls == [1.0] and barriers == []
     # 4 ranks on 2 cores: two turns, this rank (local rank 3) in the second, without inner barriers
     calls.clear()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert measure._in_turns(calibrate, "g", cpu) == 1.0 and calls == [False] and barriers == ["g", "g"]
+    assert measure.in_turns(calibrate, "g", cpu) == 1.0 and calls == [0.5] and barriers == ["g", "g"]
 
 
 def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turns(monkeypatch):
@@ -427,11 +426,12 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     plain-gloo steps by 13-16%)."""
     from fsdp_compile.planning.calibration import calibrate as measure
     from fsdp_compile_lab.calibration import calibrate as host_measure
+    from fsdp_compile_lab.calibration import cores
 
     monkeypatch.setattr(measure.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(measure.dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(measure.dist, "get_world_size", lambda group=None: 4)
-    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -441,7 +441,7 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
 
     def recorded(name, result):
         def calibration(*args, sync=None, **kwargs):
-            synced[name] = args[-1] if sync is None else sync
+            synced[name] = (args[-1] >= 1.0) if sync is None else sync  # a share of a core below 1: in turns
             return result
         return calibration
 
@@ -457,7 +457,7 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
     ring = MeasuredCollective(step_latency=1e-5, bandwidth=1e9, group_size=4)
     links_on: list = []
 
-    def collectives_per_link(groups, device, sizes, repeats, network=None):
+    def collectives_per_link(groups, device, sizes, repeats, network=None, beside=None):
         links_on.append(network)
         return {k: ring for k in fit}, {}
 
@@ -486,10 +486,9 @@ def test_the_reference_graph_runs_on_every_rank_at_once_when_operators_take_turn
 
 
 def test_cpu_communication_takes_no_compute_with_a_core_to_spare(monkeypatch):
-    from fsdp_compile.planning.calibration import compute
-    from fsdp_compile_lab.calibration import host_collectives
+    from fsdp_compile_lab.calibration import cores, host_collectives
 
-    monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert host_collectives._collective_cpu(None, torch.device("cpu"), (1 << 16,), 1) == {}
@@ -497,28 +496,28 @@ def test_cpu_communication_takes_no_compute_with_a_core_to_spare(monkeypatch):
 
 def test_cpu_share_stretches_compute_when_ranks_outnumber_cores(monkeypatch):
     from fsdp_compile.planning.calibration import compute as measure
+    from fsdp_compile_lab.calibration import cores
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(measure.torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert measure._cpu_share(cpu) == 1.0
+    assert cores._cpu_share(cpu) == 1.0
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a 2 x 2 hybrid world on 2 cores: half a core each
-    assert measure._cpu_share(cpu) == 0.5
-    assert measure._cpu_share(torch.device("cuda")) == 1.0
+    assert cores._cpu_share(cpu) == 0.5
+    assert cores._cpu_share(torch.device("cuda")) == 1.0
     # the thread's CPU time is stretched by the share; a wall-clock timing already holds it
     monkeypatch.setattr(measure, "_samples", lambda fn, repeats, device, clock: [0.01])
-    assert measure._compute_seconds(lambda: None, 1, cpu) == pytest.approx(0.02)
+    assert measure._compute_seconds(lambda: None, 1, cpu, share=cores._cpu_share(cpu)) == pytest.approx(0.02)
 
 
 def test_matmul_calibration_is_the_median_pass_over_every_shape(monkeypatch):
     from fsdp_compile.planning.calibration import compute as measure
 
     monkeypatch.setattr(measure, "_CPU_MATMULS", ((8, 8, 8), (16, 8, 4)))
-    monkeypatch.setattr(measure, "_cpu_share", lambda device: 1.0)
     monkeypatch.setattr(measure, "_samples", lambda fn, repeats, device, clock: [1.0, 3.0, 2.0])
     flops = 3 * 2 * (8 * 8 * 8 + 16 * 8 * 4)  # three layouts of each shape, in one pass
-    assert measure.measure_matmul_flops(torch.float32, torch.device("cpu"), 3, sync=False) == pytest.approx(flops / 2.0)
+    assert measure.measure_matmul_flops(torch.float32, torch.device("cpu"), 3) == pytest.approx(flops / 2.0)
 
 
 def _collectives_calibrated_in_a_world_of_two(monkeypatch, measure) -> None:
@@ -569,9 +568,10 @@ def test_collectives_are_timed_beside_compute_where_ranks_fill_the_cores(monkeyp
     import time
 
     from fsdp_compile.planning.calibration import collective_fits as measure
+    from fsdp_compile_lab.calibration import cores
 
     _collectives_calibrated_in_a_world_of_two(monkeypatch, measure)
-    monkeypatch.setattr(measure, "_cores_per_thread", lambda: cores_per_thread)
+    monkeypatch.setattr(cores, "_cores_per_thread", lambda: cores_per_thread)
     seen = []
 
     def run_burst(kind, buffers, n, name):
@@ -579,7 +579,7 @@ def test_collectives_are_timed_beside_compute_where_ranks_fill_the_cores(monkeyp
         seen.append(any(t.name == "calibration-compute" and t.is_alive() for t in threading.enumerate()))
 
     monkeypatch.setattr(measure, "_run_burst", run_burst)
-    measure._collectives(None, torch.device("cpu"), (1 << 16, 1 << 18), repeats=1)
+    measure._collectives(None, torch.device("cpu"), (1 << 16, 1 << 18), repeats=1, beside=HostCPU.beside_collectives)
     assert seen and all(running == beside for running in seen), seen
     assert not any(t.name == "calibration-compute" for t in threading.enumerate())  # stopped after
 
@@ -782,7 +782,7 @@ def test_symbolic_durations_give_expressions():
 
 
 def test_quiet_steps_leave_out_steps_that_waited_for_a_core():
-    from fsdp_compile.planning.measured import quiet_step_seconds
+    from fsdp_compile_lab.calibration.beside_steps import quiet_step_seconds
 
     times, waits = [1.0, 5.0, 1.2, 4.0], [0.01, 0.6, 0.04, 0.3]
     assert quiet_step_seconds(times, waits) == pytest.approx(1.1)  # the steps another job slowed are left out

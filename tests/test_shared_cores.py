@@ -143,10 +143,9 @@ def test_the_drift_is_measured_only_where_ranks_outnumber_the_cores(monkeypatch)
 
     from distributed import run_workers
 
-    from fsdp_compile.planning.calibration import compute
-    from fsdp_compile_lab.calibration import drift
+    from fsdp_compile_lab.calibration import cores, drift
 
-    monkeypatch.setattr(compute.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert drift.core_sharing(torch.device("cpu")) is None  # a core per rank

@@ -225,9 +225,6 @@ def run_compare(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from .calibration.compute import _cpu_share
-    from .calibration.outside_graphs import BesideSteps
-    from .calibration.reference import compute_scale, model_reference_step
     from .child_process import run_in_subprocess
     from .cluster import Cluster
     from .compare import bar_chart, clusters_beside_steps, measure_strategy
@@ -279,16 +276,9 @@ def run_compare(args: argparse.Namespace) -> int:
     dtypes = tuple(dict.fromkeys(p.dtype for p in probe.parameters() if p.is_floating_point()))
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30, dtypes=dtypes, host=host)
-    # The model's own step on one rank, timed again beside each strategy's steps: the machine's
-    # speed moves, and the model's price rests on the job's calibration (reference.py: a host
-    # model's compute_scale), and so do the calibration's optimizer and runtime workloads
-    # (outside_graphs.py)
-    reference_graphs, reference, outside_graphs = ([], None, None)
-    if cluster.device_type == "cpu":
-        if cluster.host is not None:
-            inputs, targets = batches[0]
-            reference_graphs, reference = model_reference_step(build(), inputs, targets, loss_fn)
-        outside_graphs = BesideSteps(None, torch.device("cpu"))
+    # What the host model times beside each strategy's steps: the machine's speed moves between
+    # the calibration and the steps
+    beside_probe = cluster.host.beside_steps(build(), batches[0], loss_fn) if cluster.host is not None else None
     unlimited_cluster = cluster.host.unlimited_links(cluster) if args.exposed else None
     measured = {}
     gc_between_steps = not args.gc_during_steps
@@ -298,15 +288,15 @@ def run_compare(args: argparse.Namespace) -> int:
             options = {"mesh": tp["mesh"]["dp"]}
         measured[name] = measure_strategy(name, tp["build"] if tp else build, batches, loss_fn, compiler=args.compiler,
                                           backend_options=options, gc_between_steps=gc_between_steps,
-                                          network=network, unlimited_too=args.exposed, reference=reference,
-                                          outside_graphs=outside_graphs)
+                                          network=network, unlimited_too=args.exposed,
+                                          reference=getattr(beside_probe, "reference", None),
+                                          outside_graphs=beside_probe)
     rows = []
     if rank == 0:
         example = (torch.zeros(args.batch, args.seq, dtype=torch.long),)
         calibrated = getattr(cluster.host, "compute_scale", 1.0)
-        scales = {name: compute_scale(measured[name].reference_seconds, reference_graphs, cluster)
-                  if measured[name].reference_seconds else calibrated for name in names}
-        beside = {name: {"compute_scale": scales[name], **(measured[name].outside_graphs or {})} for name in names}
+        beside = {name: beside_probe.numbers(measured[name], cluster) if beside_probe else {} for name in names}
+        scales = {name: beside[name].get("compute_scale", calibrated) for name in names}
         on = {"at_calibration": (cluster, names), **clusters_beside_steps(cluster, unlimited_cluster, beside)}
         plans = run_in_subprocess(plan_each, probe, example, on=on, loss_fn=cross_entropy_loss, world_size=world,
                                   tp_degrees=(args.tp,), parallelize_fn=tp["fn"] if tp else None,
@@ -342,7 +332,7 @@ def run_compare(args: argparse.Namespace) -> int:
                   f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
                   f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
                   f"{m['compile_seconds']:>11.1f}")
-        _print_split(rows, _cpu_share(torch.device(cluster.device_type)))
+        _print_split(rows, beside_probe.cpu_share if beside_probe else 1.0)
         _print_speed(rows)
         if unlimited_cluster is not None:
             _print_exposed(rows)

@@ -22,9 +22,7 @@ few steps with AdamW and measures:
   wall time -- above 1 when several threads wait at once -- the largest over ranks), and the
   load average. On a dedicated machine the wait is near
   0; on a shared one it is how far the measured wall time is from the machine's speed without other jobs.
-  ``quiet_step_seconds`` is the median over the steps in which no rank waited for a core more
-  than 5% of the step beyond what the job's own ranks make it wait when they outnumber the cores
-  (:func:`quiet_step_seconds`; None when fewer than two such steps). The main thread's own wait
+  The main thread's own wait
   for a core (``core_wait_seconds``) splits its step three ways: CPU, waiting for a core, and
   the rest, blocked in waits for collectives; the plan splits its step the same way (compute,
   ``backend_cpu_seconds``, and waits);
@@ -33,13 +31,11 @@ few steps with AdamW and measures:
   reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
   it moves more bytes than a ring reduce-scatter would: the difference is gloo's, and shown.
 
-* with ``reference`` (compare's default on a CPU: the model's own step on one rank,
-  :func:`~.calibration.reference.model_reference_step`): the reference step timed after every
-  timed step, all ranks at once, its median the slowest rank's (``reference_seconds``), so the
-  plan can be made at the speed the machine had while this strategy's steps ran rather than at
-  the calibration's; with ``outside_graphs`` (also compare's default on a CPU), the same for the
-  calibration's optimizer and runtime workloads, whose fits replace the calibration's
-  (:class:`~.calibration.outside_graphs.BesideSteps`);
+* with ``reference`` (a host model's, :class:`~.host_model.BesideSteps`): a reference step timed
+  on the compute clock after every timed step, all ranks at once, its median the slowest rank's
+  (``reference_seconds``), so the plan can be made at the speed the machine had while this
+  strategy's steps ran rather than at the calibration's; with ``outside_graphs`` (the same
+  host's), other workloads sampled there, whose fits replace the calibration's;
 
 * with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
   again on unlimited links, alternating which goes first; the median of each step minus its
@@ -69,7 +65,8 @@ from ..api import ShardingStrategy
 from ..compilation import collector_paused
 from ..network.links import unlimited_links
 from ..runtime.ring import wire_bytes
-from .measured import Measured, quiet_step_seconds
+from .calibration.compute import _compute_clock
+from .measured import Measured
 from .trace import make_backend
 
 
@@ -255,8 +252,8 @@ def measure_strategy(
     pairs' differences is the step's exposed communication with the machine's drift common to both.
     The statistics then cover the steps on the network's links alone. ``reference``: a function
     running a reference step (the model's own on one rank), timed after each timed step (module docstring).
-    ``outside_graphs``: a :class:`~.calibration.outside_graphs.BesideSteps` sampled after each
-    timed step; its fits become ``Measured.outside_graphs``.
+    ``outside_graphs``: a :class:`~.host_model.BesideSteps` sampled after each timed step; its
+    fits become ``Measured.outside_graphs``.
     """
     if unlimited_too and network is None:
         raise ValueError("measure_strategy(unlimited_too=True) compares a network's links with unlimited ones: "
@@ -340,11 +337,7 @@ def measure_strategy(
     cpu_seconds = median_after_warmup(cpu)
     core_wait_seconds = median_after_warmup(core_waits)
     others_cpu_seconds = median_after_warmup(others_cpu)
-    steady_waits = after_warmup(waits)
     wait_fraction = median_after_warmup(waits)
-    from .calibration.compute import _cpu_share
-
-    quiet_step = quiet_step_seconds(steady, steady_waits, _cpu_share(device))
     # per rank, then the slowest rank's: the calibration's own order (``timed_reference``)
     reference_seconds = _slowest(statistics.median(reference_times)) if reference_times else None
     fits = outside_graphs.fits() if outside_graphs is not None else None
@@ -361,7 +354,7 @@ def measure_strategy(
     peak = _slowest(resident + during)
     return Measured(strategy.name, step_seconds, times, max(times[0] - step_seconds, 0.0), peak,
                     float(resident), tokens / step_seconds, wire, backend_wire, counts,
-                    cpu_seconds, wait_fraction, core_wait_seconds, _load_average(), quiet_step, steady_waits,
+                    cpu_seconds, wait_fraction, core_wait_seconds, _load_average(), after_warmup(waits),
                     network_stats, warmup, unlimited, reference_seconds, fits, others_cpu_seconds)
 
 
@@ -369,7 +362,7 @@ def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
     """``cluster`` with the numbers ``compare`` measured beside one strategy's steps in place of
     the calibration's: ``compute_scale`` (its host model's; a cluster without one keeps none where
     the scale is 1), and the optimizer and runtime fits
-    (:class:`~.calibration.outside_graphs.BesideSteps`); an optimizer not timed there keeps its fit."""
+    (:class:`~.host_model.BesideSteps`); an optimizer not timed there keeps its fit."""
     changes: dict[str, Any] = {}
     if "optimizer_step" in measured:
         changes["optimizer_step"] = {**cluster.optimizer_step,
@@ -403,11 +396,12 @@ def _all_ranks_at_once(gc_between_steps: bool) -> Iterator[None]:
 
 
 def _timed_reference(reference: Callable[[], None], device: torch.device, gc_between_steps: bool) -> float:
-    """One timing of ``reference`` on every rank at once, as the calibration times it."""
-    from .calibration.reference import time_reference
-
+    """One timing of ``reference`` on the compute clock, on every rank at once."""
+    clock = _compute_clock(device)
     with _all_ranks_at_once(gc_between_steps):
-        return time_reference(reference, device)
+        start = clock()
+        reference()
+        return clock() - start
 
 
 def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimited: list[float],

@@ -226,8 +226,9 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
 def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] | None = None,
                 symbolic: bool = False) -> list[tuple[fx.Node, NodeCost]]:
     groups = {} if groups is None else groups
-    # A host model prices the ops it measured one by one (on a CPU, float8 is emulated op by op).
-    fused = float8_cast_kernels(gm.graph) if cluster.host is None else {}
+    fused = float8_cast_kernels(gm.graph)
+    if cluster.host is not None:
+        fused = cluster.host.fused_casts(fused)
     costs = []
     for node in gm.graph.nodes:
         if node in fused:

@@ -16,7 +16,8 @@ its numbers as JSON beside the cluster's (:mod:`.cluster_numbers`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -65,6 +66,26 @@ class HostTimeline(Protocol):
         """Compute's seconds one of its own events takes from ``now``."""
 
 
+class BesideSteps(Protocol):
+    """What ``compare`` times after every timed step (:func:`.compare.measure_strategy`), so that
+    each strategy is planned at the speed the machine had while its steps ran."""
+
+    reference: Callable[[], None] | None  # a reference step, timed on the compute clock
+    cpu_share: float  # each rank's share of a core: the plan's backend CPU in the step's split
+
+    def reset(self) -> None: ...
+
+    def sample(self) -> None: ...
+
+    def fits(self) -> dict[str, Any] | None:
+        """The numbers timed beside the steps so far as the :class:`Cluster` fields they replace."""
+        ...
+
+    def numbers(self, measured: Any, cluster: Cluster) -> dict[str, Any]:
+        """What :func:`.compare.beside_steps` plans one strategy with, from its ``Measured``."""
+        ...
+
+
 @runtime_checkable
 class HostModel(Protocol):
     """What the planner asks of ``Cluster.host``. Each hook's default answer, without a host
@@ -98,6 +119,16 @@ class HostModel(Protocol):
         """The timeline one rank plays ``events`` on (:func:`.simulate.simulate_events`)."""
         ...
 
+    def fused_casts(self, fused: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
+        """Which of the float8 casts Inductor fuses into kernels (:func:`.cost.float8_cast_kernels`)
+        run fused on this host; the others are priced op by op."""
+        ...
+
+    def beside_steps(self, model: torch.nn.Module, batch: tuple, loss_fn: Any) -> BesideSteps | None:
+        """What ``compare`` times beside each strategy's steps of ``model`` (one ``(inputs,
+        targets)`` of this rank, ``loss_fn(output, targets)``), or None."""
+        ...
+
     def closed_form(self) -> HostModel:
         """This host without what has no closed form: what a step of symbolic sizes is simulated with."""
         ...
@@ -113,6 +144,18 @@ class HostModel(Protocol):
     @classmethod
     def from_numbers(cls, numbers: dict[str, Any]) -> HostModel | None:
         """The model :meth:`numbers` wrote, read from a cluster's numbers; None where they hold none."""
+        ...
+
+    @classmethod
+    def compute_in_turns(cls, calibrate: Callable[[float], Any], group: Any, device: torch.device) -> Any:
+        """``calibrate(share)``, a compute calibration, run on every rank of ``group`` (side by side,
+        or in turns), with this rank's share of a core to stretch thread-clock timings by; this
+        rank's result."""
+        ...
+
+    @classmethod
+    def beside_collectives(cls, device: torch.device) -> AbstractContextManager[None]:
+        """What runs beside each timed burst of collectives (such as compute that holds the cores)."""
         ...
 
     @classmethod

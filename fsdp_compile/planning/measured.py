@@ -34,7 +34,6 @@ class Measured:
     # of the step was not blocked in waits (the planner's compute and backend CPU, its referee)
     core_wait_seconds: float | None = None
     load_average: float | None = None  # the machine's 1-minute load average after the steps
-    quiet_step_seconds: float | None = None  # median over steps no rank waited > 5% for a core
     wait_fractions: list[float] = field(default_factory=list)  # per step, the largest rank's
     # On an emulated network: what the links did in the timed steps alone (warm-up and
     # compilation, where ranks drift apart by seconds, are left out), as NetworkStats.to_dict().
@@ -100,19 +99,6 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
     if k == 0:
         return None
     return ordered[k - 1], ordered[n - k]
-
-
-QUIET_WAIT = 0.05  # a step whose ranks waited for a core at most this share of it counts as quiet
-
-
-def quiet_step_seconds(step_times: Sequence[float], wait_fractions: Sequence[float],
-                       cpu_share: float = 1.0) -> float | None:
-    """The median of the steps whose ranks waited for a core at most ``QUIET_WAIT`` of the step
-    beyond ``1 - cpu_share`` (a rank sharing a core with the job's other ranks waits for it by
-    itself; see ``calibration.compute._cpu_share``); None when fewer than two steps qualify."""
-    limit = QUIET_WAIT + (1.0 - cpu_share)
-    quiet = [t for t, w in zip(step_times, wait_fractions) if w <= limit]
-    return statistics.median(quiet) if len(quiet) >= 2 else None
 
 
 def step_range(measured: Measured) -> tuple[float, float]:

@@ -13,10 +13,9 @@ they are timed as a pass over every shape and the median pass counts
 collective's own (the backend's threads waking on every rank, fresh buffers), and a step pays
 the typical one. On a CPU whose ops run on one thread, compute is timed by the thread's CPU time,
 not the wall clock: on a shared machine a rank waits for a core whenever other jobs hold it, and
-that wait belongs to the other jobs, not to the operator. When the job's own ranks outnumber the
-cores (a 2 x 2 hybrid world on 2 cores), each rank gets a share of a core: the operators'
-calibrations run in turns, a core per rank (:func:`_in_turns`), and compute times are stretched
-by that share (:func:`.compute._cpu_share`).
+that wait belongs to the other jobs, not to the operator. A host model may run the compute
+calibrations in turns and stretch them by a share of a core (its ``compute_in_turns``: ranks
+outnumbering the cores), and time the collectives beside compute (its ``beside_collectives``).
 
 The calibrations themselves: :mod:`.compute` (FLOP/s, memory bandwidth and the clocks),
 :mod:`.outside_graphs` (optimizer step, runtime work per parameter), :mod:`.collectives` (ring
@@ -27,9 +26,8 @@ fits, workspace, overlap), :mod:`.reference` (a whole graph's measured compute) 
 
 from __future__ import annotations
 
-import math
-import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,34 +37,11 @@ from ..host_model import HostCalibration, HostModel
 from ..vocabulary import ClusterError
 from .allocator import _cpu_memory_per_rank
 from .collective_fits import _collective_workspace, _collectives, _gpu_overlap
-from .compute import _cpu_share, _slowest, measure_attention_flops, measure_matmul_flops, measure_memory_bandwidth
+from .compute import _slowest, measure_attention_flops, measure_matmul_flops, measure_memory_bandwidth
 from .outside_graphs import _optimizer_step, _runtime_per_tensor
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
-
-
-def _in_turns(calibrate, group: Any, device: torch.device):
-    """Run a compute calibration ``calibrate(sync)`` on every rank of ``group`` and return this
-    rank's result.
-
-    Side by side (``sync=True``: the calibration barriers before each timing) when every rank
-    has a core, as ranks compute in training. When this node's ranks outnumber its cores (a
-    2 x 2 hybrid world on 2 cores) they take turns, as many at a time as there are cores:
-    ranks time-slicing one core evict each other's caches within a single short timing, which
-    a training step's long operators do not suffer, so each calibration sees a core of its
-    own and the sharing is modelled once, by stretching compute with :func:`.compute._cpu_share`."""
-    share = _cpu_share(device)
-    if share >= 1.0 or not dist.is_initialized():
-        return calibrate(True)
-    turns = math.ceil(1.0 / share)
-    local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else dist.get_rank()
-    result = None
-    for turn in range(turns):
-        if local_rank % turns == turn:
-            result = calibrate(False)
-        dist.barrier(group=group)
-    return result
 
 
 def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
@@ -94,14 +69,18 @@ def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
     return mine[0], mine[1]
 
 
-def _collectives_per_link(groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
-                          repeats: int, network: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _collectives_per_link(groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...], repeats: int,
+                          network: Any = None, beside: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The collectives' fits on each link of :func:`_link_groups`: (intra-node, inter-node), each
-    set run on all its groups at once, as a training step runs them; timed, or on ``network``
-    (an emulated network) read from what its links charged."""
+    set run on all its groups at once, as a training step runs them (:func:`.collective_fits._collectives`)."""
     intra, inter = groups
-    return (_collectives(intra, device, sizes, repeats, network),
-            {} if inter is None else _collectives(inter, device, sizes, repeats, network))
+    return (_collectives(intra, device, sizes, repeats, network, beside),
+            {} if inter is None else _collectives(inter, device, sizes, repeats, network, beside))
+
+
+def _side_by_side(calibrate: Callable[[float], Any], group: Any, device: torch.device) -> Any:
+    """A compute calibration on every rank at once, each with a core (no host model's turns)."""
+    return calibrate(1.0)
 
 
 def _default_sizes(device: torch.device) -> tuple[int, ...]:
@@ -140,31 +119,32 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     if world % nodes:
         raise ClusterError(f"nodes={nodes} does not divide the group's {world} ranks")
     sizes = sizes or _default_sizes(device)
-    # _slowest takes the largest value: negated, it gives the slowest rank's rate
+    turns = host.compute_in_turns if host is not None else _side_by_side
+
+    def fastest_rate(calibrate: Callable[[float], float]) -> float:
+        return -_slowest(-turns(calibrate, group, device), group)  # the slowest rank's rate
+
     # Two rounds over the dtypes, the faster kept: a slowdown of the machine lasting seconds
     # (another tenant, frequency scaling) can outlast all repeats of one round, not both rounds.
     flops: dict[torch.dtype, float] = {}
     for _ in range(2):
         for dtype in dtypes:
-            timed = _in_turns(lambda sync, dtype=dtype: measure_matmul_flops(dtype, device, repeats, group, sync),
-                              group, device)
-            rate = -_slowest(-timed, group)
+            rate = fastest_rate(lambda share, dtype=dtype: measure_matmul_flops(dtype, device, repeats, group, share))
             flops[dtype] = max(flops.get(dtype, 0.0), rate)
-    attention = {dtype: -_slowest(-_in_turns(
-        lambda sync, dtype=dtype: measure_attention_flops(dtype, device, repeats, group, sync), group, device), group)
-        for dtype in dtypes}
-    bandwidth = -_slowest(
-        -_in_turns(lambda sync: measure_memory_bandwidth(device, repeats, group, sync), group, device), group)
+    attention = {dtype: fastest_rate(
+        lambda share, dtype=dtype: measure_attention_flops(dtype, device, repeats, group, share)) for dtype in dtypes}
+    bandwidth = fastest_rate(lambda share: measure_memory_bandwidth(device, repeats, group, share))
     optimizer_step = {
-        name: tuple(_slowest(v, group) for v in _in_turns(
-            lambda sync, name=name: _optimizer_step(name, group, device, repeats, sync), group, device))
+        name: tuple(_slowest(v, group) for v in turns(
+            lambda share, name=name: _optimizer_step(name, group, device, repeats, share), group, device))
         for name in ("adamw", "sgd")}
-    runtime_per_tensor = _slowest(_in_turns(lambda sync: _runtime_per_tensor(group, device, repeats, sync),
-                                            group, device), group)
+    runtime_per_tensor = _slowest(turns(lambda share: _runtime_per_tensor(group, device, repeats, share),
+                                        group, device), group)
     link_groups = _link_groups(group, nodes)
     network = _emulated_network(group)
     # On a network model, the links' fits are what its links charge (its model), not the wall time.
-    collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats, network)
+    collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats, network,
+                                                           host.beside_collectives if host is not None else None)
     workspace = _collective_workspace(group, device)
     # Nothing of a CPU's collective is hidden or not by the overlap share, which is a GPU's (a
     # race against a copy engine); what its backend's threads take from compute is a host model's.

@@ -5,12 +5,8 @@ A collective's timing is the median run's, not the fastest (why: :mod:`.calibrat
 a line over the bytes each rank sends (:func:`fsdp_compile.runtime.ring.wire_bytes`): the slope
 is the bandwidth, the intercept spread over the ring's steps the latency per step.
 
-Where this node's ranks fill its cores (a CPU backend with one compute thread per core, one rank
-per core), each rank runs a thread of matmuls while its collectives are timed
-(:func:`_beside_compute`; not where ranks outnumber the cores, which it says why): a
-training step's collectives run beside its compute, and gloo's threads then wait for a core.
-On an emulated link the computing thread also delays each wake-up from a wait, as it does in a
-step, so a fit can come out a few percent off the link's speed.
+A host model may time them beside compute (its ``beside_collectives``): on CPU cores a step's
+collectives wait for cores its compute holds.
 
 A run is a burst of collectives issued back to back and waited at the end, its time divided by
 their number: what the planner needs is how long a collective holds the link (its simulator
@@ -28,7 +24,7 @@ collective is the later of its link's and gloo's, and gloo's own time is fitted 
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +34,7 @@ import torch.distributed as dist
 from ...runtime.ring import ring_steps, wire_bytes
 from ..vocabulary import COLLECTIVE_KINDS, MeasuredCollective, fit_line
 from .allocator import _allocated_peak
-from .compute import _cores_per_thread, _fastest_time, _slowest, _typical_time
+from .compute import _fastest_time, _slowest, _typical_time
 
 _c10d = torch.ops._c10d_functional
 
@@ -73,57 +69,44 @@ _COLLECTIVE_REPEATS = 9  # a median needs more samples than a minimum
 BURST = 4  # collectives per timed run
 
 
-@contextlib.contextmanager
-def _beside_compute(device: torch.device) -> Iterator[None]:
-    """While open, a thread of this rank runs matmuls if this node's ranks fill its cores, one
-    rank per core: the compute a training step's collectives run beside (module docstring).
+def collective_buffers(group: Any, device: torch.device, sizes: tuple[int, ...],
+                       count: int) -> Iterator[tuple[str, int, list[torch.Tensor]]]:
+    """``(kind, buffer bytes, count local inputs)`` for each kind at each of ``sizes`` on ``group``:
+    the skeleton every collective calibration (the device's and a host model's) loops over."""
+    n = dist.get_world_size(group)
+    for kind in COLLECTIVE_KINDS:
+        for size in sizes:
+            numel, buffers = _local_buffers(kind, size, n, count, device)
+            yield kind, numel * 4, buffers
 
-    Not where the ranks outnumber the cores (4 ranks on 2): there the computing threads starve
-    the ranks' own threads of the wake-ups a burst needs, and on some hosts the timings became
-    noise (the figures: :mod:`fsdp_compile_lab.calibration`, in the repository's lab)."""
-    if device.type != "cpu" or _cores_per_thread() != 1.0:
-        yield
-        return
-    stop = threading.Event()
-    operand = torch.randn(256, 256)
 
-    def compute() -> None:
-        while not stop.is_set():
-            torch.mm(operand, operand)  # releases the GIL: the timing thread is not held up
-
-    thread = threading.Thread(target=compute, name="calibration-compute", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+def _group_name(group: Any) -> str:
+    return (group or dist.group.WORLD).group_name
 
 
 def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repeats: int,
-                 network: Any = None) -> dict[str, MeasuredCollective]:
-    """Each kind's fit on ``group``'s link. With ``network`` (the
-    :class:`~fsdp_compile.EmulatedNetwork` ``group`` runs on), the link's time for each burst is
-    what the network charged its collectives (:func:`_modeled_seconds`), not their wall time."""
+                 network: Any = None, beside: Callable[[torch.device], Any] | None = None
+                 ) -> dict[str, MeasuredCollective]:
+    """Each kind's fit on ``group``'s link, each burst timed inside ``beside(device)`` (a host
+    model's ``beside_collectives``). With ``network`` (the :class:`~fsdp_compile.EmulatedNetwork`
+    ``group`` runs on), a burst's time is what the network charged (:func:`_modeled_seconds`)."""
     n = dist.get_world_size(group)
-    name = (group or dist.group.WORLD).group_name
+    name = _group_name(group)
+    samples: dict[str, list[tuple[int, float]]] = {kind: [] for kind in COLLECTIVE_KINDS}
+    for kind, buffer_bytes, buffers in collective_buffers(group, device, sizes, BURST):
+        dist.barrier(group=group)
+        burst = functools.partial(_run_burst, kind, buffers, n, name)
+        if network is not None and n > 1:  # a group of one crosses no link: timed as before
+            seconds = _modeled_seconds(network, kind, burst)
+        else:
+            with beside(device) if beside is not None else contextlib.nullcontext():
+                seconds = _typical_time(burst, max(repeats, _COLLECTIVE_REPEATS), device) / BURST
+        samples[kind].append((buffer_bytes, _slowest(seconds, group)))
     fits = {}
-    for kind in COLLECTIVE_KINDS:
-        samples = []
-        for size in sizes:
-            numel, buffers = _local_buffers(kind, size, n, BURST, device)
-            dist.barrier(group=group)
-            if network is not None and n > 1:  # a group of one crosses no link: timed as before
-                seconds = _modeled_seconds(network, kind, lambda kind=kind, buffers=buffers: _run_burst(
-                    kind, buffers, n, name))
-            else:
-                with _beside_compute(device):
-                    seconds = _typical_time(lambda kind=kind, buffers=buffers: _run_burst(kind, buffers, n, name),
-                                            max(repeats, _COLLECTIVE_REPEATS), device) / BURST
-            samples.append((numel * 4, _slowest(seconds, group)))
-        latency, per_byte = fit_line([(wire_bytes(kind, b, n), s) for b, s in samples])
+    for kind, points in samples.items():
+        latency, per_byte = fit_line([(wire_bytes(kind, b, n), s) for b, s in points])
         fits[kind] = MeasuredCollective(step_latency=latency / max(ring_steps(kind, n), 1),
-                                        bandwidth=1.0 / per_byte, group_size=n, samples=tuple(samples))
+                                        bandwidth=1.0 / per_byte, group_size=n, samples=tuple(points))
     return fits
 
 
@@ -148,7 +131,7 @@ def _collective_workspace(group: Any, device: torch.device) -> dict[str, float]:
     """Bytes the backend allocates beside each collective's result, per byte of its buffer
     (the all-gather's output; the input of the others), by the allocator."""
     n = dist.get_world_size(group)
-    name = (group or dist.group.WORLD).group_name
+    name = _group_name(group)
     numel = (1 << 20) // n * n
     shares = {}
     for kind in COLLECTIVE_KINDS:
@@ -167,7 +150,7 @@ def _gpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
     from racing an all-reduce against matmuls on a device whose communication runs on an
     engine of its own."""
     n = dist.get_world_size(group)
-    name = (group or dist.group.WORLD).group_name
+    name = _group_name(group)
     a = torch.randn(384, 384, device=device)
     buffer = torch.ones(4 << 20, device=device)
 

@@ -36,37 +36,17 @@ def _node_ranks() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
 
 
-def _cpu_share(device: torch.device) -> float:
-    """The share of a core each rank's compute gets from its own job: below 1 when this node's
-    ranks (times their intra-op threads) outnumber the cores they may run on, e.g. a 2 x 2
-    hybrid world on 2 cores. The thread's CPU time does not see that sharing; the wall clock
-    of the training step does."""
-    return 1.0 if device.type != "cpu" else min(1.0, _cores_per_thread())
-
-
-def _machine_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _cores_per_thread() -> float:
-    """This node's cores over the compute threads its ranks run (ranks x intra-op threads)."""
-    return _machine_cores() / (max(_node_ranks(), 1) * torch.get_num_threads())
-
-
-def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = False) -> float:
+def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = False, share: float = 1.0) -> float:
     """How long ``fn`` keeps this rank's compute busy: the fastest repeat on the compute clock
-    (the median with ``typical``), stretched by the rank's share of a core when that clock is
-    the thread's."""
+    (the median with ``typical``), stretched by ``share``, the rank's share of a core, when that
+    clock is the thread's (which does not see the sharing; a step's wall clock does)."""
     clock = _compute_clock(device)
     samples = _samples(fn, repeats, device, clock)
-    return _stretched(statistics.median(samples) if typical else min(samples), clock, device)
+    return _stretched(statistics.median(samples) if typical else min(samples), clock, share)
 
 
-def _stretched(seconds: float, clock, device: torch.device) -> float:
-    """``seconds`` read on ``clock``, stretched by the rank's share of a core when that clock is
-    the thread's (which does not see the sharing; a step's wall clock does)."""
-    return seconds / _cpu_share(device) if clock is time.thread_time else seconds
+def _stretched(seconds: float, clock, share: float) -> float:
+    return seconds / share if clock is time.thread_time else seconds
 
 
 # Rewritten between the timings of :func:`_cold_seconds`: more than a core's caches hold, and
@@ -74,7 +54,7 @@ def _stretched(seconds: float, clock, device: torch.device) -> float:
 _EVICT_ELEMENTS = 64 << 20  # 256 MB
 
 
-def _cold_seconds(fn, repeats: int, device: torch.device) -> float:
+def _cold_seconds(fn, repeats: int, device: torch.device, share: float = 1.0) -> float:
     """Like :func:`_compute_seconds` (the fastest repeat), but each repeat first has the caches
     filled with other data: for work a step runs once, long after it last touched its operands
     (the copies around a collective, the optimizer step after a backward), which a loop over
@@ -90,7 +70,7 @@ def _cold_seconds(fn, repeats: int, device: torch.device) -> float:
         fn()
         _sync(device)
         samples.append(clock() - start)
-    return min(samples) / _cpu_share(device) if clock is time.thread_time else min(samples)
+    return _stretched(min(samples), clock, share)
 
 
 def _samples(fn, repeats: int, device: torch.device, clock=time.perf_counter) -> list[float]:
@@ -124,8 +104,10 @@ def _slowest(value: float, group: Any) -> float:
     return float(t.item())
 
 
-def _sync_ranks(group: Any, sync: bool) -> None:
-    if sync and dist.is_initialized():
+def _sync_ranks(group: Any, share: float) -> None:
+    """Ranks with a core each start a timing together, as they compute in training; ranks that
+    share cores (``share`` below 1) take turns instead (the host model's ``compute_in_turns``)."""
+    if share >= 1.0 and dist.is_initialized():
         dist.barrier(group=group)
 
 
@@ -139,7 +121,7 @@ _GPU_MATMULS = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 16384), (81
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
-                  sync: bool = True) -> float:
+                         share: float = 1.0) -> float:
     """FLOP/s of the matmuls a training step runs, run the way a step runs them.
 
     Each shape runs in three layouts: ``x @ w.T`` (forward), ``g @ w`` (input gradient),
@@ -162,8 +144,8 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int,
         for a, b in pairs:
             torch.mm(a, b)
 
-    _sync_ranks(group, sync)
-    return flops / _compute_seconds(sequence, repeats, device, typical=True)
+    _sync_ranks(group, share)
+    return flops / _compute_seconds(sequence, repeats, device, typical=True, share=share)
 
 
 # (batch, heads, sequence, head dim) of the attention the calibration runs: a CPU demo's GPT
@@ -173,7 +155,7 @@ _GPU_ATTENTION = (4, 32, 2048, 128)
 
 
 def measure_attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
-                     sync: bool = True) -> float:
+                            share: float = 1.0) -> float:
     """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts
     them (the formulas the cost model applies): attention kernels run softmax and masking
     beside their matmuls and reach a rate of their own, below the matmuls'."""
@@ -188,11 +170,11 @@ def measure_attention_flops(dtype: torch.dtype, device: torch.device, repeats: i
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out, (q, k, v), grad)
 
-    _sync_ranks(group, sync)
-    return flops / _compute_seconds(forward_backward, repeats, device, typical=True)
+    _sync_ranks(group, share)
+    return flops / _compute_seconds(forward_backward, repeats, device, typical=True, share=share)
 
 
-def measure_memory_bandwidth(device: torch.device, repeats: int, group: Any = None, sync: bool = True) -> float:
+def measure_memory_bandwidth(device: torch.device, repeats: int, group: Any = None, share: float = 1.0) -> float:
     """Bytes per second the memory-bound operators of a training step move.
 
     On a GPU: one large copy (what the data sheets quote). On a CPU: the median over the
@@ -206,8 +188,8 @@ def measure_memory_bandwidth(device: torch.device, repeats: int, group: Any = No
     if device.type != "cpu":
         src = torch.ones(256 << 20, device=device)
         dst = torch.empty_like(src)
-        _sync_ranks(group, sync)
-        seconds = _compute_seconds(lambda: dst.copy_(src), repeats, device)
+        _sync_ranks(group, share)
+        seconds = _compute_seconds(lambda: dst.copy_(src), repeats, device, share=share)
         return 2 * src.numel() * src.element_size() / seconds  # read + write
     aten = torch.ops.aten
     pool = torch.empty(64 << 20, device=device).uniform_()  # 256 MB: beyond any last-level cache
@@ -231,6 +213,6 @@ def measure_memory_bandwidth(device: torch.device, repeats: int, group: Any = No
                     start = 0
                 op(*(pool[start + i * numel: start + (i + 1) * numel].view(rows, cols) for i in range(inputs)))
 
-            _sync_ranks(group, sync)
-            rates.append(passes * numel * pool.element_size() / _compute_seconds(run, repeats, device))
+            _sync_ranks(group, share)
+            rates.append(passes * numel * pool.element_size() / _compute_seconds(run, repeats, device, share=share))
     return statistics.median(rates)

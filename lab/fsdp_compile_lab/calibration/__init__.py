@@ -1,11 +1,11 @@
 """The host-CPU model's calibrations, run by ``Cluster.measure(host=HostCPU)`` after the device's
 own (:mod:`fsdp_compile.planning.calibration`): :mod:`.calibrate` runs them in order;
-:mod:`.copies`, :mod:`.reference`, :mod:`.host_collectives` and :mod:`.drift` hold them.
+:mod:`.cores`, :mod:`.copies`, :mod:`.reference`, :mod:`.beside_steps`, :mod:`.host_collectives` and :mod:`.drift` hold them.
 
 What the device calibrations' choices rest on, measured on the lab's machine (a shared 2-core
 Xeon virtual machine, torch 2.13, gloo), where the package's docstrings only say the choice:
 
-* Collectives beside compute (``collectives._beside_compute``): at world 2, collectives of
+* Collectives beside compute (``cores.beside_compute``): at world 2, collectives of
   1-4 MB took 1.3-3.3x longer beside compute than alone (two trials of every kind); with fits
   timed alone, steps planned from the same calibration against the same measured steps came out
   1-4 points lower (world 2 and 4, plain gloo and an emulated link of 469 MB/s). Not where ranks
@@ -26,7 +26,7 @@ Xeon virtual machine, torch 2.13, gloo), where the package's docstrings only say
   where the matmuls reached 90-98.
 * Memory-bound operators on cold inputs: a loop over one hot buffer ran about twice as fast.
 * The optimizer step with cold caches: a loop of steps ran 10% faster per tensor than the same
-  steps after the caches were refilled. Timed again beside the steps (``BesideSteps``): the
+  steps after the caches were refilled. Timed again beside the steps (``beside_steps.BesideSteps``): the
   calibration's fits moved up to 2x between jobs a few minutes apart (AdamW 211-398 us per
   tensor at world 2) while the jobs' steps did not, and the jobs calibrated at the fast end had
   every strategy predicted up to 19% short (``bench/results/plan_emulated.md`` as run on

@@ -15,7 +15,7 @@ ranks outnumber its cores, the skew a collective waits for (``rank_skew``) and h
 drift apart computing side by side (``core_sharing``, ``rank_drift``: :mod:`.drift`).
 
 The operators' calibrations run in turns where ranks outnumber the cores, as the device's do
-(:func:`fsdp_compile.planning.calibration.calibrate._in_turns`); the reference step does not:
+(:func:`.cores.in_turns`); the reference step does not:
 what ranks time-slicing a core cost each other's caches is part of what it measures.
 """
 
@@ -27,17 +27,17 @@ import torch
 from torch import fx
 
 from fsdp_compile.network.links import unlimited_links
-from fsdp_compile.planning.calibration.calibrate import _collectives_per_link, _in_turns, _link_fields
+from fsdp_compile.planning.calibration.calibrate import _collectives_per_link, _link_fields
 from fsdp_compile.planning.calibration.compute import _compute_seconds, _slowest
-from fsdp_compile.planning.calibration.reference import compute_scale
 from fsdp_compile.planning.cluster import Cluster
 from fsdp_compile.planning.host_model import HostCalibration
 from fsdp_compile.planning.vocabulary import ClusterError
 
 from .copies import _copy_kernels
+from .cores import _cpu_share, beside_compute, in_turns
 from .drift import core_sharing, rank_drift
 from .host_collectives import _backend_share, _collective_cpu, _issue_seconds, _rank_skew
-from .reference import timed_reference
+from .reference import compute_scale, timed_reference
 
 
 def time_op_overhead(device: torch.device, repeats: int) -> float:
@@ -51,7 +51,7 @@ def time_op_overhead(device: torch.device, repeats: int) -> float:
     graph.output(value)
     gm = fx.GraphModule(torch.nn.Module(), graph)
     tiny = torch.ones(1, device=device)
-    return _compute_seconds(lambda: gm(tiny), repeats, device) / count
+    return _compute_seconds(lambda: gm(tiny), repeats, device, share=_cpu_share(device)) / count
 
 
 def _backend_collectives(network: Any, groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...],
@@ -62,7 +62,7 @@ def _backend_collectives(network: Any, groups: tuple[Any, Any], device: torch.de
     if network is None or device.type != "cpu":
         return {}, {}
     with unlimited_links(network):
-        return _collectives_per_link(groups, device, sizes, repeats)
+        return _collectives_per_link(groups, device, sizes, repeats, beside=beside_compute)
 
 
 def backend_links(cluster: Cluster) -> Cluster:
@@ -82,9 +82,9 @@ def host_numbers(cluster: Cluster, calibration: HostCalibration) -> dict[str, An
     group, device, sizes, repeats = calibration.group, calibration.device, calibration.sizes, calibration.repeats
     if device.type != "cpu":
         return {}
-    overhead = _slowest(_in_turns(lambda sync: time_op_overhead(device, repeats), group, device), group)
-    copy_kernels = {name: tuple(_slowest(v, group) for v in fit) for name, fit in _in_turns(
-        lambda sync: _copy_kernels(group, device, repeats, sync), group, device).items()}
+    overhead = _slowest(in_turns(lambda share: time_op_overhead(device, repeats), group, device), group)
+    copy_kernels = {name: tuple(_slowest(v, group) for v in fit) for name, fit in in_turns(
+        lambda share: _copy_kernels(group, device, repeats, share), group, device).items()}
     backend, backend_inter = _backend_collectives(calibration.network, calibration.link_groups, device, sizes,
                                                   repeats)
     drift = rank_drift(group, device, repeats)

@@ -52,7 +52,7 @@ def _bucket_ops(count: int, numel: int, world: int, device: torch.device) -> dic
 
 
 def _copy_kernels(group: Any, device: torch.device, repeats: int,
-                  sync: bool = True) -> dict[str, tuple[float, float]]:
+                  share: float = 1.0) -> dict[str, tuple[float, float]]:
     """``{op: (seconds per parameter, seconds per byte moved)}`` for the three copy ops, on a
     CPU (``{}`` elsewhere), each timed with cold caches (:func:`.compute._cold_seconds`)."""
     if device.type != "cpu":
@@ -63,8 +63,8 @@ def _copy_kernels(group: Any, device: torch.device, repeats: int,
         ops = _bucket_ops(count, numel, world, device)
         for name, (op, inputs) in ops.items():
             moved = _moved_bytes(inputs, op())
-            _sync_ranks(group, sync)
-            points[name].append((count, moved, _cold_seconds(op, repeats, device)))
+            _sync_ranks(group, share)
+            points[name].append((count, moved, _cold_seconds(op, repeats, device, share)))
     fits = {}
     for name, ((c1, b1, t1), (c2, b2, t2)) in points.items():
         # Solve t = parameters * a + bytes * b through both points; clipped at 0 like fit_line.

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_compile.planning.calibration.compute import _machine_cores, _node_ranks
+from fsdp_compile.planning.calibration.compute import _node_ranks
 
 from ..host.shared_cores import REFERENCE_SPAN
+from .cores import _machine_cores
 
 _DRIFT_ROUNDS = 8
 

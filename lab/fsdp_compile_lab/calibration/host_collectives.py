@@ -19,13 +19,17 @@ import torch.distributed as dist
 from fsdp_compile.planning.calibration.collective_fits import (
     _COLLECTIVE_REPEATS,
     _c10d,
+    _group_name,
     _issue_collective,
     _local_buffers,
     _run_collective,
+    collective_buffers,
 )
-from fsdp_compile.planning.calibration.compute import _cores_per_thread, _cpu_share, _slowest
+from fsdp_compile.planning.calibration.compute import _slowest
 from fsdp_compile.planning.vocabulary import COLLECTIVE_KINDS, fit_line
 from fsdp_compile.runtime.ring import wire_bytes
+
+from .cores import _cores_per_thread, _cpu_share
 
 
 def backend_share(cores_per_thread: float) -> tuple[float, float]:
@@ -59,25 +63,20 @@ def _issue_seconds(group: Any, device: torch.device, sizes: tuple[int, ...],
     first issue of each size is a warm-up."""
     if device.type != "cpu":
         return {}
-    n = dist.get_world_size(group)
-    name = (group or dist.group.WORLD).group_name
-    fits = {}
-    for kind in COLLECTIVE_KINDS:
-        samples = []
-        for size in sizes:
-            numel, buffers = _local_buffers(kind, size, n, repeats + 1, device)
-            seconds = []
-            for buffer in buffers:
-                dist.barrier(group=group)
-                start = time.thread_time()
-                result = _issue_collective(kind, buffer, n, name)
-                seconds.append(time.thread_time() - start)
-                _c10d.wait_tensor(result)
-            # stretched by the rank's share of a core, as compute is (``_compute_seconds``)
-            typical = statistics.median(seconds[1:]) / _cpu_share(device)
-            samples.append((numel * 4, _slowest(typical, group)))
-        fits[kind] = fit_line(samples)
-    return fits
+    n, name = dist.get_world_size(group), _group_name(group)
+    samples: dict[str, list[tuple[int, float]]] = {kind: [] for kind in COLLECTIVE_KINDS}
+    for kind, buffer_bytes, buffers in collective_buffers(group, device, sizes, repeats + 1):
+        seconds = []
+        for buffer in buffers:
+            dist.barrier(group=group)
+            start = time.thread_time()
+            result = _issue_collective(kind, buffer, n, name)
+            seconds.append(time.thread_time() - start)
+            _c10d.wait_tensor(result)
+        # stretched by the rank's share of a core, as compute is (``_compute_seconds``)
+        typical = statistics.median(seconds[1:]) / _cpu_share(device)
+        samples[kind].append((buffer_bytes, _slowest(typical, group)))
+    return {kind: fit_line(points) for kind, points in samples.items()}
 
 
 def _collective_cpu(group: Any, device: torch.device, sizes: tuple[int, ...],
@@ -100,26 +99,21 @@ def _collective_cpu(group: Any, device: torch.device, sizes: tuple[int, ...],
     """
     if _cores_per_thread() > 1.0:
         return {}
-    n = dist.get_world_size(group)
-    name = (group or dist.group.WORLD).group_name
-    fits = {}
-    for kind in COLLECTIVE_KINDS:
-        samples = []
-        for size in sizes:
-            numel, (local,) = _local_buffers(kind, size, n, 1, device)
+    n, name = dist.get_world_size(group), _group_name(group)
+    samples: dict[str, list[tuple[int, float]]] = {kind: [] for kind in COLLECTIVE_KINDS}
+    for kind, buffer_bytes, (local,) in collective_buffers(group, device, sizes, 1):
+        _run_collective(kind, local, n, name)
+        cpu = []
+        for _ in range(max(repeats, _COLLECTIVE_REPEATS)):
+            dist.barrier(group=group)
+            start_cpu, start_own = time.process_time(), time.thread_time()
             _run_collective(kind, local, n, name)
-            cpu = []
-            for _ in range(max(repeats, _COLLECTIVE_REPEATS)):
-                dist.barrier(group=group)
-                start_cpu, start_own = time.process_time(), time.thread_time()
-                _run_collective(kind, local, n, name)
-                cpu.append((time.process_time() - start_cpu) - (time.thread_time() - start_own))
-            # Where ranks share cores (2 x 2 on 2 cores), communication threads get a rank's share
-            # of a core like compute does: the compute they displace is stretched by the same share.
-            typical = statistics.median(cpu) / _cpu_share(device)
-            samples.append((wire_bytes(kind, numel * 4, n), _slowest(typical, group)))
-        fits[kind] = fit_line(samples)
-    return fits
+            cpu.append((time.process_time() - start_cpu) - (time.thread_time() - start_own))
+        # Where ranks share cores (2 x 2 on 2 cores), communication threads get a rank's share
+        # of a core like compute does: the compute they displace is stretched by the same share.
+        typical = statistics.median(cpu) / _cpu_share(device)
+        samples[kind].append((wire_bytes(kind, buffer_bytes, n), _slowest(typical, group)))
+    return {kind: fit_line(points) for kind, points in samples.items()}
 
 
 # CPU seconds of compute between two of the skew calibration's collectives: about what a step
@@ -135,7 +129,7 @@ def _rank_skew(group: Any, device: torch.device, repeats: int) -> float:
     Time-sliced ranks do not run their compute at an even share of a core: the scheduler
     hands a core out in slices of milliseconds, so between two collectives one rank gets
     further than another, and the collective waits for the last. The stretch of compute by
-    the rank's share of a core (:func:`.compute._cpu_share`) prices the average rank. At world 4
+    the rank's share of a core (:func:`.cores._cpu_share`) prices the average rank. At world 4
     on 2 cores, every collective of a gpt_small step left the main thread blocked 2-7 ms more
     than the plan's waits, on plain gloo and on emulated links alike, while at world 2 (a core
     per rank) blocked and predicted agreed within a few milliseconds
@@ -147,8 +141,7 @@ def _rank_skew(group: Any, device: torch.device, repeats: int) -> float:
     share = _cpu_share(device)
     if share >= 1.0 or device.type != "cpu":
         return 0.0
-    n = dist.get_world_size(group)
-    name = (group or dist.group.WORLD).group_name
+    n, name = dist.get_world_size(group), _group_name(group)
     _, (tiny,) = _local_buffers("all_reduce", 64, n, 1, device)
     operand = torch.randn(128, 128, device=device)
 

@@ -9,7 +9,7 @@ and backward took 1.1-1.25x the sum of their nodes' priced costs (its addmms ran
 their priced rate, the memory-bound operators 20-40%).
 
 So the calibration runs one such graph for real and prices it with the same cost model
-(:func:`fsdp_compile.planning.calibration.reference.compute_scale`):
+(:func:`compute_scale`):
 ``HostCPU.compute_scale`` is measured over priced, which the cost model applies to every
 compute node it prices by roofline. It is a residual, not a rate: it is the ratio of a typical
 transformer step's graphs, not of any operator alone. On a GPU it is 1: the CPU runs ahead of
@@ -28,10 +28,9 @@ in one round and 37-40 ms in the next, a minute later, and within one ``compare`
 thread's CPU per step over the compute the calibration priced ranged 1.05-1.23 across three
 strategies (``bench/results/plan_emulated.md`` as run on ecd421c).
 ``compare`` therefore times a reference again after every timed step
-(:func:`fsdp_compile.planning.calibration.reference.time_reference`)
-and predicts each strategy at the speed the machine had while that strategy's steps ran. There
+(:mod:`.beside_steps`) and predicts each strategy at the speed the machine had while that strategy's steps ran. There
 the reference is the compared model itself, its forward, loss and backward on one rank's batch
-without collectives (:func:`fsdp_compile.planning.calibration.reference.model_reference_step`):
+without collectives (:func:`.beside_steps.model_reference_step`):
 a one-block reference priced through each
 job's operator calibration carried that calibration's spread into the whole model's price. In
 ``bench/results/plan_emulated.md`` as run on a981643 (world 2), the model's priced compute over
@@ -47,16 +46,51 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 
 from fsdp_compile.models.gpt import GPT, GPTConfig
-from fsdp_compile.planning.calibration.compute import _compute_seconds, _sync_ranks
-from fsdp_compile.planning.calibration.reference import _captured_step
+from fsdp_compile.planning.calibration.compute import _compute_seconds
+from fsdp_compile.planning.cost import graph_costs
+
+from .cores import _cpu_share
 
 # The reference: a GPT block as the CPU demos and benchmarks train it (d_model 256, 4 heads,
 # 4 x 128 tokens), with its embeddings and output head, the loss inside the graph.
 _REFERENCE = {"vocab_size": 512, "block_size": 128, "n_layer": 1, "n_head": 4, "d_model": 256}
 _BATCH = 4
+
+
+def _captured_step(module: nn.Module, args: tuple) -> tuple[list[fx.GraphModule], Callable[[], None]]:
+    """``module(*args)`` (a scalar loss)'s forward and backward graphs as AOTAutograd lowers
+    them (run as Python, as ``aot_eager`` runs them), and a function running one step of them."""
+    from functorch.compile import aot_module, make_boxed_func
+
+    graphs: list[fx.GraphModule] = []
+
+    def capture(gm: fx.GraphModule, _inputs: Any) -> Any:
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    compiled = aot_module(module, fw_compiler=capture, bw_compiler=capture)
+
+    def step() -> None:
+        compiled(*args).backward()
+        for p in module.parameters():  # no gradient accumulation outside the graphs
+            p.grad = None
+
+    step()
+    return graphs, step
+
+
+def compute_scale(measured_seconds: float, graphs: list[fx.GraphModule], cluster: Any) -> float:
+    """Measured over priced for the reference's graphs on ``cluster`` (its host model's own
+    ``compute_scale`` left out); 1 where nothing was measured."""
+    if not graphs:
+        return 1.0
+    unscaled = cluster.with_host(compute_scale=1.0)
+    priced = sum(cost.seconds for gm in graphs for _, cost in graph_costs(gm, unscaled) if cost.kind == "compute")
+    return measured_seconds / priced if priced > 0 else 1.0
 
 
 class _WithLoss(nn.Module):
@@ -87,5 +121,6 @@ def timed_reference(repeats: int, device: torch.device, group: Any = None,
     if device.type != "cpu":
         return 0.0, []
     graphs, step = reference_step(device)
-    _sync_ranks(group, sync)
-    return _compute_seconds(step, max(repeats, 5), device, typical=True), graphs
+    if sync and dist.is_initialized():
+        dist.barrier(group=group)
+    return _compute_seconds(step, max(repeats, 5), device, typical=True, share=_cpu_share(device)), graphs

@@ -163,6 +163,32 @@ class HostCPU:
         return backend_links(cluster)
 
     # ------------------------------------------------------------------ measuring, and as JSON
+    @staticmethod
+    def compute_in_turns(calibrate: Any, group: Any, device: torch.device) -> Any:
+        """The device's compute calibrations, in turns where ranks outnumber the cores
+        (:func:`..calibration.cores.in_turns`)."""
+        from ..calibration.cores import in_turns
+
+        return in_turns(calibrate, group, device)
+
+    @staticmethod
+    def beside_collectives(device: torch.device) -> Any:
+        """Compute beside the timed collectives where ranks fill the cores
+        (:func:`..calibration.cores.beside_compute`)."""
+        from ..calibration.cores import beside_compute
+
+        return beside_compute(device)
+
+    def beside_steps(self, model: torch.nn.Module, batch: tuple, loss_fn: Any) -> Any:
+        """On a CPU, the model's own step and the calibration's optimizer and runtime workloads,
+        timed after each of ``compare``'s steps (:class:`..calibration.beside_steps.BesideSteps`)."""
+        from ..calibration.beside_steps import BesideSteps, model_reference_step
+
+        if torch.cuda.is_available():  # compare runs on the GPUs, where the CPU runs ahead
+            return None
+        inputs, targets = batch
+        return BesideSteps(None, torch.device("cpu"), reference=model_reference_step(model, inputs, targets, loss_fn))
+
     @classmethod
     def calibrate(cls, cluster: Cluster, calibration: HostCalibration) -> HostCPU:
         """The host measured on this machine (``Cluster.measure(host=HostCPU)``), for ``cluster``
@@ -222,6 +248,10 @@ class HostCPU:
             return NodeCost("compute", parameters * per_param + roofline.bytes * per_byte + self.op_overhead,
                             bytes=roofline.bytes)
         return dataclasses.replace(roofline, seconds=(roofline.seconds + self.op_overhead) * self.compute_scale)
+
+    def fused_casts(self, fused: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
+        """None: on a CPU float8 is emulated op by op, and each op is priced as measured."""
+        return {}
 
     def operator_calls(self, count: Any) -> Any:
         """Seconds of ``count`` operator calls beyond their roofline time (a foreach optimizer's)."""
