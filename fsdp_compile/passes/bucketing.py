@@ -1,23 +1,19 @@
 """Which markers communicate together: the assignment of markers to buckets.
 
-A bucket is one all-gather (or one reduce-scatter) instead of one per parameter: fewer, larger
+A bucket is one all-gather (or reduce-scatter) instead of one per parameter: fewer, larger
 collectives that reach the link's bandwidth, at the cost of gathering a whole bucket at once.
-Under a unit policy a bucket is a unit's markers (units are decided when the model is sharded:
-:mod:`fsdp_compile.sharding.units`); under a byte budget, consecutive markers in graph order
-until the bucket holds that many bytes of full tensors (in the collective's dtype; a larger
-tensor gets a bucket of its own); under ``"param"``, one per parameter. Markers only share a
-bucket when they communicate the same way (same :class:`CommSpec`, but for the float8 cast, which only a
-weight's gather reads: its gradient reduces with the others) and read the same dtype.
+Under a unit policy a bucket is a unit's markers (:mod:`fsdp_compile.sharding.units`); under a
+byte budget, consecutive markers until the bucket holds that many bytes of full tensors (a
+larger tensor gets a bucket of its own); under ``"param"``, one per parameter. Markers share a
+bucket only when they communicate alike (same :class:`CommSpec`, but for the float8 cast, which
+only a weight's gather reads) and read the same dtype.
 
-A unit read at both ends of a graph is two buckets: the root of a transformer (embeddings
-first, final norm and head last) would otherwise gather its head with its embeddings, before
-anything computes, and reduce the head's gradients with the embeddings', after the last
-gradient exists, where neither can hide under compute. So the graph's last run of markers, when
-its unit was also read earlier, is a bucket of its own, ``<unit>:tail`` (torchtitan shards
-``[norm, output]`` apart from the root by hand for this reason). A tail parameter already gathered
-earlier in the graph (a head tied to the embeddings) stays in the earlier bucket: one gather.
-What the split saves on an emulated link is on the results page (docs/results.md, "Overlap on
-an emulated network").
+A unit read at both ends of a graph is two buckets: a transformer's root would otherwise gather
+its head with its embeddings before anything computes, and reduce them together after the last
+gradient, where neither hides under compute. So the graph's last run of markers, when its unit
+was read earlier, is a bucket of its own, ``<unit>:tail`` (torchtitan shards ``[norm, output]``
+apart by hand for this reason); a tail parameter gathered earlier (a tied head) stays in the
+earlier bucket. What it saves: docs/results.md, "Overlap on an emulated network".
 """
 
 from __future__ import annotations

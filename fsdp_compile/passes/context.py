@@ -1,9 +1,7 @@
 """What every pass receives besides its graph, and how a pass is declared.
 
-One signature for every pass of the pipeline: ``fn(gm, ctx) -> result``. ``gm`` is the graph
-module the stage works on (the joint graph, the partitioned backward graph, or a forward /
-backward graph), ``ctx`` the :class:`PassContext` of that graph; the result (buckets, a
-schedule, a count) is kept by the runner under the pass's name.
+Every pass of the pipeline is ``fn(gm, ctx) -> result``: ``gm`` the graph module of its stage,
+``ctx`` that graph's :class:`PassContext`; the runner keeps the result under the pass's name.
 """
 
 from __future__ import annotations
@@ -17,9 +15,7 @@ import torch.fx as fx
 
 from .. import api
 
-# The stages of the pipeline, in order: the graph Dynamo captured (before AOTAutograd), the
-# joint graph before partitioning, the pair of partitioned graphs (fix-ups that must see
-# both), then each forward / backward graph.
+# The stages, in order: Dynamo's graph, the joint graph, the partitioned pair, each graph.
 STAGES = ("captured", "joint", "partitioned", "graph")
 
 
@@ -41,13 +37,9 @@ class PassContext:
 
 @dataclass(frozen=True)
 class GraphPass:
-    """One pass of the pipeline, declared as data (see passes/stages.py: ``PIPELINE``).
-
-    ``graph_only``: the pass rewrites ``gm.graph`` and never runs or reads ``gm``'s generated
-    code, so the runner regenerates code once at the end instead of after it (user passes may
-    run the module and are not graph-only). ``when``: whether the pass applies to a context
-    (scheduling only when enabled, some passes only to some phases).
-    """
+    """One pass of the pipeline, declared as data (``stages.PIPELINE``). ``graph_only``: it never
+    runs or reads ``gm``'s code, so the runner need not regenerate code after it. ``when``:
+    whether it applies to a context."""
 
     name: str
     fn: Callable[[fx.GraphModule, PassContext], Any]

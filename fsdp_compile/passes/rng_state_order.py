@@ -1,16 +1,11 @@
 """Put activation checkpointing's saved RNG states where AOTAutograd's runtime looks for them.
 
-A forward graph returns its user outputs, then the values saved for backward: tensors first,
-then non-tensors (opaque objects such as the DeviceMesh that rebuilds DTensor gradients, and
-symbolic ints). When an activation-checkpointed region contains a random op (dropout, or CPU
-attention, which torch tags as seeded), the partitioner appends the RNG state of each such op
-to the saved values *after* the opaque objects (it only accounts for symbolic ints), and the
-runtime then finds a DeviceMesh among the saved tensors and fails. Sharded parameters always
-bring a DeviceMesh, so every checkpointed model with dropout would hit this.
-
-The pass moves those RNG states, in the forward outputs and in the backward inputs alike, in
-front of the trailing run of non-tensors, the order the runtime expects. It changes nothing
-when there is no RNG state or no trailing non-tensor.
+A forward graph returns its outputs, then the values saved for backward: tensors, then
+non-tensors (the DeviceMesh that rebuilds DTensor gradients, symbolic ints). With a random op
+in a checkpointed region (dropout, CPU attention), the partitioner appends its RNG state
+*after* the non-tensors, and the runtime then finds a DeviceMesh among the saved tensors and
+fails: every checkpointed model with dropout would. The pass moves those states, in forward's
+outputs and backward's inputs alike, in front of the trailing non-tensors.
 """
 
 from __future__ import annotations
@@ -73,6 +68,6 @@ def order_rng_states_before_opaque(forward: fx.GraphModule, backward: fx.GraphMo
 
 
 def order_rng_states_pass(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    """Pipeline entry (stage "partitioned"): ``gm`` is the backward graph, ``ctx.forward`` the
-    forward graph it pairs with."""
+    """Partitioned pair (``gm`` backward, ``ctx.forward`` forward): saved RNG states go before
+    the trailing non-tensors, where AOTAutograd's runtime looks for them."""
     return order_rng_states_before_opaque(ctx.forward, gm)

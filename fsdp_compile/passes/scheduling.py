@@ -1,26 +1,21 @@
 """Move collectives apart from their waits so communication overlaps compute.
 
-Runs on a lowered graph, where every bucket is an "issue" stage (copy-in or chunk-cat and the
-collective) and a "finish" stage (the wait and what follows). Compute nodes keep their order;
-only the stages move:
+On a lowered graph every bucket is an "issue" stage (copy-in or chunk-cat and the collective)
+and a "finish" stage (the wait and what follows). Compute keeps its order; only stages move:
 
-* a gather is waited right before its first use, and issued ``prefetch`` buckets earlier: when
-  the bucket ``prefetch`` places before it in use order starts being used (forward order in the
-  forward graph, the reverse order backward uses in the backward graph). ``prefetch=0`` issues
-  right before the wait. An explicit order (``{bucket: [buckets to gather when it starts]}``,
-  as FSDP2's ``set_modules_to_forward_prefetch``) overrides the distance for the buckets named.
-  A float8 gather's first collective, the all-reduce of its weights' amaxes, is issued as soon as
-  the shards exist and waited where the all-gather is issued;
-* a reduction is issued as soon as its bucket's gradients exist and waited as late as possible:
-  before the first use of its results (the graph's end), or earlier when the budget says so;
-* unsharded bytes in flight (collectives issued and not yet waited) never exceed
-  ``max_inflight_bytes``: a prefetch is delayed, and a reduction waited earlier, rather than
-  break it. The default is two buckets' worth (twice the largest bucket of the graph), plus
-  room for two of the hybrid strategies' all-reduces across nodes where the graph has them.
+* a gather is waited right before its first use and issued when the bucket ``prefetch`` places
+  before it in use order starts being used (``prefetch=0``: right before the wait). An explicit
+  order (``{bucket: [buckets to gather when it starts]}``, as FSDP2's
+  ``set_modules_to_forward_prefetch``) overrides that for the buckets named. A float8 gather's
+  amax all-reduce is issued as soon as the shards exist, and waited where the all-gather goes;
+* a reduction is issued as soon as its gradients exist and waited as late as possible;
+* unsharded bytes in flight never exceed ``max_inflight_bytes`` (default: twice the largest
+  bucket, plus room for two hybrid all-reduces): a prefetch is delayed, a reduction waited
+  earlier, rather than break it.
 
-The order this pass leaves is the order the step runs in: under Inductor the compiler turns
-off Inductor's peak-memory reordering for graphs with collectives while this pass runs (see
-:func:`fsdp_compile.compilation.inner_compilers.compile_inductor`).
+Under Inductor the compiler turns off Inductor's peak-memory reordering for graphs with
+collectives, so this order is the order the step runs in
+(:func:`fsdp_compile.compilation.inner_compilers.compile_inductor`).
 """
 
 from __future__ import annotations
@@ -34,14 +29,7 @@ import torch.fx as fx
 from ..api import ConfigError, check_inflight_budget, check_prefetch
 from .bucketing import unit_label
 from .context import PassContext
-from .graph import (
-    COLLECTIVE_OPS,
-    COMM_META,
-    PURE_VIEWS,
-    CommTag,
-    collective_bytes,
-    stable_topological_sort,
-)
+from .graph import COLLECTIVE_OPS, COMM_META, PURE_VIEWS, CommTag, calls, collective_bytes, stable_topological_sort
 
 
 @dataclass(frozen=True)
@@ -78,12 +66,9 @@ class Schedule:
 
 @dataclass
 class _Group:
-    """One lowered bucket: its stages (split at each wait) and where each stage goes.
-
-    Stage k < last ends with a collective, in flight from ``at[k]`` until ``at[k + 1]`` (the
-    position of its wait). Positions index the compute nodes: a stage at position p is laid out
-    right before compute node p.
-    """
+    """One lowered bucket: its stages (split at each wait) and where each goes. Stage k < last
+    ends with a collective, in flight from ``at[k]`` to its wait at ``at[k + 1]``; a stage at
+    position p is laid out right before compute node p."""
 
     tag: CommTag
     stages: list[list[fx.Node]] = field(default_factory=list)
@@ -100,20 +85,16 @@ class _Group:
         return [n for stage in self.stages for n in stage]
 
     def spans(self):
-        """(positions, bytes) of each collective while in flight; a collective waited at its
-        own position still counts there (conservative)."""
+        """(positions, bytes) of each collective in flight; one waited where issued counts there."""
         for k, size in enumerate(self.sizes):
             lo, hi = self.at[k], self.at[k + 1]
             yield range(lo, max(hi, lo + 1)), size
 
 
 class _Inflight:
-    """Bytes in flight at each position, with range updates and queries in O(log n).
-
-    A reduction issued early in backward stays in flight to the graph's end: with a plain list,
-    placing each one costs the length of the graph, and the pass grows with the square of the
-    model's depth. A segment tree (lazy range add, range max) keeps it linear up to a log.
-    """
+    """Bytes in flight at each position: a segment tree (lazy range add, range max). A reduction
+    issued early in backward stays in flight to the graph's end: with a plain list the pass
+    would grow with the square of the model's depth."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -188,15 +169,12 @@ def _groups(graph: fx.Graph) -> dict[int, _Group]:
         group.stages[tag.stage].append(node)
         if node.target in COLLECTIVE_OPS:
             group.sizes.append(collective_bytes(node))
-    # A bucket lowered without a collective (NO_SHARD's cast to the compute dtype) is compute
-    # like any other: nothing is in flight, so it stays where lowering put it.
+    # A bucket lowered without a collective (NO_SHARD's cast) is compute like any other.
     return {key: group for key, group in groups.items() if group.sizes}
 
 
 def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedule:
-    """Reorder ``gm.graph`` in place as described in the module docstring; returns the schedule.
-
-    Call ``gm.recompile()`` before running ``gm``."""
+    """Reorder ``gm.graph`` in place (recompile before running it); returns the schedule."""
     graph = gm.graph
     _hoist_and_sink_views(graph)
     groups = _groups(graph)
@@ -204,19 +182,15 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         return Schedule(budget=options.max_inflight_bytes or 0, peak_inflight=0)
     largest = max(groups.values(), key=lambda g: max(g.sizes))
     largest_bytes = max(largest.sizes)
-    # A hybrid reduction is a reduce-scatter in the node, then an all-reduce across nodes of its
-    # shard-sized result: two of those get room of their own beside two buckets, or each
-    # all-reduce would be waited where it is issued (the next bucket's reduce-scatter already
-    # fills the budget there), and backward would wait for the slow link block by block.
+    # Two hybrid all-reduces (across nodes, of a shard-sized result) get room beside two buckets,
+    # or each would be waited where issued (the next reduce-scatter fills the budget there) and
+    # backward would wait for the slow link block by block.
     later_stage_bytes = max((size for g in groups.values() if g.tag.kind == "reduce" for size in g.sizes[1:]),
                             default=0)
     budget = options.max_inflight_bytes or 2 * largest_bytes + 2 * later_stage_bytes
     if budget < largest_bytes:
-        raise ConfigError(
-            f"max_inflight_bytes={budget} is smaller than bucket {largest.tag.bucket!r} "
-            f"({largest_bytes} bytes, {largest.tag.kind}); raise it to at least {largest_bytes} "
-            "or use smaller buckets"
-        )
+        raise ConfigError(f"max_inflight_bytes={budget} is smaller than bucket {largest.tag.bucket!r} ({largest_bytes} "
+                          f"bytes, {largest.tag.kind}); raise it to at least {largest_bytes} or use smaller buckets")
 
     member = {n: g for g in groups.values() for n in g.nodes}
     compute = [n for n in graph.nodes if n not in member]
@@ -271,10 +245,8 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         last_over = inflight.last_above(start, group.first_use, budget - size)
         if last_over is not None:
             start = last_over + 1
-        # A float8 gather first all-reduces its weights' amaxes (a few bytes), which need nothing
-        # but the shards: issued as soon as they exist, it is done when the all-gather goes out
-        # (issued beside it, it would wait behind whatever the link still carries, and the
-        # compute with it).
+        # A float8 gather's amax all-reduce needs only the shards: issued as soon as they exist,
+        # it is done when the all-gather goes out instead of queueing behind the link's traffic.
         group.at = [group.ready] * (len(group.stages) - 2) + [start, group.first_use]
         group.delayed = start > max(desired, group.ready)
         occupy(group)
@@ -362,12 +334,8 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
 
 
 def _hoist_and_sink_views(graph: fx.Graph) -> None:
-    """Views of graph inputs go to the top, views only the output uses go to the bottom.
-
-    AOTAutograd leaves such views next to the markers they fed (a shard's ``to_local`` view
-    right before its gather, a gradient's reshape right after its reduction), which would pin
-    collectives to those spots; views allocate nothing, so moving them changes no memory.
-    """
+    """Views of graph inputs go to the top, views only the output uses to the bottom: left next
+    to the markers they fed, they would pin collectives there (and allocate nothing)."""
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = nodes[-1]
@@ -375,15 +343,13 @@ def _hoist_and_sink_views(graph: fx.Graph) -> None:
         anchor = placeholders[-1]
         early = set(placeholders)
         for node in nodes:
-            if node.op == "call_function" and node.target in PURE_VIEWS and node.all_input_nodes \
-                    and all(i in early for i in node.all_input_nodes):
+            if calls(node, PURE_VIEWS) and node.all_input_nodes and all(i in early for i in node.all_input_nodes):
                 early.add(node)
                 anchor.append(node)
                 anchor = node
     late: set[fx.Node] = {output}
     for node in reversed(nodes):
-        if node.op == "call_function" and node.target in PURE_VIEWS and node.users \
-                and all(u in late for u in node.users):
+        if calls(node, PURE_VIEWS) and node.users and all(u in late for u in node.users):
             late.add(node)
     for node in nodes:
         if node in late and node is not output:
@@ -398,13 +364,10 @@ def _next_compute_position(order: list[fx.Node], node: fx.Node, position: dict, 
 
 
 def _emit(graph: fx.Graph, compute: list[fx.Node], groups) -> None:
-    """Lay the graph out: before each compute node, the stages scheduled at its position.
-
-    At one position: gathers issued ahead of the waits there (``issue_first``), stages that wait
-    for a collective issued earlier (freeing memory first), then collectives issued and waited
-    right there, then stages that issue a collective waited later, gathers before reductions
-    (the link serves them in issue order, and a gather is needed sooner); then the compute node.
-    """
+    """Lay the graph out: before each compute node, the stages scheduled at its position:
+    gathers issued ahead of the waits there (``issue_first``), waits of earlier collectives
+    (freeing memory first), collectives issued and waited right there, then issues waited later,
+    gathers before reductions (the link serves in issue order; a gather is needed sooner)."""
     entries = []
     for g in groups:
         for k, stage in enumerate(g.stages):
@@ -430,5 +393,5 @@ def _emit(graph: fx.Graph, compute: list[fx.Node], groups) -> None:
 
 
 def schedule_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> Schedule:
-    """Pipeline entry of :func:`schedule_collectives` (only when scheduling is on)."""
+    """Each graph, when scheduling is on: collectives issued early and waited late, within budget."""
     return schedule_collectives(gm, ctx.schedule)

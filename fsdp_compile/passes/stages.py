@@ -1,14 +1,11 @@
 """The pipeline declared as data, and the one runner every stage goes through.
 
-``PIPELINE`` lists our passes in order with the stage each belongs to (see
-:mod:`.context`): the joint graph before partitioning, the partitioned pair, then every forward
-and backward graph; a backend's ``disable_passes=`` drops passes by name. :func:`run_stage`
-runs a stage's passes (ours, then the user's ``passes=`` for that phase) on one graph, timing,
-dumping and recording each. A pass is ``fn(gm, ctx)``; it rewrites ``gm`` in place and may
-return a value (buckets, a schedule) or a replacement GraphModule. A ``ConfigError`` (the user's options
-cannot work) passes through unwrapped; any other error becomes a ``PassFailure``. A pass that
-fails half-way leaves the caller's graph as it was (it is restored from a copy): the caller
-can still run it.
+``PIPELINE`` lists our passes in order with their stage (:mod:`.context`); ``disable_passes=``
+drops some by name. :func:`run_stage` runs a stage's passes (ours, then the user's ``passes=``)
+on one graph, timing, dumping and recording each. A pass rewrites ``gm`` in place and may return
+a value or a replacement GraphModule. A ``ConfigError`` passes through unwrapped; any other
+error becomes a ``PassFailure``, and the graph is restored from a copy so the caller can still
+run it.
 """
 
 from __future__ import annotations
@@ -39,29 +36,18 @@ from .scheduling import schedule_collectives_pass
 Pass = tuple[str, Callable[[fx.GraphModule], Any]]
 
 PIPELINE: tuple[GraphPass, ...] = (
-    # The captured graph: markers of compile regions' bodies move to the call sites; calls that
-    # AOTAutograd could not differentiate, or whose gradients it would sum in another order,
-    # are inlined.
     GraphPass("hoist_region_markers", hoist_region_markers_pass, "captured"),
     GraphPass("inline_mutating_regions", inline_mutating_regions_pass, "captured"),
     GraphPass("inline_reordering_regions", inline_reordering_regions_pass, "captured"),
-    # Joint graph: region calls take gathered parameters from the gather, not from an earlier
-    # call; then the strategy's reshard policy as partitioner tags.
     GraphPass("route_region_inputs", route_region_inputs_pass, "joint"),
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "joint"),
     GraphPass("apply_reshard_choice", apply_reshard_choice_pass, "joint", when=lambda ctx: ctx.reshard is not None),
     GraphPass("tag_reshard_policy", tag_reshard_policy_pass, "joint"),
-    # The partitioned pair: saved RNG states ordered where the backward graph expects them.
     GraphPass("order_rng_states", order_rng_states_pass, "partitioned"),
-    # Each forward / backward graph: region outputs that share a storage are read through one
-    # owner (Inductor's memory planner cannot see the sharing); markers become bucketed
-    # collectives, then overlap.
     GraphPass("unalias_region_outputs", unalias_region_outputs_pass, "graph"),
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "graph"),
     GraphPass("lower_markers", lower_markers_pass, "graph"),
     GraphPass("schedule_collectives", schedule_collectives_pass, "graph", when=lambda ctx: ctx.schedule is not None),
-    # The invariant the inner compiler is handed: no collective's buffers are touched before
-    # its wait (checks only; a graph that breaks it never runs).
     GraphPass("check_inflight_buffers", check_inflight_buffers_pass, "graph"),
 )
 
@@ -86,11 +72,9 @@ def run_stage(
 ) -> tuple[fx.GraphModule, list[PassResult]]:
     """Run ``stage``'s passes on ``gm`` (then ``user_passes``, which take ``gm`` only).
 
-    ``rollback=False`` is for graphs another component holds (the joint graph Inductor's
-    partitioner keeps): each of those passes leaves a valid graph, so a failure stops there
-    and the graph stays as far as it got, instead of being replaced by a copy.
-    ``regenerate=False``: the graph's code is not regenerated at the end (the partitioner reads
-    the joint graph, never its code; the partition fix-ups regenerate what they change).
+    ``rollback=False``, for graphs another component holds (the joint graph Inductor's
+    partitioner keeps): a failure leaves the graph as far as it got, not replaced by a copy.
+    ``regenerate=False``: no code regeneration at the end (the partitioner reads graphs only).
     """
     ours = stage_passes(stage, ctx, disabled)
     passes: list[Pass] = [(p.name, _bound(p, ctx)) for p in ours]
@@ -101,13 +85,9 @@ def run_stage(
 
 
 def fix_partition(forward: fx.GraphModule, backward: fx.GraphModule, disabled: Collection[str] = ()) -> None:
-    """The repairs a partitioned pair needs (stage "partitioned"), whoever partitioned it.
-
-    A failure is a real error, raised as the pass raised it: the pair would not run as
-    partitioned, so there is no graph to fall back to. Takes nothing of a compilation but the
-    disabled pass names, so that Inductor's partitioner hook, which calls it, stays a plain
-    object that Inductor's caches can key.
-    """
+    """The repairs a partitioned pair needs (stage "partitioned"), whoever partitioned it. A
+    failure is raised as the pass raised it: there is no graph to fall back to. Takes only the
+    disabled pass names, so Inductor's partitioner hook that calls it stays cache-keyable."""
     ctx = PassContext("partitioned", forward=forward)
     try:
         run_stage(backward, "partitioned", ctx, disabled=disabled, rollback=False, regenerate=False)
@@ -148,11 +128,9 @@ def run_passes(
 ) -> tuple[fx.GraphModule, list[PassResult]]:
     """Apply ``passes`` to ``gm``; ``on_graph(step, graph)`` sees it before and after each.
 
-    On a failure ``gm`` is restored to the graph it had (a copy of the graph, not of the
-    module, is the rollback: copying a module regenerates its code). Pass functions in
-    ``graph_only`` only rewrite ``gm.graph`` and never run or read ``gm``'s generated code, so
-    the code is regenerated once, before the first pass that may (a user's) and at the end,
-    instead of after every pass: each regeneration costs time proportional to the graph.
+    On a failure ``gm`` gets back a copy of its graph (copying the module would regenerate its
+    code). Passes in ``graph_only`` never run or read ``gm``'s code, so code is regenerated only
+    before a pass that may (a user's) and at the end: each regeneration costs time per node.
     """
     backup = copy.deepcopy(gm.graph) if rollback else None
     work = gm

@@ -1,35 +1,24 @@
 """Compile each repeated block once: repeated bucket units as ``nested_compile_region``\\ s.
 
-A deep model is the same block many times over. Plain tracing pays for every copy: Dynamo
-inlines each block's forward, AOTAutograd traces it, the partitioner and the inner compiler
-walk it. With ``backend(regions=True)`` (the default where torch supports it), every unit of a
-repeated class runs its forward through ``torch.compiler.nested_compile_region``: Dynamo traces
-one block and stamps the others out of that trace (torch >= 2.13 reuses a region's trace
-when its inputs and guards match), the graph holds one body that every block calls through
-``invoke_subgraph``, AOTAutograd and the partitioner handle that body once per signature, and
-Inductor compiles it once.
+Plain tracing pays for every copy of a block: Dynamo, AOTAutograd, the partitioner and the inner
+compiler each walk it. With ``regions=True`` (the default where torch supports it) every unit of
+a repeated class runs its forward through ``torch.compiler.nested_compile_region``: Dynamo traces
+one block and stamps the others out of that trace (torch >= 2.13), the graph holds one body every
+block calls through ``invoke_subgraph``, and the body is handled once per signature downstream.
 
-For a block's trace to be reusable by the next block, nothing it reads may name the block:
-inside a region a sharded parameter's read is ``unshard(leaf, <its name within the unit>,
-"<region>", ...)``, all of it read from the module itself (:class:`RegionReads`), so block 7's
-reads are block 0's with the sources moved. The markers then sit inside the shared body, where
-they cannot be bucketed per block; the pass :mod:`fsdp_compile.passes.regions` hoists them to
-the top-level graph, each call site's with its parameter's real name, unit and group, before
-AOTAutograd. From there on the collectives are where they are without regions: bucketed per
-unit, prefetched across block boundaries, resharded by the strategy's policy.
+For the next block to reuse a trace, nothing it reads may name the block: inside a region a
+read is ``unshard(leaf, <name within the unit>, "<region>", ...)``, read from the module itself
+(:class:`RegionReads`). The pass :mod:`fsdp_compile.passes.regions` hoists these markers to the
+call sites with each parameter's real name, unit and groups, so collectives are bucketed,
+prefetched and resharded as without regions.
 
-A unit is compiled as a region only when it repeats (two or more units of its class), holds
-no parameter tied to one outside it, and gradients are synchronized (under ``no_sync`` the
-blocks run inline: their reads carry per-parameter accumulators). Eager runs are unaffected:
-outside ``torch.compile`` a region is a plain call.
-
-A region body may not do everything a block may (torch's rules, in docs/design.md). One rule is
-kept by construction here: a block that returns one of its inputs as it came (T5's position
-bias, handed from block to block) would make the body return an alias of its input, which
-``invoke_subgraph`` refuses; the body returns a reference to that input instead and the call
-site hands the input itself back. What else torch refuses, the block class runs inline for:
-each class has a :class:`RegionClass` switch, shared by its units, that the captured graph's
-passes and the model's call (:mod:`.region_fallback`) turn off, with one warning.
+A unit is a region only when its class repeats, it holds no parameter tied to one outside it,
+and gradients are synchronized (under ``no_sync`` blocks run inline: their reads carry
+per-parameter accumulators); outside ``torch.compile`` a region is a plain call. A block that
+returns one of its inputs as it came (T5's position bias) would make the body return an alias,
+which ``invoke_subgraph`` refuses: the body returns a reference to that input instead and the
+call site hands the input back. What else torch refuses, the block class runs inline for
+(:class:`RegionClass`, :mod:`.region_fallback`).
 """
 
 from __future__ import annotations
@@ -45,12 +34,9 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-# From how many copies of a block a region pays for its fixed cost (one more trace of the body,
-# torch's per-call schema for the region), by compiler: Inductor compiles the body once, so
-# regions pay from a few blocks; aot_eager compiles nothing, so regions pay only in deeper
-# models, and 8 sits between where they cost and where they save (bench/compile_time.py;
-# docs/results.md, "Compile time").
-# The eager compiler runs every region inline: none there.
+# From how many copies of a block a region pays for its fixed cost, by compiler: Inductor
+# compiles the body once; aot_eager compiles nothing, so regions pay only in deeper models
+# (docs/results.md, "Compile time"). The eager compiler runs every region inline.
 MIN_REGION_COPIES = {"inductor": 2, "aot_eager": 8}
 # The unit a marker inside a region names: hoisting replaces it with the call site's unit.
 REGION_UNIT = "<region>"
@@ -58,16 +44,15 @@ REGION_UNIT = "<region>"
 
 def regions_supported() -> bool:
     """Whether this torch reuses a region's trace across calls (torch >= 2.13): without that,
-    a region costs more to compile than the same code inlined."""
+    a region costs more to compile than inline code."""
     region = getattr(torch.compiler, "nested_compile_region", None)
     return region is not None and "max_reuse_entries" in inspect.signature(region).parameters
 
 
 @dataclass(eq=False)
 class RegionClass:
-    """The units of one block class compiled as regions, shared by their states: whether Dynamo
-    still traces them as a region (``enabled``, which the traced forward reads) and, once some
-    or all of their calls compile inline, why (``reason``)."""
+    """The units of one block class compiled as regions: whether Dynamo still traces them as one
+    (``enabled``, read by the traced forward) and, once some calls compile inline, why."""
 
     key: str  # module.QualifiedName of the class
     units: list[str]
@@ -89,10 +74,9 @@ def class_key(cls: type) -> str:
 
 @dataclass
 class RegionReads:
-    """What a sharded module inside a region reads, keyed by the parameter's local name: its
-    leaf ([Note: sharded tensors] in :mod:`.sharded_param`) and the marker's arguments relative
-    to the unit. Identical in every block but for the leaves, which Dynamo reaches through the
-    module (``self._fsdp_state.region``), so a trace of one block is valid for the next."""
+    """What a sharded module inside a region reads, by local name: its leaf and the marker's
+    arguments relative to the unit. Identical in every block but for the leaves, which Dynamo
+    reaches through the module, so a trace of one block is valid for the next."""
 
     leaves: dict[str, nn.Parameter]
     args: dict[str, tuple]
@@ -101,9 +85,8 @@ class RegionReads:
 
 
 def region_copies(regions: bool | int, compiler: str) -> int | None:
-    """From how many copies a block class is compiled as a region, for the backend options
-    ``regions=`` and ``compiler=``; None: no regions (``regions=False``, a torch without region
-    reuse, the eager compiler)."""
+    """From how many copies a block class is a region, for ``regions=`` and ``compiler=``; None:
+    no regions (``regions=False``, a torch without region reuse, the eager compiler)."""
     if regions is False or not regions_supported():
         return None
     if regions is True:
@@ -112,10 +95,9 @@ def region_copies(regions: bool | int, compiler: str) -> int | None:
 
 
 def region_units(model: nn.Module, units: Iterable[str], tied_units: Iterable[str], min_copies: int = 2) -> set[str]:
-    """The units compiled as regions: of a class that heads ``min_copies`` units or more, holding no tied
-    parameter (a parameter registered under several names is gathered once, at the root), and
-    with nothing inside that Dynamo is told not to trace (``torch.compiler.disable``): a region
-    must be captured whole, and torch raises instead of breaking the graph inside one."""
+    """The units compiled as regions: of a class heading ``min_copies`` units or more, holding no
+    tied parameter (gathered once, at the root), and with nothing ``torch.compiler.disable``'d
+    inside (a region must be captured whole: torch raises instead of breaking its graph)."""
     units = [u for u in units if u]
     classes = Counter(type(model.get_submodule(u)) for u in units)
     tied = set(tied_units)
@@ -124,22 +106,13 @@ def region_units(model: nn.Module, units: Iterable[str], tied_units: Iterable[st
 
 
 def tp_mesh_split_classes(model: nn.Module, units: Iterable[str]) -> set[type]:
-    """The block classes whose units' tensor-parallel hooks hold different ``DeviceMesh``
-    objects, which cannot be regions on torch 2.13.
-
-    ``parallelize_module`` closes each hook it registers over the mesh it was given. Slicing
-    the mesh once per block (``mesh["tp"]`` in the loop) gives every block an equal mesh but a
-    new object, and Dynamo, reusing block 0's region trace for block 1, guards block 1's mesh
-    through the hook that holds it and raises while building that guard ("Expecting clean
-    index here. Likely Dynamo forgot to mark a dict as guard_on_key_order",
-    ``torch/_dynamo/guards.py``). One mesh object shared by every block compiles. Read from
-    the hooks' closures and partial arguments, the only place the mesh object is kept: the
-    parameters' DTensors share one mesh object either way."""
+    """The block classes whose units' tensor-parallel hooks hold different ``DeviceMesh`` objects,
+    which cannot be regions on torch 2.13: slicing the mesh per block (``mesh["tp"]`` in the
+    loop) makes Dynamo, reusing block 0's trace for block 1, raise while guarding block 1's mesh
+    through its hook ("Expecting clean index here", ``torch/_dynamo/guards.py``). Read from the
+    hooks' closures and partials, the only place the mesh object is kept."""
     by_class: dict[type, set[tuple[int, ...]]] = {}
-    for unit in units:
-        if not unit:
-            continue
-        module = model.get_submodule(unit)
+    for module in (model.get_submodule(u) for u in units if u):
         by_class.setdefault(type(module), set()).add(_hook_meshes(module))
     return {cls for cls, meshes in by_class.items() if len(meshes) > 1}
 
@@ -178,18 +151,17 @@ def _compile_disabled(module: nn.Module) -> bool:
 
 def relative_marker_args(fqn: str, unit: str, unshard_args: tuple) -> tuple:
     """A read's marker arguments inside a region: the name within the unit, the region's unit
-    placeholder, then the rows and the spec as they are (equal in every block)."""
+    placeholder, then the rows and the spec (equal in every block)."""
     return (fqn[len(unit) + 1:], REGION_UNIT, *unshard_args[2:])
 
 
-# torch raises once a region has this many traces that could not be reused. A block that could
-# not reuse another's trace is still right, only slower to compile (the backend counts the
-# bodies and warns), so the limit is set out of reach.
+# torch raises once a region has this many traces it could not reuse; such a block is still
+# right, only slower to compile (the backend warns), so the limit is out of reach.
 _MAX_REUSE_ENTRIES = 1 << 16
 
 
-# Which region was traced last: set while Dynamo traces a region's call (a constant-result
-# function runs at trace time), so that an error torch raises about a region names its class.
+# Which region Dynamo traced last (a constant-result function runs at trace time), so that an
+# error torch raises about a region names its class.
 _LAST_TRACED: list[str | None] = [None]
 
 
@@ -200,7 +172,6 @@ def _tracing_region(key: str) -> bool:
 
 
 def last_traced_region() -> str | None:
-    """The key of the block class whose region Dynamo traced last (see :func:`_tracing_region`)."""
     return _LAST_TRACED[0]
 
 
@@ -231,9 +202,8 @@ def _resolve_inputs(inputs: list[torch.Tensor], output: str) -> torch.Tensor | s
 
 
 def make_region_forward(cls: type, tensor_parallel: bool = False):
-    """The generated unit class's forward: the original one, as a region while gradients are
-    synchronized and the class's :class:`RegionClass` is enabled. ``tensor_parallel``: the
-    block holds TP parameters (see :func:`region_input`)."""
+    """The generated unit class's forward: the original, as a region while gradients are
+    synchronized and its :class:`RegionClass` is enabled (``tensor_parallel``: :func:`region_input`)."""
     original_forward = cls.forward
     key = class_key(cls)
 
@@ -263,15 +233,11 @@ def make_region_forward(cls: type, tensor_parallel: bool = False):
 
 
 def region_input(value: torch.Tensor) -> torch.Tensor:
-    """A tensor that a tensor-parallel region body may hand to ``DTensor.from_local``: a copy.
+    """A tensor a tensor-parallel region body may hand to ``DTensor.from_local``: a copy.
 
-    On torch 2.13, ``from_local`` applied to an input of a region body (a block's activation under
-    sequence parallelism, a gathered TP parameter) traces as an in-place ``detach_`` of that input,
-    so ``invoke_subgraph`` takes the body for one that mutates its inputs and functionalizes it
-    with ``torch.func.functionalize``, where ``from_local``'s autograd.Function (no
-    ``setup_context``) is refused. ``from_local`` of a tensor the body made itself is not an input
-    mutation. Inductor drops such a copy where it can (``clone`` is one of its no-op ops: a
-    parameter's copy feeding a matmul went); one it keeps costs one tensor per block; the eager
-    runtime never makes it (outside torch.compile a region is a plain call).
+    On torch 2.13 ``from_local`` of a body input traces as an in-place ``detach_`` of it, so
+    ``invoke_subgraph`` functionalizes the body, where ``from_local``'s autograd.Function is
+    refused; of a tensor the body made it is no input mutation. Inductor drops the copy where it
+    can; the eager runtime never makes it.
     """
     return value.clone() if torch.compiler.is_compiling() else value

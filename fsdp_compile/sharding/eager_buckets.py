@@ -1,25 +1,16 @@
 """Reads that run as Python gather their whole bucket at once.
 
-Inside a compiled graph, a read of a sharded parameter is a marker, and lowering gathers the
-markers of one bucket with one collective. A read that runs as Python has no graph to be
-bucketed in. That is a read in the eager runtime, or one in a frame Dynamo runs as Python after
-a graph break: a block that breaks the graph inside a loop over blocks makes Dynamo run that
-whole loop, and the root's reads before and after it, as Python; each read there would compile
-as a graph of its own, a bucket of one.
+In a compiled graph lowering gathers a bucket's markers with one collective; a read that runs as
+Python (the eager runtime, or a frame Dynamo runs as Python after a graph break, such as a loop
+over blocks) has no graph to be bucketed in, and would be a bucket of one. So the first such
+read of a bucket in a forward gathers every parameter of the bucket not yet read, with one
+all-gather, and keeps the others until read (``LocalShards.prefetched``, emptied when the
+forward ends); their gradients are reduced together once backward produced them all.
 
-So a Python read gathers its bucket instead. The first read of a bucket in a forward gathers
-every parameter of that bucket not yet read in this forward, with one all-gather, and keeps
-the others until they are read (``LocalShards.prefetched``, emptied when the forward ends). Their
-gradients are reduced together, with one reduce-scatter, once backward has produced all that it
-produces.
-- *What a bucket is:* the parameters of one bucket unit that communicate alike (the same
-  ``CommSpec``, dtype and ``requires_grad``). A tied parameter has no bucket: the root gathers
-  it once per forward.
-- *What it changes:* not the values. The gather and copy functions are the compiled path's
-  (:mod:`fsdp_compile.runtime.collectives`), and the reductions compute what each parameter's
-  own would.
-- *A parameter read again in the same forward* gathers again on its own, as any read did
-  before.
+A bucket: the parameters of one unit that communicate alike (``CommSpec``, dtype,
+``requires_grad``). A tied parameter has none (the root gathers it once), and a parameter read
+again in the same forward gathers again on its own. The values do not change: the gather and
+reductions are the compiled path's (:mod:`fsdp_compile.runtime.collectives`).
 """
 
 from __future__ import annotations
@@ -47,8 +38,7 @@ class EagerBucket:
 
 
 class _GatherBucket(torch.autograd.Function):
-    """Every parameter of a bucket gathered with one collective; their gradients reduced with one
-    (the runtime's bucket ops, :mod:`fsdp_compile.runtime.markers`)."""
+    """A bucket gathered with one collective, its gradients reduced with one (the bucket ops)."""
 
     @staticmethod
     def forward(ctx: Any, bucket: EagerBucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -84,8 +74,7 @@ def _bucket(shards: LocalShards, fqns: list[str]) -> EagerBucket:
 
 
 def eager_read(shards: LocalShards, fqn: str) -> torch.Tensor:
-    """The gathered value of parameter ``fqn`` for a read that runs as Python in a forward
-    (see the module docstring)."""
+    """The gathered value of ``fqn`` for a read that runs as Python in a forward."""
     value = shards.prefetched.pop(fqn, None)
     if value is not None:
         return value

@@ -1,16 +1,11 @@
 """Which parameters gather in float8: torchao ``Float8Linear`` weights that ask for it.
 
-torchao's float8 training (``convert_to_float8_training``) turns ``nn.Linear`` into
-``Float8Linear``; with ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` each weight
-becomes a ``WeightWithDynamicFloat8CastTensor``, which tells FSDP2 to cast the shard to float8
-before the all-gather. Here such a weight is recognised when the model is sharded: its shard is
-stored as the plain tensor inside the wrapper, and its spec carries the float8 dtype, so the
-gather (:func:`fsdp_compile.runtime.collectives.gather_params`) moves one byte per element plus
-one float32 scale per weight, and hands ``Float8Linear`` the weight in the compute dtype, as it
-would get it from a bf16 gather (docs/mixed-precision.md says why the numbers do not change).
-
-torchao is imported only for a model that has a torchao module: the package does not depend
-on it (``pip install -e ".[float8]"`` installs it).
+With ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` torchao makes each weight a
+``WeightWithDynamicFloat8CastTensor``, which tells FSDP2 to cast the shard to float8 before the
+all-gather. Such a weight is stored as the plain tensor it wraps, and its spec carries the float8
+dtype, so the gather moves one byte per element plus one float32 scale per weight and hands
+``Float8Linear`` the weight in the compute dtype (docs/mixed-precision.md says why the numbers do
+not change). torchao is imported only for a model that has a torchao module.
 """
 
 from __future__ import annotations
@@ -36,12 +31,8 @@ def _is_torchao(obj: object) -> bool:
 
 
 def float8_gather(module: nn.Module, name: str, param: torch.Tensor) -> Float8Gather | None:
-    """The float8 cast of ``module.<name>``'s all-gather, or None when it gathers as before.
-
-    A weight gathers in float8 when torchao marked it for FSDP's float8 all-gather: the
-    weight of a ``Float8Linear`` with ``enable_fsdp_float8_all_gather=True`` (torchao allows it
-    only with dynamic tensorwise scaling, the scaling the gather reproduces).
-    """
+    """The float8 cast of ``module.<name>``'s all-gather, or None: a weight torchao marked for
+    FSDP's float8 all-gather (only with dynamic tensorwise scaling, which the gather reproduces)."""
     if not (_is_torchao(param) or _is_torchao(module)):
         return None
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
@@ -53,8 +44,7 @@ def float8_gather(module: nn.Module, name: str, param: torch.Tensor) -> Float8Ga
 
 
 def plain_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The tensor a float8 weight wraps (its values; the wrapper only redirects FSDP2's
-    gather), else ``param`` itself."""
+    """The tensor a float8 weight wraps, else ``param`` itself."""
     if not _is_torchao(param):
         return param
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
@@ -63,8 +53,7 @@ def plain_tensor(param: torch.Tensor) -> torch.Tensor:
 
 
 def like_float8_weight(original: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` wrapped as ``original`` is when that is a torchao float8 weight (a fake or
-    meta stand-in keeps what makes the weight gather in float8), else ``tensor``."""
+    """``tensor`` wrapped as ``original`` is when that is a torchao float8 weight, else ``tensor``."""
     if not _is_torchao(original):
         return tensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor

@@ -1,20 +1,13 @@
 """Gradient accumulation without communication: ``backend.no_sync()``.
 
-While synchronization is off, every read of a trainable sharded parameter becomes
-``unshard_no_sync(shard, accumulator, ...)`` instead of ``unshard``: the forward is the same
-gather, but the gradient goes, unsharded and unreduced, to ``accumulator`` (a leaf of the full
-parameter's shape, stored as an expanded zero so it costs nothing until a gradient arrives) and
-autograd sums the micro-batches into ``accumulator.grad``. Backward reduces nothing (compiled,
-a strategy that reshards after forward still gathers the parameters backward needs).
-
-The first backward after synchronization is turned back on still accumulates (its forward
-reads the same flag), then reduces every accumulated gradient at once (bucket by bucket, with
-the same :func:`~fsdp_compile.runtime.collectives.reduce_grads` as the compiled graphs) into
-``param.grad``: one reduction per accumulation window, as FSDP's ``no_sync``.
-
-Dynamo guards on :attr:`GradientSync.accumulating`, so a compiled model has exactly one more
-graph for accumulation, whatever the number of micro-batches. Memory: like FSDP, the
-accumulated gradients are full-size (in the reduce dtype) until they are reduced.
+While synchronization is off, every read of a trainable parameter becomes
+``unshard_no_sync(shard, accumulator, ...)``: the same gather, but the gradient goes unreduced to
+``accumulator`` (a full-shape leaf, an expanded zero until a gradient arrives), where autograd
+sums the micro-batches. The first backward after sync is turned back on still accumulates,
+then reduces everything at once, bucket by bucket with the compiled graphs' ``reduce_grads``:
+one reduction per window, as FSDP's ``no_sync``. Dynamo guards on
+:attr:`GradientSync.accumulating`: accumulation is one more graph. Accumulated gradients are
+full-size until reduced, as in FSDP.
 """
 
 from __future__ import annotations
@@ -77,11 +70,8 @@ class GradientSync:
             torch.autograd.Variable._execution_engine.queue_callback(self.reduce_accumulated)
 
     def reduce_accumulated(self) -> None:
-        """Reduce the accumulated gradients into ``param.grad`` now and end accumulation.
-
-        Called automatically at the end of the first backward with synchronization back on;
-        call it directly if the accumulation window ended without such a backward.
-        """
+        """Reduce the accumulated gradients into ``param.grad`` now and end accumulation (done at the
+        end of the first backward with sync back on; call it if the window ended without one)."""
         self._reduce_queued = False
         if not self.requires_sync:
             raise RuntimeError("reduce_accumulated() while gradient sync is off; turn it back on first")

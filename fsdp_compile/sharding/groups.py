@@ -59,8 +59,8 @@ class Topology:
         return "" if self.replicate_group is None else self.replicate_group.group_name
 
     def group_roles(self) -> dict[str, str]:
-        """Process-group name -> its role: in a hybrid mesh each rank's shard group is another
-        process group, yet plays the same role (what cross-rank checks compare)."""
+        """Process-group name -> its role (in a hybrid mesh each rank's shard group is another
+        group in the same role: what cross-rank checks compare)."""
         return {self.shard_group_name: f"shard group ({self.shard_size} ranks)",
                 self.replicate_group_name: f"replicate group ({self.replicate_size} ranks)"}
 
@@ -74,9 +74,8 @@ class Topology:
 
 
 def world_timeout() -> datetime.timedelta:
-    """The default group's timeout, so groups we create fail as fast as the user asked: the
-    group's own ``timeout`` where its class keeps one (a Python process group, such as the
-    emulated network's), else its backend's options."""
+    """The default group's timeout, so groups we create fail as fast as the user asked: its own
+    ``timeout`` where its class keeps one (a Python process group), else its backend's."""
     own = getattr(dist.group.WORLD, "timeout", None)
     if isinstance(own, datetime.timedelta):
         return own
@@ -90,18 +89,15 @@ def world_timeout() -> datetime.timedelta:
 def end_process_group(*, exit_process: bool = False) -> None:
     """Wait for every rank, then destroy the default process group: how a script ends.
 
-    With ``exit_process=True`` the process then exits (status 0) without finalizing the
-    interpreter. Why: ``destroy_process_group()`` does not stop a gloo group that something
-    still references (DTensor's redistribute cache does, after a checkpoint load or a
-    ``full_tensor()``), so its threads outlive the script, and a gloo thread that frees a
-    finished collective (a Python tensor, the caller's thread-local state) after finalization
-    began aborts the process: "terminate called without an active exception", pytorch/pytorch
-    #190489; seen here in about one demo run in 25 on a loaded machine. Output is flushed first.
+    With ``exit_process=True`` the process then exits (status 0, output flushed) without
+    finalizing the interpreter: ``destroy_process_group()`` does not stop a gloo group something
+    still references (DTensor's redistribute cache), and a gloo thread freeing a finished
+    collective after finalization began aborts the process ("terminate called without an active
+    exception", pytorch/pytorch#190489; about one demo run in 25 on a loaded machine).
 
-    Not ``dist.barrier()`` on gloo: its work keeps every collective still in flight when it
-    starts alive until a gloo thread frees the barrier, after it returned: the late free above,
-    made likelier. ``monitored_barrier()`` synchronizes with messages sent from the calling
-    thread and holds no earlier work (an emulated network's groups run on gloo and offer it too).
+    Not ``dist.barrier()`` on gloo: its work keeps every collective in flight alive until a gloo
+    thread frees it, after it returned (the late free above, made likelier);
+    ``monitored_barrier()`` synchronizes from the calling thread and holds no earlier work.
     """
     if dist.is_initialized():
         try:
@@ -120,9 +116,8 @@ def end_process_group(*, exit_process: bool = False) -> None:
 
 
 def _own_monitored_barrier(group: Any) -> bool:
-    """Whether ``group``'s class defines its own monitored barrier: a process group written in
-    Python over gloo (the emulated network's) offers one, where ``dist.monitored_barrier``
-    accepts gloo groups only; c10d's own classes leave it to their backend."""
+    """Whether ``group``'s class defines its own monitored barrier (a Python process group over
+    gloo, such as the emulated network's; ``dist.monitored_barrier`` accepts gloo groups only)."""
     return type(group).monitored_barrier is not dist.ProcessGroup.monitored_barrier
 
 
@@ -145,10 +140,8 @@ def group_device_type() -> str:
 
 def _require_initialized() -> None:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "fsdp_compile needs torch.distributed: call torch.distributed.init_process_group() "
-            "first (torchrun sets up the environment for it), also for a single process"
-        )
+        raise RuntimeError("fsdp_compile needs torch.distributed: call torch.distributed.init_process_group() "
+                           "first (torchrun sets up the environment for it), also for a single process")
 
 
 def resolve_topology(
@@ -166,13 +159,8 @@ def resolve_topology(
     timeout = timeout or world_timeout()
     if strategy.is_hybrid:
         mesh = _hybrid_mesh(device_type, mesh, process_groups, shard_size, timeout)
-        return Topology(
-            strategy,
-            mesh,
-            (Replicate(), Shard(0)),
-            shard_group=mesh.get_group(1),
-            replicate_group=mesh.get_group(0),
-        )
+        return Topology(strategy, mesh, (Replicate(), Shard(0)), shard_group=mesh.get_group(1),
+                        replicate_group=mesh.get_group(0))
     mesh = _flat_mesh(strategy, device_type, mesh, process_groups)
     group = mesh.get_group(0)
     if strategy is ShardingStrategy.NO_SHARD:
@@ -180,29 +168,21 @@ def resolve_topology(
     return Topology(strategy, mesh, (Shard(0),), shard_group=group, replicate_group=None)
 
 
-def _flat_mesh(
-    strategy: ShardingStrategy,
-    device_type: str,
-    mesh: DeviceMesh | None,
-    process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None,
-) -> DeviceMesh:
+def _flat_mesh(strategy: ShardingStrategy, device_type: str, mesh: DeviceMesh | None,
+               process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None) -> DeviceMesh:
     dim_name = "replicate" if strategy is ShardingStrategy.NO_SHARD else "shard"
     if mesh is not None:
         _check_mesh_device(mesh, device_type)
         if mesh.ndim != 1:
-            raise ValueError(
-                f"{strategy.name} takes a 1-D mesh, got a {mesh.ndim}-D mesh; use HYBRID_SHARD "
-                "or HYBRID_SHARD_ZERO2 for a 2-D (replicate, shard) mesh"
-            )
+            raise ValueError(f"{strategy.name} takes a 1-D mesh, got a {mesh.ndim}-D mesh; use HYBRID_SHARD "
+                             "or HYBRID_SHARD_ZERO2 for a 2-D (replicate, shard) mesh")
         return mesh
     if process_groups is None:
         return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=(dim_name,))
     if isinstance(process_groups, (tuple, list)):
         if len(process_groups) != 1:
-            raise ValueError(
-                f"{strategy.name} takes one process group (process_groups=pg); a "
-                "(shard_pg, replicate_pg) pair is for HYBRID_SHARD / HYBRID_SHARD_ZERO2"
-            )
+            raise ValueError(f"{strategy.name} takes one process group (process_groups=pg); a "
+                             "(shard_pg, replicate_pg) pair is for HYBRID_SHARD / HYBRID_SHARD_ZERO2")
         (process_groups,) = process_groups
     if not isinstance(process_groups, dist.ProcessGroup):
         raise TypeError(f"process_groups= must be a ProcessGroup, got {type(process_groups).__name__}")
@@ -211,55 +191,36 @@ def _flat_mesh(
 
 def _check_mesh_device(mesh: DeviceMesh, device_type: str) -> None:
     if mesh.device_type != device_type:
-        raise ValueError(
-            f"mesh= is a {mesh.device_type!r} mesh but the model's parameters are on "
-            f"{device_type!r}; build the mesh with device_type={device_type!r}"
-        )
+        raise ValueError(f"mesh= is a {mesh.device_type!r} mesh but the model's parameters are on "
+                         f"{device_type!r}; build the mesh with device_type={device_type!r}")
 
 
-def _hybrid_mesh(
-    device_type: str,
-    mesh: DeviceMesh | None,
-    process_groups: Sequence[dist.ProcessGroup] | None,
-    shard_size: int | None,
-    timeout: datetime.timedelta,
-) -> DeviceMesh:
+def _hybrid_mesh(device_type: str, mesh: DeviceMesh | None, process_groups: Sequence[dist.ProcessGroup] | None,
+                 shard_size: int | None, timeout: datetime.timedelta) -> DeviceMesh:
     names = ("replicate", "shard")
     if mesh is not None:
         _check_mesh_device(mesh, device_type)
         if mesh.ndim != 2:
-            raise ValueError(
-                f"hybrid sharding takes a 2-D mesh with dims (replicate, shard); got a "
-                f"{mesh.ndim}-D mesh"
-            )
+            raise ValueError(f"hybrid sharding takes a 2-D mesh with dims (replicate, shard); got a {mesh.ndim}-D mesh")
         return mesh
     if process_groups is not None:
         if not (isinstance(process_groups, (tuple, list)) and len(process_groups) == 2):
-            raise ValueError(
-                "hybrid sharding takes process_groups=(shard_pg, replicate_pg), a pair of "
-                "ProcessGroups"
-            )
+            raise ValueError("hybrid sharding takes process_groups=(shard_pg, replicate_pg), a pair of ProcessGroups")
         shard_pg, replicate_pg = process_groups
         layout = _layout_from_groups(shard_pg, replicate_pg)
-        return DeviceMesh.from_group(
-            [replicate_pg, shard_pg], device_type, mesh=layout, mesh_dim_names=names
-        )
+        return DeviceMesh.from_group([replicate_pg, shard_pg], device_type, mesh=layout, mesh_dim_names=names)
     world = dist.get_world_size()
     if shard_size is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
-            raise ValueError(
-                "hybrid sharding needs the size of a shard group (a node): set LOCAL_WORLD_SIZE "
-                "(torchrun does), or pass shard_size=, mesh= or process_groups="
-            )
+            raise ValueError("hybrid sharding needs the size of a shard group (a node): set LOCAL_WORLD_SIZE "
+                             "(torchrun does), or pass shard_size=, mesh= or process_groups=")
         shard_size = int(env)
     if not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"shard_size= must be a positive int, got {shard_size!r}")
     if world % shard_size:
-        raise ValueError(
-            f"shard_size={shard_size} does not divide the world size {world}: hybrid sharding "
-            "needs equal shard groups; pass a shard_size that divides it"
-        )
+        raise ValueError(f"shard_size={shard_size} does not divide the world size {world}: hybrid sharding "
+                         "needs equal shard groups; pass a shard_size that divides it")
     layout = torch.arange(world).view(world // shard_size, shard_size)
     # Every rank must create every group, in the same order (new_group is collective).
     shard_pg = replicate_pg = None
@@ -271,28 +232,18 @@ def _hybrid_mesh(
         group = dist.new_group(column, timeout=timeout)
         if dist.get_rank() in column:
             replicate_pg = group
-    return DeviceMesh.from_group(
-        [replicate_pg, shard_pg], device_type, mesh=layout, mesh_dim_names=names
-    )
+    return DeviceMesh.from_group([replicate_pg, shard_pg], device_type, mesh=layout, mesh_dim_names=names)
 
 
 def _layout_from_groups(shard_pg: dist.ProcessGroup, replicate_pg: dist.ProcessGroup) -> torch.Tensor:
-    """The (replicate, shard) rank layout that the given groups describe, or a clear error.
-
-    Collective over the world: every rank reports its two groups, so all ranks see the same
-    answer and fail together when the groups do not tile the world.
-    """
+    """The (replicate, shard) rank layout the given groups describe, or a clear error. Collective
+    over the world, so all ranks fail together when the groups do not tile it."""
     for label, pg in (("shard_pg", shard_pg), ("replicate_pg", replicate_pg)):
         if not isinstance(pg, dist.ProcessGroup):
-            raise TypeError(
-                f"process_groups=(shard_pg, replicate_pg): {label} must be a ProcessGroup, "
-                f"got {type(pg).__name__}"
-            )
+            raise TypeError(f"process_groups=(shard_pg, replicate_pg): {label} must be a ProcessGroup, "
+                            f"got {type(pg).__name__}")
     world = dist.get_world_size()
-    mine = (
-        tuple(dist.get_process_group_ranks(shard_pg)),
-        tuple(dist.get_process_group_ranks(replicate_pg)),
-    )
+    mine = (tuple(dist.get_process_group_ranks(shard_pg)), tuple(dist.get_process_group_ranks(replicate_pg)))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     shard_groups = sorted({tuple(sorted(s)) for s, _ in everyone})
@@ -302,20 +253,16 @@ def _layout_from_groups(shard_pg: dist.ProcessGroup, replicate_pg: dist.ProcessG
         sizes = {len(g) for g in groups}
         members = sorted(r for g in groups for r in g)
         if members != list(range(world)) or len(sizes) != 1:
-            raise ValueError(
-                f"process_groups: the {label} groups {sorted(groups)} do not tile the world of "
-                f"{world} ranks; every rank must be in exactly one {label} group and all "
-                f"{label} groups must have the same size"
-            )
+            raise ValueError(f"process_groups: the {label} groups {sorted(groups)} do not tile the world of {world} "
+                             f"ranks; every rank must be in exactly one {label} group and all {label} groups must "
+                             "have the same size")
         return sizes.pop()
 
     s = tiles(shard_groups, "shard")
     r = tiles(replicate_groups, "replicate")
     if r * s != world:
-        raise ValueError(
-            f"process_groups: shard groups of {s} and replicate groups of {r} ranks do not make "
-            f"a world of {world} ranks (need shard size x replicate size = world size)"
-        )
+        raise ValueError(f"process_groups: shard groups of {s} and replicate groups of {r} ranks do not make a "
+                         f"world of {world} ranks (need shard size x replicate size = world size)")
     replicate_of = {rank: tuple(sorted(rg)) for _, rg in everyone for rank in rg}
     columns = [replicate_of[rank] for rank in shard_groups[0]]
     layout = []
@@ -324,11 +271,9 @@ def _layout_from_groups(shard_pg: dist.ProcessGroup, replicate_pg: dist.ProcessG
         for column in columns:
             common = set(group) & set(column)
             if len(common) != 1:
-                raise ValueError(
-                    f"process_groups: shard group {list(group)} and replicate group "
-                    f"{list(column)} share {len(common)} ranks; each replicate group must hold "
-                    "exactly one rank of each shard group"
-                )
+                raise ValueError(f"process_groups: shard group {list(group)} and replicate group {list(column)} "
+                                 f"share {len(common)} ranks; each replicate group must hold exactly one rank of "
+                                 "each shard group")
             row.append(common.pop())
         layout.append(row)
     return torch.tensor(layout)

@@ -28,33 +28,23 @@ class _Registration:
 
 
 class LocalShards:
-    """The leaves that stand for one model's sharded parameters in its forward, and the state
-    of that forward. One per model, shared by the states of all its modules.
+    """The leaves that stand for one model's sharded parameters in its forward, and the state of
+    that forward. One per model, shared by the states of all its modules.
 
-    Why leaves and not the DTensor parameters themselves: every DTensor a graph reads costs Dynamo
-    a subclass input with spec guards and an unwrapping (``to_local``) per parameter, and
-    AOTAutograd a subclass input to flatten and a DTensor gradient to rebuild: together more
-    than doubling the compile time of a deep model against plain ``torch.compile``. The graphs
-    read one leaf per parameter instead (see :class:`~.sharded_param.ShardedParam`), and the
-    DTensor parameters stay what the optimizer, ``state_dict`` and checkpoints see.
-
-    Plain tensors also keep activation-checkpointed regions clean: ``DTensor.to_local()``
-    inside a ``tag_activation_checkpoint`` region made AOTAutograd save the DeviceMesh for
-    backward, which it cannot.
+    Why leaves, not the DTensor parameters: every DTensor a graph reads costs Dynamo a subclass
+    input with spec guards and an unwrapping per parameter, and AOTAutograd a subclass to
+    flatten and a gradient to rebuild (more than twice the compile time of a deep model).
+    Plain tensors also keep checkpointed regions clean (``to_local()`` inside one made
+    AOTAutograd save the DeviceMesh for backward, which it cannot).
 
     The leaves follow their parameters (``requires_grad``, replaced storage) through
-    :meth:`refresh`, which runs eagerly before every forward: at the root's forward in the
-    eager runtime, and before every compiled graph runs (a graph traced with a leaf that no
-    longer matches runs through the eager runtime once; Dynamo's guards on the leaf then
-    compile a new graph).
+    :meth:`refresh`, run eagerly before every forward (the root's in the eager runtime, each
+    compiled graph's call otherwise; a graph traced with a stale leaf runs eagerly once).
 
-    Parameters registered under several names (tied input/output embeddings) are gathered once
-    per forward, at the root, and every read returns that one tensor: autograd then sums the
-    gradients of all uses before the single reduction, as FSDP2 does (it gathers a unit once
-    and reduces its accumulated gradient once). One marker per read would reduce each use's
-    gradient separately and add the reduced shards: twice the bytes, and a different rounding.
-    At the root rather than on first read: a first read inside an activation-checkpointed
-    region would mutate state outside that region, which Dynamo refuses.
+    Tied parameters (registered under several names) are gathered once per forward, at the
+    root, so autograd sums all uses' gradients before one reduction, as FSDP2 does; a marker per
+    read would reduce each use apart: twice the bytes, and a different rounding. At the root, not
+    on first read: a first read inside a checkpointed region would mutate state outside it.
     """
 
     def __init__(self, sync: GradientSync | None = None) -> None:
@@ -106,11 +96,8 @@ class LocalShards:
 
     def refresh(self) -> dict[int, nn.Parameter]:
         """Bring every leaf in line with its parameter; returns ``{id(old leaf): new leaf}`` for
-        the leaves that changed (empty when none did).
-
-        Raises if a sharded parameter was replaced by another tensor after sharding: its leaf
-        would go on reading the old values.
-        """
+        those that changed. Raises if a sharded parameter was replaced by another tensor (its
+        leaf would go on reading the old values)."""
         if self._unchanged():
             return {}
         for reg in self.registrations:
@@ -118,10 +105,8 @@ class LocalShards:
             if current is not reg.param:
                 what = ("None" if current is None else "another DTensor" if isinstance(current, DTensor)
                         else "a plain tensor")
-                raise RuntimeError(
-                    f"parameter {reg.fqn!r} was replaced by {what} after the model was sharded; load "
-                    "new values with load_state_dict() or copy_() into the existing parameter"
-                )
+                raise RuntimeError(f"parameter {reg.fqn!r} was replaced by {what} after the model was sharded; load "
+                                   "new values with load_state_dict() or copy_() into the existing parameter")
         changed = {}
         for shard in self.shards:
             old = shard.leaf

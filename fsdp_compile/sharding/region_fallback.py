@@ -1,34 +1,20 @@
 """Blocks torch cannot compile as a region run inline instead: the defaults never fail because of regions.
 
-Regions only shorten compilation (:mod:`.regions`): a model that trains with
-``regions=False`` must train with the defaults too. Torch refuses some blocks as regions
-(its rules, and the sources that decide them, are in docs/design.md), at two moments:
+Regions only shorten compilation, so a model that trains with ``regions=False`` must train with
+the defaults too. Torch refuses some blocks as regions (its rules: docs/design.md) at two moments:
 
-* **While AOTAutograd traces the graph** (a block that updates a buffer in place while
-  training, such as BatchNorm's running statistics): decided from the captured graph before
-  AOTAutograd runs, by the pass ``inline_mutating_regions`` (passes/regions.py), which
-  inlines those calls.
-* **While Dynamo traces the model** (a graph break inside the block, a tensor it keeps in an
-  object outside itself that aliases one of its inputs, an output that is a view of an
-  input): the compile raises before any of the step has run. The model's call catches it
-  (the root's ``__call__``, :func:`region_fallback_call`), turns the block's class off (the
-  class whose region Dynamo traced last, else every class of the model) and calls again, which
-  traces that class inline. The result is the call's as if ``regions=False`` had been given
-  for that class; one warning per class says which, and why.
+* **While AOTAutograd traces** (a block updating a buffer in place while training): the pass
+  ``inline_mutating_regions`` (passes/regions.py) inlines those calls before AOTAutograd runs.
+* **While Dynamo traces** (a graph break inside the block, a tensor kept outside it that aliases
+  an input, an output that is a view of an input): the compile raises before any of the step
+  ran. The root's ``__call__`` (:func:`region_fallback_call`) catches it, turns the class off
+  (the class Dynamo traced last, else every class of the model) and calls again, inline for
+  that class; one warning per class says which, and why.
 
-A compile that fails after part of the step has run (a graph break before the blocks splits
-the step, and the blocks compile in a later frame) is not retried: running the first part
-again would repeat its side effects. The error then carries a note, and the class is off for
-the calls after it.
-
-Only torch's refusals by those rules (:func:`refused_by_torch`) are what the retry exists for.
-Any other error (an Inductor failure, an internal error of torch's) may be a bug that inlining
-would hide: with ``strict=True`` it is raised, with a note, and no class is turned off.
-Without it, such an error is retried like a refusal, and its warning quotes it.
-
-The root's ``__call__`` runs as Python when it is the frame ``torch.compile`` starts at, and is
-traced like any code when a function the user compiles calls the model (no graph break there;
-no retry either: that function's compile is the user's).
+A compile that fails after part of the step ran is not retried (its side effects would repeat):
+the error carries a note, and the class is off for later calls. Only torch's refusals
+(:func:`refused_by_torch`) are what the retry exists for; any other error may be a bug that
+inlining would hide: ``strict=True`` raises it with a note, otherwise it is retried and quoted.
 """
 
 from __future__ import annotations
@@ -65,9 +51,8 @@ _UNCAPTURED = "UncapturedHigherOrderOpError"
 
 
 def refused_by_torch(error: BaseException) -> bool:
-    """Whether ``error`` is torch refusing a block as a region by one of its rules (a graph
-    break inside the body, an alias or an in-place write it does not allow): what compiling the
-    block inline is known to get past. Anything else is not."""
+    """Whether ``error`` is torch refusing a block as a region by one of its rules (a graph break
+    inside the body, an alias or in-place write it does not allow): what inlining gets past."""
     # The errors it was raised from, not during: an error raised while handling a refusal is not one.
     cause, seen = error, set()
     while cause is not None and id(cause) not in seen:
@@ -80,8 +65,7 @@ def refused_by_torch(error: BaseException) -> bool:
 
 
 def describe_failure(error: BaseException) -> str:
-    """Why torch refused a region, in plain words where its message says, with torch's own
-    words (the graph break's, for a region Dynamo could not capture whole)."""
+    """Why torch refused a region: plain words where its message says, and torch's own words."""
     text = str(error)
     lines = [line.strip() for line in text.split("Got graph break/error:")[-1].splitlines() if line.strip()]
     quoted = lines[0] if lines else ""
@@ -106,21 +90,17 @@ class RegionFallback:
 
     def region_class(self, cls: type, units: list[str]) -> RegionClass:
         """The switch of ``cls``'s regions, shared by every model this backend shards."""
-        key = class_key(cls)
-        if key not in self.classes:
-            self.classes[key] = RegionClass(key, [])
-        self.classes[key].units.extend(u for u in units if u not in self.classes[key].units)
-        return self.classes[key]
+        region_class = self.classes.setdefault(class_key(cls), RegionClass(class_key(cls), []))
+        region_class.units.extend(u for u in units if u not in region_class.units)
+        return region_class
 
     def inlined(self) -> list[RegionClass]:
-        """The classes whose blocks compile inline (all calls, or in graphs that train), with
-        their reasons."""
+        """The classes whose blocks compile inline (all calls, or in graphs that train)."""
         return [c for c in self.classes.values() if c.reason is not None]
 
     def inlined_by_pass(self, block_class: type | None, reason: str) -> None:
-        """A captured graph's pass inlined ``block_class``'s calls: say so once. The class stays
-        on for Dynamo, whose guards on it every compiled graph holds (turning it off would
-        recompile them all); each graph that needs it inlines again."""
+        """A captured graph's pass inlined ``block_class``'s calls: say so once. The class stays on
+        for Dynamo (every compiled graph guards on it); each graph that needs it inlines again."""
         region_class = self.classes.get(class_key(block_class)) if block_class is not None else None
         if region_class is None:
             return
@@ -160,10 +140,8 @@ class _Attempt:
 @dataclass(eq=False)
 class ModelRegions:
     """The region classes of one sharded model (its root's state holds this), and the steps of
-    the call that retries without the regions torch refused (:func:`region_fallback_call`).
-
-    The steps run with Dynamo off: the call runs them from the frame ``torch.compile`` does
-    not compile, and every frame that frame calls would otherwise be compiled."""
+    the call that retries without the regions torch refused (:func:`region_fallback_call`);
+    Dynamo off, as every frame the skipped frame calls would otherwise be compiled."""
 
     classes: list[RegionClass]
     fallback: RegionFallback
@@ -203,9 +181,8 @@ class ModelRegions:
             self.fallback.warn(region_class)
 
     def _ran_before_failing(self, error: BaseException, enabled: list[RegionClass], attempt: _Attempt) -> None:
-        """A compile failed after part of the call ran: not retried. Classes turned off by
-        earlier tries stay off (their failures were before anything ran); the class traced
-        last is turned off for the next calls, and the error says so."""
+        """A compile failed after part of the call ran: not retried. The class traced last is
+        turned off for the next calls (earlier tries' stay off), and the error says so."""
         self.succeeded(attempt)
         traced = next((c for c in enabled if c.key == last_traced_region()), None)
         if traced is None:
@@ -224,8 +201,8 @@ class ModelRegions:
                          "to compile every block inline from the start.")
 
     def _not_retried(self, error: BaseException, enabled: list[RegionClass], attempt: _Attempt) -> None:
-        """strict=True and an error torch's rules do not explain: raised as it is, each class as it
-        was (those an earlier try turned off for a refusal stay off, and are warned of)."""
+        """strict=True and an error torch's rules do not explain: raised as it is, each class as
+        it was (those an earlier try turned off stay off, and are warned of)."""
         self.succeeded(attempt)
         traced = [c for c in enabled if c.key == last_traced_region()] or enabled
         forget_traced_region()
@@ -237,8 +214,8 @@ class ModelRegions:
                          "warning; regions=False compiles every block inline from the start.")
 
     def _no_region_to_blame(self, error: BaseException, attempt: _Attempt) -> None:
-        """Compiling failed with every class inline too: regions were not the cause. The
-        classes go back on and the first error is raised, the last one noted beside it."""
+        """Compiling failed with every class inline too: regions were not the cause. The classes
+        go back on and the first error is raised, the last one noted beside it."""
         for region_class in attempt.turned_off:
             region_class.enabled = True
             region_class.reason = None
@@ -253,8 +230,7 @@ _LIBRARY_DIRS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(tor
 
 
 def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside this package and torch (the user's call):
-    the fallback warns from inside torch.compile's frames, how many depends on the path."""
+    """The ``stacklevel`` of the first frame outside this package and torch: the user's call."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
@@ -262,13 +238,12 @@ def _user_stacklevel() -> int:
 
 
 def _raised_by_fsdp_compile(error: BaseException) -> bool:
-    """Whether ``error``, or an error it was raised from (Dynamo wraps what a backend raises),
-    is one of this package's named errors."""
+    """Whether ``error``, or one it was raised from or during, is one of this package's errors."""
     return any(type(e).__module__.split(".")[0] == __name__.split(".")[0] for e in _chain(error))
 
 
 def _chain(error: BaseException) -> list[BaseException]:
-    """``error`` and every error it was raised from or during (Dynamo wraps what a backend raises)."""
+    # Dynamo wraps what a backend raises.
     chain: dict[int, BaseException] = {}
     stack: list[BaseException | None] = [error]
     while stack:
@@ -287,15 +262,11 @@ def _add_note(error: BaseException, note: str) -> None:
 
 
 def _top_frame_only(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, run as Python when it is the frame ``torch.compile`` starts at (so it can catch
-    what compiling the frames it calls raises), and traced like any code when a function being
-    compiled calls it.
-
-    ``torch.compiler.disable(fn, recursive=False)`` gives the first half: torch skips a frame
-    its non-recursive wrapper calls and compiles the frames after it. Its wrapper is also marked
-    disabled, which breaks the graph of any compiled function that calls it (and fails one
-    compiled with ``fullgraph=True``); the same wrapper unmarked is inlined there instead.
-    """
+    """``fn``, run as Python when it is the frame ``torch.compile`` starts at (to catch what
+    compiling the frames it calls raises), traced like any code when a compiled function calls
+    it (no graph break, no retry: that compile is the user's). ``torch.compiler.disable(fn,
+    recursive=False)`` gives the first half, but its wrapper is marked disabled, which breaks
+    the graph of a compiled caller; the same wrapper unmarked is inlined there instead."""
     from torch._dynamo import external_utils
 
     wrap = getattr(external_utils, "get_nonrecursive_disable_wrapper", None)
@@ -305,9 +276,9 @@ def _top_frame_only(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def region_fallback_call(cls: type) -> Callable[..., Any]:
-    """The root class's ``__call__``: ``cls``'s, retried with the regions torch refused inline
-    (see the module docstring). The loop is in this frame, the one ``torch.compile`` skips:
-    compiling the model happens inside ``original_call``, so what it raises is caught here."""
+    """The root class's ``__call__``: ``cls``'s, retried with the regions torch refused inline.
+    The loop is in the frame ``torch.compile`` skips, so what compiling the model inside
+    ``original_call`` raises is caught here."""
     original_call = cls.__call__
 
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

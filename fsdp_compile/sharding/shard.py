@@ -1,13 +1,9 @@
 """Shard a model in place: DTensor parameters, and reads that gather them.
 
-After :func:`shard_module` (tensor kinds: [Note: sharded tensors] in :mod:`.sharded_param`):
-
-* ``module._parameters[name]`` (and so ``named_parameters()``, ``state_dict()``, an optimizer
-  built afterwards, ``clip_grad_norm_``, distributed checkpointing) holds the DTensor parameter.
-* ``module.<name>`` (what ``forward`` reads) returns the gathered parameter: a property of a
-  generated subclass of the module's class (:mod:`.sharded_class`).
-* Every sharded module carries its :class:`~.module_state.ModuleState`; the model's leaves are in
-  one :class:`~.local_shards.LocalShards`, which the states share.
+Afterwards ``module._parameters[name]`` holds the DTensor parameter (what ``state_dict()``,
+optimizers and checkpoints see), ``module.<name>`` returns the gathered parameter through a
+generated subclass (:mod:`.sharded_class`), and every sharded module carries its
+:class:`~.module_state.ModuleState`, sharing the model's :class:`~.local_shards.LocalShards`.
 """
 
 from __future__ import annotations
@@ -47,9 +43,9 @@ from .units import unit_modules, unit_of
 
 @dataclass(frozen=True)
 class Init:
-    """How ``shard()`` initializes a model built on the meta device: each module by ``fn`` (default:
-    its own ``reset_parameters``), on ``device`` (default: the mesh's); ``materialize=False``
-    keeps meta shards instead (planning: shapes only)."""
+    """How ``shard()`` initializes a meta-device model: each module by ``fn`` (default: its
+    ``reset_parameters``), on ``device`` (default: the mesh's); ``materialize=False`` keeps
+    meta shards (planning: shapes only)."""
 
     fn: InitFn | None = None
     device: torch.device | None = None
@@ -74,17 +70,14 @@ def shard_module(
     region_fallback: RegionFallback | None = None,
     reshard_groups: ReshardGroups | None = None,
 ) -> ShardResult:
-    """Shard every parameter of ``model`` in place, as the backend's ``options`` say (bucket units,
-    mixed precision, offload, regions, ``reshard_after_forward=``); returns the info of each, by name.
+    """Shard every parameter of ``model`` in place as the backend's ``options`` say; returns the
+    info of each, by name.
 
-    Parameters on the meta device are materialized unit by unit (see :mod:`.materialize`) as
-    ``init`` says. Regions (see :mod:`.regions`) need ``sync``; ``region_fallback``: the
-    backend's switches of region classes (:mod:`.region_fallback`; a new one by default).
-    ``reshard_groups`` makes the groups of fewer ranks that ``reshard_after_forward=``
-    (:mod:`.reshard_policy`) reshards to. Tensor-parallel blocks whose hooks hold different
-    mesh objects compile inline, with a warning (:func:`.regions.tp_mesh_split_classes`).
-    Parameters that are already tensor-parallel DTensors are sharded over ``topology``'s dp
-    mesh (see :mod:`.tensor_parallel`), which must then be the ``mesh=`` the user gave.
+    Meta-device parameters are materialized unit by unit as ``init`` says (:mod:`.materialize`).
+    Regions need ``sync``; ``region_fallback``: the backend's switches of region classes (a new
+    one by default); ``reshard_groups`` makes the groups ``reshard_after_forward=n`` reshards to.
+    Tensor-parallel DTensor parameters are sharded over ``topology``'s dp mesh, which must be
+    the ``mesh=`` the user gave (:mod:`.tensor_parallel`).
     """
     policy, mixed_precision, offload = options.bucket_policy, options.mixed_precision, options.offload
     units = unit_modules(model, policy)
@@ -137,20 +130,12 @@ def shard_module(
             partial = reshard_to[unit] if reshard_to[unit] in reshard_group_names else 0
             float8 = float8_gather(module, name, param) if tp is None and dim0_sharded else None
             comm = CommSpec(
-                shard_group=topology.shard_group_name,
-                shard_size=topology.shard_size,
-                dim0_sharded=dim0_sharded,
-                replicate_group=topology.replicate_group_name,
-                replicate_size=topology.replicate_size,
-                param_dtype=mp.param_dtype if mp else None,
-                reduce_dtype=mp.reduce_dtype if mp else None,
-                reshard_after_forward=reshard_to[unit] > 1,
-                compute_device=compute_device,
-                reshard_group=reshard_group_names.get(partial, ""),
-                reshard_size=partial,
-                float8=float8.dtype if float8 else None,
-                float8_pow2_scale=float8.pow2_scale if float8 else False,
-            )
+                shard_group=topology.shard_group_name, shard_size=topology.shard_size, dim0_sharded=dim0_sharded,
+                replicate_group=topology.replicate_group_name, replicate_size=topology.replicate_size,
+                param_dtype=mp.param_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
+                reshard_after_forward=reshard_to[unit] > 1, compute_device=compute_device,
+                reshard_group=reshard_group_names.get(partial, ""), reshard_size=partial,
+                float8=float8.dtype if float8 else None, float8_pow2_scale=float8.pow2_scale if float8 else False)
             info = ShardedParamInfo(fqn, unit, gathered_shape, comm, tp)
             seen[id(param)] = (sharded, info)
             infos[fqn] = info
@@ -212,7 +197,7 @@ def _region_classes(model: nn.Module, regional: set[str], fallback: RegionFallba
 
 def _without_split_meshes(model: nn.Module, regional: set[str]) -> set[str]:
     """``regional`` less the units of block classes whose TP hooks hold different mesh objects,
-    each class named in a warning that says how to compile it as a region."""
+    each class named in a warning."""
     split = tp_mesh_split_classes(model, regional)
     for cls in sorted(split, key=lambda c: c.__qualname__):
         blocks = sorted(u for u in regional if type(model.get_submodule(u)) is cls)
@@ -229,8 +214,7 @@ def _without_split_meshes(model: nn.Module, regional: set[str]) -> set[str]:
 
 def _region_reads(specs: dict[str, ShardedParamInfo], unit: str, shards: LocalShards,
                   sync: GradientSync | None, region_class: RegionClass) -> RegionReads:
-    """A module's reads inside the region ``unit``, named relative to the unit, their leaves
-    kept current by ``shards``."""
+    """A module's reads inside the region ``unit``, their leaves kept current by ``shards``."""
     reads = RegionReads({name: shards.leaves[info.fqn] for name, info in specs.items()},
                         {name: relative_marker_args(info.fqn, unit, info.unshard_args)
                          for name, info in specs.items()}, sync, region_class)

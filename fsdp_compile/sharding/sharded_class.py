@@ -1,15 +1,11 @@
 """The generated subclass of every sharded module: ``module.<name>`` gathers the parameter.
 
-:func:`sharded_class` gives each sharded module a subclass of its class with one property per
-parameter name. Reading it returns the gathered parameter, ``unshard(leaf, ...)`` ([Note: sharded
-tensors] in :mod:`.sharded_param`): one marker per read, which Dynamo inlines into the graph and
-the eager runtime executes directly. The root's subclass also wraps ``forward`` to set the
-per-forward state the reads use (and to apply mixed precision casts); a unit compiled as a
-region gets the region's forward (:mod:`.regions`).
-
-Everything a read needs is in the module's state (:mod:`.module_state`), never in the class:
-one class serves every instance of the same class, parameter names and role (the root, a module
-inside a region).
+Each sharded module gets a subclass of its class with one property per parameter: reading it
+returns ``unshard(leaf, ...)``, one marker per read, which Dynamo inlines into the graph and the
+eager runtime executes. The root's subclass also wraps ``forward`` to set the per-forward state
+the reads use (and cast for mixed precision); a unit compiled as a region gets the region's
+forward. Everything a read needs is in the module's state (:mod:`.module_state`), never in the
+class: one class serves every instance with the same class, parameter names and role.
 """
 
 from __future__ import annotations
@@ -35,13 +31,10 @@ def sharded_class(cls: type, names: tuple[str, ...], root: bool = False, region_
                   in_region: bool = False, tp_names: tuple[str, ...] = (), tp_region: bool = False,
                   region_fallback: bool = False) -> type:
     """The generated subclass: a gathering property per parameter (``in_region``: for a module
-    inside a unit compiled as a region), for the root a forward that sets up the reads (and
-    applies mixed precision casts), for a unit compiled as a region (``region_forward``) a
-    forward that runs as one (see :mod:`.regions`). ``tp_names``: the tensor-parallel parameters,
-    whose reads return the tp DTensor (:mod:`.tensor_parallel`); ``tp_region``: a region of a
-    tensor-parallel model (:func:`.regions.region_input`); ``region_fallback``: the root of a
-    model with regions, whose call retries with the regions torch refused inline
-    (:mod:`.region_fallback`)."""
+    inside a region), for the root a forward that sets up the reads, for a region unit
+    (``region_forward``) a forward that runs as one. ``tp_names``: tensor-parallel parameters,
+    whose reads return the tp DTensor; ``tp_region``: a region of a tensor-parallel model;
+    ``region_fallback``: the root's call retries with the regions torch refused inline."""
     key = (cls, names, root, region_forward, in_region, tp_names, tp_region, region_fallback)
     if key not in _CLASS_CACHE:
         namespace: dict[str, Any] = {name: _make_property(name, in_region, name in tp_names) for name in names}
@@ -65,15 +58,12 @@ _REGION_READS = property(lambda self: self._fsdp_state.region,
 
 
 def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
-    # Dynamo inlines a read once per parameter read, and its cost grows with every call,
-    # attribute and constant it meets (reads through helper calls cost it ~100 bytecode steps
-    # each more than plain parameter reads): everything is precomputed at shard time, the
-    # marker's arguments included (one tuple, one guard), and the plain case -- inside the
-    # forward, no tied parameter, no accumulation, which the traced root forward decided once --
-    # is one marker on the leaf. The DTensor parameter itself is never touched (see
-    # LocalShards). Plain attribute reads, not getattr() calls or module.__dict__[...] (Dynamo
-    # wraps a whole __dict__ it is asked for). Modules outside compile regions get a read without
-    # the region's test, and the two reads repeat their common part rather than call it.
+    # Dynamo inlines every read, at a cost that grows with each call, attribute and constant it
+    # meets (a helper call costs ~100 bytecode steps per read): everything is precomputed at
+    # shard time (the marker's arguments: one tuple, one guard), and the plain case, which the
+    # traced root forward decided once, is one marker on the leaf. Plain attribute reads, not
+    # getattr() or module.__dict__[...] (Dynamo wraps a whole __dict__). The two reads repeat
+    # their common part rather than call it.
     def read(self: nn.Module) -> torch.Tensor:
         state = self._fsdp_state
         fqn, marker_args = state.reads[name]
@@ -85,13 +75,10 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
     def read_in_region(self: nn.Module) -> torch.Tensor:
         region = self._fsdp_state.region
         if not region.sync.accumulating and torch.compiler.is_compiling():
-            # Inside a compile region (sharding/compile_regions.py): nothing here may name the block,
-            # or the next block could not reuse this trace, nor read the root's per-forward
-            # state (Dynamo does not reuse a region that read what the outer frame wrote). A
-            # class compiled inline reads the same way: a frame Dynamo compiles for one of its
-            # blocks (after a graph break) then serves the others, where reads naming the
-            # block would recompile it for each (and past Dynamo's recompile limit, run the
-            # rest as Python). The captured graph's pass names every read at its call site.
+            # Nothing here may name the block or read the root's per-forward state, or the next
+            # block could not reuse this trace. A class compiled inline reads the same way: a
+            # frame Dynamo compiles for one block after a graph break then serves the others.
+            # The captured graph's pass names every read at its call site.
             return torch.ops.fsdp_compile.unshard(region.leaves[name], *region.args[name])
         state = self._fsdp_state
         fqn, marker_args = state.reads[name]
@@ -110,9 +97,8 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
 
     plain = read_in_region if in_region else read
     if tp:
-        # A separate property, so plain parameters' reads pay nothing for TP. The markers move the
-        # TP-local tensor over dp; TP's own DTensor ops (and collectives) then see the parameter
-        # exactly as parallelize_module left it.
+        # A separate property, so plain reads pay nothing for TP. The markers move the TP-local
+        # tensor over dp; TP's own DTensor ops then see the parameter as parallelize_module left it.
         def read_tp(self: nn.Module) -> torch.Tensor:
             return as_tp_dtensor(plain(self), self._fsdp_state.tp[name])
 
@@ -131,9 +117,8 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
 
 
 def gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
-    """A read that is not the plain case of :func:`_make_property`: a tied parameter, gradient
-    accumulation without synchronization, a read outside the model's forward, or one that runs
-    as Python (the compiler runs a graph that is nothing but one read through this too)."""
+    """A read that is not the plain case: a tied parameter, accumulation without sync, a read
+    outside the forward, or one that runs as Python (the compiler runs a one-read graph so)."""
     shared = shards.shared_gathered
     if shared is not None and fqn in shared:  # a tied parameter: gathered once at the root
         return shared[fqn]
@@ -141,8 +126,8 @@ def gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> tor
 
 
 def _gather(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
-    """One marker: the gathered parameter (its gradient reduced, or accumulated under no_sync);
-    a read in a forward that runs as Python gathers with its bucket (:mod:`.eager_buckets`)."""
+    """One marker (its gradient reduced, or accumulated under no_sync); a read in a forward that
+    runs as Python gathers with its bucket (:mod:`.eager_buckets`)."""
     local = shards.leaves[fqn]
     if shards.in_forward:
         accumulating = shards.accumulating
@@ -167,14 +152,12 @@ def _make_root_forward(cls: type) -> Callable[..., Any]:
         return cast_output(policy, original_forward(self, *args, **kwargs))
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # Inside forward rather than in hooks: Dynamo compiles module hooks as frames of their
-        # own, so hooks would add graphs; this way all of it is part of the model's graph.
+        # Not in hooks: Dynamo compiles module hooks as frames of their own.
         shards = self._fsdp_state.shards
         if torch.compiler.is_compiling():
             # No try/finally while traced: Dynamo cannot resume a frame inside one, so a graph
-            # break anywhere in the model would make it give up on this whole frame and run the
-            # root's code after the break as Python. The state is reset by the graph after the
-            # break instead (after an exception, by the next forward).
+            # break would make it run the root's code after the break as Python. The graph after
+            # the break resets the state (after an exception, the next forward).
             _begin_forward(shards, traced=True)
             output = run(self, shards, args, kwargs)
             _end_forward(shards)
@@ -192,8 +175,7 @@ def _make_root_forward(cls: type) -> Callable[..., Any]:
 def _begin_forward(shards: LocalShards, traced: bool) -> None:
     shards.accumulating = shards.sync is not None and shards.sync.accumulating
     shards.in_forward = True
-    # Traced reads are markers, one per read; reads that run as Python gather by bucket
-    # (through gathered_parameter), which the plain read would skip.
+    # Reads that run as Python gather by bucket (through gathered_parameter), which plain reads skip.
     shards.plain_reads = traced and not shards.accumulating and not shards.shared
     shards.prefetched = {}
     shards.read_in_forward = set()

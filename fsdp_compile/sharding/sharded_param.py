@@ -1,35 +1,27 @@
 """One sharded parameter: the tensors it is made of, and the map from those tensors to its name.
 
 [Note: sharded tensors]
-Sharding turns each parameter into the tensors below; the rest of the package uses these names
-for them and does not define them again.
+Sharding turns each parameter into these tensors; the package uses these names for them:
 
-* DTensor parameter: the ``nn.Parameter`` wrapping a DTensor (:func:`shard_tensor`,
-  :func:`sharded_parameter`) that replaces the original in ``module._parameters``. What
-  ``model.parameters()``, ``state_dict()``, an optimizer, ``clip_grad_norm_`` and distributed
-  checkpoints see, and where gradients end up (``.grad``, a DTensor too). Sharded on dim 0 over
-  the shard group; replicated for NO_SHARD and for 0-d tensors.
-* Local shard: the DTensor parameter's ``_local_tensor``, this rank's rows. Stored padded to an
-  equal chunk, as FSDP2 stores it, so every rank's copy-in reads the same size; the local shard
-  is the view of its first rows. In host memory under CPU offload.
-* Leaf: a plain ``nn.Parameter`` sharing the local shard's storage (:class:`ShardedParam`), an
-  autograd leaf of its own. It stands for the parameter in forward: the reads pass it to the
-  unshard marker, and Dynamo sees it as a graph input (a static input, as a parameter is). Its
-  gradient goes into the DTensor parameter's ``.grad``. Why the graphs do not read the DTensor
-  parameter itself: :class:`~.local_shards.LocalShards`.
-* Gathered parameter: the full tensor that ``module.<name>`` returns in forward,
-  ``unshard(leaf, ...)`` (see :mod:`.sharded_class`): every rank's local shard all-gathered, in
-  the mixed-precision parameter dtype if there is one. Backward reduces its gradient into the
-  leaf's (under ``no_sync`` it accumulates unreduced instead: :mod:`.grad_sync`).
+* DTensor parameter: the ``nn.Parameter`` wrapping a DTensor (:func:`shard_tensor`) that replaces
+  the original in ``module._parameters``: what ``parameters()``, ``state_dict()``, optimizers,
+  ``clip_grad_norm_`` and checkpoints see, and where gradients end up. Sharded on dim 0 over
+  the shard group; replicated for NO_SHARD and 0-d tensors.
+* Local shard: its ``_local_tensor``, this rank's rows, stored padded to an equal chunk as FSDP2
+  stores it (every rank's copy-in reads the same size). In host memory under CPU offload.
+* Leaf: a plain ``nn.Parameter`` sharing the local shard's storage (:class:`ShardedParam`),
+  an autograd leaf of its own that stands for the parameter in forward: the reads pass it to
+  the unshard marker. Its gradient goes into the DTensor parameter's ``.grad``. Why graphs do
+  not read the DTensor: :class:`~.local_shards.LocalShards`.
+* Gathered parameter: the full tensor ``module.<name>`` returns in forward, ``unshard(leaf,
+  ...)`` (:mod:`.sharded_class`), in the mixed-precision dtype if any.
 
-An optimizer step on the DTensor parameter, a ``copy_`` into it or a checkpoint load writes the
-local shard's storage, which the leaf shares: the next forward sees it without a copy.
+An optimizer step, a ``copy_`` or a checkpoint load writes the local shard's storage, which the
+leaf shares: the next forward sees it without a copy.
 
-Names: the graphs' inputs are leaves, whose Dynamo sources name nothing a user recognizes, so
-errors look their parameter's name up here. One weak map from tensor (DTensor parameter or leaf)
-to its record, rather than attributes on the tensors: those travel with a copy (``torch.save``
-pickles a parameter's attributes, ``copy.deepcopy`` a tensor's), and the copy is no sharded
-parameter. Looked up when a graph is compiled, never per read.
+Names: errors name a graph input's parameter through one weak map from tensor to record, not
+attributes on the tensors, which travel with a copy (``torch.save``, ``copy.deepcopy``) that is
+no sharded parameter. Looked up when a graph is compiled, never per read.
 """
 
 from __future__ import annotations
@@ -88,8 +80,7 @@ _TENSORS = WeakIdKeyDictionary()
 
 
 def sharded_name(tensor: torch.Tensor) -> str | None:
-    """The name of the parameter that ``tensor`` (a DTensor parameter or a leaf) is, or None if
-    no backend sharded it."""
+    """The name of the parameter ``tensor`` (a DTensor parameter or leaf) is, or None."""
     record = _TENSORS.get(tensor)
     return record.name if record is not None else None
 
@@ -109,20 +100,15 @@ def sharded_parameter(dtensor: torch.Tensor, fqn: str, requires_grad: bool) -> n
 
 def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | None,
                  tp: TPSpec | None = None) -> tuple[torch.Tensor, bool]:
-    """This rank's DTensor shard of ``param``, and whether it is split on dim 0.
-
-    With ``tp`` (``param`` is then its TP-local tensor), the shard is a DTensor on the dp and tp
-    meshes together (:mod:`.tensor_parallel`)."""
+    """This rank's DTensor shard of ``param``, and whether it is split on dim 0. With ``tp``
+    (``param`` is its TP-local tensor) the DTensor is on the dp and tp meshes together."""
     full = plain_tensor(param).detach()  # a torchao float8 weight is sharded as the tensor it wraps
     device = None if full.is_meta else current_device(topology.mesh.device_type)
     if full.dim() == 0 or topology.shard_size == 1:
         local = _place(full.clone(), offload, device)
         if tp is not None:
-            mesh, placements = combined_layout(topology, tp, dim0_sharded=False)
-            return DTensor.from_local(local, mesh, placements, run_check=False,
-                                      shape=tp.shape, stride=tp.stride), False
-        return DTensor.from_local(local, topology.mesh, topology.replicated_placements(),
-                                  run_check=False), False
+            return _tp_dtensor(local, topology, tp, False), False
+        return DTensor.from_local(local, topology.mesh, topology.replicated_placements(), run_check=False), False
     rows = full.shape[0]
     chunk = padded_rows(rows, topology.shard_size)
     start, length = shard_bounds(rows, topology.shard_size, topology.shard_rank)
@@ -130,19 +116,19 @@ def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | 
     storage[:length].copy_(full[start:start + length])
     local = _place(storage, offload, device)[:length]
     if tp is not None:
-        mesh, placements = combined_layout(topology, tp, dim0_sharded=True)
-        return DTensor.from_local(local, mesh, placements, run_check=False,
-                                  shape=tp.shape, stride=tp.stride), True
-    dtensor = DTensor.from_local(local, topology.mesh, topology.placements, run_check=False,
-                                 shape=full.shape, stride=full.stride())
-    return dtensor, True
+        return _tp_dtensor(local, topology, tp, True), True
+    return DTensor.from_local(local, topology.mesh, topology.placements, run_check=False, shape=full.shape,
+                              stride=full.stride()), True
+
+
+def _tp_dtensor(local: torch.Tensor, topology: Topology, tp: TPSpec, dim0_sharded: bool) -> DTensor:
+    mesh, placements = combined_layout(topology, tp, dim0_sharded)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
 
 def _place(storage: torch.Tensor, offload: CPUOffload | None, device: torch.device | None = None) -> torch.Tensor:
-    """Where a shard lives: host memory under ``offload`` (pinned where asked and possible),
-    else ``device``, the mesh's (None: where it is). FSDP2's ``fully_shard`` moves a module's
-    states to its mesh's device too: a model built on the CPU and sharded over an NCCL group
-    trains on the GPU."""
+    """Where a shard lives: host memory under ``offload`` (pinned where asked and possible), else
+    ``device``, the mesh's (None: where it is), as FSDP2 moves a module's states to its mesh's."""
     if offload is not None:
         storage = storage.to("cpu")
         return storage.pin_memory() if offload.pin_memory and offload_pins_memory() else storage
@@ -155,11 +141,8 @@ def offload_pins_memory() -> bool:
 
 
 class ShardedParam:
-    """One DTensor parameter and the leaf that stands for it in forward, kept in line.
-
-    Gradients accumulate into ``leaf.grad`` and a hook moves them into ``param.grad`` as a
-    DTensor, as FSDP2 moves its reduced shards into the sharded parameters' ``.grad``.
-    """
+    """One DTensor parameter and the leaf that stands for it in forward, kept in line; a hook
+    moves ``leaf.grad`` into ``param.grad`` as a DTensor, as FSDP2 moves its reduced shards."""
 
     __slots__ = ("__weakref__", "fqn", "hooked", "leaf", "local", "owner", "param")
 
@@ -205,13 +188,9 @@ class ShardedParam:
 
 
 def _grad_mover(shard: ShardedParam) -> Callable[[torch.Tensor], None]:
-    """The leaf's post-accumulate-grad hook, holding its ShardedParam weakly.
-
-    The leaf keeps its hooks in C++, where the garbage collector cannot see them: a hook that
-    held the ShardedParam strongly (a bound method) would close a cycle leaf -> hook -> shard ->
-    leaf that is never collected, keeping the DTensor parameters, their mesh and its gloo process
-    group (and that group's threads, which then race interpreter shutdown) alive.
-    """
+    """The leaf's post-accumulate-grad hook, holding its ShardedParam weakly: the leaf keeps hooks
+    in C++, out of the garbage collector's sight, so a strong hook would close a cycle that
+    keeps the parameters, their mesh and its gloo group (whose threads race shutdown) alive."""
     ref = weakref.ref(shard)
 
     def move(leaf: torch.Tensor) -> None:

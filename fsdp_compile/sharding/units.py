@@ -1,27 +1,17 @@
 """Bucket units: which module each parameter communicates with, decided when a model is sharded.
 
 A unit is a module whose parameters form one bucket (one all-gather, one reduce-scatter).
-Policies (``fsdp_compile.backend(bucket=...)``):
+Policies (``bucket=``, parsed in :mod:`fsdp_compile.api.buckets`):
 
-* ``"module"`` (default): one bucket per repeated block, plus one for the parameters outside
-  every block (FSDP's transformer auto-wrap without naming the class). Blocks are two or more
-  siblings of one class: members of an ``nn.ModuleList``, ``nn.Sequential`` or
-  ``nn.ModuleDict`` (torchtitan's ``layers``), or composite attributes (``self.block0``,
-  ``self.block1``; leaf layers such as two ``nn.Embedding`` are not blocks). The outermost
-  repeat wins (a block's experts stay in the block), except that a stage holding blocks (a
-  container of them, or a stack: a module with nothing but leaf layers beside them, too large
-  to be one bucket) gives way to its blocks; an encoder and a decoder each contribute their
-  own blocks;
-* a set of module classes, or a callable ``module -> bool`` (as FSDP1's ``auto_wrap_policy``):
-  each selected module is a unit; a parameter belongs to its nearest selected ancestor, else to
-  the root;
-* an int: no units; consecutive markers in graph order share a bucket until it holds that many
-  bytes (see :mod:`fsdp_compile.passes.bucketing`);
+* ``"module"`` (default): one bucket per repeated block, plus one for the rest (FSDP's
+  transformer auto-wrap without naming the class): see :class:`_BlockFinder`;
+* a set of module classes, or a callable ``module -> bool``: each selected module is a unit, and
+  a parameter belongs to its nearest selected ancestor, else to the root;
+* an int: no units; consecutive markers share a bucket up to that many bytes;
 * ``"param"``: one bucket per parameter.
 
-Units travel in each marker's ``unit`` argument, so the bucketing pass needs nothing but the
-graph. This module holds the model side (units); the policies are parsed in
-:mod:`fsdp_compile.api.buckets`, the graph side is :mod:`fsdp_compile.passes.bucketing`.
+Units travel in each marker's ``unit`` argument, so bucketing (:mod:`fsdp_compile.passes.bucketing`)
+needs nothing but the graph.
 """
 
 from __future__ import annotations
@@ -36,9 +26,8 @@ ROOT_UNIT = ""
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-# A rank holds two buckets gathered at once (the one in use and the one prefetched); two
-# stacks holding more than this share of the model's parameters between them would keep most
-# of the model whole, so their blocks are the units instead.
+# A rank holds two buckets gathered at once: two stacks holding more than this share of the
+# model would keep most of it whole, so their blocks are the units instead.
 _MAX_SHARE_OF_TWO = 0.5
 
 
@@ -47,11 +36,8 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 
 def _is_composite(module: nn.Module) -> bool:
-    """A layer made of layers (a block, an attention): some child module holds parameters.
-
-    Leaf layers (``nn.Linear``, ``nn.Embedding``, norms) hold theirs directly; two of them side
-    by side (q/k/v projections, token and position embeddings) are not blocks.
-    """
+    """A layer made of layers (a block, an attention), not a leaf layer holding its own
+    parameters (two embeddings or q/k/v projections side by side are not blocks)."""
     return any(_holds_parameters(child) for child in module.children())
 
 
@@ -59,19 +45,14 @@ class _BlockFinder:
     """The ``"module"`` policy: the outermost repeated blocks, wherever the model holds them.
 
     Siblings repeat when two or more have one class: members of a container (``nn.ModuleList``,
-    ``nn.Sequential``, ``nn.ModuleDict``, whatever else it holds), or composite attributes of a
-    module (``self.block0``, ``self.block1``). A repeated sibling is a block and the search stops
-    there (experts inside a block are part of the block), unless it is a *stage*, a grouping of
-    composite blocks: a container of them, or a stack (a module holding them in containers, and
-    beside them only leaf layers: T5's encoder and decoder are one class, each an embedding, a
-    list of blocks and a norm). A stage's blocks are the units then.
+    ``nn.Sequential``, ``nn.ModuleDict``), or composite attributes (``self.block0``,
+    ``self.block1``). A repeated sibling is a block (its experts are part of it) unless it is a
+    *stage* grouping composite blocks, whose blocks are the units then: a container of them, or
+    a stack (blocks in containers and beside them only leaf layers: T5's encoder and decoder).
 
-    Structure alone cannot tell a stack from a block of experts whose only other layers are
-    leaves (a norm and a router beside the list of experts): the sizes do. T5 has two stacks,
-    each near half of the model, and taking them whole would gather most of the model at once;
-    a mixture of experts has many blocks, each a small share, and one bucket per block keeps
-    buckets of comparable size that each leave the rest sharded. So repeated stacks are stages
-    only when two of them hold more than half of the model's parameters.
+    Structure alone cannot tell a stack from a block of experts beside a norm and a router: the
+    sizes do. T5's two stacks are each near half of the model; a mixture of experts has many
+    small blocks. So repeated stacks are stages only when two hold over half the parameters.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -80,8 +61,7 @@ class _BlockFinder:
         for name, module in model.named_modules():
             self.name_of.setdefault(id(module), name)
         self.modules = dict(model.named_modules())
-        # Parameter elements under each module name, each parameter counted once (where
-        # named_parameters() names it), for the size of a stack.
+        # Parameter elements under each module name, each parameter counted once.
         self.numel: dict[str, int] = {}
         for name, param in model.named_parameters():
             parts = name.split(".")[:-1]
@@ -138,8 +118,7 @@ def _repeated_blocks(model: nn.Module) -> set[str]:
 
 def repeated_classes(model: nn.Module, within: Callable[[str], bool] = lambda name: True) -> list[str]:
     """Names of the classes with parameters that occur twice or more among the modules ``within``
-    selects by name (containers aside): composite ones first (blocks, attention), then leaf layers,
-    each group in model order. What a class-set policy could name."""
+    selects (containers aside), composite ones first: what a class-set policy could name."""
     def user_class(module: nn.Module) -> type:
         # Once sharded, a module's class is a generated subclass; the user knows the original.
         return getattr(type(module), "_fsdp_original_class", type(module))
@@ -160,20 +139,15 @@ def unit_modules(model: nn.Module, policy: Policy) -> set[str]:
         return _repeated_blocks(model)
     if not policy.uses_units:
         return set()
-    if policy.kind == "classes":
-        chosen = {n for n, m in model.named_modules() if isinstance(m, policy.classes)}
-    else:
-        chosen = {n for n, m in model.named_modules() if policy.predicate(m)}
-    chosen.discard(ROOT_UNIT)
+    select = (lambda m: isinstance(m, policy.classes)) if policy.kind == "classes" else policy.predicate
+    chosen = {n for n, m in model.named_modules() if select(m)} - {ROOT_UNIT}
     if not chosen:
         classes = repeated_classes(model)
         known = (f"its repeated module classes are {', '.join(classes)}" if classes
                  else "it repeats no module class, so a size in bytes (bucket=<int>) fits it better")
-        raise ValueError(
-            f"bucket={policy.describe()} matches no module of {type(model).__name__} (other than the "
-            f"root); {known}. Name classes that occur in the model, a callable that selects some of "
-            "its submodules, or keep the default bucket='module'"
-        )
+        raise ValueError(f"bucket={policy.describe()} matches no module of {type(model).__name__} (other than the "
+                         f"root); {known}. Name classes that occur in the model, a callable that selects some of "
+                         "its submodules, or keep the default bucket='module'")
     return chosen
 
 
