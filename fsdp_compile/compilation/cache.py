@@ -1,35 +1,22 @@
 """Warm restarts: a second process compiling the same model reuses the first one's compilation.
 
-Under ``compiler="inductor"`` torch keeps compiled graphs on disk: AOTAutograd's cache (keyed
-on the Dynamo graph, its inputs and the Inductor configuration; an entry holds the forward and
-backward graphs Inductor compiled) in front of Inductor's FX graph cache. A hit skips
-AOTAutograd's tracing, the partitioner, our passes and Inductor; only Dynamo runs again (it
-must, to build the guards of the new process).
+Under ``compiler="inductor"`` torch keeps compiled graphs on disk: AOTAutograd's cache (keyed on
+the Dynamo graph, its inputs and Inductor's configuration) in front of Inductor's FX graph cache.
+A hit skips AOTAutograd, the partitioner, our passes and Inductor; only Dynamo runs again.
 
-Our passes run inside Inductor's compilation, which the AOTAutograd key does not see, so the
-backend puts everything their result depends on into the key, as the ``uuid()`` of the joint
-pass and partitioner it installs in Inductor's configuration (:func:`cache_key_parts`): this
-package's version and the hash of its sources, the options declared ``cache=True``
-(``fsdp_compile/api/options.py``), world size and group layout, prefetch orders and reshard
-choices as resolved, and the uuids of the user's passes. Anything that changes one of them
-misses; the Dynamo graph itself already spells out every parameter's shapes, groups and dtypes
-(the markers' arguments).
+Our passes run inside Inductor's compilation, which the AOTAutograd key does not see, so
+everything their result depends on goes into the key as the ``uuid()`` of the hooks the backend
+installs (:func:`cache_key_parts`): the package's version and sources, the options declared
+``cache=True`` (``api/options.py``), world, groups and local shards, prefetch orders and reshard
+choices as resolved, and the uuids of the user's passes. The Dynamo graph already spells out
+every parameter's shapes, groups and dtypes (the markers' arguments).
 
-The cache is used when the user asks for it with ``cache_dir=``: that points Inductor's cache
-(``TORCHINDUCTOR_CACHE_DIR``, which holds the generated code too) at a directory of the
-user's choosing, for the whole process. A small manifest there records the versions that wrote
-it: entries of another fsdp_compile or torch version are never used (the versions are part of
-every key), and the backend says so. Without ``cache_dir=`` every compile runs AOTAutograd
-and our passes (Inductor's FX graph cache still skips code generation for a graph it has
-compiled before: its key is the graph our passes produced).
-
-A graph loaded from the cache ran none of our passes in this process: its record in
-``backend.graphs`` has ``cache == "hit"`` and no forward/backward graphs, buckets or schedule.
-
-The cache is off (each compile is cold, with a warning saying why) when it cannot be keyed or
-used safely: a user pass without a ``uuid()`` method (its behaviour cannot be keyed), dumping
-(a hit would write no graphs), or a ``cache_dir`` that cannot be written. ``aot_eager`` and
-``eager`` compile through no cache (torch caches only Inductor's output).
+``cache_dir=`` points Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) at the user's directory for
+the whole process; a manifest there records the versions that wrote it (entries of another
+version are never used, and the backend says so). A graph loaded from the cache ran none of our
+passes: its record has ``cache == "hit"`` and no graphs, buckets or schedule. The cache is off,
+with a warning saying why, for a user pass without ``uuid()``, while dumping, or for a
+``cache_dir`` that cannot be written; ``aot_eager`` and ``eager`` compile through no cache.
 """
 
 from __future__ import annotations
@@ -99,17 +86,14 @@ def cache_key(parts: dict[str, Any]) -> str:
 
 
 def cache_key_parts(options: BackendOptions, state: ShardingState) -> dict[str, Any]:
-    """Everything our passes' result depends on besides the Dynamo graph; the user's passes
-    are keyed by their uuids (:func:`user_pass_uuids`)."""
+    """Everything our passes' result depends on besides the Dynamo graph and the user's passes."""
     topo = state.topology
     groups = {}
     for name, group in (("shard", topo and topo.shard_group), ("replicate", topo and topo.replicate_group)):
         groups[name] = dist.get_process_group_ranks(group) if group is not None else None
-    # AOTAutograd keys a DTensor input by its global metadata only, so with uneven shards
-    # ranks whose local shards differ would share an entry (a wrong graph, caught by a
-    # size assertion at best): the rank and every local shard's metadata are part of ours.
-    # The mesh and placements too: under tensor parallelism the TP plan decides them (and the TP
-    # collectives in the graph), and two plans can leave every local shard the same shape.
+    # AOTAutograd keys a DTensor input by its global metadata only: with uneven shards, ranks
+    # whose local shards differ would share an entry, and two TP plans can leave every local
+    # shard the same shape. So the rank, each local shard, its mesh and placements are keyed.
     local = sorted((name, tuple(p.to_local().shape), tuple(p.to_local().stride()), str(p.dtype), str(p.device),
                     p.device_mesh.mesh_dim_names, tuple(map(repr, p.placements)))
                    for p in state.sharded_parameters() for name in [sharded_name(p) or ""])
@@ -143,8 +127,7 @@ def compile_cache_key(cache: CacheState, options: BackendOptions, state: Shardin
     if uuids is None:
         return key, False, why
     if dumping:
-        # A hit would skip the passes, and with them the dump: compile (an entry stored
-        # under the same key stays right for later runs without dumps).
+        # A hit would skip the passes, and the dump with them (what is stored stays right).
         return key, False, "dumping graphs (dump_dir / FSDP_COMPILE_DUMP) needs the passes to run"
     return key, True, ""
 
@@ -161,9 +144,8 @@ class CacheLookup:
 
 def record_outcome(record: Any, outcome: str, key: str | None, stats: dict[str, int], directory: str | None,
                    graph_code: str, calls: Callable[[], list[Any]]) -> None:
-    """What Inductor's caches did for a compiled graph (``outcome``: "hit", "miss" or "off: <why>"),
-    on its record and in the compiler's counts; a miss stores the graph's collectives
-    (``calls()``) beside the cache entry, which a later hit checks across ranks."""
+    """What Inductor's caches did for a graph ("hit", "miss" or "off: <why>"), on its record and in
+    the counts; a miss stores its collectives beside the entry, for a later hit to check across ranks."""
     record.cache, record.cache_key = outcome, key
     stats["hits" if outcome == "hit" else "misses" if outcome == "miss" else "off"] += 1
     if outcome == "miss":
@@ -186,8 +168,7 @@ def prepare_directory(directory: str | os.PathLike) -> CacheState:
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    # Inductor itself sets the variable to its default on first use: only a choice of the user's
-    # is worth a word.
+    # Inductor sets the variable to its default on first use: only a user's choice is worth a word.
     if previous is not None and Path(previous).resolve() not in (path, Path(default_cache_dir()).resolve()):
         warnings.warn(f"fsdp_compile: cache_dir={str(path)!r} replaces TORCHINDUCTOR_CACHE_DIR={previous!r} "
                       "for this process", RuntimeWarning, stacklevel=3)
@@ -225,12 +206,8 @@ def _calls_path(directory: str, key: str, graph_code: str) -> Path:
 
 
 def save_collectives(directory: str, key: str, graph_code: str, calls: list[dict[str, Any]]) -> None:
-    """Keep a compiled graph's collective sequence beside its cache entry.
-
-    A process that loads the graph from the cache runs none of our passes, so it cannot read
-    its collectives off the lowered graphs; the first-run agreement check (``verify=True``)
-    compares this sequence instead, and a rank that missed the cache compares the same one.
-    """
+    """Keep a compiled graph's collective sequence beside its cache entry: a process that loads
+    the graph runs none of our passes, and its first-run agreement check compares this instead."""
     path = _calls_path(directory, key, graph_code)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

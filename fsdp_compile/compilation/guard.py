@@ -1,17 +1,10 @@
 """The per-call guard around every compiled graph: what runs at each step besides the graph.
 
-Dynamo calls the function the backend returned for a graph at every step. The guard wraps the
-compiled graph with what must be checked or repaired at run time:
-
-* the leaves that stand for the parameters are brought in line with them (``requires_grad``
-  toggled, storage replaced); a step whose leaves changed runs once through the eager runtime,
-  as the compiled autograd was traced for the old ones;
-* on its first run, the graph's collectives are compared with every other rank's
-  (``verify=True``, :mod:`fsdp_compile.checks.agreement`);
-* on its first step, its gradients are compared with the eager runtime's
-  (``verify_gradients``, :mod:`fsdp_compile.checks.gradients`);
-* a collective that fails because another rank died is reported as this graph's forward
-  having lost a rank (:mod:`fsdp_compile.runtime.faults`).
+* the parameters' leaves are brought in line with them; a step whose leaves changed runs once
+  through the eager runtime (the compiled autograd was traced for the old ones);
+* on its first run, the graph's collectives are compared with every other rank's (``verify=``);
+* on its first step, its gradients are compared with the eager runtime's (``verify_gradients=``);
+* a collective that fails because another rank died names this graph (:mod:`..runtime.faults`).
 """
 
 from __future__ import annotations
@@ -46,9 +39,8 @@ def flat_inputs(compiled: Callable, args: tuple[Any, ...]) -> list[Any]:
 
 
 def as_python(record: CompiledGraph) -> fx.GraphModule:
-    """The captured graph as Python, every marker run by the eager runtime. Regions run only
-    under AOTAutograd (their backward is traced on first use): a copy with them inlined is made
-    once and kept as the record's graph."""
+    """The captured graph as Python, markers run by the eager runtime; regions (which run only
+    under AOTAutograd) inlined into a copy kept as the record's graph."""
     if any(is_region_call(n) for n in record.dynamo.graph.nodes):
         record.dynamo = copy_graph_module(record.dynamo)
         inline_regions(record.dynamo)
@@ -70,7 +62,7 @@ def parameter_name(node: fx.Node) -> str:
 
 
 class StepGuard:
-    """Wraps each compiled graph of one backend (see the module docstring)."""
+    """Wraps each compiled graph of one backend."""
 
     def __init__(self, options: BackendOptions, state: ShardingState, cache_state: CacheState,
                  gradient_check: GradientCheck | None) -> None:
@@ -84,7 +76,6 @@ class StepGuard:
         return self.options.timeout or world_timeout()
 
     def wrap(self, compiled: Callable, record: CompiledGraph) -> Callable:
-        """``compiled`` as Dynamo calls it."""
         verifier = self.state.verifier if self.options.verify else None
         check = self.gradient_check if record.compiler != "eager" else None
         timeout = self.timeout
@@ -115,8 +106,7 @@ class StepGuard:
         return run
 
     def refresh_leaves(self) -> dict[int, torch.Tensor] | None:
-        """Bring the leaves that stand for the parameters in line with them (``requires_grad``
-        toggled, storage replaced since the last call); None when nothing changed."""
+        """Bring the parameters' leaves in line with them: the replaced ones, None when none changed."""
         replaced: dict[int, torch.Tensor] = {}
         for shards in self.state.local_shards:
             replaced.update(shards.refresh())
@@ -124,9 +114,8 @@ class StepGuard:
 
     def run_eagerly_once(self, record: CompiledGraph, compiled: Callable, args: tuple[Any, ...],
                          replaced: dict[int, torch.Tensor]) -> Any:
-        """This call through the eager runtime: the compiled graph was traced for leaves that
-        no longer match their parameters (a parameter frozen or unfrozen since), so its autograd
-        would be wrong for them. Dynamo's guards on the leaves compile a new graph next call."""
+        """This call through the eager runtime, as the graph's autograd was traced for the old leaves
+        (Dynamo's guards on them compile a new graph next call)."""
         flat = flat_inputs(compiled, args)
         if boxed(compiled, args):
             args[0].clear()  # a boxed call hands its inputs over
@@ -139,9 +128,8 @@ class StepGuard:
         return name or f"input {parameter_name(node)}"
 
     def collectives(self, record: CompiledGraph) -> list[CollectiveCall]:
-        """What ``record`` issues, for the first-run agreement check. A graph loaded from the
-        compile cache has no lowered graphs here: its sequence was kept beside the entry by the
-        run that compiled it, so ranks that hit and ranks that missed compare alike."""
+        """What ``record`` issues; a cache hit has no lowered graphs here, so the sequence the
+        compiling run kept beside the entry (ranks that hit and that missed compare alike)."""
         if record.cache == "hit" and self.cache_state.directory is not None:
             kept = load_collectives(self.cache_state.directory, record.cache_key, record.dynamo.code)
             if kept is not None:

@@ -1,13 +1,9 @@
 """The inner compilers the pipeline's stages run inside: AOTAutograd with ``aot_eager``, or Inductor.
 
-Both are handed the same :class:`Stages` of one captured graph and call them in the same order:
-the joint stage on the joint graph, then the partition (the partitioner and the partition
-fix-ups), then the graph stage on every forward / backward graph before compiling it. Under
-``aot_eager`` the stages are AOTAutograd's ``partition_fn`` and phase compilers; Inductor is
-reached through its public hooks: its joint-graph custom pass and partitioner
-(:class:`JointPassHook`, :class:`PartitionerHook`, whose uuids carry our cache key) and
-``compile_fx``'s ``inner_compile``. The stages come as callables: this module does not know the
-pipeline (:mod:`.pipeline`), which calls it.
+Both call the same :class:`Stages` in the same order (joint, partition and fix-ups, then each
+graph): ``aot_eager`` as AOTAutograd's ``partition_fn`` and phase compilers, Inductor through its
+public hooks (:class:`JointPassHook`, :class:`PartitionerHook`, whose uuids carry our cache key,
+and ``inner_compile``). The stages come as callables: this module does not know the pipeline.
 """
 
 from __future__ import annotations
@@ -80,12 +76,9 @@ def compile_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], stages:
 
 def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: Stages, cache: CacheLookup,
                      fallback_random: bool = False) -> tuple[Callable, str]:
-    """Inductor with our stages in its joint-graph, partitioner and inner-compile hooks.
-
-    Returns the compiled graph and what Inductor's caches did for it: "hit" (loaded: no stage
-    ran), "miss" (compiled and stored) or "off: <why>". ``fallback_random``: random ops draw
-    what the eager runtime draws (``verify_gradients=``).
-    """
+    """Inductor with our stages in its hooks: the compiled graph and what Inductor's caches did,
+    "hit" (no stage ran), "miss" or "off: <why>". ``fallback_random``: random ops draw what the
+    eager runtime draws (``verify_gradients=``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
@@ -100,13 +93,9 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: 
         scheduled = record.backward_schedule if phase == "backward" else record.forward_schedule
         if scheduled is None or not any(is_collective(n) for n in lowered.graph.nodes):
             return compile_fx_inner(lowered, inputs, **kwargs)
-        # Inductor's peak-memory reordering (on by default) replaces the node order with
-        # whichever topological sort it estimates lowest in memory: it moves each backward
-        # all-gather to right before its wait and every reduce-scatter's wait to the end of
-        # the graph, undoing the prefetch and the in-flight budget schedule_collectives set.
-        # It runs after fusion, so without it the kernels, and the results, are the same. A
-        # graph with no collective (world 1, NO_SHARD's forward), or one the scheduling pass
-        # did not order (schedule=False, disabled, failed), has no order of ours to keep.
+        # Inductor's peak-memory reordering would move each backward all-gather to right before
+        # its wait and each reduce-scatter's wait to the end, undoing schedule_collectives' order.
+        # It runs after fusion, so without it the kernels and results are the same.
         with torch._inductor.config.patch(reorder_for_peak_memory=False):
             return compile_fx_inner(lowered, inputs, **kwargs)
 
@@ -120,19 +109,15 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: 
         patches["fallback_random"] = True
     if not cache.fx_graph_cache:
         patches["fx_graph_cache"] = False
-    # The AOTAutograd cache keys on the Dynamo graph and Inductor's configuration, where our
-    # key travels as the uuid of the joint pass and partitioner above: a hit is exactly what
-    # our passes would produce again. A key of None (a pass we cannot key) makes Inductor
-    # bypass its caches.
+    # AOTAutograd's cache keys on Inductor's configuration, where our key travels as the hooks'
+    # uuids: a hit is what our passes would produce again; a key of None bypasses the caches.
     counts = torch._dynamo.utils.counters["aot_autograd"]
     hits, bypasses = counts["autograd_cache_hit"], counts["autograd_cache_bypass"]
     functorch_patches: dict[str, Any] = {"enable_autograd_cache": lookups}
     if any(is_region_call(n) for n in gm.graph.nodes):
-        # Inductor lowers a region's backward body with the indices of the backward graph's
-        # donated buffers (saved tensors it may overwrite), applied to the body's own inputs:
-        # the body then writes its result over an input the caller still reads (the gradient
-        # arriving from the next block). Upstream torch fixes this after 2.13 (pytorch#193960);
-        # until then, graphs with regions donate nothing (see docs/design.md).
+        # Inductor applies the backward graph's donated-buffer indices to a region body's own
+        # inputs, which then overwrites a gradient the caller still reads (fixed upstream after
+        # 2.13, pytorch#193960): graphs with regions donate nothing (see docs/design.md).
         functorch_patches["donated_buffer"] = False
     with torch._functorch.config.patch(**functorch_patches):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
@@ -144,10 +129,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: 
 
 
 class JointPassHook(torch._inductor.custom_graph_pass.CustomGraphPass):
-    """The pipeline's joint stage, run by Inductor's partition step before it partitions.
-
-    A joint pass the user already configured still runs, after ours.
-    """
+    """The pipeline's joint stage, run by Inductor before it partitions; a user's joint pass after it."""
 
     def __init__(self, joint_stage: Callable[[fx.GraphModule], None],
                  user_pass: Callable[[fx.Graph], None] | None, key: str | None = None) -> None:
@@ -165,8 +147,7 @@ class JointPassHook(torch._inductor.custom_graph_pass.CustomGraphPass):
 
 
 def _uuid(key: str | None, user_pass: Any) -> Any:
-    """Our key, plus the uuid of the user's pass we wrap; None (Inductor then bypasses its
-    caches) when either is unknown."""
+    """Our key with the uuid of the user's pass we wrap; None (no caching) when either is unknown."""
     if key is None:
         return None
     if user_pass is None:
@@ -177,10 +158,8 @@ def _uuid(key: str | None, user_pass: Any) -> Any:
 
 
 class PartitionerHook(getattr(torch._inductor.custom_graph_pass, "CustomPartitionerFn", object)):
-    """Inductor's partitioner (or the user's) followed by the partition fix-ups.
-
-    A plain object (the disabled pass names and our key): one that held the compilation made
-    the AOTAutograd cache bypass."""
+    """Inductor's partitioner (or the user's), then the partition fix-ups. It holds plain values
+    only: one that held the compilation made AOTAutograd's cache bypass."""
 
     def __init__(self, user_partitioner: Callable[..., Any] | None, disabled: Sequence[str] = (),
                  key: str | None = None) -> None:
@@ -202,14 +181,9 @@ class PartitionerHook(getattr(torch._inductor.custom_graph_pass, "CustomPartitio
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a graph compiles.
-
-    Compiling allocates millions of long-lived objects (graphs, nodes, fake tensors); the
-    automatic collector then walks the whole growing heap again and again: at 64 layers about
-    16% of a compile, plain torch.compile's included. Paused, objects still die by reference
-    count; cyclic garbage waits for the next automatic collection after the compile, one
-    walk instead of many. The caller's collector state is restored.
-    """
+    """Python's cyclic garbage collector off while a graph compiles: compiling allocates millions of
+    long-lived objects, which the collector would walk again and again (objects still die by
+    reference count; cycles wait for one collection after the compile)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

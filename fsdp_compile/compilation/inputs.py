@@ -1,9 +1,5 @@
-"""What a captured graph's inputs must be, and the graph that is nothing but one parameter read.
-
-Every parameter a captured graph takes must be a shard this backend made (:func:`check_inputs`
-names the one that is not, and what to do). A graph that only reads one sharded parameter
-(:func:`lone_read`) runs as Python instead of compiling (:func:`read_as_python`).
-"""
+"""What a captured graph's inputs must be (shards this backend made), and the graph that is
+nothing but one parameter read, which runs as Python instead of compiling."""
 
 from __future__ import annotations
 
@@ -60,10 +56,8 @@ def lone_read(gm: fx.GraphModule) -> fx.Node | None:
 
 def read_as_python(state: ShardingState, record: CompiledGraph, read: fx.Node,
                    example_inputs: Sequence[Any]) -> Callable:
-    """A graph that is nothing but one parameter read: Dynamo compiled the read as a frame of
-    its own, called from code it runs as Python (after a graph break). It runs as Python
-    too, as that code's other reads do, so that it gathers with its bucket
-    (sharding/eager_buckets.py) instead of as a bucket of one."""
+    """A lone read, a frame Dynamo compiled from code it runs as Python (after a graph break), runs
+    as Python too, so that it gathers with its bucket (sharding/eager_buckets.py), not alone."""
     fqn, *_ = read.args[1:]
     placeholders = [n for n in record.dynamo.graph.nodes if n.op == "placeholder"]
     leaf = example_inputs[placeholders.index(read.args[0])]

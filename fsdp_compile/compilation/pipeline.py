@@ -3,32 +3,12 @@
     Dynamo's graph -> captured stage -> AOTAutograd's joint graph -> joint stage -> partition
                    -> partition fix-ups -> graph stage (each forward / backward graph) -> inner compiler
 
-:class:`Compiler` is the ``torch.compile`` backend behind :class:`fsdp_compile.FSDPBackend`.
-Dynamo hands it each captured graph (:meth:`Compiler.__call__`); the captured stage moves compile
-regions' markers to their call sites; under ``memory_budget=`` the first graph that gathers
-parameters has each unit's setting chosen (by the strategy the backend hands in, from this
-graph's step traced without code generation); AOTAutograd then traces the joint
-forward/backward graph, the joint stage turns the reshard policy into partitioner tags, the
-min-cut partitioner splits it, the partition fix-ups repair what the partitioner leaves (saved
-RNG states), and the graph stage lowers markers to bucketed collectives and schedules them,
-before the inner compiler compiles the result. The methods below come in that order.
-
-``aot_eager`` and Inductor run the same stages, handed to them as one
-:class:`~.inner_compilers.Stages` (:meth:`Compiler._inner_compile`): AOTAutograd calls them as
-its partition function and phase compilers, Inductor from its joint-graph hook, partitioner
-hook and ``inner_compile`` (:mod:`.inner_compilers`). The passes and their order are data
-(``fsdp_compile.passes.stages.PIPELINE``); one runner dumps, times and falls back for every
-stage. Every compiled graph runs behind a :class:`~.guard.StepGuard`.
-
-Tracing without code generation has one door: :meth:`Compiler.trace` (a whole step, on fake
-tensors, for the planner), :meth:`Compiler.replay` (a joint graph another backend traced, with
-this backend's markers) and :meth:`Compiler.trace_step` (one captured graph's step, which the
-``memory_budget=`` choice reads).
-
-The compiler is given what it reads explicitly: the backend's options, the
-:class:`~fsdp_compile.sharding.backend_state.ShardingState` its ``shard()`` calls fill in, the
-list it records one :class:`~.records.CompiledGraph` per captured graph in, and the
-``memory_budget=`` strategy.
+:class:`Compiler` is the ``torch.compile`` backend behind :class:`fsdp_compile.FSDPBackend`; its
+methods come in that order (docs/design.md describes each stage). ``aot_eager`` and Inductor run
+the same stages, handed to them as one :class:`~.inner_compilers.Stages`. Tracing without code
+generation has one door: :meth:`Compiler.trace` (a whole step on fake tensors, for the planner),
+:meth:`Compiler.replay` (a joint graph another backend traced, with this backend's markers) and
+:meth:`Compiler.trace_step` (one captured graph's step, which ``memory_budget=`` reads).
 """
 
 from __future__ import annotations
@@ -51,16 +31,15 @@ from ..inspection.memory_estimate import estimate_memory, input_bytes, output_st
 from ..passes.context import PassContext
 from ..passes.graph import copy_graph_module
 from ..passes.regions import PARAM_META, has_regions, inline_regions, is_region_body_joint
+from ..passes.scheduling import ScheduleOptions
 from ..passes.stages import PassFailure, fix_partition, run_stage
-from ..runtime.markers import UNSHARD
+from ..runtime.markers import REDUCE_GRAD, UNSHARD, decode
 from ..sharding.backend_state import ShardingState
-from ..sharding.sharded_param import sharded_name
+from ..sharding.sharded_param import ShardedParamInfo, sharded_name
 from .cache import CacheLookup, CacheState, compile_cache_key, prepare_directory, record_outcome, user_pass_uuids
-from .contexts import pass_context
 from .guard import StepGuard
 from .inner_compilers import Stages, backward_now, collector_paused, compile_aot_eager, compile_inductor
 from .inputs import check_inputs, lone_read, read_as_python
-from .marker_args import rewrite_markers
 from .records import CompiledGraph, JointCapture, PhaseResult
 from .roles import output_roles, tag_saved_inputs
 from .stage_log import StageLog
@@ -68,15 +47,15 @@ from .tracing import own_tracing_context, run_traced
 
 
 class ReshardBudget(Protocol):
-    """``memory_budget=`` as the backend hands it in (``fsdp_compile.planning.budget.MemoryBudget``):
-    it prices settings with the planner's cost model, which this layer does not know."""
+    """``memory_budget=`` as the backend hands it in (``planning.budget.MemoryBudget``, which prices
+    settings with the planner's cost model): ``decide`` returns each unit's setting (with
+    ``reshard_to``: unit -> ranks) from the step ``trace()`` returns, alike on every rank."""
 
     def decide(self, trace: Callable[[], CompiledGraph], state: ShardingState) -> Any:
-        """Each unit's setting (an object with ``reshard_to``: unit -> ranks), from the step
-        ``trace()`` returns; alike on every rank."""
+        ...
 
     def check_compiled(self, record: CompiledGraph, state: ShardingState) -> None:
-        """The compiled graphs of ``record`` against the budget."""
+        ...
 
 
 class Compiler:
@@ -109,7 +88,6 @@ class Compiler:
 
     # ---------------------------------------------------------------- Dynamo's graph
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        """Dynamo's backend entry: compile one captured graph (see the module docstring)."""
         check_inputs(self.state, gm, example_inputs)
         compiler = "eager" if env_flag("FSDP_COMPILE_EAGER") else self.options.compiler
         record = CompiledGraph(index=len(self.graphs), dynamo=gm, compiler=compiler)
@@ -125,8 +103,7 @@ class Compiler:
         self.captured_stage(gm, example_inputs, record)
         self._choose_reshard(gm, example_inputs)
         if compiler == "eager":
-            # The captured graph as Python: every marker runs the eager runtime, so a user can
-            # step through it with pdb and print tensors.
+            # The captured graph as Python (markers run the eager runtime): a user can step through it.
             if inline_regions(gm):
                 gm.recompile()
             self.log.write_summary(record)
@@ -137,10 +114,8 @@ class Compiler:
         return self.guard.wrap(compiled, record)
 
     def captured_stage(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: CompiledGraph) -> None:
-        """The graph Dynamo captured, before AOTAutograd: compile regions' markers move to their
-        call sites (see passes/regions.py). Without regions there is nothing to do. On a
-        failure the graph stays as captured: the markers then run inside the regions through
-        the eager runtime (same results, no bucketing for them)."""
+        """Compile regions' markers move to their call sites (passes/regions.py); on a failure the
+        graph stays as captured and they run inside the regions through the eager runtime."""
         if not has_regions(gm.graph):
             return
         started = time.perf_counter()
@@ -167,9 +142,8 @@ class Compiler:
         record.stage_seconds["captured"] = time.perf_counter() - started
 
     def _choose_reshard(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-        """``memory_budget=``: at the first graph that gathers parameters, each unit's setting,
-        chosen from this graph's step under the strategy's own setting; the joint stage of
-        every graph compiled from then on applies it."""
+        """``memory_budget=``: each unit's setting, chosen at the first graph that gathers from its
+        step under the strategy's own setting; every joint stage from then on applies it."""
         if self.budget is None or self.state.reshard_choice is not None:
             return
         if not any(n.op == "call_function" and n.target in (UNSHARD, UNSHARD.overloadpacket) for n in gm.graph.nodes):
@@ -202,12 +176,8 @@ class Compiler:
                       disabled=tuple(self.options.disable_passes))
 
     def joint_stage(self, joint: fx.GraphModule, record: CompiledGraph) -> None:
-        """The reshard policy as partitioner tags, in place (the partitioner holds the graph).
-
-        Each step leaves a valid graph (a marker replaced, or tags set), so a failure stops
-        there: the partitioner then makes its default choices for the rest, a memory
-        difference only, with the same results.
-        """
+        """The reshard policy as partitioner tags, in place. Each step leaves a valid graph, so a
+        failure stops there: the partitioner's defaults for the rest change memory, not results."""
         started = time.perf_counter()
         graph = joint.graph
         if is_region_body_joint(graph):  # Inductor runs its joint passes on region bodies too
@@ -295,8 +265,7 @@ class Compiler:
         return gm
 
     def cache_key(self) -> tuple[str | None, bool, str]:
-        """(key for Inductor's caches, None to bypass them; whether AOTAutograd's cache may be
-        read; why it may not): see :func:`~.cache.compile_cache_key`."""
+        """:func:`~.cache.compile_cache_key` for this compiler, warning once when a pass turns it off."""
         key, lookups, why = compile_cache_key(self.cache_state, self.options, self.state,
                                               dumping=self.log.dumper() is not None)
         if self.cache_state.enabled and user_pass_uuids(self.options.passes)[0] is None and not self._cache_warned:
@@ -309,14 +278,11 @@ class Compiler:
         self, fn: Callable, example_inputs: Sequence[Any], *, keep_joint: bool = False,
         dynamo_pass: Callable[[fx.GraphModule], None] | None = None, fake_mode: Any = None,
     ) -> tuple[list[CompiledGraph], list[JointCapture]]:
-        """Run ``fn(*example_inputs)`` through ``torch.compile`` with this compiler, backward
-        included, and return the records of the graphs it compiled and (``keep_joint``) their
-        joint graphs before our joint passes, for :meth:`replay`.
-
-        Nothing is compiled for a device (``aot_eager``); with fake inputs (``fake_mode``, under
-        which the graphs run) and a model sharded with ``materialize=False`` nothing is allocated.
-        ``dynamo_pass`` may rewrite each Dynamo graph first (the planner maps attention to the
-        kernel the target device dispatches to)."""
+        """Run ``fn(*example_inputs)`` through ``torch.compile`` with this (``aot_eager``) compiler,
+        backward included: the records of the graphs compiled and (``keep_joint``) their joint
+        graphs before our joint passes, for :meth:`replay`. With fake inputs (``fake_mode``) and a
+        model sharded with ``materialize=False`` nothing is allocated; ``dynamo_pass`` may rewrite
+        each Dynamo graph first."""
         if self.options.compiler != "aot_eager":
             raise ValueError("planning traces with compiler='aot_eager' (nothing is compiled for a device)")
         start = len(self.graphs)
@@ -332,15 +298,10 @@ class Compiler:
     def replay(
         self, capture: JointCapture, partitioned: tuple[fx.GraphModule, fx.GraphModule] | None = None,
     ) -> tuple[CompiledGraph, tuple[fx.GraphModule, fx.GraphModule]]:
-        """What this compiler's pipeline makes of a joint graph another backend captured
-        (:meth:`trace` with ``keep_joint``).
-
-        Valid when both sharded the same model with the same shard shapes, so the joint graphs
-        differ only in the markers' arguments (groups, reshard flag, bucket unit): they are
-        rewritten to this backend's, then partitioned under this backend's reshard policy (or
-        ``partitioned`` reused, when the caller knows the policy is the same) and our passes
-        run. Returns the record and the partitioned graphs, before our passes.
-        """
+        """What this pipeline makes of a joint graph another backend captured with the same shard
+        shapes (so only the markers' arguments differ, and are rewritten to this backend's);
+        ``partitioned`` is reused where the caller knows the reshard policy is the same. Returns
+        the record and the partitioned graphs, before our passes."""
         record = CompiledGraph(index=len(self.graphs), dynamo=capture.record.dynamo, compiler="aot_eager")
         self.graphs.append(record)
         if partitioned is None:
@@ -367,9 +328,8 @@ class Compiler:
         return record, partitioned
 
     def trace_step(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledGraph:
-        """The forward and backward graphs this captured graph makes under the current reshard
-        policy, through our passes, without code generation, dumps or a record in ``graphs``,
-        in a tracing context of its own (:func:`~.tracing.own_tracing_context`)."""
+        """This captured graph's forward and backward under the current reshard policy, through our
+        passes, without code generation, dumps or a record, in a tracing context of its own."""
         record = CompiledGraph(index=-1, dynamo=gm, compiler="aot_eager")
         self.log.quiet = True
         try:
@@ -378,3 +338,43 @@ class Compiler:
         finally:
             self.log.quiet = False
         return record
+
+
+def pass_context(options: BackendOptions, state: ShardingState, phase: str,
+                 decompositions: dict | None = None) -> PassContext:
+    """What ``phase``'s passes are told: the bucket policy, the schedule options (graph stage,
+    with schedule=True), the units' reshard choice (joint stage, under memory_budget=)."""
+    schedule = None
+    if options.schedule and phase not in ("joint", "partitioned"):
+        kind = "backward" if phase == "backward" else "forward"
+        schedule = ScheduleOptions(options.prefetch, options.max_inflight_bytes, state.explicit_prefetch[kind])
+    reshard = None
+    choice = state.reshard_choice
+    if phase == "joint" and choice is not None:
+        groups = {n: g.group_name for n, g in state.reshard_groups.groups().items()}
+        reshard = {unit: (ranks, groups.get(ranks, "")) for unit, ranks in choice.reshard_to.items()}
+    return PassContext(phase, bucket_policy=options.bucket_policy, decompositions=decompositions,
+                       schedule=schedule, reshard=reshard)
+
+
+def rewrite_markers(params: dict[str, ShardedParamInfo], graph: fx.Graph) -> dict[fx.Node, tuple]:
+    """Give every marker of ``graph`` this backend's arguments for its parameter (backends that
+    shard the same model with the same shard shapes trace the same joint graph but for them);
+    returns the previous arguments by node."""
+    previous = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in (UNSHARD, REDUCE_GRAD):
+            continue
+        marker = decode(node)
+        previous[node] = node.args
+        info = params.get(marker.fqn)
+        if info is None:
+            raise ValueError(f"replaying a graph of parameter {marker.fqn!r}, which this backend did not shard")
+        if node.target is UNSHARD:
+            node.args = (marker.input, *info.unshard_args)
+        else:
+            node.args = (marker.input, info.fqn, info.unit, marker.rows, marker.grad_dtype, *info.comm.op_args())
+        if decode(node).spec.shard_size != marker.spec.shard_size:
+            raise ValueError(f"replaying a graph sharded over {marker.spec.shard_size} ranks with a backend "
+                             f"that shards over {info.comm.shard_size}: trace this layout instead")
+    return previous

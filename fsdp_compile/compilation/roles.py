@@ -1,10 +1,5 @@
-"""What each forward output is, and the roles backward's saved inputs inherit from them.
-
-The graph stage tags a forward graph's outputs (:func:`output_roles`: a gathered parameter, an
-activation, a role our passes set) and, for the backward graph of the same step, gives the
-inputs AOTAutograd saved for it the roles and storage keys those outputs had
-(:func:`tag_saved_inputs`): the memory estimate and the lowering read them.
-"""
+"""What each forward output is, and the roles backward's saved inputs inherit from them (the
+memory estimate and the lowering read them)."""
 
 from __future__ import annotations
 
@@ -19,12 +14,8 @@ from ..passes.graph import ROLE_META, SAVED_STORAGE_META
 
 def tag_saved_inputs(gm: fx.GraphModule, forward_output_roles: list[str], forward_output_storages: list[Any]) -> None:
     """Give the backward graph's saved inputs the roles and storage keys their forward outputs had.
-
-    AOTAutograd passes the tensors forward saved, in order, as the backward graph's inputs
-    (the gradients of the outputs, ``tangents_*``, come last). Saved sizes (SymInts, with a
-    dynamic dimension) are the forward's last outputs but the backward's first inputs, so
-    tensors are matched with tensors only.
-    """
+    Saved sizes (SymInts) are the forward's last outputs but the backward's first inputs, so
+    tensors are matched with tensors only (the ``tangents_*`` come last)."""
     saved = [n for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
              and not _is_size(n)]
     storages = list(forward_output_storages) + [None] * (len(forward_output_roles) - len(forward_output_storages))
@@ -37,7 +28,6 @@ def tag_saved_inputs(gm: fx.GraphModule, forward_output_roles: list[str], forwar
 
 
 def _is_size(node: fx.Node) -> bool:
-    """A graph value that is a number (a SymInt size), not a tensor."""
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 

@@ -1,9 +1,5 @@
-"""What the stages leave behind besides graphs: dumps (``dump_dir=``) and pass failures.
-
-A pass that fails on a graph raises :class:`StrictFallbackError` under ``strict=True``, else
-warns and is recorded on the graph's record; the stage then falls back (the graph keeps its
-markers, which the eager runtime executes). Dumps are written per graph and stage, except
-while the compiler traces a step for ``memory_budget=`` (:attr:`StageLog.quiet`).
+"""What the stages leave behind besides graphs: dumps (``dump_dir=``) and pass failures (raised
+under ``strict=True``, else warned, recorded, and the graph keeps its markers for the eager runtime).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ log = logging.getLogger("fsdp_compile")
 
 
 class StrictFallbackError(RuntimeError):
-    """``strict=True`` (or ``FSDP_COMPILE_STRICT=1``): a pass failed on a graph, which would
-    otherwise have run its markers through the eager runtime."""
+    """``strict=True`` (or ``FSDP_COMPILE_STRICT=1``): a pass failed on a graph."""
 
 
 class StageLog:
@@ -65,7 +60,6 @@ class StageLog:
             dumper.write_summary(record.index, graph_summary(record, self.options.strategy, self.state))
 
     def fail(self, record: CompiledGraph, phase: str, failure: PassFailure) -> None:
-        """A pass failed on a graph: raise under strict=True, else warn; the caller falls back."""
         where = f"graph {record.index} ({phase})"
         if self.options.strict:
             raise StrictFallbackError(f"fsdp_compile: {failure} on {where}") from failure.__cause__

@@ -1,18 +1,11 @@
 """The one definition of what gathering parameters and reducing gradients means.
 
-Both the eager runtime (the implementations of the ``unshard`` / ``reduce_grad`` markers) and
-the compiled path (passes that replace markers by the traced body of these functions) call the
-functions here, so eager and compiled runs perform the same operations in the same order and
-agree bit for bit.
-
-Everything is written with functional collectives (``torch.ops._c10d_functional``), the copy
-ops of :mod:`fsdp_compile.runtime.kernels` and out-of-place torch ops, so these functions can
-be traced into a graph as they are.
-
-Data layout follows FSDP2: a parameter with ``rows`` rows on dim 0 is cut into ``world`` chunks
-of ``padded_rows(rows, world)`` rows (``torch.chunk`` semantics; the tail is zero padding), and a
-bucket's all-gather buffer holds, per rank, that rank's padded chunks of every parameter back to
-back. The reduce-scatter buffer uses the same layout.
+The eager runtime (the markers' implementations) and the compiled path (passes that replace
+markers by the traced body of these functions) both call them, so the two agree bit for bit;
+they use functional collectives, the copy ops of :mod:`.kernels` and out-of-place torch ops
+only, so that they trace as they are. The layout is FSDP2's: a parameter's dim 0 is cut into
+``world`` chunks of ``padded_rows(rows, world)`` rows (zero-padded tail), and a bucket's buffer
+holds, per rank, that rank's chunks of every parameter back to back.
 """
 
 from __future__ import annotations
@@ -49,23 +42,14 @@ def shard_bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CommSpec:
-    """How one parameter is communicated; travels as the markers' last argument, one string of
-    ``field=value`` pairs (see :meth:`op_args`).
+    """How one parameter is communicated; travels as the markers' last argument (:meth:`op_args`).
 
-    ``dim0_sharded`` is False for a parameter kept whole on every rank even though the strategy
-    shards (a 0-d tensor): it is not gathered, and its gradient is all-reduced over the shard
-    group instead of reduce-scattered.
-
-    ``compute_device`` is set under CPU offload: the shard lives in host memory, is copied to
-    that device to be gathered, and its reduced gradient is copied back to the host.
-
-    ``reshard_size`` (with ``reshard_group``) is set for a parameter whose unit reshards after
-    forward to groups of that many ranks of the shard group (``reshard_after_forward=n``):
-    backward gathers it inside ``reshard_group`` (sharding/reshard_policy.py).
-
-    ``float8`` (a float8 dtype) is set for a torchao float8 weight (sharding/float8_gather.py): its
-    gather moves that dtype, scaled as ``Float8Linear`` scales it (``float8_pow2_scale``: its
-    ``round_scales_to_power_of_2``), and returns it in the compute dtype.
+    ``dim0_sharded``: False for a parameter kept whole though the strategy shards (a 0-d tensor):
+    not gathered, its gradient all-reduced. ``compute_device``: under CPU offload, where the shard
+    is copied to be gathered (its reduced gradient comes back to the host). ``reshard_size`` and
+    ``reshard_group``: backward gathers inside groups of that many ranks (``reshard_after_forward=n``).
+    ``float8``: a torchao float8 weight's gather moves that dtype, scaled as ``Float8Linear`` scales
+    it (``float8_pow2_scale``: its ``round_scales_to_power_of_2``).
     """
 
     shard_group: str
@@ -83,26 +67,19 @@ class CommSpec:
     float8_pow2_scale: bool = False
 
     def resharded(self) -> CommSpec:
-        """The spec of the gather backward makes from the shards kept over ``reshard_group``:
-        the gathered parameter's dtype already, nothing else to cast or copy."""
+        """The spec of backward's gather from the shards kept over ``reshard_group`` (nothing to cast)."""
         return dataclasses.replace(self, shard_group=self.reshard_group, shard_size=self.reshard_size,
                                    replicate_group="", replicate_size=1, param_dtype=None, reduce_dtype=None,
                                    compute_device=None, reshard_group="", reshard_size=0, float8=None,
                                    float8_pow2_scale=False)
 
     def for_reduction(self) -> CommSpec:
-        """This spec without what only a gather reads (the float8 cast): a float8 weight's
-        gradient reduces like its unit's other gradients, in one bucket with them."""
+        """Without the float8 cast, which only a gather reads: the gradient buckets with its unit's."""
         return dataclasses.replace(self, float8=None, float8_pow2_scale=False)
 
     def op_args(self) -> tuple[str]:
-        """The markers' trailing arguments (see markers.py): one string naming every field,
-        ``"shard_group=0;shard_size=2;...;compute_device=None"``.
-
-        One argument rather than one per field: Dynamo and AOTAutograd handle every argument
-        of every marker (a proxy, a guard source, the custom op's autograd layer), and a deep
-        model has a marker per parameter read.
-        """
+        """The markers' trailing argument: one string ``"shard_group=0;shard_size=2;..."``, not one
+        argument per field, as Dynamo and AOTAutograd handle every argument of every marker."""
         parts = []
         for f in fields(self):
             value = getattr(self, f.name)
@@ -169,13 +146,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def _to_compute_device(shard: torch.Tensor, device: str) -> torch.Tensor:
-    """CPU offload's host-to-device copy of a shard (nothing if it is there already).
-
-    From pinned host memory the copy is asynchronous and ordered before the gather. The aten op
-    rather than ``Tensor.to``: ``Tensor.to`` first initializes the device's runtime, which
-    tracing with fake tensors of a device the host lacks cannot do (tests/test_offload.py
-    compiles for a CUDA compute device on a CPU-only machine that way).
-    """
+    """CPU offload's host-to-device copy of a shard. The aten op, not ``Tensor.to``, which would
+    initialize the device's runtime: tracing for a device the host lacks cannot (tests/test_offload.py)."""
     target = torch.device(device)
     if shard.device == target:
         return shard
@@ -192,11 +164,8 @@ def gather_params(
     full_shapes: Sequence[Sequence[int]],
     spec: CommSpec,
 ) -> list[torch.Tensor]:
-    """Full parameters from this rank's shards: copy-in, one all-gather, copy-out.
-
-    All shards share ``spec`` (one bucket). Parameters that are not gathered come back as a
-    fresh copy in the compute dtype, never as an alias of the shard.
-    """
+    """Full parameters from this rank's shards of one bucket: copy-in, one all-gather, copy-out
+    (those not gathered as a fresh copy in the compute dtype, never an alias of the shard)."""
     dtype = spec.compute_dtype(shards[0].dtype)
     if spec.compute_device is not None:
         shards = [_to_compute_device(s, spec.compute_device) for s in shards]
@@ -212,16 +181,9 @@ def gather_params(
 
 def _gather_float8(shards: Sequence[torch.Tensor], full_shapes: Sequence[Sequence[int]], chunks: list[int],
                    dtype: torch.dtype, spec: CommSpec) -> list[torch.Tensor]:
-    """The float8 gather of a bucket of torchao float8 weights: one all-reduce of every
-    weight's amax, then the shards cast to float8 into the gather buffer, one all-gather of
-    the bytes, and each weight back in the compute dtype ``dtype``.
-
-    The scale is the one ``Float8Linear`` computes for the weight it is handed in the compute
-    dtype (torchao's ``amax_to_scale`` of the amax of the weight in that dtype: the max over
-    ranks of each shard's, which rounding to ``dtype`` keeps). The cast and the way back are
-    torchao's, so ``Float8Linear`` recasts the gathered weight to these same float8 values
-    (docs/mixed-precision.md).
-    """
+    """A bucket of torchao float8 weights: one all-reduce of the amaxes, the shards cast to float8,
+    one all-gather of the bytes, each weight back in ``dtype``. Scale, cast and way back are
+    torchao's, so ``Float8Linear`` recasts the gathered weight to these same float8 values."""
     amax = _wait(_c10d.all_reduce(_copy_ops.amax_in(list(shards), dtype), "max", spec.shard_group))
     scales = float8_scales(amax, spec.float8, spec.float8_pow2_scale)
     flat = _copy_ops.copy_in_float8(list(shards), scales, chunks, dtype, spec.float8)
@@ -231,20 +193,15 @@ def _gather_float8(shards: Sequence[torch.Tensor], full_shapes: Sequence[Sequenc
 
 
 def float8_scales(amax: torch.Tensor, float8: torch.dtype, pow2: bool) -> torch.Tensor:
-    """torchao's tensorwise scales of weights with these amaxes (float32): the float8 dtype's
-    largest value over the amax, computed in float64 as torchao does."""
+    """torchao's tensorwise scales of weights with these amaxes (float32)."""
     from torchao.float8.float8_utils import amax_to_scale
 
     return amax_to_scale(amax, float8, round_scales_to_power_of_2=pow2)
 
 
 def divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[float | None, float | None]:
-    """(pre, post) divisors applied around a summing reduction, or (None, None) to average.
-
-    Same rule as FSDP2: average in the collective for dtypes that cannot overflow; for float16,
-    divide by about sqrt(N) before and the rest after, so neither the sum nor the
-    per-rank values leave the representable range.
-    """
+    """(pre, post) divisors around a summing reduction, or (None, None) to average: FSDP2's rule,
+    which for float16 divides by about sqrt(N) before and the rest after, so nothing overflows."""
     if reduce_dtype in _AVG_SAFE_DTYPES:
         return None, None
     pre = 1
@@ -259,12 +216,9 @@ def reduce_grads(
     grad_dtypes: Sequence[torch.dtype],
     spec: CommSpec,
 ) -> list[torch.Tensor]:
-    """Gradients of this rank's shards: the average over data-parallel ranks of the full gradients.
-
-    Sharded parameters: one reduce-scatter in the shard group; replicated ones (or NO_SHARD):
-    an all-reduce in the shard group; then, with replicas, one all-reduce across them. Each
-    result is cast back to the parameter's dtype (and, under CPU offload, copied to the host).
-    """
+    """Gradients of this rank's shards, averaged over data-parallel ranks: a reduce-scatter (an
+    all-reduce if not sharded) in the shard group, then an all-reduce across replicas; each cast
+    back to the parameter's dtype (and under CPU offload copied to the host)."""
     reduce_dtype = spec.grad_reduce_dtype(grads[0].dtype)
     pre, post = divide_factors(reduce_dtype, spec.shard_size * spec.replicate_size)
     op = "avg" if pre is None else "sum"
@@ -287,11 +241,9 @@ def reduce_grads(
     if post is not None:
         flat = flat / post
 
-    # Each shard gradient is a view of the reduced buffer at its offset (as FSDP2 takes them):
-    # a narrow and a view, both relative to the buffer. Not one as_strided: its offset counts
-    # from the start of the storage, which Inductor may change by reducing in place into a slice
-    # of a larger buffer (NO_SHARD's all-reduce of one TP-local gradient did, and every tp rank
-    # but the first read another rank's rows; docs/design.md).
+    # Each shard gradient is a narrow and a view of the reduced buffer, not one as_strided: that
+    # counts from the storage's start, which Inductor may move by reducing into a slice of a
+    # larger buffer (every TP rank but the first then read another's rows; docs/design.md).
     sizes = [(n, *shape[1:]) for shape, n in zip(full_shapes, local_rows)] if spec.gathers else full_shapes
     pieces = chunks if spec.gathers else [math.prod(shape) for shape in full_shapes]
     outs, offset = [], 0

@@ -1,11 +1,8 @@
 """A rank that dies or stops answering: the others raise an error that says what was waiting.
 
-The collective libraries already fail instead of hanging: gloo raises a ``RuntimeError`` when a
-peer's connection closes ("Connection reset by peer") or when an operation outlives the group's
-timeout, NCCL's watchdog does the same on GPUs. Their messages name a socket or a buffer, not
-the step of the user's program. :func:`reraise_named` turns such an error into a
-:class:`RankFailure` that names the operation this rank was in (the forward of a compiled
-graph, a checkpoint save), keeping the original as its cause.
+Gloo and NCCL already fail instead of hanging when a peer's connection closes or an operation
+outlives the timeout, but their messages name a socket, not the step of the user's program:
+:func:`reraise_named` raises a :class:`RankFailure` naming the operation this rank was in.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The two markers that put FSDP into the graph: ``unshard`` and its gradient ``reduce_grad``.
 
-Each read of a sharded parameter inside ``forward`` becomes one ``fsdp_compile::unshard`` node;
-AOTAutograd derives one ``fsdp_compile::reduce_grad`` node in the backward graph from the
-autograd formula registered here. Their eager implementations communicate for real (through
-:mod:`fsdp_compile.runtime.collectives`), so they are also the eager runtime: a sharded model
-runs without ``torch.compile`` with the same semantics, and a compiled graph that keeps the
-markers runs them as ordinary ops.
-
-Every marker names its parameter (``fqn``) and the unit it is bucketed with (``unit``), then
-spells out a :class:`CommSpec` (one ``"shard_group=0;shard_size=2;..."`` string), so a graph says
-by itself what each marker communicates and with whom, and the passes need nothing but the graph.
+Each read of a sharded parameter becomes an ``unshard`` node; AOTAutograd derives the backward's
+``reduce_grad`` from the autograd formula registered here. Their eager implementations
+communicate for real (:mod:`.collectives`), so they are also the eager runtime. Every marker
+names its parameter and bucket unit and spells out its :class:`CommSpec`, so a graph says by
+itself what each marker communicates and with whom: the passes need nothing but the graph.
 """
 
 from dataclasses import dataclass
@@ -22,8 +17,7 @@ from .collectives import CommSpec, gather_params, reduce_grads
 from .faults import reraise_named
 from .kernels import NAMESPACE
 
-# Every marker ends with its CommSpec, as one string of field=value pairs: spec.op_args() writes
-# it, CommSpec.from_op_args(*args) reads it.
+# Every marker ends with its CommSpec (CommSpec.op_args / from_op_args).
 SPEC_SCHEMA = "str spec"
 # The arguments each marker has before the spec.
 UNSHARD_HEAD = "Tensor shard, str fqn, str unit, SymInt full_rows"
@@ -101,12 +95,8 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 @_marker("unshard_no_sync", UNSHARD_NO_SYNC_HEAD)
 def unshard_no_sync(shard: torch.Tensor, accumulator: torch.Tensor, fqn: str, unit: str, full_rows: int,
                     *spec_args) -> torch.Tensor:
-    """``unshard`` whose gradient is not reduced: it goes, unsharded, to ``accumulator``.
-
-    Used while gradient synchronization is off (``backend.no_sync()``): ``accumulator`` is a
-    leaf of the full parameter's shape, so autograd sums the full gradients of every
-    micro-batch into ``accumulator.grad`` and nothing is communicated in backward.
-    """
+    """``unshard`` under ``backend.no_sync()``: the full gradient goes, unreduced, to the leaf
+    ``accumulator``, whose ``.grad`` sums every micro-batch's; backward communicates nothing."""
     return _gather_one(shard, fqn, full_rows, CommSpec.from_op_args(*spec_args))
 
 
@@ -128,9 +118,8 @@ unshard_no_sync.register_autograd(_unshard_no_sync_backward, setup_context=_unsh
 
 @_marker("reshard", "Tensor full, str fqn, str unit")
 def reshard(full: torch.Tensor, fqn: str, unit: str, *spec_args) -> torch.Tensor:
-    """This rank's dim-0 chunk of a gathered parameter over its reshard group (padded like a
-    shard): what a unit with ``reshard_after_forward=n`` keeps from forward to backward, where
-    a gather inside that group (an ``unshard`` with :meth:`CommSpec.resharded`) rebuilds it."""
+    """This rank's padded dim-0 chunk of a gathered parameter over its reshard group: what a unit
+    with ``reshard_after_forward=n`` keeps for backward, which gathers it inside that group."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     spec = CommSpec.from_op_args(*spec_args)
@@ -149,10 +138,8 @@ def _reshard_fake(full, fqn, unit, *spec_args):
     return full.new_empty((-(-full.shape[0] // spec.reshard_size), *full.shape[1:]))
 
 
-# A bucket's gather and reduction as one op each: what a read that runs as Python issues
-# (sharding/eager_buckets.py, which gives them their autograd). Never in a graph; ops rather than
-# plain calls so that what the eager runtime communicates is seen, spec and all, by whatever
-# watches the dispatcher (a TorchDispatchMode, the profiler), as the markers' own calls are.
+# A bucket's gather and reduction, issued by reads that run as Python (sharding/eager_buckets.py).
+# Never in a graph; ops so that whatever watches the dispatcher sees what the eager runtime sends.
 @torch.library.custom_op(f"{NAMESPACE}::unshard_bucket", mutates_args=(),
                          schema=f"(Tensor[] shards, str[] fqns, SymInt[] full_rows, {SPEC_SCHEMA}) -> Tensor[]")
 def unshard_bucket(shards: list[torch.Tensor], fqns: list[str], full_rows: list[int], *spec_args) -> list[torch.Tensor]:
@@ -175,8 +162,7 @@ def _unshard_bucket_fake(shards, fqns, full_rows, *spec_args):
                                 f"{SPEC_SCHEMA}) -> Tensor[]")
 def reduce_grad_bucket(grads: list[torch.Tensor], fqns: list[str], local_rows: list[int],
                        grad_dtypes: list[torch.dtype], *spec_args) -> list[torch.Tensor]:
-    """The gradients of a bucket's shards, reduced with one collective (copied out of the
-    reduced buffer: an op's outputs may not share storage)."""
+    """A bucket's shard gradients, reduced with one collective (copied: outputs may not share storage)."""
     try:
         return [g.clone() for g in reduce_grads(grads, local_rows, grad_dtypes, CommSpec.from_op_args(*spec_args))]
     except Exception as exc:
@@ -218,14 +204,12 @@ class Marker:
 
     @property
     def full_value(self) -> torch.Tensor:
-        """The full tensor the collective moves: the gathered parameter (in the compute dtype),
-        or the full gradient before its reduction."""
+        """The gathered parameter, or the full gradient before its reduction."""
         return self.node.meta["val"] if self.kind == "unshard" else self.input.meta["val"]
 
     @property
     def comm_dtype(self) -> torch.dtype:
-        """The dtype the collective moves it in (gradients: the reduce dtype; float8 weights:
-        bytes)."""
+        """The dtype the collective moves it in (gradients: the reduce dtype; float8: bytes)."""
         value = self.full_value
         if self.kind == "unshard":
             return torch.uint8 if self.spec.gathers_float8 else value.dtype
@@ -233,7 +217,6 @@ class Marker:
 
     @property
     def full_shape(self) -> tuple[int, ...]:
-        """The shape of :attr:`full_value`, every size an int (see :func:`static_int`)."""
         return tuple(static_int(size) for size in self.full_value.shape)
 
     @property
@@ -248,14 +231,9 @@ class Marker:
 
 
 def static_int(value: object) -> int:
-    """A size a marker communicates, as an int.
-
-    A parameter's sizes never change, but Dynamo may still make them symbolic: when one frame
-    reads several parameters through the same code (a parameter read that Dynamo compiles as
-    a frame of its own after a graph break), a size that differs between them becomes a SymInt
-    on the next compile. The lowered collectives are traced with their sizes baked in, so each
-    such size is specialized to the value it has (a guard: another parameter compiles anew).
-    A size passed as a graph value (a SymInt argument of a marker) is read from that node."""
+    """A size a marker communicates, as an int (read from the node for a graph value). Dynamo may
+    make a parameter's size symbolic when one frame reads several parameters; the lowered
+    collectives bake sizes in, so it is specialized (a guard: another parameter compiles anew)."""
     if isinstance(value, fx.Node):
         value = value.meta.get("val", value.meta.get("example_value"))
     return guard_int(value) if isinstance(value, torch.SymInt) else int(value)

@@ -1,17 +1,9 @@
 """The ring model of a collective: how many steps it takes and how many bytes each rank sends.
 
-NCCL and gloo run large all-gathers, reduce-scatters and all-reduces as rings. In a ring of
-``n`` ranks the buffer is cut into ``n`` chunks and every step each rank passes one chunk to
-its neighbour, so one pass round the ring takes ``n - 1`` steps and each rank sends (and
-receives) ``(n - 1) / n`` of the buffer. An all-gather is one such pass (each rank forwards
-the chunks it has not yet seen), a reduce-scatter is one (each rank adds its chunk to the one
-it receives), and an all-reduce is a reduce-scatter followed by an all-gather: two passes,
-``2 (n - 1)`` steps, ``2 (n - 1) / n`` of the buffer. A group of one rank sends nothing.
-
-The buffer is the collective's full, unsharded size: an all-gather's output, a
-reduce-scatter's input, an all-reduce's buffer. The cost model prices a collective from these
-two numbers, the calibration fits measured timings against them, and the graph vocabulary
-reports them, so all three agree on what a collective moves.
+In a ring of ``n`` ranks one pass takes ``n - 1`` steps and each rank sends ``(n - 1) / n`` of
+the buffer (the collective's full, unsharded size); an all-gather or a reduce-scatter is one
+pass, an all-reduce two. The cost model, the calibration and the graph vocabulary all read these
+two numbers, so they agree on what a collective moves.
 """
 
 from __future__ import annotations
