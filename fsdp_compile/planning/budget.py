@@ -1,42 +1,24 @@
 """``memory_budget=``: what each unit keeps from forward to backward, chosen at compile time.
 
-FULL_SHARD (HYBRID_SHARD inside a node) gathers every unit twice a step; SHARD_GRAD_OP gathers
-once but holds every unit from forward to backward. Between them, a unit can keep its gathered
-parameters (``reshard_after_forward=False`` for it), or keep a shard over a group of ``n`` ranks
-so that backward gathers it inside that group only (``=n``, sharding/reshard_policy.py). The
-compiler can trace the step's graphs and the planner's cost model can predict what each choice
-saves, so :class:`MemoryBudget`, which the backend hands its compiler, chooses, per unit, the
-settings that leave the least exposed communication while the step's peak stays within the
-budget.
+Between FULL_SHARD (every unit gathered twice a step) and SHARD_GRAD_OP (once, held from forward
+to backward), a unit can keep its gathered parameters (``reshard_after_forward=False`` for it) or
+a shard over ``n`` ranks that backward gathers inside that group only (``=n``). At the first
+compile of a graph that gathers, :class:`MemoryBudget`:
 
-How, at the first compile of a graph that gathers parameters:
+1. traces the strategy's step without code generation (``Compiler.trace_step``);
+2. prices each setting's memory: a kept unit holds its bytes (``1/n`` of them for a shard over
+   ``n``) from its last forward use on, and the backward graph takes them as inputs held
+   throughout; added to the graphs' memory timelines (:func:`.simulate.memory_timeline`, with
+   this rank's shards, gradients and AdamW's moments, and the optimizer step's own peak), this
+   gives any mix's peak without tracing it again;
+3. prices what each setting saves: the simulator plays the backward graph on ``cluster=`` with
+   that unit's gather removed or moved to ``n`` ranks;
+4. takes settings greedily by exposed seconds saved per byte kept (then communication seconds
+   saved), each while the mix's peak stays within the budget. Rank 0's choice is broadcast.
 
-1. **The strategy's step, traced** (by the compiler, ``Compiler.trace_step``). The captured
-   graph goes through AOTAutograd, the partitioner and our passes once without code
-   generation, under the strategy's setting (every unit reshards to the shard): its forward
-   and backward graphs, as they would run.
-2. **What each setting costs in memory.** A unit that keeps its parameters holds their full
-   bytes from its last use in forward on; the backward graph receives them as inputs, which
-   the estimate counts as held through the whole graph, where the strategy held them only
-   from its gather to their last use. One that keeps a shard over ``n`` ranks holds ``1/n`` of
-   them the same way, and backward still gathers them. Added to the two graphs' memory
-   timelines (the planner's, :func:`.simulate.memory_timeline`, with this
-   rank's parameter shards, gradients and AdamW's two moments per parameter, as ``plan()``
-   counts them, and the optimizer step's own peak), this gives the peak of any mix without
-   tracing it again.
-3. **What each setting saves in exposed communication.** The planner's simulator plays the
-   backward graph on the given cluster (``cluster=``: its links, or the emulated network's when
-   ``Cluster.measure()`` ran on one) with that unit's gather removed, or moved to its group of
-   ``n`` ranks; the exposed communication it no longer waits for is the setting's benefit.
-4. **Greedy under the budget.** Settings are taken in order of seconds saved per byte kept
-   (then of communication seconds saved, where nothing is exposed), each accepted if the
-   mix's peak stays within the budget. Rank 0's choice is every rank's (broadcast), so all
-   ranks communicate alike.
-
-A budget below the strategy's own peak is an error that names the smallest budget that fits.
-The choice is applied to every graph compiled afterwards (the joint pass
-``apply_reshard_choice``), reported by ``backend.report()`` and the dumps, and checked against
-the compiled graphs' own estimate.
+A budget below the strategy's own peak is an error naming the smallest that fits. The choice
+applies to every graph compiled afterwards (the joint pass ``apply_reshard_choice``), is reported
+by ``backend.report()`` and checked against the compiled graphs' own estimate.
 """
 
 from __future__ import annotations
@@ -76,12 +58,6 @@ class UnitChoice:
     kept_bytes: float  # beyond its shard, held from its forward to its backward
     saved_seconds: float  # predicted exposed communication it saves, on its own
 
-    @property
-    def setting(self) -> str:
-        if self.reshard_to == 1:
-            return "keeps its gathered parameters"
-        return f"keeps a shard over {self.reshard_to} ranks"
-
 
 @dataclass
 class ReshardChoice:
@@ -99,17 +75,6 @@ class ReshardChoice:
     @property
     def reshard_to(self) -> dict[str, int]:
         return {unit: c.reshard_to for unit, c in self.units.items()}
-
-    def lines(self) -> list[str]:
-        """The report's lines."""
-        head = (f"memory_budget={_size(self.budget)}: predicted peak {_size(self.peak)} (resharding every unit: "
-                f"{_size(self.strategy_peak)}), exposed communication {self.exposed * 1e3:.3g} ms per step (resharding "
-                f"every unit: {self.strategy_exposed * 1e3:.3g} ms)")
-        if self.compiled_peak is not None:
-            head += f"; the compiled graphs' estimate: {_size(self.compiled_peak)}"
-        rows = [f"  {c.unit or '<root>'}: {c.setting}, {_size(c.kept_bytes)} kept, {c.saved_seconds * 1e3:.3g} ms saved"
-                for c in self.units.values()]
-        return [head, *(rows or ["  every unit reshards to the shard"])]
 
     def summary(self) -> dict[str, Any]:
         return {"budget": self.budget, "strategy_peak": self.strategy_peak, "peak": self.peak,
@@ -192,9 +157,7 @@ class ReshardStep:
 
 def kept_bytes(gathered_bytes: float, ranks: int, shard_size: int) -> float:
     """What a unit holds beyond its shard from forward to backward when it reshards to ``ranks``."""
-    if ranks >= shard_size:
-        return 0.0
-    return gathered_bytes / ranks
+    return 0.0 if ranks >= shard_size else gathered_bytes / ranks
 
 
 def _units(record: CompiledGraph) -> dict[str, _Unit]:
@@ -280,8 +243,7 @@ def candidate_groups(shard_size: int) -> list[int]:
 
 
 def rank_states(local_shards: Iterable[Any]) -> dict[str, float]:
-    """This rank's parameter shards, their gradients and AdamW's state, in bytes (from the
-    leaves that stand for the shards, padded as stored)."""
+    """This rank's parameter shards, their gradients and AdamW's state, in bytes (padded as stored)."""
     shard = grads = 0.0
     for shards in local_shards:
         for leaf in shards.leaves.values():
@@ -293,8 +255,8 @@ def rank_states(local_shards: Iterable[Any]) -> dict[str, float]:
 
 
 class MemoryBudget:
-    """``memory_budget=`` as the backend hands it to its compiler: the compiler traces the
-    step, this prices and chooses (the compiler itself knows nothing of the cost model)."""
+    """``memory_budget=`` as the backend hands it to its compiler: the compiler traces, this
+    prices and chooses (the compiler knows nothing of the cost model)."""
 
     def __init__(self, budget: float, cluster: Cluster) -> None:
         self.budget = float(budget)
@@ -303,9 +265,8 @@ class MemoryBudget:
     def decide(self, trace: Callable[[], CompiledGraph], state: ShardingState) -> ReshardChoice:
         """Trace the strategy's step (``trace()``), choose, and make rank 0's choice every rank's.
 
-        Whatever rank 0 meets on the way (a trace that fails included) is broadcast and raised
-        on every rank: a rank that raised alone would leave the others waiting in a collective,
-        and a retry of the compile on that rank alone would run another program than theirs."""
+        Whatever rank 0 meets (a failed trace included) is raised on every rank: a rank raising
+        alone would leave the others waiting in a collective, or retry the compile alone."""
         shard_size = state.topology.shard_size
         choice: Any = None
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -350,15 +311,13 @@ def memory_budget(options: Any) -> MemoryBudget | None:
 
 def check_cluster(cluster: Any) -> None:
     """``cluster=`` is checked where it is used, so that the options module stays free of the planner."""
-    if cluster is None:
-        return
-    if not isinstance(cluster, Cluster):
+    if cluster is not None and not isinstance(cluster, Cluster):
         raise TypeError(f"cluster= takes an fsdp_compile.Cluster, got {type(cluster).__name__}")
 
 
 def graph_live(gm: fx.GraphModule, states: Mapping[str, float], cluster: Any) -> list[float]:
-    """Live bytes after each node of ``gm``, with what lives outside it (as ``plan()`` counts:
-    the parameter shards the graph does not read, and the optimizer's state)."""
+    """Live bytes after each node of ``gm``, with the shards it does not read and the optimizer's
+    state, as ``plan()`` counts."""
     held = {"param": max(0.0, states["params"] - input_bytes(gm, "param"))}
     workspace = getattr(cluster, "collective_workspace", None)
     return [float(sum(live.values())) + states["optimizer"]

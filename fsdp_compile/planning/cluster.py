@@ -1,20 +1,11 @@
 """What the planner knows about the machines: devices, their memory and speed, and the links.
 
-A :class:`Cluster` is ``nodes`` x ``devices_per_node`` identical devices. Every number is per
-device; bandwidths are bytes per second in one direction. Presets carry vendor data-sheet
-figures with their source beside each (:mod:`.presets`; :meth:`Cluster.for_device` finds the
-one of the GPU it runs on); :meth:`Cluster.measure` calibrates the machine it runs on instead
-(matmul FLOP/s, memory bandwidth, collectives on the current process groups).
-
-A cluster may carry a host model (``host``, :mod:`.host_model`) for what a device other than a
-GPU adds to the GPU's cost model; GPUs and the presets carry none.
-
-Collectives are modelled as rings (what NCCL and gloo use for large messages; the steps
-and the bytes each rank sends are :mod:`fsdp_compile.runtime.ring`'s), and a ring runs at the
-speed of its slowest link: a group whose ranks are all on one node uses the intra-node link,
-a group that spans nodes is bound by the inter-node link. Latency is a fixed start-up cost
-plus a per-step cost for each intra- and inter-node step (NCCL's tuning model,
-``src/graph/tuning.cc``).
+Every number is per device; bandwidths are bytes per second in one direction. Presets carry
+data-sheet figures with their sources (:mod:`.presets`); :meth:`Cluster.measure` calibrates the
+machine it runs on. A host model (``host``, :mod:`.host_model`) adds what a device other than a
+GPU adds to the GPU's cost model. Collectives are rings (:mod:`fsdp_compile.runtime.ring`) at the
+speed of their slowest link; latency is a fixed start-up plus a cost per intra- and inter-node
+step (NCCL's tuning model, ``src/graph/tuning.cc``).
 """
 
 from __future__ import annotations
@@ -47,33 +38,22 @@ from .vocabulary import (
 class Cluster:
     """``nodes`` x ``devices_per_node`` identical devices and the links between them.
 
-    ``peak_flops`` maps a compute dtype to dense FLOP/s (matmuls); ``memory_bandwidth`` is the
-    device memory's bytes/s; ``intra_node_bandwidth`` / ``inter_node_bandwidth`` are bytes/s per
-    device in one direction; ``*_latency`` are seconds per ring step, ``collective_latency`` the
-    fixed start-up of a collective. ``device_memory`` is the capacity in bytes and
-    ``reserved_memory`` what the runtime keeps for itself (CUDA context, communication
-    buffers), so plans must fit in ``usable_memory``. ``comm_overlap`` is the fraction of a
-    collective's time that can hide under compute (1: a separate engine). ``device_type`` selects
-    the kernels the planner assumes (e.g. flash attention on ``"cuda"``). ``optimizer_step`` maps
-    an optimizer's name to a measured ``(seconds per parameter tensor, seconds per shard byte)``
-    of one step over the backend's sharded parameters (:meth:`measure` fills it; without it the
-    step is timed as memory-bound passes over the shards). ``collective_workspace`` maps a
-    collective kind to the bytes the communication backend allocates beside the result per byte
-    of the collective's buffer, alive until the wait (gloo gathers into a temporary and reduces
-    a copy; measured by the allocator in :meth:`measure`; NCCL works in the user's buffers: 0).
-    ``runtime_per_tensor`` is seconds per sharded parameter per step outside the compiled graphs
-    (leaf checks, gradient accumulation, DTensor ``.grad`` wrapping; measured, 0 in presets).
-    ``measured_collectives`` maps a collective kind to its fitted ring model on the intra-node
-    link (:meth:`measure`; a collective without one is priced from the bandwidths and
-    latencies), ``measured_inter_collectives`` the same on the inter-node link (measured over
-    several nodes; a group spanning nodes without it uses ``measured_collectives``).
-    ``attention_flops`` maps a compute dtype to the FLOP/s fused attention kernels reach
-    (forward and backward, FLOPs as torch's flop counter counts them; measured by
-    :meth:`measure`); a dtype it lacks prices attention at ``peak_flops``, as the presets do.
-    ``host``: a host model (:class:`~.host_model.HostModel`: what the device adds to the GPU's
-    cost model, such as ranks computing on CPU cores beside their communication backend's
-    threads), which ``measure(host=...)`` calibrates; None for GPUs. ``sources`` says where each
-    number comes from.
+    ``peak_flops``: dtype -> dense matmul FLOP/s; ``memory_bandwidth``: bytes/s;
+    ``intra_node_bandwidth`` / ``inter_node_bandwidth``: bytes/s per device in one direction;
+    ``*_latency``: seconds per ring step, ``collective_latency`` a collective's fixed start-up.
+    Plans must fit in ``usable_memory``: ``device_memory`` less ``reserved_memory`` (CUDA
+    context, communication buffers). ``comm_overlap``: the share of a collective's time that can
+    hide under compute (1: a separate engine). ``device_type`` selects the kernels assumed (flash
+    attention on ``"cuda"``). ``optimizer_step``: optimizer -> measured ``(seconds per parameter
+    tensor, seconds per shard byte)`` over sharded parameters (without it, memory-bound passes).
+    ``collective_workspace``: kind -> bytes the backend allocates beside the result per buffer
+    byte until the wait (gloo's temporaries; NCCL: 0). ``runtime_per_tensor``: seconds per sharded
+    parameter per step outside the graphs (leaf checks, ``.grad`` wrapping; 0 in presets).
+    ``measured_collectives`` / ``measured_inter_collectives``: kind -> fitted ring model on the
+    intra- / inter-node link (without one, priced from the bandwidths and latencies; a group
+    spanning nodes falls back to the intra-node fit). ``attention_flops``: dtype -> fused
+    attention FLOP/s (forward and backward; without it, ``peak_flops``). ``host``: a
+    :class:`~.host_model.HostModel`, None for GPUs. ``sources``: where each number comes from.
     """
 
     name: str
@@ -105,7 +85,7 @@ class Cluster:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise :class:`ClusterError` naming every missing or impossible number."""
-        problems = _problems(self) + _measured_problems(self)
+        problems = _problems(self)
         if problems:
             raise ClusterError(f"cluster {self.name!r}: " + "; ".join(problems))
 
@@ -130,8 +110,7 @@ class Cluster:
             f"cluster.replace(peak_flops={{**cluster.peak_flops, {dtype}: ...}})")
 
     def attention_flops_for(self, dtype: torch.dtype) -> float:
-        """FLOP/s for fused attention in ``dtype``: measured where the cluster has it, else the
-        matmul peak."""
+        """Fused attention's FLOP/s in ``dtype``, else the matmul peak."""
         return self.attention_flops.get(dtype) or self.flops_for(dtype)
 
     def check_world(self, world_size: int) -> None:
@@ -197,10 +176,9 @@ class Cluster:
     @classmethod
     def for_device(cls, device: torch.device | str | int | None = None, *, nodes: int = 1,
                    devices_per_node: int | None = None, properties: Any = None) -> Cluster:
-        """The cluster of ``nodes`` nodes of this GPU: its preset, matched by the device's name and
-        total memory (:func:`.presets.preset_for_device`), with the device's own total memory; a
-        GPU no preset describes is measured instead (:meth:`measure`, a collective over the job's
-        process group: every rank must call this), and named after the device.
+        """The cluster of ``nodes`` nodes of this GPU: its preset (:func:`.presets.preset_for_device`)
+        with the device's own total memory; a GPU no preset describes is measured instead
+        (:meth:`measure`, collective: every rank must call this).
 
         ``properties``: the device's properties (``name`` and ``total_memory``; default
         ``torch.cuda.get_device_properties(device)``). ``devices_per_node``: default the preset's,
@@ -244,82 +222,47 @@ class Cluster:
                 device_memory: float | None = None, host: type[HostModel] | None = None) -> Cluster:
         """Calibrate a cluster on the machine it is called on, over the process group ``group``.
 
-        Collective over ``group``: every rank of it must call this with the same arguments, at
-        the same point, with no other collective in flight on the group. Each rank runs the
-        same calibrations in the same order (barriers between them) and every number is the
-        slowest rank's, so all ranks return the same cluster. In order, it measures:
+        Collective over ``group``: every rank calls it with the same arguments, with no other
+        collective in flight; every number is the slowest rank's, so all ranks get the same
+        cluster. In order: matmul FLOP/s per dtype (a transformer's linear layers in their three
+        layouts, the median pass, two rounds); fused causal attention FLOP/s; memory bandwidth (a
+        GPU's large copy, a CPU's memory-bound operators on cold inputs); an AdamW and an SGD step
+        over DTensor shards and the runtime's work per parameter; each collective at each of
+        ``sizes`` (the median burst), fitted to the ring model, or on a process group that models
+        its links (an :class:`~fsdp_compile.EmulatedNetwork`'s) the time its links charged; the
+        backend's workspace per collective; on a GPU ``comm_overlap``; with ``host``, its numbers.
 
-        * matmul FLOP/s per dtype: the matmuls of a transformer's linear layers in their
-          forward and both backward layouts, the median pass over all of them (two rounds,
-          the faster kept);
-        * fused causal attention FLOP/s per dtype, forward and backward;
-        * memory bandwidth: on a GPU one large copy, on a CPU the median over a step's
-          memory-bound operators (elementwise, normalization, softmax, ...) on cold inputs;
-        * one AdamW and one SGD step over sharded (DTensor) parameters, as seconds per tensor
-          and per shard byte, and the runtime's work per sharded parameter outside the graphs;
-        * all-gather, reduce-scatter and all-reduce at each of ``sizes`` (the median run; where
-          ranks fill a CPU's cores, beside a thread of matmuls), fitted to the ring model
-          (:mod:`fsdp_compile.runtime.ring`) as a latency per ring step and a bandwidth; on a
-          process group that models its links (an
-          :class:`~fsdp_compile.EmulatedNetwork`'s), the time its links charged those
-          collectives (its model, not the wall time, which is also gloo's);
-        * the bytes the communication backend allocates beside each collective's result;
-        * on a GPU how much of a collective's time can hide under compute (``comm_overlap``),
-          from a race of an all-reduce against matmuls;
-        * with ``host``, the host model's own numbers (its ``calibrate``), last.
-
-        Compute is timed by the fastest repeat (the matmul and attention passes by the median);
-        on a CPU with one intra-op thread (``OMP_NUM_THREADS=1``, torchrun's default for several
-        ranks per node) by the thread's CPU time, so other jobs on the machine do not slow it.
-        When this node's ranks outnumber its cores the operators' calibrations run in turns, a core
-        per rank, and compute is stretched by each one's share.
-
-        It costs seconds to tens of seconds, longer with more ``repeats``, larger ``sizes``, ranks
-        taking turns on shared cores, or a host model to calibrate. Its largest buffers: on a CPU
-        256 MB (the bandwidth operators' inputs), on a GPU about 3 GB of float32 matmul operands
-        and 2 GiB for the copy. On a CPU it runs :mod:`torch.profiler` briefly, for the
-        collectives' allocations.
+        Compute is timed by the fastest repeat (matmuls and attention by the median pass), on a
+        CPU with one intra-op thread by the thread's CPU time, so other jobs do not slow it. It
+        takes seconds to tens of seconds; its largest buffers are 256 MB on a CPU, about 5 GB on a
+        GPU; on a CPU it runs :mod:`torch.profiler` briefly.
 
         Args:
-            group: the process group to calibrate (default: the world). Its size is the
-                cluster's world size; its collectives are the ones timed.
-            sizes: buffer bytes to time each collective at (an all-gather's output, the
-                others' input), each rounded down to a whole number of float32 elements per
-                rank, at least one. The fit is a line through them: give two sizes or more.
-                Default: 64 KiB, 256 KiB, 1 MiB, 4 MiB on a CPU; 1, 16, 128 MiB on a GPU.
-            repeats: timings per compute calibration and per ``comm_overlap`` measurement;
-                the collectives' timings take at least 9 for their median.
-            dtypes: the compute dtypes whose matmul and attention FLOP/s are measured (the
-                keys of ``peak_flops`` and ``attention_flops``).
-            nodes: how many nodes ``group`` spans; it must divide the group's size, which
-                gives ``devices_per_node`` (consecutive ranks share a node, as torchrun places
-                them). On one node every collective is timed on ``group``; over several, the
-                intra-node link on groups of one node's ranks and the inter-node link on groups
-                of one rank per node (``measured_inter_collectives``), all groups of a kind at
-                once. The intra- and inter-node bandwidth and latency are each link's
-                all-gather fit.
-            device: the device to calibrate (default: the current CUDA device where CUDA is
-                available, else the CPU).
-            device_memory: bytes of memory each rank may plan against. Default: the CUDA
-                device's capacity; on a CPU this node's ``MemTotal`` split evenly between its
-                ranks (``LOCAL_WORLD_SIZE``, else the world's size), which on a CPU is rarely
-                the budget to plan against: pass it.
-            host: a host model's class (:class:`~.host_model.HostModel`), whose ``calibrate``
-                measures the cluster's ``host`` after the device's numbers (default: none).
+            group: the process group to calibrate (default: the world); its size is the world size.
+            sizes: buffer bytes to time each collective at (an all-gather's output, the others'
+                input), rounded down to whole float32 elements per rank; two or more. Default:
+                64 KiB, 256 KiB, 1 MiB, 4 MiB on a CPU; 1, 16, 128 MiB on a GPU.
+            repeats: timings per compute calibration (collectives take at least 9).
+            dtypes: the compute dtypes whose matmul and attention FLOP/s are measured.
+            nodes: how many nodes ``group`` spans (consecutive ranks share a node); it must divide
+                the group's size. Over several, the intra-node link is timed on groups of one
+                node's ranks and the inter-node link on groups of one rank per node
+                (``measured_inter_collectives``); each link's all-gather fit sets its bandwidth
+                and latency.
+            device: default the current CUDA device where CUDA is available, else the CPU.
+            device_memory: bytes each rank may plan against. Default: the CUDA device's capacity;
+                on a CPU this node's ``MemTotal`` split between its ranks (rarely the budget: pass it).
+            host: a host model's class (:class:`~.host_model.HostModel`), calibrated last.
 
         Returns:
-            A :class:`Cluster` named ``"measured-cpu"`` or ``"measured-cuda"`` of ``nodes`` x
-            (group size / ``nodes``) devices, with ``measured_collectives`` (and, over several
-            nodes, ``measured_inter_collectives``), ``collective_workspace``, ``optimizer_step``
-            (``"adamw"``, ``"sgd"``) and ``runtime_per_tensor`` filled in; ``host`` the calibrated
-            host model, or None; ``collective_latency`` and ``reserved_memory`` 0, and ``sources``
-            saying when, at what world size and on which device type each number was measured.
+            A :class:`Cluster` named ``"measured-cpu"`` or ``"measured-cuda"`` with the measured
+            fields filled in, ``host`` calibrated (or None), and ``sources`` saying when, at what
+            world size and on which device each number was measured.
 
         Raises:
-            ClusterError: ``torch.distributed`` is not initialized; ``nodes`` does not divide
-                the group's size; on a CPU without ``device_memory``, the node's memory size
-                cannot be read (no ``/proc/meminfo``); or a measured number is impossible (the
-                cluster's own validation).
+            ClusterError: ``torch.distributed`` is not initialized; ``nodes`` does not divide the
+                group's size; the node's memory size cannot be read; or a measured number is
+                impossible.
         """
         from .calibration.calibrate import measure_cluster
 
@@ -328,7 +271,7 @@ class Cluster:
 
 
 def _problems(cluster: Cluster) -> list[str]:
-    """What is wrong with ``cluster``'s numbers other than its measured fits, each named."""
+    """What is wrong with ``cluster``'s numbers, each named."""
     problems: list[str] = []
 
     def need(name: str, value: Any, **kwargs: Any) -> None:
@@ -350,15 +293,11 @@ def _problems(cluster: Cluster) -> list[str]:
     need("reserved_memory", cluster.reserved_memory, positive=False)
     need("comm_overlap", cluster.comm_overlap, positive=False, at_most=1.0)
     need("runtime_per_tensor", cluster.runtime_per_tensor, positive=False)
-    if isinstance(cluster.nodes, int) and cluster.nodes > 1:
-        # Several nodes talk over the inter-node link: it must be described.
+    several = isinstance(cluster.nodes, int) and cluster.nodes > 1  # the inter-node link must be described
+    if several or cluster.inter_node_bandwidth is not None:
         need("inter_node_bandwidth", cluster.inter_node_bandwidth)
+    if several or cluster.inter_node_latency is not None:
         need("inter_node_latency", cluster.inter_node_latency, positive=False)
-    else:
-        if cluster.inter_node_bandwidth is not None:
-            need("inter_node_bandwidth", cluster.inter_node_bandwidth)
-        if cluster.inter_node_latency is not None:
-            need("inter_node_latency", cluster.inter_node_latency, positive=False)
     if not isinstance(cluster.peak_flops, dict) or not cluster.peak_flops:
         problems.append("peak_flops is missing: give {dtype: dense FLOP/s}, e.g. {torch.bfloat16: 989e12}")
     else:
@@ -376,13 +315,6 @@ def _problems(cluster: Cluster) -> list[str]:
     if cluster.host is not None and not isinstance(cluster.host, HostModel):
         problems.append(f"host={cluster.host!r} must be a host model (fsdp_compile.planning.host_model.HostModel: "
                         "free_node, compute_node, collective, timeline, ...) or None")
-    return problems
-
-
-def _measured_problems(cluster: Cluster) -> list[str]:
-    """What is wrong with the measured fits of ``cluster`` (collectives, workspace, the optimizer
-    step), each named."""
-    problems: list[str] = []
     for field_name in ("measured_collectives", "measured_inter_collectives"):
         problems += fit_problems(field_name, getattr(cluster, field_name))
     for kind, share in cluster.collective_workspace.items():

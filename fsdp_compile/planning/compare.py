@@ -3,47 +3,26 @@
 Every rank builds the same model (same seed), shards it with each strategy in turn, trains a
 few steps with AdamW and measures:
 
-* step time: the median over the timed steps of the slowest rank's step (a step waits for
-  the slowest rank), after warm-up steps that include compilation. Python's cyclic garbage
-  collector runs between steps, not inside them (``gc_between_steps``, the default; what
-  torchtitan's trainer does with ``gc_freq``): a collection pauses whichever step allocates
-  past its threshold, for a time set by everything the process holds (the compiled graphs'
-  objects included), not by the strategy, so collecting inside the steps adds noise that no
-  strategy causes;
+* step time: the median over the timed steps of the slowest rank's step, after warm-up steps
+  that include compilation. Python's cyclic collector runs between steps, not inside them
+  (``gc_between_steps``, as torchtitan's ``gc_freq``): a collection's pause is set by all the
+  process holds, not by the strategy;
 * compile time: the first step's time minus a steady step's;
-* peak memory per rank, by the allocator: the bytes of every storage alive before a profiled
-  step (shards, optimizer state, buffers: storages the allocator handed out, counted once
-  each) plus the largest running sum of the allocator's events during the step
-  (``torch.profiler`` memory events on a CPU; ``torch.cuda.max_memory_allocated`` on a GPU).
-  Never the planner's estimate;
-* how much of each step the machine gave to other work (Linux, from ``/proc``): the main
-  thread's CPU time per step and how long this process's threads spent runnable but waiting
-  for a core (``cpu_wait_fraction``: their run-queue wait summed over threads, over the step's
-  wall time -- above 1 when several threads wait at once -- the largest over ranks), and the
-  load average. On a dedicated machine the wait is near
-  0; on a shared one it is how far the measured wall time is from the machine's speed without other jobs.
-  The main thread's own wait
-  for a core (``core_wait_seconds``) splits its step three ways: CPU, waiting for a core, and
-  the rest, blocked in waits for collectives; the plan splits its step the same way (compute,
-  ``backend_cpu_seconds``, and waits);
-* bytes per step: from the profiler's collective events (``gloo:*`` / ``nccl:*``), their
-  buffers converted to wire bytes with the same ring formula as the planner. gloo runs a
-  reduce-scatter as an all-reduce of the whole buffer (it shows up as ``gloo:all_reduce``), so
-  it moves more bytes than a ring reduce-scatter would: the difference is gloo's, and shown.
-
-* with ``reference`` (a host model's, :class:`~.host_model.BesideSteps`): a reference step timed
-  on the compute clock after every timed step, all ranks at once, its median the slowest rank's
-  (``reference_seconds``), so the plan can be made at the speed the machine had while this
-  strategy's steps ran rather than at the calibration's; with ``outside_graphs`` (the same
-  host's), other workloads sampled there, whose fits replace the calibration's;
-
+* peak memory per rank, by the allocator (never the planner's estimate): the storages alive
+  before a profiled step plus the largest running sum of its allocator events;
+* on Linux, what the machine gave to other work: the main thread's CPU per step, the threads'
+  run-queue wait over the step (``cpu_wait_fraction``, the largest rank's), the main thread's
+  own wait for a core (``core_wait_seconds``: with its CPU, the step splits three ways as the
+  plan's does: compute, ``backend_cpu_seconds``, waits), the other threads' CPU, the load;
+* bytes per step: from the profiler's collective events, converted with the planner's ring
+  formula; gloo runs a reduce-scatter as an all-reduce of the whole buffer, shown apart;
+* with ``reference`` and ``outside_graphs`` (a host model's :class:`~.host_model.BesideSteps`):
+  a reference step timed on the compute clock after every timed step, all ranks at once (its
+  median the slowest rank's, ``reference_seconds``), and other workloads sampled there, so the
+  plan can be made at the machine's speed while this strategy's steps ran;
 * with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
   again on unlimited links, alternating which goes first; the median of each step minus its
-  pair (``exposed_seconds``) is the communication the network exposes, the machine's drift
-  common to both steps of a pair.
-
-:func:`compare` returns the measured rows and the plan made for the machine it runs on, for the
-``compare`` subcommand and ``bench/plan_accuracy.py``.
+  pair (``exposed_seconds``) is the communication the network exposes.
 """
 
 from __future__ import annotations
@@ -65,6 +44,7 @@ from ..api import ShardingStrategy
 from ..compilation import collector_paused
 from ..network.links import unlimited_links
 from ..runtime.ring import wire_bytes
+from .calibration.allocator import _allocated_peak
 from .calibration.compute import _compute_clock
 from .measured import Measured
 from .trace import make_backend
@@ -87,10 +67,8 @@ class ThreadTimes(NamedTuple):
 
 def thread_times() -> ThreadTimes | None:
     """This process's :class:`ThreadTimes`; None where ``/proc`` has no schedstat (not Linux).
-
-    Over a step, the main thread's wall time is its CPU time, plus its wait for a core (held
-    by other threads: the communication backend's, the other ranks', other jobs'), plus the
-    rest, where it was blocked (waiting for a collective)."""
+    Over a step, the main thread's wall time is its CPU, its wait for a core, and the rest,
+    blocked (waiting for a collective)."""
     import threading
 
     main = threading.get_native_id()
@@ -117,10 +95,6 @@ def _load_average() -> float | None:
         return os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
-
-
-def _largest(value: float) -> float:
-    return _slowest(value)
 
 
 def resident_bytes(*objects: Any) -> int:
@@ -157,12 +131,9 @@ def resident_bytes(*objects: Any) -> int:
 
 
 def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, float], float, dict[str, int]]:
-    """Wire bytes per rank from the profiler's events, with the planner's ring formula.
-
-    From the functional collectives the compiled graphs issued (their group size is an
-    argument; an all-reduce's is ``all_reduce_size``), and separately from what the backend
-    (gloo / NCCL) ran, which for gloo turns a reduce-scatter into an all-reduce.
-    """
+    """Wire bytes per rank with the planner's ring formula: of the functional collectives the
+    graphs issued (an all-reduce's group size is ``all_reduce_size``), and of what the backend
+    ran (gloo turns a reduce-scatter into an all-reduce)."""
     issued: dict[str, float] = {"intra": 0.0, "inter": 0.0}
     backend_bytes = 0.0
     counts: dict[str, int] = {}
@@ -204,26 +175,6 @@ def _dtype(name: str) -> torch.dtype:
     return table.get(name, torch.float32)
 
 
-def _profiled_step(step: Callable[[], None], device: torch.device) -> tuple[float, list]:
-    """The largest running sum of allocator events during one step, and the profiler's events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from .calibration.allocator import allocation_records, allocator_peak, quiet_profiler
-
-    quiet_profiler()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            step()
-            torch.cuda.synchronize()
-        return float(torch.cuda.max_memory_allocated() - before), list(prof.profiler.kineto_results.events())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
-        step()
-    return float(allocator_peak(allocation_records(prof))), list(prof.profiler.kineto_results.events())
-
-
 @contextlib.contextmanager
 def _collector_between_steps(enabled: bool) -> Iterator[None]:
     """Collect the young generations before a step and keep the automatic collector off
@@ -242,18 +193,15 @@ def measure_strategy(
     tokens_per_step: int | None = None, gc_between_steps: bool = True, network: Any = None,
     unlimited_too: bool = False, reference: Callable[[], None] | None = None, outside_graphs: Any = None,
 ) -> Measured:
-    """Train ``len(batches)`` steps of ``strategy``; see the module docstring for what is measured.
+    """Train ``len(batches)`` steps of ``strategy`` (module docstring: what is measured).
 
-    ``build()`` returns the model (same on every rank); each batch is ``(inputs, targets)`` of
-    this rank; ``loss_fn(output, targets)``. ``network``: the :class:`~fsdp_compile.EmulatedNetwork`
-    the process group runs on, if any; its statistics are read over the timed steps alone.
-    ``unlimited_too`` (needs ``network``): each timed step runs twice, on the network's links and
-    on unlimited ones (gloo's own speed), in alternating order, so that the median of the
-    pairs' differences is the step's exposed communication with the machine's drift common to both.
-    The statistics then cover the steps on the network's links alone. ``reference``: a function
-    running a reference step (the model's own on one rank), timed after each timed step (module docstring).
-    ``outside_graphs``: a :class:`~.host_model.BesideSteps` sampled after each timed step; its
-    fits become ``Measured.outside_graphs``.
+    ``build()`` returns the model (same on every rank); each batch is this rank's ``(inputs,
+    targets)``; ``loss_fn(output, targets)``. ``network``: the
+    :class:`~fsdp_compile.EmulatedNetwork` the group runs on, its statistics read over the timed
+    steps alone. ``unlimited_too`` (needs ``network``): each timed step runs on the network's
+    links and on unlimited ones, in alternating order. ``reference``: a step timed after each
+    timed step; ``outside_graphs``: a :class:`~.host_model.BesideSteps` sampled there, whose fits
+    become ``Measured.outside_graphs``.
     """
     if unlimited_too and network is None:
         raise ValueError("measure_strategy(unlimited_too=True) compares a network's links with unlimited ones: "
@@ -261,8 +209,6 @@ def measure_strategy(
     strategy = ShardingStrategy.parse(strategy)
     options = dict(backend_options or {})
     if strategy.is_hybrid and "shard_size" not in options:
-        import os
-
         options["shard_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     backend = make_backend(strategy, compiler=compiler, **options)
     model = backend.shard(build())
@@ -293,11 +239,11 @@ def measure_strategy(
         if before is None or after is None:
             return _slowest(wall), None, None, None, None
         return (_slowest(wall), _slowest(after.main_on_cpu - before.main_on_cpu),
-                _largest((after.all_waiting - before.all_waiting) / wall),
-                _largest(after.main_waiting - before.main_waiting),
-                _largest(after.others_on_cpu - before.others_on_cpu))
+                _slowest((after.all_waiting - before.all_waiting) / wall),
+                _slowest(after.main_waiting - before.main_waiting),
+                _slowest(after.others_on_cpu - before.others_on_cpu))
 
-    times, cpu, waits, core_waits, others_cpu, unlimited, reference_times = [], [], [], [], [], [], []
+    times, threads, unlimited, reference_times = [], [], [], []
     network_stats = None
     if outside_graphs is not None:
         outside_graphs.reset()
@@ -306,16 +252,13 @@ def measure_strategy(
             dist.barrier()
             network.reset_stats()
         if unlimited_too and i >= warmup:
-            wall, step_cpu, wait, core_wait, other_cpu, network_stats = _paired_steps(
+            *measured, network_stats = _paired_steps(
                 network, functools.partial(timed, inputs, targets), network_stats, unlimited, first=i % 2 == 0)
         else:
-            wall, step_cpu, wait, core_wait, other_cpu = timed(inputs, targets)
-        times.append(wall)
-        if step_cpu is not None:
-            cpu.append(step_cpu)
-            waits.append(wait)
-            core_waits.append(core_wait)
-            others_cpu.append(other_cpu)
+            measured = timed(inputs, targets)
+        times.append(measured[0])
+        if measured[1] is not None:
+            threads.append(measured[1:])
         if reference is not None and i >= warmup:
             reference_times.append(_timed_reference(reference, device, gc_between_steps))
         if outside_graphs is not None and i >= warmup:
@@ -332,19 +275,18 @@ def measure_strategy(
     def median_after_warmup(values: list[float]) -> float | None:
         return statistics.median(after_warmup(values)) if values else None
 
-    steady = after_warmup(times)
-    step_seconds = statistics.median(steady)
-    cpu_seconds = median_after_warmup(cpu)
-    core_wait_seconds = median_after_warmup(core_waits)
-    others_cpu_seconds = median_after_warmup(others_cpu)
-    wait_fraction = median_after_warmup(waits)
+    step_seconds = statistics.median(after_warmup(times))
+    cpu, waits, core_waits, others_cpu = (list(values) for values in zip(*threads)) if threads else ([],) * 4
+    cpu_seconds, wait_fraction, core_wait_seconds, others_cpu_seconds = map(
+        median_after_warmup, (cpu, waits, core_waits, others_cpu))
     # per rank, then the slowest rank's: the calibration's own order (``timed_reference``)
     reference_seconds = _slowest(statistics.median(reference_times)) if reference_times else None
     fits = outside_graphs.fits() if outside_graphs is not None else None
     gc.collect()
     resident = resident_bytes(model, optimizer)
     inputs, targets = batches[-1]
-    during, events = _profiled_step(lambda: step(inputs, targets), device)
+    events: list = []
+    during, _ = _allocated_peak(lambda: step(inputs, targets), device, events)
     shard = options.get("shard_size", dist.get_world_size()) if strategy.is_hybrid else 1
     # The group an all-reduce runs on: the dp mesh's size under TP (at dp 2 x tp 2 the tp groups'
     # all-reduces have the same size; other shapes would need each event's group).
@@ -359,10 +301,9 @@ def measure_strategy(
 
 
 def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
-    """``cluster`` with the numbers ``compare`` measured beside one strategy's steps in place of
-    the calibration's: ``compute_scale`` (its host model's; a cluster without one keeps none where
-    the scale is 1), and the optimizer and runtime fits
-    (:class:`~.host_model.BesideSteps`); an optimizer not timed there keeps its fit."""
+    """``cluster`` with the numbers measured beside one strategy's steps in place of the
+    calibration's: ``compute_scale`` (its host model's; none added where it is 1) and the
+    optimizer and runtime fits (an optimizer not timed there keeps its fit)."""
     changes: dict[str, Any] = {}
     if "optimizer_step" in measured:
         changes["optimizer_step"] = {**cluster.optimizer_step,
@@ -376,9 +317,8 @@ def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
 
 
 def clusters_beside_steps(cluster: Any, unlimited_cluster: Any, beside: dict[str, dict[str, Any]]) -> dict[str, tuple]:
-    """``plan_each``'s ``on`` for every strategy of ``beside`` (name -> the numbers measured beside
-    its steps): ``cluster`` with them under the strategy's name, and ``unlimited_cluster`` (its
-    links at gloo's own speed: ``backend_links``; None: none) with them under "<name> unlimited"."""
+    """``plan_each``'s ``on`` for every strategy of ``beside`` (name -> its numbers): ``cluster``
+    with them under the name, and ``unlimited_cluster`` (None: none) under "<name> unlimited"."""
     on: dict[str, tuple] = {}
     for name, numbers in beside.items():
         on[name] = (beside_steps(cluster, numbers), [name])
@@ -407,9 +347,8 @@ def _timed_reference(reference: Callable[[], None], device: torch.device, gc_bet
 def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimited: list[float],
                   *, first: bool) -> tuple[float, float | None, float | None, float | None, float | None, Any]:
     """One step on the network's links and one on unlimited links, the former first when
-    ``first`` (alternating the order puts a cold cache on neither side). Returns the former's
-    ``timed()`` and ``stats`` plus its window of the network's statistics; appends the
-    unlimited step's wall time to ``unlimited``."""
+    ``first`` (alternating puts a cold cache on neither side): the former's ``timed()`` and
+    ``stats`` plus its window; the unlimited step's wall time goes to ``unlimited``."""
     def on_unlimited_links() -> None:
         with unlimited_links(network):
             unlimited.append(timed()[0])

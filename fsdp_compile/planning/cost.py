@@ -1,23 +1,15 @@
 """What each node of a lowered graph costs on a cluster.
 
-* Compute nodes: a roofline. FLOPs come from torch's own formulas
-  (``torch.utils.flop_counter``, the table ``FlopCounterMode`` uses) applied to the node's
-  fake tensors; bytes are what the node reads and writes. Time is the larger of FLOPs over
-  the device's peak for the operands' dtype (fused attention: the cluster's attention rate)
-  and bytes over memory bandwidth. Views and other metadata-only nodes are free.
-* Collectives: the ring model (:mod:`fsdp_compile.runtime.ring`) on the links of
-  :mod:`.cluster`: a group inside one node runs at the intra-node bandwidth, a group spanning
-  nodes at the inter-node one, and the latency counts each intra- and inter-node ring step; a
-  measured fit of the collective's kind on its link replaces the data-sheet numbers.
+* Compute nodes: a roofline, the larger of FLOPs (torch's own formulas, ``torch.utils.flop_counter``,
+  on the node's fake tensors) over the dtype's peak (fused attention: its own rate) and the bytes
+  read and written over memory bandwidth. Views are free.
+* Collectives: the ring model (:mod:`fsdp_compile.runtime.ring`) on the group's link (a group
+  spanning nodes: the inter-node one), latency per intra- and inter-node step; a measured fit of
+  the kind on its link replaces the data-sheet numbers.
 
-That is a GPU's cost. A cluster may carry a host model (``Cluster.host``,
-:class:`~.host_model.HostModel`), the one hook here: it prices each node that runs no kernel and
-each compute node the roofline priced, its operator calls, and adds to each collective what the
-host adds to it (the repository's lab has the model of ranks sharing CPU cores with gloo's
-threads).
-
-Sizes may be symbolic (sympy expressions, when the graph was traced with symbolic batch or
-sequence sizes): every cost is then an expression too.
+That is a GPU's cost; a cluster's host model (``Cluster.host``, :class:`~.host_model.HostModel`)
+prices views, compute nodes, operator calls and what it adds to collectives. Sizes may be
+symbolic (sympy): every cost is then an expression.
 """
 
 from __future__ import annotations
@@ -55,18 +47,12 @@ FREE = PURE_VIEWS | {
 }
 
 
-def _sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs):
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-
-def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs):
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-
-
 # The CPU flash kernels have no entry in torch's table; they compute what the CUDA ones do.
 _EXTRA_FLOPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_val=None, **kwargs: sdpa_flop_count(q.shape, k.shape, v.shape),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda g, q, k, v, *args, out_val=None, **kwargs: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
 }
 
 
@@ -84,8 +70,7 @@ def maximum(a: Any, b: Any) -> Any:
 
 
 def _value(x: Any, symbolic: bool) -> Any:
-    """An fx argument as the planner computes with it: fake tensors stay, SymInts become
-    sympy expressions (symbolic) or their hints."""
+    """An fx argument with its SymInts as sympy expressions (``symbolic``) or their hints."""
     if isinstance(x, fx.Node):
         return _value(x.meta.get("val"), symbolic)
     if isinstance(x, (list, tuple)):
@@ -96,11 +81,7 @@ def _value(x: Any, symbolic: bool) -> Any:
 
 
 def _number(x: Any, symbolic: bool) -> Any:
-    if isinstance(x, torch.SymInt):
-        return _value(x, symbolic)
-    if isinstance(x, sympy.Basic):
-        return x
-    return int(x)
+    return _value(x, symbolic) if isinstance(x, torch.SymInt) else x if isinstance(x, sympy.Basic) else int(x)
 
 
 def tensor_bytes(t: torch.Tensor, symbolic: bool = False) -> Any:
@@ -256,7 +237,7 @@ def _value_of(node: object) -> Any:
 
 def float8_cast_kernels(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """The float8 casts and amaxes of ``graph`` as Inductor's kernels: each kernel's last node
-    mapped to the graph values it reads from memory; the nodes fused into it mapped to []."""
+    -> the values it reads from memory; the nodes fused into it -> []."""
     fused: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         value = _value_of(node)
@@ -285,17 +266,10 @@ def _fused_cost(node: fx.Node, reads: list[fx.Node], cluster: Cluster, symbolic:
 
 
 def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int, cluster: Cluster) -> float:
-    """One optimizer step over this rank's shards.
-
-    Measured (``cluster.optimizer_step``, from :meth:`Cluster.measure`): seconds per parameter
-    tensor plus seconds per shard byte, fitted on a real step of the same optimizer over
-    DTensor shards -- on a CPU most of a step is per-tensor dispatch, not bandwidth.
-    Otherwise memory-bound elementwise updates: AdamW (torch's foreach implementation) reads
-    parameter, gradient and both moments and
-    writes parameter and moments: 7 passes over the shard bytes; SGD reads parameter and
-    gradient and writes the parameter. Each foreach operator (about a dozen for AdamW) costs
-    its call once per tensor where a host model prices calls (its ``operator_calls``).
-    """
+    """One optimizer step over this rank's shards: the measured line (``cluster.optimizer_step``,
+    per tensor and per shard byte), else memory-bound passes over the shard bytes (AdamW: 7,
+    reading parameter, gradient and moments, writing parameter and moments; SGD: 3) plus each
+    foreach operator's call per tensor where a host model prices calls."""
     if optimizer == "none":
         return 0.0
     measured = cluster.optimizer_step.get("adamw" if optimizer == "adam" else optimizer)
@@ -309,8 +283,7 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
 
 def outside_graph_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int,
                           cluster: Cluster) -> float:
-    """What a training step spends outside its compiled graphs, on the compute stream: the
-    optimizer step and the runtime's per-parameter work (``cluster.runtime_per_tensor``: checking
-    each shard's leaf before a graph runs, wrapping and accumulating each gradient in backward)."""
+    """A step's compute outside its graphs: the optimizer step and the runtime's per-parameter
+    work (``cluster.runtime_per_tensor``)."""
     return (optimizer_seconds(optimizer, shard_numel, shard_bytes, tensors, cluster)
             + tensors * cluster.runtime_per_tensor)

@@ -1,17 +1,12 @@
 """The planner's one extension point: a host model (``Cluster(host=...)``).
 
-The planner's cost model (:mod:`.cost`) and simulator (:mod:`.simulate`) are a GPU's: kernels at
-a roofline, collectives on links, one compute stream and a stream per link. Where the device is
-not that (ranks computing on CPU cores that a communication backend's threads share), a host
-model says what the device adds, at one hook each: what a node costs, what a collective adds to
-one rank's timeline, and what a whole step is where one rank's timeline does not stand for it.
-GPUs and the presets carry none. The package ships no host model: the repository's measuring lab
-(``lab/``, not installed) has the CPU one it reproduces its CPU figures with.
-
-A host model is any object with the methods of :class:`HostModel`; its class, given to
-:meth:`Cluster.measure(host=...) <fsdp_compile.planning.cluster.Cluster.measure>`, calibrates it
-(:meth:`HostModel.calibrate`) after the device's own numbers are measured, and writes and reads
-its numbers as JSON beside the cluster's (:mod:`.cluster_numbers`).
+The cost model (:mod:`.cost`) and simulator (:mod:`.simulate`) are a GPU's. Where the device is
+not (ranks computing on CPU cores that a backend's threads share), a host model says what it
+adds, at one hook each: a node's cost, a collective's part of one rank's timeline, a whole step
+where one rank's timeline does not stand for it, and how the calibrations run. GPUs and the
+presets carry none, and the package ships none: the repository's lab (``lab/``, not installed)
+has the CPU one. Its class, given to ``Cluster.measure(host=...)``, calibrates it after the
+device's numbers; its numbers are written as JSON beside the cluster's (:mod:`.cluster_numbers`).
 """
 
 from __future__ import annotations
@@ -34,10 +29,9 @@ Event = tuple
 
 @dataclass(frozen=True)
 class HostCalibration:
-    """What :meth:`Cluster.measure` hands a host model's :meth:`HostModel.calibrate`: the group it
-    calibrates, this rank's groups on each link (intra-node; inter-node, None on one node), the
-    device, the collectives' buffer sizes and the repeats per timing, and the network model the
-    group's links run on (a process group that models its links has a ``network``; else None)."""
+    """What :meth:`HostModel.calibrate` is handed: the group, this rank's groups on each link
+    (inter-node: None on one node), the device, the collectives' sizes, the repeats, and the
+    network model the group's links run on (or None)."""
 
     group: Any
     link_groups: tuple[Any, Any]
@@ -48,8 +42,8 @@ class HostCalibration:
 
 
 class HostTimeline(Protocol):
-    """What a host model adds to one rank's timeline: the simulator asks it at each compute,
-    issue and wait, and plays the events of its own kinds (``events``) through it."""
+    """A host model's part of one rank's timeline, asked at each compute, issue and wait, and
+    playing the events of its own kinds (``events``)."""
 
     events: frozenset[str]
 

@@ -1,19 +1,14 @@
 """``fsdp_compile.plan()``: which strategy for this model on this cluster, and why.
 
-For every candidate (strategy x bucket policy x prefetch depth) the planner traces the graphs
-a real run would execute (see :mod:`.trace`), costs every node (:mod:`.cost`), plays the
-forward and backward graphs on a compute and a communication stream (:mod:`.simulate`) and
-walks their memory in the same order, then adds what lives outside the graphs: the optimizer
-state, gradients kept for the optimizer step, buffers the graphs do not read.
+For every candidate (strategy x bucket policy x prefetch depth) the planner traces the graphs a
+real run executes (:mod:`.trace`), costs every node (:mod:`.cost`), plays forward and backward on
+a compute and a communication stream (:mod:`.simulate`), walks their memory in the same order, and
+adds what lives outside the graphs (optimizer state, gradients, buffers the graphs do not read).
 
-Memory per device, by role, at the peak (``row.memory``): ``params`` (this rank's shards; whole
-parameters for NO_SHARD), ``grads`` (gradient shards and reduction buffers), ``optimizer``
-(AdamW: two fp32 moments per parameter of the shard, plus one shard-sized temporary during the
-step), ``gathered`` (unsharded parameters and gather buffers), ``activations`` (everything the
-graphs compute and keep), ``buffers`` (module buffers). The peak is the largest of three
-moments: during forward, during backward, and at the optimizer step. Beside it, the model states
-a rank holds between steps (``row.model_states``: its parameters, gradients and optimizer state,
-and buffers), what ZeRO's memory formulas count.
+``row.memory`` is the peak's breakdown per device (``params``, ``grads``, ``optimizer``: AdamW's
+two fp32 moments plus a shard-sized temporary during the step, ``gathered``, ``activations``,
+``buffers``), the peak being the largest of forward, backward and the optimizer step;
+``row.model_states`` is what a rank holds between steps, what ZeRO's formulas count.
 """
 
 from __future__ import annotations
@@ -70,18 +65,13 @@ class PlanRow:
     note: str = ""
     phase: str = ""  # where the peak is: "forward", "backward" or "optimizer step"
     chosen: bool = False
-    # Resident between steps, per device: "params", "grads", "optimizer" (exact, from the
-    # parameters' shapes and the strategy's shard layout) and "buffers". ``memory`` is the
-    # breakdown at the peak instead, whose grads include the unreduced full gradients of the
-    # bucket being reduced, and whose gathered parameters come on top.
+    # Resident between steps, per device (exact, from the shapes and the shard layout)
     model_states: dict[str, float] = field(default_factory=dict)
     tp: int = 1  # the tensor-parallel degree; FSDP shards over dp = world / tp
     tp_bytes_per_step: float = 0.0  # of bytes_per_step["intra"]: what the TP plan's collectives send
     # Of exposed_comm_seconds: compute's time a CPU backend's threads take (the rest: waits)
     backend_cpu_seconds: float | None = None
-    # The units that reshard after forward to other than the strategy's, as the backend's
-    # reshard_after_forward= takes them (False: keeps its gathered parameters; n: a shard over n
-    # ranks): the mix the budget chose (empty: the strategy's own).
+    # The budget's mix, as reshard_after_forward= takes it (unit -> False or n; empty: the strategy's)
     reshard: dict[str, bool | int] = field(default_factory=dict)
 
     def label(self) -> str:
@@ -148,7 +138,7 @@ class Plan:
         return self._solve(strategy, "seq", input_index, dim)
 
     def memory_expr(self, strategy: ShardingStrategy | str, size: str = "batch", *, input_index: int = 0,
-                    dim: int | None = None):
+                    dim: int | None = None) -> Any:
         """Peak bytes per device of ``strategy`` as a sympy expression of the batch (or ``"seq"``)."""
         return symbolic_analysis(self, strategy, size, input_index, dim).memory
 
@@ -313,28 +303,20 @@ def plan(
 ) -> Plan:
     """Predict every strategy's memory and step time for ``model`` on ``cluster``; see docs/planning.md.
 
-    ``model`` may live on any device (meta included); nothing is allocated or copied:
-    parameters become fake tensors and the world a fake process group of ``world_size``
-    (default: the whole cluster) in this process. ``example_inputs`` are one rank's inputs
-    (real, meta or fake tensors); ``loss_fn(output) -> scalar`` (default: the output's sum) is
-    traced with the model, as a training step that compiles ``loss_fn(model(*inputs))``.
-    ``mixed_precision`` and the bucket policies in ``buckets`` mean what they mean for
-    ``fsdp_compile.backend``; every strategy is tried with every bucket policy and every depth
-    in ``prefetch``. ``optimizer``: "adamw" (default), "adam", "sgd" or "none".
-    ``memory_budget``: bytes per device to fit in (default: the cluster's usable memory).
-    Strategies whose parameters, gradients and optimizer state alone exceed the budget are not
-    traced (``trace_all=True`` traces them anyway).
+    ``model`` may live on any device (meta included); nothing is allocated: parameters become
+    fake tensors and the world a fake process group of ``world_size`` (default: the whole
+    cluster). ``example_inputs``: one rank's inputs (real, meta or fake); ``loss_fn(output) ->
+    scalar`` (default: the output's sum) is traced with the model. ``mixed_precision`` and the
+    policies in ``buckets`` mean what they mean for ``fsdp_compile.backend``; every strategy is
+    tried with every bucket policy and ``prefetch`` depth. ``optimizer``: "adamw" (default),
+    "adam", "sgd" or "none". ``memory_budget``: bytes per device (default: the cluster's usable
+    memory); strategies whose model states alone exceed it are not traced unless ``trace_all``.
 
-    ``tp_degrees``: tensor-parallel degrees to try with every strategy (default: 1, no TP); a
-    degree ``tp`` runs ``parallelize_fn(model, tp_mesh)`` (the TP plan; the built-in GPT and
-    Llama bring theirs) on a 2-D mesh (dp x tp; hybrid: dp_replicate x dp_shard x tp) and FSDP
-    over dp = world / tp; its collectives are priced on the intra-node link. A degree that does
-    not divide the devices of a node, the world, or the model's attention heads is refused
-    (:class:`PlanError`); see :mod:`.tp`.
-
-    ``float8=True`` plans the model as torchao's float8 training runs it (its linears converted,
-    with float8 all-gather; see :mod:`.float8`). A model torchao already converted is planned
-    as it is either way.
+    ``tp_degrees``: tensor-parallel degrees to try (default 1, no TP); a degree runs
+    ``parallelize_fn(model, tp_mesh)`` (the built-in GPT and Llama bring theirs) on a (dp x tp)
+    mesh with FSDP over dp; one that does not divide a node's devices, the world or the heads
+    raises :class:`PlanError` (:mod:`.tp`). ``float8=True`` plans torchao's float8 training (the
+    linears converted, float8 all-gather; :mod:`.float8_plan`).
     """
     import time
 
@@ -415,10 +397,9 @@ def plan(
 def budget_mixes(traced: dict[Candidate, Traced], rows: Sequence[PlanRow], cluster: Cluster, budget: float,
                  states: dict[tuple[ShardingStrategy, int], dict[str, float]], world: int,
                  devices_per_node: int) -> list[Candidate]:
-    """A candidate for the fastest fitting FULL_SHARD (HYBRID_SHARD) row's bucketing for the mix that a memory budget
-    (``backend(memory_budget=...)``, :mod:`.budget`) would choose within the plan's
-    budget, where it keeps some units and so differs from the strategy itself and from the strategy
-    that keeps every unit (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2), whose rows the plan has already."""
+    """For the fastest fitting FULL_SHARD (HYBRID_SHARD) row, the mix ``memory_budget=``
+    (:mod:`.budget`) would choose within the plan's budget, where it keeps some units but not all
+    (those rows the plan has: the strategy itself, SHARD_GRAD_OP, HYBRID_SHARD_ZERO2)."""
     fastest: dict[ShardingStrategy, Candidate] = {}
     for row in sorted(rows, key=rank):
         candidate = next((c for c in traced if c.label() == row.label()), None)
@@ -437,8 +418,7 @@ def budget_mixes(traced: dict[Candidate, Traced], rows: Sequence[PlanRow], clust
         # the buffers the graph does not read are outside the step's accounting: off the budget
         unread = max(0.0, step_states.get("buffers", 0.0) - input_bytes(entry.records[0].forward, "buffer"))
         try:
-            choice = choose_reshard(step, budget - unread, shard_size,
-                                    candidate_groups(shard_size))
+            choice = choose_reshard(step, budget - unread, shard_size, candidate_groups(shard_size))
         except ConfigError:  # the strategy itself does not fit: no mix does
             continue
         kept_whole = [unit for unit, ranks in choice.reshard_to.items() if ranks == 1]

@@ -1,23 +1,15 @@
 """Play a lowered, scheduled graph on two streams, and walk its memory along the same order.
 
-Time: one compute stream runs the graph's compute nodes in graph order; each link (intra-node,
-inter-node) runs its collectives in the order they are issued, each starting when it is issued
-(the compute stream reaches it) and the link's previous collective is done. The links are
-separate resources (NVLink and the NIC; FSDP2 runs a hybrid strategy's all-reduce across nodes
-on a stream of its own, and the emulated network gives each rank one link of each kind), so a
-hybrid step's reduce-scatter in the node and all-reduce across nodes can overlap. A ``wait_tensor`` blocks the
-compute stream until its collective has finished: the time it blocks is *exposed*
-communication. Collective time spent while compute runs is *hidden*; on a device where
-communication takes time from compute (``comm_overlap`` < 1), that share of the hidden time is
-added back.
+Time: one compute stream runs the compute nodes in graph order; each link (intra-node,
+inter-node: separate resources, so a hybrid step's reduce-scatter and all-reduce can overlap)
+runs its collectives in issue order, each from when it is issued and the link is free. A
+``wait_tensor`` blocks compute until its collective is done: that time is *exposed*
+communication; with ``comm_overlap`` < 1 that share of the hidden time is added back. That is one
+rank's GPU timeline, the others priced by symmetry; a host model (:mod:`.host_model`) adds to it
+through a :class:`~.host_model.HostTimeline`, or plays every rank together (``played_step``).
 
-That is a GPU's step. A cluster's host model (``Cluster.host``, :mod:`.host_model`) adds to it
-through one hook, a :class:`~.host_model.HostTimeline` the simulator asks at each compute, issue
-and wait, and for the events of its own. This is one rank's timeline, the others priced by
-symmetry (lockstep); a host model may play every rank together instead (``played_step``).
-
-Memory: live bytes by role after each node's allocations (see :mod:`fsdp_compile.inspection.memory_estimate`),
-as ints or sympy expressions for graphs traced with symbolic sizes.
+Memory: live bytes by role after each node's allocations (:mod:`fsdp_compile.inspection.memory_estimate`),
+ints or sympy expressions for graphs traced with symbolic sizes.
 """
 
 from __future__ import annotations
@@ -46,8 +38,7 @@ class Timeline:
     flops: Any = 0
     wire_bytes: dict[str, Any] = field(default_factory=lambda: {"intra": 0, "inter": 0})
     collectives: int = 0
-    # Of ``exposed_comm_seconds``: compute's time the backend's threads take (the rest is waits),
-    # so a measured step's split of its main thread (waiting for a core, blocked) has a referee.
+    # Of ``exposed_comm_seconds``: compute's time the backend's threads take (the rest is waits)
     backend_cpu_seconds: Any = 0.0
 
     def __add__(self, other: Timeline) -> Timeline:
@@ -71,28 +62,20 @@ def symbolic_events(events: Sequence[Event]) -> bool:
 
 def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0,
                     host: HostModel | None = None, trace: list[dict] | None = None) -> Timeline:
-    """Run ``events`` on one compute and one communication stream (see the module docstring).
-
-    ``host``: the cluster's host model (``Cluster.host``), which plays what the host adds to
-    one rank's timeline; events that carry its numbers need it.
-    A collective never waited for is waited at the end (a graph's results are complete
-    when it returns). ``trace``: a list that receives, per collective in issue order, when it
-    was issued, started and ended on its link, and when its wait was reached and returned
-    (seconds from the events' start), to hold against a measured step's
+    """Run ``events`` on the compute stream and the links (module docstring). ``host``: the
+    cluster's host model, needed by events that carry its numbers. A collective never waited for
+    is waited at the end. ``trace``: receives, per collective in issue order, when it was issued,
+    started and ended on its link, and when its wait was reached and returned
     (``bench/exposure_trace.py``).
     """
     events = list(events)
     hook = host.timeline(events) if host is not None else None
-    now = 0.0  # the compute stream's clock
+    now = busy = comm = exposed = backend_cpu = 0.0  # now: the compute stream's clock
     comm_free: dict[str, Any] = {}  # link -> when it is next idle
-    busy = 0.0
-    comm = 0.0
-    exposed = 0.0
     finish: dict[Any, Any] = {}
     traced: dict[Any, dict] = {}
     wire = {"intra": 0, "inter": 0}
     count = 0
-    backend_cpu = 0.0
     for event in events:
         kind = event[0]
         if kind == "compute":
@@ -134,8 +117,7 @@ def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: A
 
 def _wait(key: Any, link_end: Any, now: Any, exposed: Any, hook: HostTimeline | None,
           record: dict | None = None) -> tuple[Any, Any]:
-    """The rank blocks until its link (and its host, if modelled) is done with ``key``:
-    (its clock after, exposed communication after). ``record``: the collective's trace entry."""
+    """The rank blocks until its link (and host) is done with ``key``: (clock, exposed) after."""
     end = link_end if hook is None else hook.done(key, link_end)
     later = maximum(now, end)
     if record is not None:
@@ -160,24 +142,16 @@ def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
 
 def simulate_graph(costs: list[tuple[fx.Node, NodeCost]], comm_overlap: float = 1.0,
                    host: HostModel | None = None, trace: list[dict] | None = None) -> Timeline:
-    flops = 0
-    for _, cost in costs:
-        if cost.flops:
-            flops = flops + cost.flops
+    flops = sum((cost.flops for _, cost in costs if cost.flops), 0)
     return simulate_events(graph_events(costs), comm_overlap, flops, host, trace)
 
 
 def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
                     symbolic: bool = False, workspace: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """Live bytes by role after each node's allocations, in graph order.
-
-    Same lifetimes as :func:`fsdp_compile.inspection.memory_estimate.estimate_memory` (inputs live throughout,
-    outputs from their node to their last use); ``held`` adds bytes per role the caller keeps
-    alive without passing them in. ``workspace`` maps a collective kind to the bytes the
-    communication backend allocates per byte of the collective's buffer, alive from the
-    collective to its wait (``Cluster.collective_workspace``), counted in the role of the
-    collective's result.
-    """
+    """Live bytes by role after each node's allocations, in graph order, with the lifetimes of
+    :func:`fsdp_compile.inspection.memory_estimate.estimate_memory`. ``held``: bytes per role kept
+    alive outside the graph. ``workspace``: ``Cluster.collective_workspace``, alive from each
+    collective to its wait in the role of its result."""
     life = storage_lifetimes(gm, symbolic)
     workspace_at: dict[int, list] = {}
     if workspace:
@@ -201,9 +175,7 @@ def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
     for key in life.size:
         allocs.setdefault(life.born[key], []).append(key)
         frees.setdefault(life.last_use[key], []).append(key)
-    by_role: dict[str, Any] = dict.fromkeys(ROLES, 0)
-    for role, extra in (held or {}).items():
-        by_role[role] = by_role[role] + extra
+    by_role: dict[str, Any] = {**dict.fromkeys(ROLES, 0), **(held or {})}
     timeline = []
     for i in range(len(life.nodes)):
         for key in allocs.get(i, []):

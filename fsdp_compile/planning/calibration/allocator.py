@@ -1,9 +1,6 @@
 """Memory as the allocator sees it: the running sum of a profile's allocations and frees, the
-peak a function allocates, and the memory a rank may plan against on a CPU.
-
-:meth:`Cluster.measure` uses these for what a collective allocates beside its result and for
-the default ``device_memory`` on a CPU; the planner's comparison with a real run and the
-training-step benchmark read a step's peak with the same records.
+peak a function allocates (a collective's workspace, ``compare``'s step peak), and the memory a
+rank may plan against on a CPU.
 """
 
 from __future__ import annotations
@@ -22,12 +19,8 @@ _KINETO_QUIET = "6"
 
 
 def quiet_profiler() -> None:
-    """Keep the profiler's own C++ logging out of the tools' output (a tool's output is its
-    table), unless the user asked for it by setting ``KINETO_LOG_LEVEL``.
-
-    Kineto reads the level once, when the process starts its first profile: call this before
-    profiling. A process that profiled before keeps the level it started with.
-    """
+    """Keep the profiler's C++ logging out of the tools' output unless ``KINETO_LOG_LEVEL`` asks
+    for it. Kineto reads the level at a process's first profile: call this before it."""
     os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
 
 
@@ -69,22 +62,26 @@ def allocator_peak(records: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-def _allocated_peak(fn, device: torch.device) -> tuple[float, Any]:
+def _allocated_peak(fn, device: torch.device, events: list | None = None) -> tuple[float, Any]:
     """Bytes the allocator handed out at the peak while ``fn`` ran, beyond what was allocated
     before it (the profiler's memory events on a CPU, the caching allocator's peak on a GPU),
-    and ``fn``'s result."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device) - before), result
+    and ``fn``'s result. ``events``: receives the profiler's events, with their shapes."""
     from torch.profiler import ProfilerActivity, profile
 
     quiet_profiler()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=not cuda, record_shapes=events is not None) as prof:
         result = fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    if events is not None:
+        events.extend(prof.profiler.kineto_results.events())
+    if cuda:
+        return float(torch.cuda.max_memory_allocated(device) - before), result
     return float(allocator_peak(allocation_records(prof))), result
 
 

@@ -1,27 +1,15 @@
 """``Cluster.measure()``: calibrate the planner's numbers on the machine it runs on.
 
-Collective over the group: every rank runs the same measurements in the same order, at the
-same time (a barrier before each: in training the ranks compute side by side and share the
-machine's caches and memory), and each timing is the slowest rank's (a step waits for the
-slowest rank), so all ranks get the same cluster.
-
-Each compute timing is the fastest of several repeats: noise (other processes, interrupts)
-only ever adds time, so the fastest repeat is the closest to what the machine does. Matmuls
-and attention are the exception: a step runs each of them once, after other operators, so
-they are timed as a pass over every shape and the median pass counts
-(:func:`.compute.measure_matmul_flops`). A collective's time is the median: its spread is the
-collective's own (the backend's threads waking on every rank, fresh buffers), and a step pays
-the typical one. On a CPU whose ops run on one thread, compute is timed by the thread's CPU time,
-not the wall clock: on a shared machine a rank waits for a core whenever other jobs hold it, and
-that wait belongs to the other jobs, not to the operator. A host model may run the compute
-calibrations in turns and stretch them by a share of a core (its ``compute_in_turns``: ranks
-outnumbering the cores), and time the collectives beside compute (its ``beside_collectives``).
-
-The calibrations themselves: :mod:`.compute` (FLOP/s, memory bandwidth and the clocks),
-:mod:`.outside_graphs` (optimizer step, runtime work per parameter), :mod:`.collectives` (ring
-fits, workspace, overlap), :mod:`.reference` (a whole graph's measured compute) and
-:mod:`.memory` (allocator peaks, a CPU rank's memory). A host model's own numbers are its
-``calibrate``'s (:class:`~..host_model.HostModel`), run last on the cluster measured here.
+Every rank runs the same measurements in the same order, side by side (a barrier before each:
+in training ranks share the machine's caches and memory), each the slowest rank's, so all ranks
+get the same cluster. A compute timing is the fastest repeat (noise only adds time), except
+matmuls and attention, which a step runs once each: their median pass counts. A collective's
+is the median (its spread is its own, and a step pays the typical one). On a CPU with one
+intra-op thread compute is timed by the thread's CPU time: waits for a core belong to other
+jobs. A host model may run the compute calibrations in turns (``compute_in_turns``), time the
+collectives beside compute (``beside_collectives``), and adds its own numbers last
+(``calibrate``). The calibrations: :mod:`.compute`, :mod:`.outside_graphs`,
+:mod:`.collective_fits`, :mod:`.allocator`.
 """
 
 from __future__ import annotations
@@ -47,12 +35,9 @@ if TYPE_CHECKING:
 def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
     """This rank's groups to time each link on: (intra-node, inter-node; None on one node).
 
-    On one node every collective runs on the intra-node link: ``group`` is timed. Over several
-    nodes the two links differ (NVLink and InfiniBand; an emulated network's two rates), and a
-    group is bound by the slowest link it spans: the intra-node link is timed on the groups of
-    one node's ranks, the inter-node one on the groups of one rank per node (what a hybrid
-    strategy's replicate groups are). Collective: every rank creates every group, in the same
-    order, so create them once per calibration.
+    Over several nodes a group is bound by the slowest link it spans: the intra-node link is
+    timed on groups of one node's ranks, the inter-node one on groups of one rank per node (a
+    hybrid strategy's replicate groups). Collective: every rank creates every group, once.
     """
     if nodes <= 1:
         return group, None
@@ -88,8 +73,7 @@ def _default_sizes(device: torch.device) -> tuple[int, ...]:
 
 
 def _link_fields(collectives: dict[str, Any], inter_collectives: dict[str, Any]) -> dict[str, Any]:
-    """A cluster's link numbers from the collectives' fits on each link (the all-gather's ring
-    sets the bandwidths and latencies that collectives without a fit are priced from)."""
+    """A cluster's link numbers from each link's fits (the all-gather's sets the bandwidths and latencies)."""
     ring = collectives["all_gather"]
     inter_ring = inter_collectives.get("all_gather", ring)
     return {"intra_node_bandwidth": ring.bandwidth, "inter_node_bandwidth": inter_ring.bandwidth,
@@ -98,8 +82,8 @@ def _link_fields(collectives: dict[str, Any], inter_collectives: dict[str, Any])
 
 
 def _emulated_network(group: Any) -> Any:
-    """The network model ``group``'s links run on (a process group that models its links, such as
-    an :class:`~fsdp_compile.EmulatedNetwork`'s, keeps it as ``network``), or None."""
+    """The network model ``group``'s links run on (an :class:`~fsdp_compile.EmulatedNetwork`'s
+    process group keeps it as ``network``), or None."""
     process_group = group if group is not None else dist.group.WORLD
     return getattr(process_group, "network", None)
 
@@ -107,9 +91,7 @@ def _emulated_network(group: Any) -> Any:
 def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | None, repeats: int,
                     dtypes: tuple[torch.dtype, ...], nodes: int, device: torch.device | str | None,
                     device_memory: float | None, host: type[HostModel] | None = None) -> Cluster:
-    """Run every calibration on every rank of ``group`` and build a ``cls`` from the results,
-    then, with ``host``, calibrate its host model on it (see :meth:`Cluster.measure` for the
-    arguments)."""
+    """:meth:`Cluster.measure` (its arguments): every calibration on every rank of ``group``."""
     if not dist.is_initialized():
         raise ClusterError("Cluster.measure() measures the current process groups: call "
                            "torch.distributed.init_process_group() first (torchrun sets it up)")

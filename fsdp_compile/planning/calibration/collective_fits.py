@@ -1,24 +1,13 @@
 """Collectives on the current process group: their timing fitted to the ring model, what the
 backend allocates beside each, and on a GPU how much of their time can hide under compute.
 
-A collective's timing is the median run's, not the fastest (why: :mod:`.calibrate`), fitted to
-a line over the bytes each rank sends (:func:`fsdp_compile.runtime.ring.wire_bytes`): the slope
-is the bandwidth, the intercept spread over the ring's steps the latency per step.
-
-A host model may time them beside compute (its ``beside_collectives``): on CPU cores a step's
-collectives wait for cores its compute holds.
-
-A run is a burst of collectives issued back to back and waited at the end, its time divided by
-their number: what the planner needs is how long a collective holds the link (its simulator
-queues a step's collectives on it), and a single collective timed from a barrier also pays the
-ranks' skew leaving the barrier and the backend's threads waking, which a step's collectives,
-issued while the link is still busy, do not: the burst fits an emulated link's latency and
-bandwidth where single collectives fitted milliseconds of latency per step
-(``tests/test_planning_network.py``).
-
-On an emulated network the links' fits are not timed at all: each burst's time is what the
-network charged its collectives (:func:`_modeled_seconds`), since the wall time of an emulated
-collective is the later of its link's and gloo's, and gloo's own time is fitted on its own.
+A run is a burst of collectives issued back to back and waited at the end, over their number:
+the planner needs how long a collective holds the link, and a single collective timed from a
+barrier also pays the ranks' skew leaving it (milliseconds of fitted latency per step on an
+emulated link, ``tests/test_planning_network.py``). The median burst (why: :mod:`.calibrate`) at
+each size is fitted to a line over the bytes each rank sends: the slope is the bandwidth, the
+intercept over the ring's steps the latency per step. On an emulated network a burst's time is
+what the network charged (:func:`_modeled_seconds`), not the wall time, which is also gloo's.
 """
 
 from __future__ import annotations

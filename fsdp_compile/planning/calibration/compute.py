@@ -1,10 +1,6 @@
-"""What a rank's compute does per second, timed the way a training step runs it.
-
-Matmul and fused-attention FLOP/s, the bytes per second of a step's memory-bound operators,
-and what every timing goes through: the
-clock compute is timed by, the share of a core each rank's compute gets, and the slowest
-rank's value, which every rank takes. The reasons for fastest repeats, medians and thread CPU
-time are in :mod:`.calibrate`, where the calibrations are run.
+"""What a rank's compute does per second, timed the way a training step runs it: matmul and
+fused-attention FLOP/s, a step's memory-bound operators' bytes per second, and the clocks and
+the slowest rank's value every timing goes through (why: :mod:`.calibrate`).
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _compute_clock(device: torch.device):
-    """The clock compute is timed by: the thread's CPU time where an op runs on this thread
-    alone (a CPU with one intra-op thread), else the wall clock."""
+    """The thread's CPU time where ops run on this thread alone (one intra-op thread), else the wall clock."""
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
@@ -55,10 +50,8 @@ _EVICT_ELEMENTS = 64 << 20  # 256 MB
 
 
 def _cold_seconds(fn, repeats: int, device: torch.device, share: float = 1.0) -> float:
-    """Like :func:`_compute_seconds` (the fastest repeat), but each repeat first has the caches
-    filled with other data: for work a step runs once, long after it last touched its operands
-    (the copies around a collective, the optimizer step after a backward), which a loop over
-    the same operands times from the caches instead."""
+    """:func:`_compute_seconds` with the caches filled with other data before each repeat: for
+    work a step runs long after it last touched its operands (the optimizer after a backward)."""
     clock = _compute_clock(device)
     evict = torch.zeros(_EVICT_ELEMENTS, device=device)
     fn()
@@ -122,15 +115,10 @@ _GPU_MATMULS = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 16384), (81
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
                          share: float = 1.0) -> float:
-    """FLOP/s of the matmuls a training step runs, run the way a step runs them.
-
-    Each shape runs in three layouts: ``x @ w.T`` (forward), ``g @ w`` (input gradient),
-    ``g.T @ x`` (weight gradient). A step runs each of its matmuls once, after other operators
-    have filled the caches with other data, so the calibration runs all of them in sequence,
-    every operand distinct, and takes the median pass: total FLOPs over its time, which weighs
-    each shape by its share of the work as a step's time does (a loop over each shape, its
-    fastest repeat kept, read faster than a step's matmuls ran).
-    """
+    """FLOP/s of a training step's matmuls: each shape in its three layouts (``x @ w.T``,
+    ``g @ w``, ``g.T @ x``), all in sequence on distinct operands as a step runs them once
+    each, the median pass's total FLOPs over its time (a loop over each shape read faster
+    than a step's matmuls ran)."""
     pairs = []
     flops = 0
     for m, k, n in _CPU_MATMULS if device.type == "cpu" else _GPU_MATMULS:
@@ -157,8 +145,7 @@ _GPU_ATTENTION = (4, 32, 2048, 128)
 def measure_attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
                             share: float = 1.0) -> float:
     """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts
-    them (the formulas the cost model applies): attention kernels run softmax and masking
-    beside their matmuls and reach a rate of their own, below the matmuls'."""
+    them: softmax and masking beside the matmuls give it a rate of its own."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     shape = _CPU_ATTENTION if device.type == "cpu" else _GPU_ATTENTION
@@ -175,16 +162,10 @@ def measure_attention_flops(dtype: torch.dtype, device: torch.device, repeats: i
 
 
 def measure_memory_bandwidth(device: torch.device, repeats: int, group: Any = None, share: float = 1.0) -> float:
-    """Bytes per second the memory-bound operators of a training step move.
-
-    On a GPU: one large copy (what the data sheets quote). On a CPU: the median over the
-    non-matmul operators a transformer step runs (elementwise, activation, normalization,
-    softmax, reductions, concatenation, transposing copies) at the sizes of its activations,
-    each on *cold* inputs. In a graph an operator reads what others wrote long before, and
-    writes a freshly allocated output; a loop over one hot buffer would time the caches, not
-    the memory, and a single large copy misses that many of these operators are bound by the
-    CPU's vector units, not by memory.
-    """
+    """Bytes per second a training step's memory-bound operators move: a GPU's large copy (what
+    data sheets quote); on a CPU the median over a transformer step's non-matmul operators at its
+    activations' sizes, each on cold inputs (as in a graph: a hot buffer times the caches, and a
+    single copy misses the operators bound by the vector units)."""
     if device.type != "cpu":
         src = torch.ones(256 << 20, device=device)
         dst = torch.empty_like(src)

@@ -75,7 +75,7 @@ def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: i
 
 def _runtime_workload(count: int, group: Any, device: torch.device) -> Callable[[], None]:
     """One autograd round trip through :class:`LocalShards` over ``count`` sharded parameters."""
-    from ...sharding.local_shards import LocalShards
+    from ...sharding.sharded_param import LocalShards
 
     params = _sharded_params(count, 64, group, device)
     shards = LocalShards()
@@ -100,7 +100,7 @@ def _runtime_line(t_few: float, t_many: float) -> float:
 def _runtime_per_tensor(group: Any, device: torch.device, repeats: int, share: float = 1.0) -> float:
     """Seconds per sharded parameter per training step spent outside the compiled graphs: each
     graph call first checks every leaf against its DTensor parameter
-    (:meth:`~fsdp_compile.sharding.local_shards.LocalShards.refresh`), and backward accumulates each
+    (:meth:`~fsdp_compile.sharding.sharded_param.LocalShards.refresh`), and backward accumulates each
     reduced gradient into its leaf, whose hook wraps it into a DTensor ``.grad``. Timed as a
     real autograd round trip through :class:`LocalShards` at two parameter counts (the slope:
     per tensor), like the optimizer step, so the graphs' own work is not counted twice."""

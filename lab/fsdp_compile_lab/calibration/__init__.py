@@ -1,6 +1,7 @@
 """The host-CPU model's calibrations, run by ``Cluster.measure(host=HostCPU)`` after the device's
 own (:mod:`fsdp_compile.planning.calibration`): :mod:`.calibrate` runs them in order;
-:mod:`.cores`, :mod:`.copies`, :mod:`.reference`, :mod:`.beside_steps`, :mod:`.host_collectives` and :mod:`.drift` hold them.
+:mod:`.cores`, :mod:`.copies`, :mod:`.reference`, :mod:`.beside_steps`, :mod:`.host_collectives` and
+:mod:`.drift` hold them.
 
 What the device calibrations' choices rest on, measured on the lab's machine (a shared 2-core
 Xeon virtual machine, torch 2.13, gloo), where the package's docstrings only say the choice:
