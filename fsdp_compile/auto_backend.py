@@ -1,10 +1,5 @@
-"""``strategy="auto"``: the backend that plans its strategy when it shards a model.
-
-:class:`AutoBackend` is what ``fsdp_compile.backend("auto", ...)`` returns: an
-:class:`~fsdp_compile.FSDPBackend` whose strategy, bucket policy and prefetch depth come from a
-plan made when the model is sharded (:mod:`fsdp_compile.planning.auto`). It lives beside the
-backend, above the planner: the planner traces candidates with the backend's own pipeline, so
-the backend's layer uses the planner, never the reverse.
+"""``strategy="auto"``: the backend that plans its strategy when it shards a model. It sits above
+the planner (which traces candidates with the backend's own pipeline) and loads it when asked for.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The user-facing backend: options, ``shard``, gradient-sync control, reports.
-
-:class:`FSDPBackend` shards a model over its process groups (:mod:`fsdp_compile.sharding`),
-checks that every rank shards alike (:mod:`fsdp_compile.checks.agreement`), and, as the object
-``torch.compile`` is given, hands every graph Dynamo captures to its
-:class:`~fsdp_compile.compilation.pipeline.Compiler`, which runs the pipeline (captured, joint,
-partition and graph stages, inner compiler). ``backend.graphs`` keeps what the compiler produced.
+"""The user-facing backend: options, ``shard``, gradient-sync control, reports. As the object
+``torch.compile`` is given, it hands every captured graph to its
+:class:`~fsdp_compile.compilation.pipeline.Compiler`; ``backend.graphs`` keeps what that produced.
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ from .sharding.backend_state import ShardingState
 from .sharding.compile_regions import region_copies
 from .sharding.grad_sync import GradientSync
 from .sharding.groups import Topology, current_device, group_device_type, resolve_topology
-from .sharding.module_state import is_sharded
 from .sharding.shard import Init, shard_module
+from .sharding.sharded_class import is_sharded
 from .sharding.sharded_param import ShardedParamInfo
 from .sharding.units import ROOT_UNIT
 
@@ -156,10 +152,6 @@ class FSDPBackend:
         ``materialize=False`` a meta-device model keeps meta shards: every shape, group and
         marker is what a real run gets and no byte is allocated (what the planner traces).
         """
-        return self._shard(model, init_fn=init_fn, device=device, materialize=materialize)
-
-    def _shard(self, model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None,
-               device: torch.device | str | None = None, materialize: bool = True) -> nn.Module:
         _check_shardable(model)
         self._before_sharding(model)
         if init_fn is not None and not callable(init_fn):
@@ -232,11 +224,9 @@ class FSDPBackend:
         if not self.params:
             raise RuntimeError("set_requires_gradient_sync() before backend.shard(model): shard the model first")
         if self.options.offload is not None and not requires_sync:
-            raise ConfigError(
-                "gradient accumulation without sync keeps full-size gradients on the compute device, "
-                "which CPU offload exists to avoid; accumulate with sync on instead (backward adds "
-                "each micro-batch's reduced shard gradients into param.grad in host memory)"
-            )
+            raise ConfigError("gradient accumulation without sync keeps full-size gradients on the compute device, "
+                              "which CPU offload exists to avoid; accumulate with sync on instead (backward adds "
+                              "each micro-batch's reduced shard gradients into param.grad in host memory)")
         self._gradient_sync.set_requires_sync(requires_sync)
 
     @contextlib.contextmanager
@@ -283,10 +273,8 @@ def _resolve_prefetch_orders(model: nn.Module, units: set[str],
         if not isinstance(unit, str) or unit not in units:
             shown = unit if isinstance(unit, str) else type(item).__name__
             known = ", ".join(sorted(labels.values()))
-            raise ValueError(
-                f"{option}= names {shown!r}, which is not a bucket unit of the sharded model; "
-                f"units are: {known}"
-            )
+            raise ValueError(f"{option}= names {shown!r}, which is not a bucket unit of the sharded model; "
+                             f"units are: {known}")
         return labels[unit]
 
     orders: dict[str, dict[str, list[str]]] = {"forward": {}, "backward": {}}
@@ -305,10 +293,8 @@ def model_device_type(model: nn.Module, init_device: torch.device | None = None,
     if init_device is not None:
         types.add(init_device.type)
     if len(types) > 1:
-        raise ValueError(
-            f"the model's parameters are on several device types {sorted(types)}; move the "
-            "model to one device before sharding"
-        )
+        raise ValueError(f"the model's parameters are on several device types {sorted(types)}; move the "
+                         "model to one device before sharding")
     if types == {"cpu"} and init_device is None and not mesh_given and group_device_type() != "cpu":
         # Built on the CPU for an accelerator's group (NCCL): sharding moves the parameters
         # there, as FSDP2's fully_shard moves a module to its mesh's device. A mesh the

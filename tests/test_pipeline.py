@@ -103,7 +103,7 @@ def _compiled_records(**options):
     tokens = fake_inputs(mode, (torch.zeros(2, 16, dtype=torch.long),))
     with fake_world(2):
         backend = FSDPBackend("FULL_SHARD", compiler="aot_eager", **options)
-        sharded = backend._shard(fake_model(model, mode), materialize=False)
+        sharded = backend.shard(fake_model(model, mode), materialize=False)
         records, _ = backend.compiler.trace(lambda t: sharded(t).float().sum(), tokens, fake_mode=mode)
     return records
 

@@ -1,10 +1,6 @@
-"""What a user configures, and the checks it passes: the vocabulary of the public API.
-
-Strategies (:mod:`.strategy`), mixed precision and CPU offload (:mod:`.policies`), the
-``bucket=`` policies (:mod:`.buckets`), single values' checks and parsers (:mod:`.values`), and
-:class:`BackendOptions`, every option of :func:`fsdp_compile.backend` declared and checked once
-(:mod:`.options`), as FSDP2 keeps its policies in ``_fsdp_api.py``. It sits at the bottom of the
-package: nothing here imports the rest of it but :mod:`fsdp_compile.errors`.
+"""What a user configures, and the checks it passes: the vocabulary of the public API (strategies,
+policies, ``bucket=``, single values' checks, and :class:`BackendOptions`, every option declared
+once). It sits at the bottom of the package: nothing here imports the rest of it but ``errors``.
 """
 
 from ..errors import ConfigError as ConfigError  # the options module is where users have imported it from

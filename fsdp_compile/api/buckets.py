@@ -43,10 +43,8 @@ def parse_policy(bucket: BucketPolicy) -> Policy:
     if isinstance(bucket, str):
         if bucket in ("module", "param"):
             return Policy(bucket)
-        raise ValueError(
-            f"bucket={bucket!r} is not a policy; use 'module', 'param', a size in bytes, a set of "
-            "module classes, or a callable module -> bool"
-        )
+        raise ValueError(f"bucket={bucket!r} is not a policy; use 'module', 'param', a size in bytes, a set of "
+                         "module classes, or a callable module -> bool")
     if isinstance(bucket, bool):
         raise TypeError("bucket= takes 'module', 'param', a size in bytes, module classes or a callable, not a bool")
     if isinstance(bucket, int):
@@ -60,8 +58,7 @@ def parse_policy(bucket: BucketPolicy) -> Policy:
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if not classes or bad:
             raise TypeError(
-                f"bucket= as a collection must hold nn.Module subclasses; got {bad or 'an empty collection'}"
-            )
+                f"bucket= as a collection must hold nn.Module subclasses; got {bad or 'an empty collection'}")
         return Policy("classes", classes=classes)
     if callable(bucket):
         return Policy("callable", predicate=bucket)

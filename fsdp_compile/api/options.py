@@ -86,10 +86,13 @@ def _compiler(value: Any, o: BackendOptions) -> str:
     return value
 
 
-def _mesh(value: Any, o: BackendOptions) -> DeviceMesh | None:
-    if value is not None and not isinstance(value, DeviceMesh):
-        raise TypeError(f"mesh= must be a torch.distributed.device_mesh.DeviceMesh, got {type(value).__name__}")
-    return value
+def _instance(name: str, kind: type, what: str) -> Check:
+    """A check that the value is None or a ``kind`` (``what`` names it in the error)."""
+    def check(value: Any, o: BackendOptions) -> Any:
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name}= must be {what}, got {type(value).__name__}")
+        return value
+    return check
 
 
 def _process_groups(value: Any, o: BackendOptions) -> Any:
@@ -106,20 +109,8 @@ def _shard_size(value: Any, o: BackendOptions) -> int | None:
     return value
 
 
-def _timeout(value: Any, o: BackendOptions) -> datetime.timedelta | None:
-    if value is not None and not isinstance(value, datetime.timedelta):
-        raise TypeError(f"timeout= must be a datetime.timedelta, got {type(value).__name__}")
-    return value
-
-
 def _bucket(value: Any, o: BackendOptions) -> BucketPolicy:
     parse_policy(value)  # kept as given; BackendOptions.bucket_policy is the parsed policy
-    return value
-
-
-def _mixed_precision(value: Any, o: BackendOptions) -> MixedPrecision | None:
-    if value is not None and not isinstance(value, MixedPrecision):
-        raise TypeError(f"mixed_precision= must be an fsdp_compile.MixedPrecision, got {type(value).__name__}")
     return value
 
 
@@ -164,12 +155,6 @@ def _passes(value: Any, o: BackendOptions) -> dict[str, list[Callable]]:
             raise TypeError(f"passes[{phase!r}] must hold callables GraphModule -> GraphModule | None")
         phases[phase] = list(fns)
     return phases
-
-
-def _offload(value: Any, o: BackendOptions) -> CPUOffload | None:
-    if value is not None and not isinstance(value, CPUOffload):
-        raise TypeError(f"offload= must be an fsdp_compile.CPUOffload, got {type(value).__name__}")
-    return value
 
 
 def _verify(value: Any, o: BackendOptions) -> bool:
@@ -261,7 +246,8 @@ class BackendOptions:
         "whose parameters are already tensor-parallel DTensors (torch's ``parallelize_module`` on "
         "``mesh[\"tp\"]``), the data-parallel part of that same mesh (``mesh[\"dp\"]``): each parameter's "
         "TP-local tensor is sharded over it, as FSDP2's ``fully_shard(mesh=mesh[\"dp\"])`` does (see "
-        "docs/tensor-parallel.md).", _mesh, agree=False, cache=False))
+        "docs/tensor-parallel.md).", _instance("mesh", DeviceMesh, "a torch.distributed.device_mesh.DeviceMesh"),
+        agree=False, cache=False))
     process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = field(default=None, metadata=option(
         "instead of ``mesh``: one group, or ``(shard_pg, replicate_pg)`` for hybrid strategies (any "
         "layout that tiles the world).", _process_groups, agree=False, cache=False))
@@ -270,7 +256,7 @@ class BackendOptions:
         "``LOCAL_WORLD_SIZE``, one node).", _shard_size, agree=False, cache=False))
     timeout: datetime.timedelta | None = field(default=None, metadata=option(
         "the timeout of groups the backend creates (default: the default group's).",
-        _timeout, agree=False, cache=False))
+        _instance("timeout", datetime.timedelta, "a datetime.timedelta"), agree=False, cache=False))
     bucket: BucketPolicy = field(default="module", metadata=option(
         "``\"module\"`` (default: one bucket per repeated block, plus the root's parameters), a set "
         "of module classes or a callable ``module -> bool`` (FSDP1's ``auto_wrap_policy``), an int (bytes "
@@ -278,7 +264,7 @@ class BackendOptions:
         describe=lambda value, o: o.bucket_policy.describe()))
     mixed_precision: MixedPrecision | None = field(default=None, metadata=option(
         "a :class:`fsdp_compile.MixedPrecision` (parameter, reduce, output dtypes).",
-        _mixed_precision, agree=True, cache=True))
+        _instance("mixed_precision", MixedPrecision, "an fsdp_compile.MixedPrecision"), agree=True, cache=True))
     schedule: bool = field(default=True, metadata=option(
         "reorder collectives to overlap compute (default True); under Inductor it also turns off "
         "Inductor's peak-memory reordering of graphs with collectives (it would undo it).", agree=True, cache=True))
@@ -306,7 +292,7 @@ class BackendOptions:
         _passes, agree=False, cache=False))
     offload: CPUOffload | None = field(default=None, metadata=option(
         "a :class:`fsdp_compile.CPUOffload`: shards, gradients, optimizer step in host memory.",
-        _offload, agree=True, cache=True))
+        _instance("offload", CPUOffload, "an fsdp_compile.CPUOffload"), agree=True, cache=True))
     verify: bool = field(default=True, metadata=option(
         "check at ``shard()`` and on the first run of every compiled graph that all ranks will "
         "communicate alike, raising a named error on every rank otherwise (default True).",

@@ -28,9 +28,7 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is not None and value not in COMMUNICABLE_DTYPES:
                 allowed = ", ".join(str(d) for d in COMMUNICABLE_DTYPES)
-                raise ValueError(
-                    f"MixedPrecision({name}={value}) cannot be communicated; use one of {allowed}"
-                )
+                raise ValueError(f"MixedPrecision({name}={value}) cannot be communicated; use one of {allowed}")
         if self.output_dtype is not None and not (
             isinstance(self.output_dtype, torch.dtype) and self.output_dtype.is_floating_point
         ):
@@ -42,14 +40,9 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Keep parameter shards (and so their gradients and optimizer state) in CPU memory.
-
-    Each gather copies the bucket's shards to the compute device first (asynchronously from
-    pinned memory), and each reduced gradient shard is copied back to the host, where the
-    optimizer steps. ``pin_memory`` pins the shards so those host-to-device copies overlap;
-    it applies only where an accelerator exists (on a CPU-only machine the compute device is
-    the CPU and every copy is a no-op).
-    """
+    """Keep parameter shards (and so their gradients and optimizer state) in CPU memory: each
+    gather copies them to the compute device, each reduced gradient comes back for the optimizer
+    step. ``pin_memory`` pins the shards so those copies overlap (where an accelerator exists)."""
 
     pin_memory: bool = True
 

@@ -36,10 +36,8 @@ class ShardingStrategy(enum.Enum):
             if key in cls.__members__:
                 return cls[key]
         valid = ", ".join(cls.__members__)
-        raise ValueError(
-            f"strategy={value!r} is not a sharding strategy; use one of: {valid} "
-            "(as a string, any case, or fsdp_compile.ShardingStrategy)"
-        )
+        raise ValueError(f"strategy={value!r} is not a sharding strategy; use one of: {valid} "
+                         "(as a string, any case, or fsdp_compile.ShardingStrategy)")
 
     @property
     def is_hybrid(self) -> bool:

@@ -1,23 +1,12 @@
 """Ranks that disagree fail together, named, before any data is touched.
 
-A data-parallel job only works when every rank issues the same collectives in the same order.
-When one rank builds a different model (one more block, a config read from another file) or
-passes other options, the first mismatched collective aborts the process inside the
-communication library, or hangs, or silently pairs unrelated buffers. Two checks catch this
-before any collective of the training step runs:
-
-* at ``shard()``, every rank of the mesh describes what it is about to do (strategy, options
-  that change communication, world and group layout, and every parameter: name, shape, dtype,
-  ``requires_grad``, bucket unit) and the descriptions are compared
-  (:func:`agree_on_sharding`);
-* before a newly compiled graph runs for the first time, every rank compares the sequence of
-  collectives that graph will issue (kind, group, dtype, bytes) with those of the other ranks
-  (:class:`GraphVerifier`).
-
-Both exchange their data through the job's rendezvous store, never through the collective
-stream: a check that itself sent mismatched collectives would fail the way it tries to
-prevent. Each waits at most the group's timeout. The shard check costs one exchange per
-``shard()``; the graph check one per newly compiled graph, on its first run only.
+A rank that builds another model or passes other options issues other collectives: the first
+mismatch aborts inside the communication library, hangs, or silently pairs unrelated buffers.
+Two checks catch it before the training step communicates: at ``shard()`` the ranks compare
+what they are about to do (the options declared ``agree=True``, world, groups, every parameter;
+:func:`agree_on_sharding`), and before a new graph's first run the collectives it will issue
+(:class:`GraphVerifier`). Both exchange through the rendezvous store, never the collective
+stream (which a mismatch would break), and wait at most the group's timeout.
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ _SHOWN_CHARS = 300
 
 
 def _store() -> dist.Store | None:
-    """The job's rendezvous store, or None where no exchange is possible or needed."""
+    """The job's rendezvous store; None where no exchange is possible or needed."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return None
     try:
@@ -146,13 +135,10 @@ class _Exchange:
 
 def agree_on_sharding(items: list[tuple[str, Any]], ranks: Sequence[int], timeout: datetime.timedelta,
                       key: str) -> None:
-    """Check that every rank in ``ranks`` passed the same ``items``; raise on every rank if not.
-
-    ``items`` are ``(name, JSON-able value)`` pairs in a fixed order. The lowest rank collects
-    the digests, compares the descriptions of one rank per distinct digest, and publishes the
-    verdict; all ranks raise the same :class:`AgreementError` on a mismatch. ``key`` must be the
-    same on every rank for the same call (and differ between calls).
-    """
+    """Check that every rank in ``ranks`` passed the same ``(name, JSON-able value)`` ``items``,
+    raising the same :class:`AgreementError` on every rank if not: the lowest rank compares one
+    description per distinct digest and publishes the verdict. ``key`` names the call, alike on
+    every rank."""
     store = _store()
     rank = dist.get_rank() if dist.is_initialized() else 0
     ranks = sorted(ranks)
@@ -196,12 +182,10 @@ def _mismatch_message(found: tuple[str, dict[str, list[int]]] | None, groups: di
     representative = {members[0]: members for members in groups.values()}
     expanded = {value: sorted(r for rep in reps for r in representative.get(rep, [rep]))
                 for value, reps in holders.items()}
-    return (
-        f"fsdp_compile: ranks disagree at shard() on {item}: {_describe_holders(expanded)}. Every rank "
-        "of a data-parallel mesh must build the same model with the same options (check that all "
-        "ranks read the same config, seed and checkpoint, and take no rank-dependent branch when "
-        "building the model)"
-    )
+    return (f"fsdp_compile: ranks disagree at shard() on {item}: {_describe_holders(expanded)}. Every rank "
+            "of a data-parallel mesh must build the same model with the same options (check that all "
+            "ranks read the same config, seed and checkpoint, and take no rank-dependent branch when "
+            "building the model)")
 
 
 # ----------------------------------------------------------------------------- per graph
@@ -234,14 +218,11 @@ class GraphMismatchError(AgreementError):
 class GraphVerifier:
     """Compares, on the first run of each compiled graph, its collectives with every other rank's.
 
-    Every run of a compiled graph (any graph of this backend) increments a call counter, equal
-    on all ranks while they are in step. On the first run of a graph, this rank publishes the
-    digest of the graph's collective sequence (``has``) and, under its call number, the
-    sequence itself. It then waits until each other rank either has compiled a graph with the
-    same digest (that rank may be running an older graph with the same collectives: ranks
-    recompile at different steps when their shapes differ) or has published a different
-    sequence under the same call number: a mismatch, raised on every rank that sees it, naming
-    the first differing collective.
+    On a graph's first run this rank publishes the digest of its collective sequence and, under
+    its call number (equal on ranks in step), the sequence. It waits until each other rank has
+    compiled a graph with the same digest (ranks recompile at different steps when shapes
+    differ) or published another sequence under that call number: a mismatch, which names the
+    first differing collective.
     """
 
     def __init__(self, key: str, ranks: Sequence[int], timeout: datetime.timedelta) -> None:
@@ -283,8 +264,7 @@ class GraphVerifier:
                     f"rank{'s' if len(pending) > 1 else ''} {_ranks(sorted(pending))} compiled no graph "
                     f"with the same collectives within {self.timeout.total_seconds():.0f}s: they have "
                     "exited, are stuck, or run a different program (rank-dependent control flow around "
-                    "parameter use, different models or options)"
-                )
+                    "parameter use, different models or options)")
             if pending:
                 time.sleep(_POLL_SECONDS)
         self.seconds += time.perf_counter() - start
@@ -296,24 +276,18 @@ def _graph_mismatch(graph: str, rank: int, mine: list[CollectiveCall], other: in
                  min(len(mine), len(their_calls)))
     here = mine[index].describe() if index < len(mine) else "no further collective"
     there = their_calls[index][5] if index < len(their_calls) else "no further collective"
-    return (
-        f"fsdp_compile: ranks would issue different collectives: {graph} on rank {rank} and "
-        f"{theirs['graph']} on rank {other} differ at collective #{index} "
-        f"({len(mine)} vs {len(their_calls)} collectives in all): rank {rank}: {here}; rank {other}: "
-        f"{there}. Usual causes: rank-dependent control flow around parameter use, different "
-        "models or options on different ranks, or no_sync()/eval on some ranks only. Nothing was "
-        "communicated; pass verify=False to the backend to skip this check"
-    )
+    return (f"fsdp_compile: ranks would issue different collectives: {graph} on rank {rank} and "
+            f"{theirs['graph']} on rank {other} differ at collective #{index} "
+            f"({len(mine)} vs {len(their_calls)} collectives in all): rank {rank}: {here}; rank {other}: "
+            f"{there}. Usual causes: rank-dependent control flow around parameter use, different "
+            "models or options on different ranks, or no_sync()/eval on some ranks only. Nothing was "
+            "communicated; pass verify=False to the backend to skip this check")
 
 
 def collective_calls(record: Any, group_roles: dict[str, str]) -> list[CollectiveCall]:
-    """The collectives a compiled graph pair issues, in order: forward, then backward.
-
-    Lowered collectives are read from the graphs; markers that were not lowered (a pass fell
-    back, or ``compiler="eager"``) count as one collective each, as the eager runtime runs them.
-    Groups are named by their role (``group_roles``: process-group name -> role): in a hybrid
-    mesh each rank's shard group is another process group, yet the same role.
-    """
+    """The collectives a compiled graph pair issues, forward then backward: lowered ones from the
+    graphs, a marker not lowered as one each. Groups are named by role (``group_roles``): in a
+    hybrid mesh each rank's shard group is another process group, yet the same role."""
     calls: list[CollectiveCall] = []
     graphs = [(name, record.phase(name).graph, record.phase(name).buckets) for name in ("forward", "backward")]
     if record.forward is None:  # not lowered at all: the Dynamo graph's markers
@@ -345,9 +319,7 @@ def collective_calls(record: Any, group_roles: dict[str, str]) -> list[Collectiv
 
 
 def _role_of(group_name: str) -> str:
-    """The role of a group that is none of ours (torch's own collectives, tensor parallelism's):
-    its size and this rank's place in it, which ranks that communicate alike share, where its
-    name differs from one rank's group to the next."""
+    """A group none of ours (tensor parallelism's) by size and this rank's place, alike across ranks."""
     try:
         group = dist.distributed_c10d._resolve_process_group(group_name)
         return f"group of {group.size()} ranks (this rank {group.rank()})"
@@ -360,9 +332,8 @@ _SHARD_CALLS: dict[str, int] = {}
 
 
 def agree_on_model(options: BackendOptions, topology: Topology, model: nn.Module) -> GraphVerifier:
-    """Every rank of the mesh must shard the same model with the same options (one exchange
-    through the rendezvous store; a mismatch raises on every rank before anything is sharded).
-    Returns the verifier for the graphs this model will compile to."""
+    """Every rank of the mesh must shard the same model with the same options; returns the verifier
+    for the graphs this model will compile to."""
     ranks = [int(r) for r in topology.mesh.mesh.flatten().tolist()]
     timeout = options.timeout or world_timeout()
     mesh_key = hashlib.sha256(repr(ranks).encode()).hexdigest()[:12]

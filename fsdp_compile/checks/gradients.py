@@ -1,30 +1,17 @@
 """Check a compiled graph's gradients against the eager runtime's on its first step.
 
-``backend(verify_gradients=True)`` or ``FSDP_COMPILE_VERIFY=1``: the first time each compiled
-graph runs with gradients enabled, the same graph also runs through the eager runtime (the
-Dynamo graph with its markers executed as plain collectives, the reference every test holds
-the compiled path to), on the same inputs and the same random state. When the compiled
-backward has produced its gradients, the eager graph's backward runs with the same incoming
-gradients, and every input's gradient is compared: a parameter whose gradient differs by
-more than the tolerance (relative to the largest entry of the eager gradient) raises
-:class:`GradientMismatch` on every rank, naming the graph, the parameter and the difference.
-Later steps run the compiled graph alone.
-
-This is the first thing to try when training diverges or loses accuracy under the backend
-and not without it: it separates a fault of compilation (our passes, the inner compiler)
-from one of the model or the data. It costs a second forward and backward on each graph's
-first step, and so needs the memory of both.
-
-The tolerance: 1e-4 of the largest entry where the graph computes in 32 or 64 bits, 2e-2 where
-mixed precision computes in 16 (Inductor fuses and reorders float arithmetic, eager kernels do
-not); ``verify_gradients=<float>`` sets it. Random ops (dropout) match only where the inner
-compiler draws the same numbers as eager kernels: under Inductor the check turns on its
-``fallback_random``.
+``verify_gradients=`` (or ``FSDP_COMPILE_VERIFY=1``): on each compiled graph's first step with
+gradients, the same graph also runs through the eager runtime on the same inputs and random
+state, its backward with the same incoming gradients; a gradient that differs by more than the
+tolerance (relative to the eager gradient's largest entry) raises :class:`GradientMismatch` on
+every rank. It separates a fault of compilation from one of the model or data, for a second
+forward and backward (and their memory) per graph. The default tolerance is 1e-4 in 32 or 64
+bits, 2e-2 in 16 (Inductor reorders float arithmetic); under Inductor the check turns on
+``fallback_random`` so that random ops draw what eager kernels draw.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import Node
+
+from ..api import env_flag
 
 ENV = "FSDP_COMPILE_VERIFY"
 FULL_PRECISION_RTOL = 1e-4
@@ -44,10 +33,7 @@ class GradientMismatch(RuntimeError):
 
 def requested(option: bool | float) -> bool | float:
     """The backend's ``verify_gradients`` option, or ``FSDP_COMPILE_VERIFY`` when it is off."""
-    if option is not False:
-        return option
-    value = os.environ.get(ENV, "").strip().lower()
-    return value not in ("", "0", "false", "no")
+    return option if option is not False else env_flag(ENV)
 
 
 @dataclass
@@ -80,7 +66,7 @@ def relative_difference(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 class GradientCheck:
-    """Runs the comparison for every compiled graph of one backend (see the module docstring)."""
+    """Runs the comparison for every compiled graph of one backend."""
 
     def __init__(self, tolerance: bool | float) -> None:
         self.tolerance = None if tolerance is True else float(tolerance)
@@ -92,9 +78,8 @@ class GradientCheck:
 
     def run(self, index: int, names: Sequence[str], eager: Callable[..., Any], inputs: list[Any],
             call: Callable[[], Any]) -> Any:
-        """``call()`` runs the compiled graph on ``inputs`` and returns its outputs; ``eager``
-        is the same graph as Python (markers through the eager runtime). Returns ``call()``'s
-        outputs, with the comparison hooked onto their backward."""
+        """``call()``'s outputs (the compiled graph on ``inputs``), with the comparison against
+        ``eager`` (the same graph as Python) hooked onto their backward."""
         self.checked.add(index)
         references = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                       for t in inputs]

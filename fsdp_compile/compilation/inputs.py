@@ -31,14 +31,10 @@ def check_inputs(state: ShardingState, gm: fx.GraphModule, example_inputs: Seque
         name = sharded_name(value) or parameter_name(node)
         if isinstance(value, DTensor) or owner is not None:
             what = "a DTensor" if isinstance(value, DTensor) else "the shard of a parameter"
-            raise RuntimeError(
-                f"parameter {name!r} is {what} that this backend did not shard; compile a "
-                "model with the backend whose shard() sharded it"
-            )
-        raise RuntimeError(
-            f"parameter {name!r} is not sharded: call backend.shard(model) before "
-            "torch.compile(model, backend=backend) (or use fsdp_compile.compile(model, ...))"
-        )
+            raise RuntimeError(f"parameter {name!r} is {what} that this backend did not shard; compile a "
+                               "model with the backend whose shard() sharded it")
+        raise RuntimeError(f"parameter {name!r} is not sharded: call backend.shard(model) before "
+                           "torch.compile(model, backend=backend) (or use fsdp_compile.compile(model, ...))")
 
 
 def lone_read(gm: fx.GraphModule) -> fx.Node | None:
@@ -57,7 +53,7 @@ def lone_read(gm: fx.GraphModule) -> fx.Node | None:
 def read_as_python(state: ShardingState, record: CompiledGraph, read: fx.Node,
                    example_inputs: Sequence[Any]) -> Callable:
     """A lone read, a frame Dynamo compiled from code it runs as Python (after a graph break), runs
-    as Python too, so that it gathers with its bucket (sharding/eager_buckets.py), not alone."""
+    as Python too, so that it gathers with its bucket (sharding/sharded_class.py: eager_read), not alone."""
     fqn, *_ = read.args[1:]
     placeholders = [n for n in record.dynamo.graph.nodes if n.op == "placeholder"]
     leaf = example_inputs[placeholders.index(read.args[0])]

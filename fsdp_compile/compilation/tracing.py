@@ -1,10 +1,5 @@
-"""Running a step through ``torch.compile`` to trace it, not to train: what the tracing door needs.
-
-:func:`run_traced` compiles and runs ``fn`` once with a given backend under Dynamo settings for
-tracing many candidates (no recompile limit, no automatic dynamic shapes) and, on a torch whose
-AOTAutograd lowers backward lazily, runs backward too, so that every graph is traced.
-:func:`own_tracing_context` gives a trace inside a compile a tracing context of its own.
-:func:`make_backend` builds the backend class the package named with :func:`trace_with`.
+"""Running a step through ``torch.compile`` to trace it, not to train: what the tracing door needs,
+and the backend class the planner traces with (:func:`trace_with`, :func:`make_backend`).
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .inner_compilers import backward_now
 from .records import CompiledGraph
 
 _backend_factory: Callable[..., Any] | None = None
@@ -57,12 +53,9 @@ def run_traced(backend: Callable[[fx.GraphModule, Sequence[Any]], Callable], fn:
                 return compiled(*args)
         return run
 
-    functorch_patches = {}
-    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
-        functorch_patches["force_non_lazy_backward_lowering"] = True  # lower backward now, not at .backward()
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     dynamo_patches = {limit: 1 << 20, "accumulated_" + limit: 1 << 20, "automatic_dynamic_shapes": False}
-    with torch._functorch.config.patch(**functorch_patches), torch._dynamo.config.patch(**dynamo_patches):
+    with backward_now(), torch._dynamo.config.patch(**dynamo_patches):
         output = torch.compile(fn, backend=capture)(*example_inputs)
         if any(r.backward is None and not r.inference for r in records()):
             # A torch whose AOTAutograd lowers backward lazily: run it (on fake tensors).

@@ -1,11 +1,9 @@
 """Whether a model's bucket units defeat sharding, and what to pass instead.
 
-A strategy that reshards after forward (FULL_SHARD, HYBRID_SHARD) gathers one bucket at a time
-and frees it after use, so a rank holds about two buckets' parameters unsharded at once (the
-one in use and the one prefetched). A bucket with more than half of the model's parameters
-holds most of the model whole, as NO_SHARD would, and its all-gather has little compute to
-overlap with. The units are known when the model is sharded, so the check runs there, before
-anything is compiled; the backend warns once and its report marks the bucket.
+A strategy that reshards after forward holds about two buckets unsharded at once (in use and
+prefetched): a bucket with more than half of the parameters holds most of the model whole, as
+NO_SHARD would, with little compute to overlap its gather. Checked at ``shard()``; the backend
+warns once and its report marks the bucket.
 """
 
 from __future__ import annotations

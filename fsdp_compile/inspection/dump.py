@@ -1,16 +1,9 @@
 """Writing what the backend did to disk: graphs as Python, per pass, plus JSON summaries.
 
-Layout of a dump directory::
-
-    manifest.json                      versions, strategy, world size, options
-    rank<R>/graph<G>/dynamo.py         the graph Dynamo captured
-    rank<R>/graph<G>/joint_before.py   the joint forward/backward graph, before / after the
-    rank<R>/graph<G>/joint_after.py    joint passes (recompute tags listed at the end)
-    rank<R>/graph<G>/forward/NN_<pass>.py   the forward graph after each pass (00_partitioned:
-    rank<R>/graph<G>/backward/NN_<pass>.py  as the partitioner left it)
-    rank<R>/graph<G>/summary.json      buckets, collectives, schedule, memory estimate
-
-Every file is written to a temporary name and renamed, so a reader never sees half a file.
+A dump holds ``manifest.json`` (versions, strategy, world, options) and per ``rank<R>/graph<G>/``:
+``dynamo.py``, ``joint_before.py`` / ``joint_after.py`` (recompute tags at the end),
+``forward/NN_<pass>.py`` and ``backward/NN_<pass>.py`` (00_partitioned: as the partitioner left
+it) and ``summary.json``. Files are written to a temporary name and renamed (never half a file).
 """
 
 from __future__ import annotations
@@ -69,11 +62,9 @@ def read_manifest(root: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise DumpError(f"{path} is not readable JSON ({exc})") from exc
     if manifest.get("format") != FORMAT_VERSION:
-        raise DumpError(
-            f"{root} holds a dump in format {manifest.get('format')!r} (fsdp_compile "
-            f"{manifest.get('fsdp_compile')}); this fsdp_compile reads format {FORMAT_VERSION}: "
-            "inspect it with the version that wrote it"
-        )
+        raise DumpError(f"{root} holds a dump in format {manifest.get('format')!r} (fsdp_compile "
+                        f"{manifest.get('fsdp_compile')}); this fsdp_compile reads format {FORMAT_VERSION}: "
+                        "inspect it with the version that wrote it")
     return manifest
 
 
@@ -95,11 +86,9 @@ class Dumper:
             old = read_manifest(self.root)
             for key in ("fsdp_compile", "strategy", "world_size"):
                 if old.get(key) != manifest[key]:
-                    raise DumpError(
-                        f"dump_dir={str(root)!r} already holds a dump with {key}={old.get(key)!r}, "
-                        f"this run has {key}={manifest[key]!r}; use an empty directory (dumps of "
-                        "different runs do not mix)"
-                    )
+                    raise DumpError(f"dump_dir={str(root)!r} already holds a dump with {key}={old.get(key)!r}, "
+                                    f"this run has {key}={manifest[key]!r}; use an empty directory (dumps of "
+                                    "different runs do not mix)")
         write_json(existing, manifest)
 
     def graph_dir(self, index: int) -> Path:

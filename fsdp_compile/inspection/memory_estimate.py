@@ -1,19 +1,12 @@
 """A static memory estimate of a graph: live tensor bytes along its node order.
 
-Walks the graph once, using the fake tensors in ``node.meta["val"]``. Views share their
-base's storage; a storage is allocated by the first node that produces it and freed after the
-last node that uses any tensor on it. Graph inputs are held by the caller for the whole graph
-(parameters, saved activations), so they count from start to end.
-
-A caller can add bytes it holds without passing them in (``held``): the parameters a backward
-graph does not read stay resident all the same. Each storage gets a role, from what the passes
-recorded on the nodes: ``param`` (shards, or whole parameters for NO_SHARD), ``gathered``
-(unsharded parameters and gather buffers), ``grad`` (reduction buffers and gradients),
-``buffer`` (module buffers, where a caller tagged them), ``tp_comm`` (the buffers of collectives
-torch put into the graph itself, tensor parallelism's: what they gather, reduce or scatter into,
-from the collective to the last use of its result), ``activation`` (everything else).
-Separately it tracks the bytes of our collectives in flight (issued, not yet waited), which the
-scheduler bounds; torch's own are not in that count (their buffers are under ``tp_comm``).
+From the fake tensors in ``node.meta["val"]``: a storage lives from the node that produces it
+to the last use of any tensor on it (views share their base's); graph inputs, held by the caller,
+count throughout, and ``held`` adds bytes the caller holds outside the graph. Each storage has a
+role from what the passes recorded: ``param``, ``gathered`` (unsharded parameters and gather
+buffers), ``grad``, ``buffer``, ``tp_comm`` (the buffers of torch's own collectives, tensor
+parallelism's), ``activation`` (the rest). The bytes of our collectives in flight, which the
+scheduler bounds, are tracked apart.
 """
 
 from __future__ import annotations
@@ -109,16 +102,11 @@ class StorageLifetimes:
 def storage_keys(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[Any, torch.Tensor]]]:
     """Each node's tensors, with a key naming the storage each one lives on at run time.
 
-    Fake tensors say which storage a value is on, but only an aliasing op (a view, a getitem
-    of a split, a wait on a collective) puts a node's value on a storage its inputs already
-    hold: so a value inherits a key only from the node's own inputs, and is otherwise a new
-    storage of that node. Fake propagation can hand unrelated nodes one fake storage (each
-    call of a region body returns values on the storages of the first call's outputs), which
-    a key by fake storage alone would count once for all of them. A view redone outside a
-    region body carries the body's value, on the body input's storage: a pure view takes its
-    base's key whatever its value. A region call's outputs are new storages but those its body
-    passes through from an input. Graph inputs share a key where their values share a storage;
-    a backward graph's saved input takes the key its forward output had (``SAVED_STORAGE_META``).
+    A value inherits a key only from the node's own inputs (an aliasing op: a view, a getitem of
+    a split, a wait), else it is a new storage: fake propagation can hand unrelated nodes one
+    fake storage (every call of a region body returns the first call's). A pure view takes its
+    base's key whatever its value; a region call's outputs are new but those passed through from
+    an input; a backward graph's saved input takes its forward output's key (``SAVED_STORAGE_META``).
     """
     keys: dict[fx.Node, list[tuple[Any, torch.Tensor]]] = {}
     for node in gm.graph.nodes:

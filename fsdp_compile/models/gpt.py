@@ -99,12 +99,9 @@ class GPT(nn.Module):
 def apply_tp(model: GPT, tp_mesh) -> GPT:
     """Megatron's tensor-parallel split of each block's MLP on ``tp_mesh``, in place; returns ``model``.
 
-    ``mlp.fc`` column-wise and ``mlp.proj`` row-wise (one all-reduce of the block's output in
-    forward, one of the input gradient in backward). Attention, embeddings, norms and the head stay
-    replicated over the tp ranks: the fused ``qkv`` projection holds q, k and v one after the other,
-    so a column split would not give a rank whole heads, and the vocabulary (50257 for the GPT-3
-    sizes) does not split evenly. A model whose attention should split too needs separate q, k, v
-    projections (the Llama's plan, :func:`fsdp_compile.models.llama.apply_tp`, splits everything).
+    ``mlp.fc`` column-wise and ``mlp.proj`` row-wise. The rest stays replicated: a column split of
+    the fused ``qkv`` would not give a rank whole heads, and the vocabulary (50257) does not split
+    evenly (:func:`fsdp_compile.models.llama.apply_tp` splits everything).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

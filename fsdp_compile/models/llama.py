@@ -1,14 +1,10 @@
 """A Llama-style decoder (Llama 2/3 architecture) in plain PyTorch, for planning and benchmarks.
 
-RMSNorm, rotary position embeddings, grouped-query attention (``n_kv_heads`` < ``n_heads``,
-keys and values repeated to every query head before attention, as Meta's reference code and
-torchtitan do), a SwiGLU feed-forward block, untied input embedding and output head. Blocks
-live in ``layers`` (an ``nn.ModuleList``), so the default bucket policy gives one bucket per
-block. Every module that owns parameters or buffers has ``reset_parameters()``, so a model
-built under ``torch.device("meta")`` can be materialized by ``backend.shard``.
-
-The presets follow the published model cards (``LlamaConfig.llama3_8b()``,
-``LlamaConfig.llama3_70b()``); no weights are involved.
+RMSNorm, rotary embeddings, grouped-query attention (keys and values repeated to every query
+head, as Meta's reference code and torchtitan do), SwiGLU, untied embedding and head; blocks in
+``layers``. Every module with parameters or buffers has ``reset_parameters()``, so a model built
+on the meta device can be materialized by ``backend.shard``. The presets follow the published
+model cards (``LlamaConfig.llama3_8b()``, ``llama3_70b()``); no weights are involved.
 """
 
 from __future__ import annotations
@@ -185,10 +181,9 @@ class Llama(nn.Module):
 def apply_tp(model: Llama, tp_mesh: DeviceMesh) -> Llama:
     """torchtitan's Llama tensor-parallel plan on ``tp_mesh``, in place; returns ``model``.
 
-    Column-wise attention and feed-forward input projections, row-wise output projections,
-    sequence parallelism on the norms (activations between blocks are split on the sequence
-    dimension), the embedding row-wise and the head column-wise with a replicated output
-    (torchtitan's plan without loss parallelism). Heads and KV heads must divide by the tp size.
+    Column-wise input projections, row-wise output projections, sequence parallelism on the
+    norms, the embedding row-wise and the head column-wise with a replicated output (without
+    loss parallelism). Heads and KV heads must divide by the tp size.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (

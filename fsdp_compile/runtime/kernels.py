@@ -1,12 +1,9 @@
 """Copy-in, chunk-concatenation and copy-out as custom ops: Triton on CUDA, torch elsewhere.
 
-These are the memory-bound steps around every collective. Each is one op in the graph (so
-Inductor calls our kernel instead of generating many small copies), with a torch
-implementation that defines the result and a multi-tensor Triton kernel used on CUDA devices.
-``FSDP_COMPILE_KERNELS=torch`` forces the torch implementation everywhere (for comparisons).
-
-Layout: a tensor of ``numel`` elements split over ``world`` ranks is cut into chunks of
-``padded_numel`` elements (whole dim-0 rows); the last chunks are zero-padded.
+The memory-bound steps around every collective, each one op in the graph (so Inductor calls our
+kernel instead of generating many small copies): a torch implementation defines the result, a
+multi-tensor Triton kernel runs on CUDA (``FSDP_COMPILE_KERNELS=torch`` forces torch's). A tensor
+split over ``world`` ranks is cut into chunks of ``padded_numel`` elements (whole dim-0 rows).
 """
 
 from __future__ import annotations

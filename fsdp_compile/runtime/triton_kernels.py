@@ -1,19 +1,11 @@
 """Multi-tensor copy kernels in Triton: one launch moves every tensor of a bucket.
 
-All three data movements of FSDP are "segment copies": for each segment, copy ``src_len``
-elements from ``src[src_start:]`` into ``dst[dst_start:dst_start + dst_len]``, casting to the
-destination dtype and filling the rest of the destination range with zeros:
-
-* copy-in (all-gather input): one segment per shard, into the flat buffer, padded;
-* chunk-cat (reduce-scatter input): one segment per (gradient, rank) chunk;
-* copy-out (all-gather output): one segment per (parameter, rank) chunk, into each full tensor.
-
-Segments are described by one int64 table (raw pointers, offsets, lengths, first block); each
-program finds its segment by a binary search over the first blocks, so the launch count and
-the bytes sent to the device per launch do not grow with the tensors' sizes. Conversions to and
-from bfloat16 use integer arithmetic (round to nearest even going down, a 16-bit shift going
-up), so results are the same as torch's casts on a GPU and in Triton's CPU interpreter, whose
-float casts truncate and flush bfloat16 subnormals to zero.
+Copy-in (one segment per shard), chunk-cat (one per gradient and rank) and copy-out (one per
+parameter and rank) are all "segment copies": ``src_len`` elements from ``src[src_start:]`` into
+``dst[dst_start:dst_start + dst_len]``, cast, the rest zero-filled. One int64 table describes the
+segments; each program finds its own by binary search, so launches and the bytes sent per launch
+do not grow with the tensors. bfloat16 conversions use integer arithmetic, so results equal
+torch's casts on a GPU and in Triton's CPU interpreter (whose float casts truncate).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Checkpoints of sharded models: distributed (sharded) and full state dicts.
 
-A sharded model's ``state_dict()`` holds its DTensor shards under the usual names, without
-communication. :func:`save_checkpoint` / :func:`load_checkpoint` write and read them (and the
-optimizer's state) with ``torch.distributed.checkpoint``, which records global shapes and
-placements, so a checkpoint loads into another world size or another strategy. Saving is
-atomic: the checkpoint is written next to its destination and renamed into place only when
-every rank has written its part, so a failed save (an error, or a rank that dies or stops
-answering) leaves the previous checkpoint intact. Loading checks the checkpoint before it
-touches the model (every file the metadata names is there and long enough, names and shapes
-match the model) and restores the model and optimizer if reading fails anyway, so a damaged
-checkpoint raises a named error and changes nothing.
-
-:func:`full_state_dict` gathers whole tensors (on rank 0 only, by default on the CPU) for
-export to a single-device model; :func:`load_full_state_dict` takes such a dict back into a
-sharded model.
+:func:`save_checkpoint` / :func:`load_checkpoint` write and read the DTensor shards (and the
+optimizer's state) with ``torch.distributed.checkpoint``, so a checkpoint loads into another world
+size or strategy. A save is renamed into place only once every rank has written, so a failed
+save leaves the previous checkpoint intact; a load checks files, names and shapes before it
+touches the model, so a damaged checkpoint raises a named error and changes nothing.
+:func:`full_state_dict` / :func:`load_full_state_dict` move whole tensors for single-device models.
 """
 
 from __future__ import annotations
@@ -110,8 +102,7 @@ def save_checkpoint(
         shutil.rmtree(previous, ignore_errors=True)
         if path.exists():
             os.replace(path, previous)
-        # Between these two renames the checkpoint is only at ``previous``: a crash right here
-        # leaves it there, and load_checkpoint / latest_checkpoint look there too.
+        # Between the renames the checkpoint is only at ``previous``, where loading looks too.
         os.replace(partial, path)
         shutil.rmtree(previous, ignore_errors=True)
     _barrier(operation)
@@ -126,8 +117,7 @@ def _previous_path(path: Path) -> Path:
 
 
 def _complete(path: Path) -> Path | None:
-    """Where the complete checkpoint saved as ``path`` is: ``path``, or its previous version when
-    a save died between its two renames; None if there is none."""
+    """``path``, or its previous version when a save died between its renames; None if neither."""
     for candidate in (path, _previous_path(path)):
         if (candidate / ".metadata").is_file():
             return candidate
@@ -166,10 +156,8 @@ def _missing_or_short_files(path: Path, metadata: Any) -> str | None:
 
 
 def _saved_shapes(metadata: Any) -> dict[str, tuple[int, ...] | None]:
-    out = {}
-    for key, item in metadata.state_dict_metadata.items():
-        out[key] = tuple(item.size) if hasattr(item, "size") else None
-    return out
+    return {key: tuple(item.size) if hasattr(item, "size") else None
+            for key, item in metadata.state_dict_metadata.items()}
 
 
 def _mismatches(expected: Mapping[str, tuple | None], found: Mapping[str, tuple | None], what: str) -> str | None:
@@ -188,7 +176,6 @@ def _mismatches(expected: Mapping[str, tuple | None], found: Mapping[str, tuple 
 
 
 def _listed(items: list[str], sep: str = ", ") -> str:
-    """The first few items, and how many more there are."""
     more = f" (and {len(items) - _SHOWN} more)" if len(items) > _SHOWN else ""
     return sep.join(items[:_SHOWN]) + more
 
@@ -200,12 +187,10 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
 
-    Any world size and strategy may have written it. Before anything is loaded, every rank
-    checks that the checkpoint is whole (every file its index names is there, at least as long
-    as the index says) and matches the model (names and shapes of parameters and buffers);
-    otherwise every rank raises a :class:`CheckpointError` (a ``ValueError``) naming the file or
-    the first mismatching keys. If reading fails anyway, the model and optimizer are restored
-    to what they were. Returns the ``extra`` dict that was saved (empty if none).
+    Any world size and strategy may have written it. A checkpoint that is not whole (files its
+    index names missing or short) or does not match the model (names, shapes) raises a
+    :class:`CheckpointError` (a ``ValueError``) on every rank before anything is loaded; if
+    reading fails anyway, model and optimizer are restored. Returns the saved ``extra`` ({} if none).
     """
     path = Path(path)
     operation = f"load_checkpoint({str(path)!r})"
@@ -258,7 +243,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple:
-    """Copies of this rank's model and optimizer state, to restore after a failed load."""
     tensors = {name: _local(t).detach().clone() for name, t in model.state_dict().items()
                if isinstance(t, torch.Tensor)}
     if optimizer is None:

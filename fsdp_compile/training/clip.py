@@ -59,10 +59,8 @@ def clip_grad_norm_(
             replicated = torch.maximum(replicated, part) if infinite else replicated + part
     roots = {mesh._get_root_mesh() for mesh, _ in groups}
     if len(roots) > 1:
-        raise ValueError(
-            "gradients are sharded over meshes that were not sliced from one DeviceMesh "
-            f"({[dims for _, dims in groups]}); clip each model's parameters separately"
-        )
+        raise ValueError("gradients are sharded over meshes that were not sliced from one DeviceMesh "
+                         f"({[dims for _, dims in groups]}); clip each model's parameters separately")
     if groups:
         # One sum per (mesh, sharded dims): under tensor parallelism a parameter can be split on
         # dp and tp (column- or row-wise), on dp only (a replicated norm weight, or a parameter
@@ -80,10 +78,8 @@ def clip_grad_norm_(
         sharded = total_sharded
     total = torch.maximum(sharded, replicated) if infinite else (sharded + replicated) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients is {total.item()}; "
-            "pass error_if_nonfinite=False to clip anyway"
-        )
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "
+                           "pass error_if_nonfinite=False to clip anyway")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     locals_ = [_local(g) for g in grads]
     torch._foreach_mul_(locals_, coefficient.to(locals_[0].device))
