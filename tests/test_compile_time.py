@@ -8,8 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # also registers the markers
 from fsdp_compile.api import parse_policy
-from fsdp_compile.passes.lowering import lower_markers
-from fsdp_compile.passes.templates import TraceCache
+from fsdp_compile.passes.lowering import TraceCache, lower_markers
 from fsdp_compile.runtime.collectives import CommSpec
 
 SPEC = CommSpec("g", 2, True, "", 1, None, None, True)

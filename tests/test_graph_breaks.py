@@ -4,7 +4,7 @@ A block whose forward breaks the graph (a ``torch.compiler.disable``d call, an `
 branch) inside the loop over blocks makes Dynamo run that loop, and the root's code around it,
 as Python. Each block's forward then compiles as a frame of its own (its parameters one bucket,
 as without the break), and each root parameter read there would compile as a graph of one read.
-Instead such a read runs as Python and gathers its whole bucket (sharding/eager_buckets.py):
+Instead such a read runs as Python and gathers its whole bucket (sharding/sharded_class.py: eager_read):
 one all-gather for the root's parameters in forward, one reduce-scatter in backward. Counted
 from the collectives gloo ran (torch's profiler), with regions off and with the defaults, and
 checked against single-process training; no graph falls back (the suite runs strict).

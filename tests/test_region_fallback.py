@@ -29,8 +29,13 @@ from model_zoo import VOCAB, BatchNormBlock, BlockStack, CountingBlock, GraphBre
 import fsdp_compile
 from fsdp_compile.passes.regions import inline_mutating_regions, is_region_call
 from fsdp_compile.sharding import compile_regions as region_module
-from fsdp_compile.sharding.compile_regions import regions_supported
-from fsdp_compile.sharding.region_fallback import ModelRegions, RegionFallback, describe_failure, refused_by_torch
+from fsdp_compile.sharding.compile_regions import (
+    ModelRegions,
+    RegionFallback,
+    describe_failure,
+    refused_by_torch,
+    regions_supported,
+)
 
 pytestmark = pytest.mark.skipif(not regions_supported(), reason="this torch compiles no regions")
 

@@ -1,19 +1,13 @@
 """Which markers communicate together: the assignment of markers to buckets.
 
-A bucket is one all-gather (or reduce-scatter) instead of one per parameter: fewer, larger
-collectives that reach the link's bandwidth, at the cost of gathering a whole bucket at once.
-Under a unit policy a bucket is a unit's markers (:mod:`fsdp_compile.sharding.units`); under a
-byte budget, consecutive markers until the bucket holds that many bytes of full tensors (a
-larger tensor gets a bucket of its own); under ``"param"``, one per parameter. Markers share a
-bucket only when they communicate alike (same :class:`CommSpec`, but for the float8 cast, which
-only a weight's gather reads) and read the same dtype.
-
-A unit read at both ends of a graph is two buckets: a transformer's root would otherwise gather
-its head with its embeddings before anything computes, and reduce them together after the last
-gradient, where neither hides under compute. So the graph's last run of markers, when its unit
-was read earlier, is a bucket of its own, ``<unit>:tail`` (torchtitan shards ``[norm, output]``
-apart by hand for this reason); a tail parameter gathered earlier (a tied head) stays in the
-earlier bucket. What it saves: docs/results.md, "Overlap on an emulated network".
+A bucket is one collective instead of one per parameter: a unit policy's unit
+(:mod:`fsdp_compile.sharding.units`), a byte budget's run of consecutive markers, or one
+parameter under ``"param"``; markers share a bucket only when they communicate alike (the
+:class:`CommSpec`, but for the float8 cast only a weight's gather reads) and read one dtype.
+The graph's last run of markers of a unit read earlier is a bucket of its own, ``<unit>:tail``:
+a transformer's root would otherwise gather its head with its embeddings before anything
+computes, and reduce both after the last gradient (torchtitan shards ``[norm, output]`` apart
+by hand for this). A tail parameter gathered earlier (a tied head) stays in the earlier bucket.
 """
 
 from __future__ import annotations

@@ -37,14 +37,12 @@ class PassContext:
 
 @dataclass(frozen=True)
 class GraphPass:
-    """One pass of the pipeline, declared as data (``stages.PIPELINE``). ``graph_only``: it never
-    runs or reads ``gm``'s code, so the runner need not regenerate code after it. ``when``:
-    whether it applies to a context."""
+    """One pass of the pipeline, declared as data (``stages.PIPELINE``); ``when``: whether it
+    applies to a context."""
 
     name: str
     fn: Callable[[fx.GraphModule, PassContext], Any]
     stage: str
-    graph_only: bool = True
     when: Callable[[PassContext], bool] = lambda ctx: True
 
 

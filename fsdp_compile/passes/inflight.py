@@ -1,17 +1,11 @@
 """The invariant of every graph handed to the inner compiler: a collective's buffers are left
 alone until its wait.
 
-A functional collective starts communicating when called and finishes at its ``wait_tensor``;
-in between the communication library reads its input and writes its output from threads of its
-own (gloo) or another stream (NCCL). Scheduling moves starts early and waits late, so this check
-holds every graph to the rule, naming the nodes that break it:
-
-- each collective has exactly one user, its wait, placed after it;
-- no node between a collective and its wait writes to a storage its input or output lives on.
-
-That the buffers stay *alive* until the wait is the runtime's part: the collective's work holds
-its tensors (gloo) or records them on its stream (NCCL), and Inductor models a collective and
-its wait as a two-step mutation (``torch/_inductor/ir.py``, "In-Place Collective Safety").
+Between a functional collective and its ``wait_tensor`` the communication library reads its
+input and writes its output from its own threads or stream, and scheduling moves the two apart.
+So each collective's only user is its wait, after it, and nothing in between writes a storage
+its input or output lives on. (Keeping the buffers alive until the wait is the runtime's part,
+and Inductor's: ``torch/_inductor/ir.py``, "In-Place Collective Safety".)
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Keep a region call's outputs from sharing memory that Inductor does not know is shared.
 
-Inductor lowers a region call (``invoke_subgraph``) as one kernel whose outputs each get a buffer
-of their own; its memory planner hands a dead buffer's storage to the next allocation of that
-size. It never asks whether two outputs of one call, or an output and an operand, are one
-storage, and a partitioned body often makes them so (q, k and v saved as views of one
-projection; a backward body returning an incoming gradient as it came): the survivors then read
-another tensor's data, silently.
-
-:func:`unalias_region_outputs` gives every top-level reader of such an output a view of the
-storage's owner instead, made in the top-level graph where Inductor tracks views: the operand
-the storage belongs to, or the one output that owns it (returned by the body for this purpose
-if it was not). Sharing Inductor itself introduces inside a body is another matter:
-:func:`fsdp_compile.compilation.inner_compilers.compile_inductor` (donated buffers), docs/design.md.
+Inductor gives each output of a region call a buffer of its own and hands a dead buffer's
+storage to the next allocation of that size, never asking whether two outputs (or an output
+and an operand) are one storage, which partitioned bodies often make them (q, k, v saved as
+views of one projection; an incoming gradient returned as it came): silently wrong results.
+:func:`unalias_region_outputs` gives each top-level reader of such an output a view of the
+storage's owner, made in the top-level graph where Inductor tracks views. Sharing Inductor
+introduces inside a body: docs/design.md (donated buffers).
 """
 
 from __future__ import annotations
@@ -27,8 +22,8 @@ from torch._guards import detect_fake_mode
 
 from .context import PassContext
 from .graph import calls, is_region_call, node_value, output_values, placeholders, storage_keys
+from .lowering import refresh_fake_values
 from .regions import inline_call, region_body
-from .templates import refresh_fake_values
 
 
 def alias_path(node: fx.Node) -> list[fx.Node]:

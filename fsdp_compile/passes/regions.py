@@ -1,28 +1,23 @@
-"""Passes that keep the collectives of compile regions in the top-level graph, and inline the
-region calls AOTAutograd would refuse or sum gradients differently for.
+"""Passes that keep compile regions' collectives in the top-level graph, and inline the region
+calls AOTAutograd would refuse or sum gradients differently for.
 
-A unit compiled as a region (:mod:`fsdp_compile.sharding.compile_regions`) is one body every
-block calls through ``invoke_subgraph``. Collectives inside it would be invisible to bucketing
-and scheduling, run once per read through the eager runtime, and escape the reshard policy.
+A region (:mod:`fsdp_compile.sharding.compile_regions`) is one body every block calls through
+``invoke_subgraph``; collectives inside it would escape bucketing, scheduling and the reshard
+policy, and run once per read through the eager runtime.
 
-* ``hoist_region_markers`` (captured graph): every ``unshard`` marker a body applies to an input
-  becomes a body input taking the full parameter; each call site gathers it in the top-level
-  graph with its own parameter's marker (name, unit, groups). AOTAutograd then derives the
-  reductions at the top level too.
-* ``inline_mutating_regions`` (captured graph): a body that writes one of its inputs while
-  training (BatchNorm's running statistics) is refused by the autograd kernel of every
-  higher-order operator (``HigherOrderOperator.py_autograd_impl``, from the body's
-  ``invoke_subgraph.gen_schema``). The same test, made before AOTAutograd, inlines those calls;
-  a graph traced without gradients keeps its regions.
-* ``inline_reordering_regions`` (captured graph): when an input is read twice inside the body
-  and also elsewhere (a decoder's cross-attention over the encoder's output), the body sums
-  its own reads first where eager adds every read in turn: equal up to rounding, but compiled
-  runs promise the eager runtime's bits, so such calls are inlined.
-* ``route_region_inputs`` (joint graph): the partition of a body saves what its backward needs
-  as extra outputs of its forward call, gathered parameters included, so the top-level
-  partitioner could only save them (FULL_SHARD would hold every gathered block until backward).
-  A backward call's input that is a forward call's input passed through (or a view of one) is
-  taken from that input instead, the gather's output, which the reshard policy can recompute.
+* ``hoist_region_markers``: each ``unshard`` marker a body applies to an input becomes a body
+  input taking the full parameter, gathered at each call site with its own parameter's marker.
+* ``inline_mutating_regions``: a body that writes an input while training is refused by every
+  higher-order operator's autograd kernel (``HigherOrderOperator.py_autograd_impl``, from
+  ``invoke_subgraph.gen_schema``); the same test, made before AOTAutograd, inlines those calls.
+* ``inline_reordering_regions``: an input read twice inside the body and also elsewhere (a
+  decoder's cross-attention over the encoder's output) gets its gradient summed in another order
+  than eagerly; compiled runs promise the eager runtime's bits, so such calls are inlined.
+* ``route_region_inputs`` (joint graph): a body's partition saves gathered parameters as outputs
+  of its forward call, which the top-level partitioner could only save (FULL_SHARD would hold
+  every gathered block until backward). A backward call's input that is a forward call's input
+  passed through (or a view of one) is taken from that input instead: the gather's output, which
+  the reshard policy can recompute.
 """
 
 from __future__ import annotations
@@ -68,8 +63,7 @@ def has_regions(graph: fx.Graph) -> bool:
 
 
 def is_region_body_joint(graph: fx.Graph) -> bool:
-    """Whether a joint graph is a region body's (AOTAutograd partitions bodies through our
-    partitioner too): a body's markers were hoisted, a top-level graph has markers or calls."""
+    """Whether a joint graph is a region body's (hoisted: no markers, no region calls)."""
     return not any(calls(n, (*UNSHARD_TARGETS, REDUCE_GRAD, INVOKE_SUBGRAPH)) for n in graph.nodes)
 
 
@@ -79,8 +73,8 @@ def region_body(node: fx.Node) -> fx.GraphModule:
 
 
 def _hoist_from_body(body: fx.GraphModule, hoisted: list[tuple[fx.Node, int]]) -> tuple[list[int], list[fx.Node]]:
-    """Turn the outputs of the ``hoisted`` markers (each with the input index it reads) into new
-    inputs of ``body``; returns the original inputs it still takes, by index, and the new ones."""
+    """Turn the ``hoisted`` markers' outputs into new inputs of ``body``; returns the original
+    inputs it still takes, by index, and the new ones."""
     graph = body.graph
     inputs = placeholders(graph)
     new_inputs = []
@@ -119,9 +113,9 @@ class _Hoisted:
 
 
 def _lift(owner: fx.GraphModule, done: dict[int, _Hoisted]) -> int:
-    """Move the region markers of every body ``owner`` calls (bodies first, so nested markers
-    come up level by level) into ``owner``'s graph; returns how many it gained. Bodies are
-    rewritten as copies beside the originals (a failed pass rolls back ``owner``'s graph only)."""
+    """Move the region markers of every body ``owner`` calls (nested ones level by level) into
+    ``owner``'s graph; returns how many it gained. Bodies are rewritten as copies beside the
+    originals (a failed pass rolls back ``owner``'s graph only)."""
     count = 0
     for call in [n for n in owner.graph.nodes if calls(n, _OPERANDS_START)]:
         start, attr = _OPERANDS_START[call.target], call.args[0]
@@ -156,13 +150,10 @@ def _lift(owner: fx.GraphModule, done: dict[int, _Hoisted]) -> int:
 
 
 def hoist_region_markers(gm: fx.GraphModule, params: dict[str, tuple]) -> int:
-    """Move every region body's markers to its call sites, through checkpoint bodies inside
-    regions too; returns how many markers the top-level graph gained or had renamed.
-    ``params``: each sharded parameter's name -> its marker's arguments after the input.
-
-    Markers that reach the top level still name the region, as do those of a body Dynamo
-    inlined (a block that matched no other): each gets its parameter's own name, unit and
-    groups, found from the graph input (the parameter's leaf) it reads."""
+    """Move every region body's markers to its call sites; returns how many markers the top-level
+    graph gained or had renamed. ``params``: parameter name -> its marker's arguments after the
+    input. Those markers, and those of a body Dynamo inlined, get their parameter's own name,
+    unit and groups, found from the graph input (the leaf) they read."""
     _lift(gm, {})
     markers = [n for n in gm.graph.nodes if _is_region_marker(n)]
     for marker in markers:
@@ -176,8 +167,8 @@ def hoist_region_markers(gm: fx.GraphModule, params: dict[str, tuple]) -> int:
 
 
 def _drop_unused_bodies(gm: fx.GraphModule) -> None:
-    """Delete the graph modules ``gm``'s graph no longer reads. Not
-    ``delete_all_unused_submodules()``: it also deletes bodies nested in kept bodies."""
+    """Delete the graph modules ``gm``'s graph no longer reads (``delete_all_unused_submodules()``
+    would delete bodies nested in kept bodies too)."""
     read = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     for name, child in list(gm.named_children()):
         if isinstance(child, fx.GraphModule) and name not in read:
@@ -185,8 +176,8 @@ def _drop_unused_bodies(gm: fx.GraphModule) -> None:
 
 
 def _reorders_gradients(call: fx.Node, body: fx.GraphModule) -> bool:
-    """Whether ``call`` passes a tensor that needs a gradient, is read more than once in the
-    body, and has other readers (so its gradient's sum would be grouped differently)."""
+    """Whether ``call`` passes a tensor needing a gradient that the body reads more than once and
+    that has other readers."""
     for operand, placeholder in zip(call.args[2:], placeholders(body.graph)):
         value = node_value(operand) if isinstance(operand, fx.Node) else None
         if (isinstance(value, torch.Tensor) and value.requires_grad and len(placeholder.users) > 1
@@ -225,10 +216,8 @@ def inline_call(call: fx.Node) -> None:
 
 
 def inline_regions(gm: fx.GraphModule, bodies: Collection[str] | None = None) -> int:
-    """Inline the calls of the given bodies (by attribute name; all by default); returns how
-    many calls were inlined. A graph run as Python (``compiler="eager"``) needs them all
-    inlined: a region's backward is traced when it first runs, which only works under
-    AOTAutograd."""
+    """Inline the calls of the given bodies (by attribute name; all by default); returns how many.
+    A graph run as Python (``compiler="eager"``) needs them all inlined."""
     inlined = [c for c in gm.graph.nodes if is_region_call(c) and (bodies is None or c.args[0].target in bodies)]
     for call in inlined:
         attr = call.args[0]
@@ -242,8 +231,7 @@ def inline_regions(gm: fx.GraphModule, bodies: Collection[str] | None = None) ->
 
 @dataclass(frozen=True)
 class InlinedRegion:
-    """A body whose calls were inlined: its block class (the module the first call runs), and
-    the input it writes."""
+    """A body whose calls were inlined: its block class, and the input it writes."""
 
     block_class: type | None
     written: str
@@ -259,8 +247,7 @@ def _block_class(call: fx.Node) -> type | None:
 
 
 def _written_input(call: fx.Node) -> str | None:
-    """The name of an input ``call``'s body writes to while it needs gradients, if any: the test
-    ``HigherOrderOperator.py_autograd_impl`` makes."""
+    """The name of an input ``call``'s body writes to while it needs gradients, if any."""
     operands = [a.meta.get("example_value", a.meta.get("val")) if isinstance(a, fx.Node) else a for a in call.args[2:]]
     tensors = [v for v in operands if isinstance(v, torch.Tensor)]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
@@ -278,8 +265,7 @@ def _written_input(call: fx.Node) -> str | None:
 
 
 def inline_mutating_regions(gm: fx.GraphModule) -> list[InlinedRegion]:
-    """Inline every call of a body that writes to an input while training; returns one entry
-    per body inlined."""
+    """Inline every call of a body that writes an input while training; returns one entry per body."""
     checked: dict[str, str | None] = {}
     found: list[InlinedRegion] = []
     for call in [n for n in gm.graph.nodes if is_region_call(n)]:
@@ -295,8 +281,7 @@ def inline_mutating_regions(gm: fx.GraphModule) -> list[InlinedRegion]:
 
 
 def _view_chain(body: fx.GraphModule, output_index: int) -> tuple[fx.Node | None, list[fx.Node]]:
-    """The node ``body``'s output ``output_index`` is a chain of pure views of (or is), and
-    those views from it to the output; (None, []) when there is no such output."""
+    """The node ``body``'s output ``output_index`` is (a chain of pure views of), and the views."""
     values = output_values(body.graph)
     if not isinstance(values, (tuple, list)) or output_index >= len(values):
         return None, []
@@ -319,8 +304,8 @@ def aliased_input(body: fx.GraphModule, output_index: int) -> int | None:
 
 
 def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[fx.Node]] | None:
-    """(input index, views from it to the output) when ``body``'s output ``output_index`` is
-    one of its inputs or a view of one that can be redone outside the body; else None."""
+    """(input index, views from it) when ``body``'s output ``output_index`` is an input or a view
+    of one that can be redone outside the body; else None."""
     root, views = _view_chain(body, output_index)
     index = _input_index(body, root)
     found: list[fx.Node] = []
@@ -332,8 +317,8 @@ def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[f
 
 def parameter_computation(body: fx.GraphModule, output_index: int,
                           gathered: Collection[int]) -> list[fx.Node] | None:
-    """The body's nodes that compute its output ``output_index`` from the inputs at positions
-    ``gathered`` alone, in body order; None when it reads anything else or is an input."""
+    """The body's nodes computing output ``output_index`` from the inputs at ``gathered`` alone;
+    None when it reads anything else or is an input."""
     values = output_values(body.graph)
     if not isinstance(values, (tuple, list)) or output_index >= len(values):
         return None
@@ -357,9 +342,8 @@ def parameter_computation(body: fx.GraphModule, output_index: int,
 
 def _redo_parameter_computation(graph: fx.Graph, call: fx.Node, producer: fx.Node, body: fx.GraphModule,
                                 output_index: int) -> fx.Node | None:
-    """Compute, before ``call``, a forward call's output that backward reads when the body
-    computes it from gathered parameters alone (a float8 weight's scaled cast): the reshard
-    policy then recomputes it from the regathered parameter instead of saving it."""
+    """Compute before ``call`` a forward call's output that the body computes from gathered
+    parameters alone (a float8 weight's cast), for the reshard policy to recompute, not save."""
     operands = producer.args[2:]
     gathered = [i for i, operand in enumerate(operands) if calls(view_base(operand), UNSHARD_TARGETS)]
     nodes = parameter_computation(body, output_index, gathered) if gathered else None
@@ -377,8 +361,7 @@ def _redo_parameter_computation(graph: fx.Graph, call: fx.Node, producer: fx.Nod
 
 
 def _same_view(base: object, view: object) -> bool:
-    """Whether ``view`` reads exactly what ``base`` does (dtype, sizes, strides, offset);
-    symbolic layouts never count as the same."""
+    """Whether ``view`` reads exactly what ``base`` does (symbolic layouts never do)."""
     if not (isinstance(base, torch.Tensor) and isinstance(view, torch.Tensor)):
         return False
     layouts = [(t.dtype, *t.shape, *t.stride(), t.storage_offset()) for t in (base, view)]
@@ -388,8 +371,7 @@ def _same_view(base: object, view: object) -> bool:
 
 
 def route_region_inputs(graph: fx.Graph) -> int:
-    """Give region calls the inputs of earlier region calls directly (see the module
-    docstring); returns how many call inputs changed."""
+    """Give region calls the inputs of earlier region calls directly; returns how many changed."""
     count = 0
     for call in [n for n in graph.nodes if is_region_call(n)]:
         args = list(call.args)

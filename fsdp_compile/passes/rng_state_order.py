@@ -1,11 +1,9 @@
 """Put activation checkpointing's saved RNG states where AOTAutograd's runtime looks for them.
 
-A forward graph returns its outputs, then the values saved for backward: tensors, then
-non-tensors (the DeviceMesh that rebuilds DTensor gradients, symbolic ints). With a random op
-in a checkpointed region (dropout, CPU attention), the partitioner appends its RNG state
-*after* the non-tensors, and the runtime then finds a DeviceMesh among the saved tensors and
-fails: every checkpointed model with dropout would. The pass moves those states, in forward's
-outputs and backward's inputs alike, in front of the trailing non-tensors.
+Forward returns its outputs, then the saved tensors, then non-tensors (the DeviceMesh that
+rebuilds DTensor gradients); with a random op in a checkpointed region the partitioner appends
+its RNG state after the non-tensors, where the runtime expects a tensor and fails. The pass
+moves those states in front of the trailing non-tensors, in forward's outputs and backward's inputs.
 """
 
 from __future__ import annotations

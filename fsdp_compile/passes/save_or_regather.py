@@ -1,19 +1,12 @@
 """Joint-graph passes that turn each unit's reshard policy into partitioner decisions.
 
-AOTAutograd's partitioner decides which forward values backward receives; by default it saves
-the full parameter a gather produced. Each marker's spec says what its unit keeps
-(``reshard_after_forward=``, sharding/reshard_policy.py):
-
-* resharding to the shard (FULL_SHARD, HYBRID_SHARD): the marker and everything computed from
-  gathered parameters alone (views, casts, a float8 weight's amax, scale and cast) are tagged
-  must-recompute, so the partitioner saves the resident shard and gathers again in backward.
-  Tagging only views let it save a float8 copy of every weight instead, which silently kept
-  half of a bf16 unit resident from forward to backward;
-* keeping it (SHARD_GRAD_OP): the marker is tagged must-save;
-* resharding to a group of ``n`` ranks: forward keeps this rank's ``1/n`` of the full parameter
-  (a ``reshard`` node, must-save), and every backward use reads a gather of those pieces inside
-  the group (an ``unshard`` over ``reshard_group``, must-recompute, with the parameter-only
-  computation redone on it). The gradient's reduction is untouched.
+By default AOTAutograd's partitioner saves the full parameter a gather produced. Per the spec
+of each marker (``reshard_after_forward=``, sharding/reshard_policy.py): a unit that reshards to
+the shard has its gather and everything computed from gathered parameters alone (a float8
+weight's cast included: tagging only views let the partitioner save a float8 copy of every
+weight) tagged must-recompute; a unit that keeps it is tagged must-save; a unit resharding to
+``n`` ranks keeps this rank's ``1/n`` in forward (``reshard``, must-save) and has backward gather
+those pieces inside the group (must-recompute). The gradient's reduction is untouched.
 """
 
 from __future__ import annotations

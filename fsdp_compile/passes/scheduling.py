@@ -1,21 +1,13 @@
 """Move collectives apart from their waits so communication overlaps compute.
 
-On a lowered graph every bucket is an "issue" stage (copy-in or chunk-cat and the collective)
-and a "finish" stage (the wait and what follows). Compute keeps its order; only stages move:
-
-* a gather is waited right before its first use and issued when the bucket ``prefetch`` places
-  before it in use order starts being used (``prefetch=0``: right before the wait). An explicit
-  order (``{bucket: [buckets to gather when it starts]}``, as FSDP2's
-  ``set_modules_to_forward_prefetch``) overrides that for the buckets named. A float8 gather's
-  amax all-reduce is issued as soon as the shards exist, and waited where the all-gather goes;
-* a reduction is issued as soon as its gradients exist and waited as late as possible;
-* unsharded bytes in flight never exceed ``max_inflight_bytes`` (default: twice the largest
-  bucket, plus room for two hybrid all-reduces): a prefetch is delayed, a reduction waited
-  earlier, rather than break it.
-
-Under Inductor the compiler turns off Inductor's peak-memory reordering for graphs with
-collectives, so this order is the order the step runs in
-(:func:`fsdp_compile.compilation.inner_compilers.compile_inductor`).
+A lowered bucket is an "issue" stage (copy-in or chunk-cat, the collective) and a "finish" stage
+(the wait and what follows); compute keeps its order, only stages move. A gather is waited right
+before its first use and issued ``prefetch`` buckets earlier in use order (or when an explicit
+order, as FSDP2's ``set_modules_to_forward_prefetch``, says); a reduction is issued as soon as
+its gradients exist and waited as late as possible. Unsharded bytes in flight never exceed
+``max_inflight_bytes`` (default: twice the largest bucket, plus two hybrid all-reduces): a
+prefetch is delayed, a reduction waited earlier, rather than break it. Under Inductor this order
+is the order the step runs in (the compiler turns Inductor's reordering off for these graphs).
 """
 
 from __future__ import annotations
@@ -182,9 +174,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         return Schedule(budget=options.max_inflight_bytes or 0, peak_inflight=0)
     largest = max(groups.values(), key=lambda g: max(g.sizes))
     largest_bytes = max(largest.sizes)
-    # Two hybrid all-reduces (across nodes, of a shard-sized result) get room beside two buckets,
-    # or each would be waited where issued (the next reduce-scatter fills the budget there) and
-    # backward would wait for the slow link block by block.
+    # Room for two hybrid all-reduces beside two buckets, or each would be waited where issued.
     later_stage_bytes = max((size for g in groups.values() if g.tag.kind == "reduce" for size in g.sizes[1:]),
                             default=0)
     budget = options.max_inflight_bytes or 2 * largest_bytes + 2 * later_stage_bytes
@@ -251,25 +241,20 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         group.delayed = start > max(desired, group.ready)
         occupy(group)
 
-    # Reductions: issued when their gradients exist (earlier reductions still in flight are
-    # waited first, oldest first, when the budget asks), each collective waited as late as fits.
-    # A link carries one collective at a time, first come first served, and a gather is waited
-    # sooner than a reduction, which waits for the graph's end or the budget: a reduction issued
-    # right before the next prefetch would make that gather queue behind it, and compute wait
-    # for it. So a reduction goes out after the gathers issued before the next gather is waited.
+    # Reductions: issued when their gradients exist (older ones waited first when the budget
+    # asks), waited as late as fits. A link serves in issue order and a gather is needed sooner,
+    # so a reduction goes out after the gathers issued before the next gather's wait.
     gather_issues = sorted(g.at[0] for g in gathers)
     gather_waits = sorted(g.at[-1] for g in gathers)
     reductions = sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned),
                         key=lambda g: g.ready)
-    # Where the link has surely carried a collective issued at p: the next gather's wait, or
-    # the next reduction's gradients (one block of compute later); the earlier of the two.
+    # Where the link has surely carried a collective issued at p: the next gather's wait or reduction.
     milestones = sorted({*gather_waits, *(g.ready for g in reductions)})
     placed: list[_Group] = []
     for group in reductions:
         start = min(group.ready, group.first_use)
-        next_wait = gather_waits[bisect_left(gather_waits, start)] if gather_waits and \
-            gather_waits[-1] >= start else None
-        if next_wait is not None:
+        if gather_waits and gather_waits[-1] >= start:
+            next_wait = gather_waits[bisect_left(gather_waits, start)]
             before = [p for p in gather_issues[bisect_left(gather_issues, start):] if p <= next_wait]
             if before:
                 start = min(before[-1], group.first_use)
@@ -290,9 +275,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             issued = group.at[-1]
             latest = group.first_use
             if k < len(group.sizes) - 1:
-                # The next collective of this reduction (a hybrid all-reduce) is issued where this
-                # one is waited: wait at the next milestone, by which time the link, serving in
-                # issue order, has carried this one too, rather than at the graph's end.
+                # A hybrid all-reduce is issued where this one is waited: wait at the next milestone.
                 later = milestones[bisect_left(milestones, issued + 1):]
                 if later:
                     latest = min(latest, later[0])
@@ -304,11 +287,8 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             group.at.append(wait)
         placed.append(group)
 
-    # Where a gather is waited at another's issue position, issue that one first: a link carries
-    # one collective at a time, and a gather issued after the wait returns leaves the link idle
-    # for the return and the issue, every bucket. Both are then in flight at that moment: only
-    # where the budget has room, once the reductions have theirs (a reduction waited earlier to
-    # make room would block compute longer than the idle link does).
+    # Where a gather is waited at another's issue position, issue that one first (issued after
+    # the wait returns, it leaves the link idle every bucket), where the budget has room.
     for group in gathers:
         start = group.at[0]
         waited_here = sum(g.sizes[-1] for g in gathers if g.at[-1] == start and g.at[0] < start)

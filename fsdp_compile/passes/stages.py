@@ -11,6 +11,7 @@ run it.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -59,26 +60,19 @@ def stage_passes(stage: str, ctx: PassContext, disabled: Collection[str] = ()) -
     return [p for p in PIPELINE if p.stage == stage and p.name not in disabled and p.when(ctx)]
 
 
-def run_stage(
-    gm: fx.GraphModule,
-    stage: str,
-    ctx: PassContext,
-    *,
-    disabled: Collection[str] = (),
-    user_passes: Sequence[Callable[[fx.GraphModule], Any]] = (),
-    on_graph: Callable[[str, fx.GraphModule], None] | None = None,
-    rollback: bool = True,
-    regenerate: bool = True,
-) -> tuple[fx.GraphModule, list[PassResult]]:
+def run_stage(gm: fx.GraphModule, stage: str, ctx: PassContext, *, disabled: Collection[str] = (),
+              user_passes: Sequence[Callable[[fx.GraphModule], Any]] = (),
+              on_graph: Callable[[str, fx.GraphModule], None] | None = None, rollback: bool = True,
+              regenerate: bool = True) -> tuple[fx.GraphModule, list[PassResult]]:
     """Run ``stage``'s passes on ``gm`` (then ``user_passes``, which take ``gm`` only).
 
     ``rollback=False``, for graphs another component holds (the joint graph Inductor's
     partitioner keeps): a failure leaves the graph as far as it got, not replaced by a copy.
     ``regenerate=False``: no code regeneration at the end (the partitioner reads graphs only).
     """
-    ours = stage_passes(stage, ctx, disabled)
-    passes: list[Pass] = [(p.name, _bound(p, ctx)) for p in ours]
-    graph_only = {fn for (_, fn), p in zip(passes, ours) if p.graph_only}
+    # Ours rewrite the graph only (never run or read its code); user passes may run the module.
+    passes: list[Pass] = [(p.name, functools.partial(p.fn, ctx=ctx)) for p in stage_passes(stage, ctx, disabled)]
+    graph_only = {fn for _, fn in passes}
     passes += [(getattr(fn, "__name__", "user_pass"), fn) for fn in user_passes]
     return run_passes(gm, passes, on_graph, graph_only=graph_only, rollback=rollback, results=ctx.results,
                       regenerate=regenerate)
@@ -93,12 +87,6 @@ def fix_partition(forward: fx.GraphModule, backward: fx.GraphModule, disabled: C
         run_stage(backward, "partitioned", ctx, disabled=disabled, rollback=False, regenerate=False)
     except PassFailure as failure:
         raise failure.__cause__ from None
-
-
-def _bound(graph_pass: GraphPass, ctx: PassContext) -> Callable[[fx.GraphModule], Any]:
-    def run(gm: fx.GraphModule) -> Any:
-        return graph_pass.fn(gm, ctx)
-    return run
 
 
 @dataclass
@@ -117,15 +105,11 @@ class PassFailure(RuntimeError):
         self.results: list[PassResult] = []  # the passes that ran before it (set by run_passes)
 
 
-def run_passes(
-    gm: fx.GraphModule,
-    passes: Sequence[Pass],
-    on_graph: Callable[[str, fx.GraphModule], None] | None = None,
-    graph_only: Collection[Callable[[fx.GraphModule], Any]] = (),
-    rollback: bool = True,
-    results: dict[str, Any] | None = None,
-    regenerate: bool = True,
-) -> tuple[fx.GraphModule, list[PassResult]]:
+def run_passes(gm: fx.GraphModule, passes: Sequence[Pass],
+               on_graph: Callable[[str, fx.GraphModule], None] | None = None,
+               graph_only: Collection[Callable[[fx.GraphModule], Any]] = (), rollback: bool = True,
+               results: dict[str, Any] | None = None,
+               regenerate: bool = True) -> tuple[fx.GraphModule, list[PassResult]]:
     """Apply ``passes`` to ``gm``; ``on_graph(step, graph)`` sees it before and after each.
 
     On a failure ``gm`` gets back a copy of its graph (copying the module would regenerate its

@@ -138,7 +138,7 @@ def _reshard_fake(full, fqn, unit, *spec_args):
     return full.new_empty((-(-full.shape[0] // spec.reshard_size), *full.shape[1:]))
 
 
-# A bucket's gather and reduction, issued by reads that run as Python (sharding/eager_buckets.py).
+# A bucket's gather and reduction, issued by reads that run as Python (sharding/sharded_class.py: eager_read).
 # Never in a graph; ops so that whatever watches the dispatcher sees what the eager runtime sends.
 @torch.library.custom_op(f"{NAMESPACE}::unshard_bucket", mutates_args=(),
                          schema=f"(Tensor[] shards, str[] fqns, SymInt[] full_rows, {SPEC_SCHEMA}) -> Tensor[]")

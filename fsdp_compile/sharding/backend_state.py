@@ -1,10 +1,5 @@
-"""What a backend's ``shard()`` calls leave for the compile pipeline to read.
-
-The backend owns it and fills it in as it shards models; the compiler is handed it at
-construction and reads only this, never the backend object: the topology the collectives run
-on, every sharded parameter's marker arguments, the leaves that stand for them in forward, and
-the cross-rank verifier.
-"""
+"""What a backend's ``shard()`` calls leave for the compile pipeline to read: the compiler reads
+only this, never the backend (topology, marker arguments, leaves, the cross-rank verifier)."""
 
 from __future__ import annotations
 
@@ -15,11 +10,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compile_regions import RegionFallback
 from .groups import Topology
-from .local_shards import LocalShards
-from .region_fallback import RegionFallback
 from .reshard_policy import ReshardGroups
-from .sharded_param import ShardedParamInfo
+from .sharded_param import LocalShards, ShardedParamInfo
 from .units import ROOT_UNIT
 
 if TYPE_CHECKING:
@@ -27,8 +21,7 @@ if TYPE_CHECKING:
 
 
 class GraphCheck(Protocol):
-    """The cross-rank check of compiled graphs, as the compiled graphs' guard calls it (the
-    rank-agreement layer above implements it: ``fsdp_compile.checks.agreement.GraphVerifier``)."""
+    """The cross-rank check compiled graphs' guard calls (``checks.agreement.GraphVerifier``)."""
 
     calls: int  # compiled-graph runs so far: the number the next check publishes under
 
@@ -62,9 +55,8 @@ class ShardingState:
     _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
 
     def group_roles(self) -> dict[str, str]:
-        """Process-group name -> its role, for cross-rank checks: the topology's groups, and the
-        tensor-parallel groups of TP parameters (each dp rank has its own tp group, in the
-        same role)."""
+        """Process-group name -> its role, for cross-rank checks (each dp rank's own tp group is
+        in the same role)."""
         roles = self.topology.group_roles() if self.topology is not None else {}
         for n, group in self.reshard_groups.groups().items():
             roles[group.group_name] = f"reshard group ({n} ranks of the shard group)"

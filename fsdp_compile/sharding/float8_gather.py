@@ -1,11 +1,7 @@
-"""Which parameters gather in float8: torchao ``Float8Linear`` weights that ask for it.
-
-With ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` torchao makes each weight a
-``WeightWithDynamicFloat8CastTensor``, which tells FSDP2 to cast the shard to float8 before the
-all-gather. Such a weight is stored as the plain tensor it wraps, and its spec carries the float8
-dtype, so the gather moves one byte per element plus one float32 scale per weight and hands
-``Float8Linear`` the weight in the compute dtype (docs/mixed-precision.md says why the numbers do
-not change). torchao is imported only for a model that has a torchao module.
+"""Which parameters gather in float8: torchao ``Float8Linear`` weights that ask for it
+(``enable_fsdp_float8_all_gather=True``). Such a weight is stored as the tensor it wraps and its
+spec carries the float8 dtype: the gather moves a byte per element plus a scale per weight and
+hands ``Float8Linear`` the weight in the compute dtype. torchao is imported only when present.
 """
 
 from __future__ import annotations

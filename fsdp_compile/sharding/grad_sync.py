@@ -1,13 +1,10 @@
 """Gradient accumulation without communication: ``backend.no_sync()``.
 
-While synchronization is off, every read of a trainable parameter becomes
-``unshard_no_sync(shard, accumulator, ...)``: the same gather, but the gradient goes unreduced to
-``accumulator`` (a full-shape leaf, an expanded zero until a gradient arrives), where autograd
-sums the micro-batches. The first backward after sync is turned back on still accumulates,
-then reduces everything at once, bucket by bucket with the compiled graphs' ``reduce_grads``:
-one reduction per window, as FSDP's ``no_sync``. Dynamo guards on
-:attr:`GradientSync.accumulating`: accumulation is one more graph. Accumulated gradients are
-full-size until reduced, as in FSDP.
+While sync is off, reads of trainable parameters are ``unshard_no_sync(shard, accumulator, ...)``:
+the same gather, with the gradient summed unreduced into ``accumulator`` (full-shape, an expanded
+zero until a gradient arrives). The first backward with sync back on still accumulates, then
+reduces everything bucket by bucket with the graphs' ``reduce_grads``: one reduction per window,
+as FSDP's ``no_sync``. Dynamo guards on :attr:`GradientSync.accumulating`: one more graph.
 """
 
 from __future__ import annotations

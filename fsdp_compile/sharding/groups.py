@@ -64,10 +64,6 @@ class Topology:
         return {self.shard_group_name: f"shard group ({self.shard_size} ranks)",
                 self.replicate_group_name: f"replicate group ({self.replicate_size} ranks)"}
 
-    @property
-    def data_parallel_size(self) -> int:
-        return self.shard_size * self.replicate_size
-
     def replicated_placements(self) -> tuple[Placement, ...]:
         """Placements for a parameter that cannot be sharded on dim 0 (a 0-d tensor)."""
         return tuple(Replicate() for _ in self.placements)

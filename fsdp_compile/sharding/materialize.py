@@ -1,20 +1,11 @@
 """Big-model initialization: materialize a meta-device model unit by unit while sharding it.
 
-A model built under ``torch.device("meta")`` has shapes but no storage. :func:`materialize`
-walks its modules in post-order (children before parents, as ``model.apply`` does and as
-construction does for modules that call ``reset_parameters()`` at the end of ``__init__``);
-for each module it allocates that module's own parameters and buffers on the target device and
-initializes them with ``init_fn(module)``, or ``module.reset_parameters()`` without one. When
-the walk reaches the module that heads a bucket unit, every parameter of that unit whose
-owners have all been initialized is cut to this rank's shard and its full tensor released, so
-a rank holds the full parameters of the units it is inside of, never the whole model.
-
-The random draws are the same, in the same order, as initializing the unsharded model with
-the same function and seed, so the shards equal the slices of that model.
-
-What cannot be made right is an error that names the module: a module with meta parameters
-and no way to initialize them, a parameter or buffer the initializer never wrote (it would
-hold garbage), or an initializer that writes a parameter already sharded with another unit.
+:func:`materialize` walks the modules in post-order (as ``model.apply`` does), allocating each
+module's own meta parameters and buffers and running ``init_fn(module)`` or its
+``reset_parameters()``. At the head of a bucket unit, each parameter whose owners all ran is cut
+to this rank's shard and its full tensor released, so a rank never holds the whole model; the
+draws are those of the unsharded model. A module with no way to initialize, a tensor never
+written, or an initializer writing a parameter already sharded raise naming it.
 """
 
 from __future__ import annotations
@@ -71,11 +62,8 @@ def materialize(
     shard: ShardFn,
     init_fn: InitFn | None = None,
 ) -> Materialized:
-    """Initialize ``model``'s meta parameters unit by unit; returns their shards.
-
-    The model's ``_parameters`` keep the meta parameters (the caller registers the shards in
-    their place); meta buffers are materialized in place and stay whole.
-    """
+    """Initialize ``model``'s meta parameters unit by unit; returns their shards. ``_parameters``
+    keep the meta parameters (the caller registers the shards); meta buffers stay whole."""
     order = _post_order(model)
     names = {id(m): n for n, m in order}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -1,21 +1,10 @@
 """``reshard_after_forward=``: what each bucket unit keeps of its gathered parameters from forward to backward.
 
-FSDP2's ``fully_shard(reshard_after_forward=...)``, decided per unit:
-
-* ``True``: drop to the shard after forward, gather again in backward over the shard group
-  (FULL_SHARD's behaviour, HYBRID_SHARD's inside the node);
-* ``False``: keep the gathered parameters until backward is done with them (SHARD_GRAD_OP's);
-* an int ``n``: after forward keep a shard over groups of ``n`` consecutive ranks of the shard
-  group (ZeRO++'s hpZ): each rank keeps ``1/n`` of the parameters instead of ``1/shard_size``,
-  and backward gathers inside its group of ``n`` only. With ``n`` the ranks of a node, backward
-  gathers never leave the node.
-
-One value for every unit, or a dict ``{unit name | module | module class: value}`` for some
-(the rest take the strategy's). Every unit is resolved to one number of ranks it reshards to
-after forward, ``reshard_to``: ``shard_size`` for True, 1 for False (a copy on each rank), ``n``
-in between. The gradient's reduction is the same in every case (one reduce-scatter over the
-shard group), so the gradients are the same sums: only memory and where backward's gathers run
-differ.
+As FSDP2's, per unit: ``True`` reshards to the shard group, ``False`` keeps the gathered
+parameters, ``n`` keeps a shard over groups of ``n`` consecutive ranks (ZeRO++'s hpZ: backward
+gathers inside a node). One value, or ``{unit name | module | module class: value}``. Each unit
+resolves to ``reshard_to``, the ranks it reshards to (``shard_size``, 1, or ``n``); the
+reduction is the same in every case.
 """
 
 from __future__ import annotations
@@ -97,10 +86,8 @@ def _reshard_to(unit: str, value: bool | int, shard_size: int) -> int:
 
 
 class ReshardGroups:
-    """The groups of ``n`` consecutive ranks of each shard group, this rank's by ``n``.
-
-    Created once per ``n`` by every rank (``new_group`` is collective: every rank creates
-    every group, in the same order, whichever it belongs to)."""
+    """This rank's group of ``n`` consecutive ranks of its shard group, by ``n``; every rank creates
+    every group, in the same order (``new_group`` is collective)."""
 
     def __init__(self) -> None:
         self._groups: dict[int, dist.ProcessGroup] = {}

@@ -3,7 +3,7 @@
 Afterwards ``module._parameters[name]`` holds the DTensor parameter (what ``state_dict()``,
 optimizers and checkpoints see), ``module.<name>`` returns the gathered parameter through a
 generated subclass (:mod:`.sharded_class`), and every sharded module carries its
-:class:`~.module_state.ModuleState`, sharing the model's :class:`~.local_shards.LocalShards`.
+:class:`~.sharded_class.ModuleState`, sharing the model's :class:`~.sharded_param.LocalShards`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from torch.distributed.tensor import DTensor
 from ..api import BackendOptions, parse_policy
 from ..runtime.collectives import CommSpec
 from .compile_regions import (
+    ModelRegions,
     RegionClass,
+    RegionFallback,
     RegionReads,
+    first_names,
     region_copies,
     region_units,
     relative_marker_args,
@@ -29,14 +32,11 @@ from .compile_regions import (
 from .float8_gather import float8_gather
 from .grad_sync import GradientSync
 from .groups import Topology, current_device
-from .local_shards import LocalShards
 from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
-from .module_state import ModuleState, set_module_state
-from .region_fallback import ModelRegions, RegionFallback
 from .reshard_policy import ReshardGroups, resolve_reshard
-from .sharded_class import sharded_class
-from .sharded_param import ShardedParamInfo, shard_tensor, sharded_parameter
+from .sharded_class import ModuleState, set_module_state, sharded_class
+from .sharded_param import LocalShards, ShardedParamInfo, shard_tensor, sharded_parameter
 from .tensor_parallel import tp_local, tp_spec
 from .units import unit_modules, unit_of
 
@@ -60,16 +60,9 @@ class ShardResult:
     reshard_to: dict[str, int] | None = None  # unit -> ranks it reshards to after forward
 
 
-def shard_module(
-    model: nn.Module,
-    topology: Topology,
-    options: BackendOptions,
-    init: Init = Init(),
-    *,
-    sync: GradientSync | None = None,
-    region_fallback: RegionFallback | None = None,
-    reshard_groups: ReshardGroups | None = None,
-) -> ShardResult:
+def shard_module(model: nn.Module, topology: Topology, options: BackendOptions, init: Init = Init(), *,
+                 sync: GradientSync | None = None, region_fallback: RegionFallback | None = None,
+                 reshard_groups: ReshardGroups | None = None) -> ShardResult:
     """Shard every parameter of ``model`` in place as the backend's ``options`` say; returns the
     info of each, by name.
 
@@ -94,9 +87,7 @@ def shard_module(
 
     def shard_full(full: torch.Tensor, original: nn.Parameter) -> tuple[torch.Tensor, bool]:
         tp = tp_specs.get(id(original))
-        if tp is None:
-            return shard_tensor(full, topology, offload)
-        return shard_tensor(tp_local(full, tp), topology, offload, tp)
+        return shard_tensor(full if tp is None else tp_local(full, tp), topology, offload, tp)
 
     if has_meta(model) and init.materialize:
         # Without units of its own (bytes / param policies) a model still materializes block by block.
@@ -117,12 +108,8 @@ def shard_module(
     for module, module_name, name, fqn, param in list(_owners(model)):
         if id(param) not in seen:
             tp = tp_specs.get(id(param))
-            if id(param) in presharded:
-                dtensor, dim0_sharded = presharded[id(param)]
-            elif tp is not None:
-                dtensor, dim0_sharded = shard_tensor(param._local_tensor, topology, offload, tp)
-            else:
-                dtensor, dim0_sharded = shard_tensor(param, topology, offload)
+            dtensor, dim0_sharded = presharded.get(id(param)) or shard_tensor(
+                param if tp is None else param._local_tensor, topology, offload, tp)
             gathered_shape = tuple(param._local_tensor.shape) if tp is not None else tuple(param.shape)
             sharded = sharded_parameter(dtensor, fqn, param.requires_grad)
             mp = mixed_precision if mixed_precision and mixed_precision.applies_to(param) else None
@@ -202,13 +189,11 @@ def _without_split_meshes(model: nn.Module, regional: set[str]) -> set[str]:
     for cls in sorted(split, key=lambda c: c.__qualname__):
         blocks = sorted(u for u in regional if type(model.get_submodule(u)) is cls)
         warnings.warn(
-            f"fsdp_compile: the {cls.__qualname__} blocks ({', '.join(blocks[:3])}"
-            f"{', ...' if len(blocks) > 3 else ''}) compile inline, not as one region: their "
-            "tensor-parallel hooks hold different DeviceMesh objects (the TP mesh sliced once per "
-            "block, e.g. mesh['tp'] inside the loop), which torch 2.13 cannot reuse a region's trace "
-            "across. Slice the mesh once (tp_mesh = mesh['tp']) and pass that object to "
-            "parallelize_module for every block, or pass regions=False to compile inline without "
-            "this warning.", stacklevel=4)
+            f"fsdp_compile: the {cls.__qualname__} blocks ({first_names(blocks)}) compile inline, not as one region: "
+            "their tensor-parallel hooks hold different DeviceMesh objects (the TP mesh sliced once per block, e.g. "
+            "mesh['tp'] inside the loop), which torch 2.13 cannot reuse a region's trace across. Slice the mesh once "
+            "(tp_mesh = mesh['tp']) and pass that object to parallelize_module for every block, or pass "
+            "regions=False to compile inline without this warning.", stacklevel=4)
     return {u for u in regional if type(model.get_submodule(u)) not in split}
 
 

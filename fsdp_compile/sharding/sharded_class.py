@@ -1,16 +1,28 @@
 """The generated subclass of every sharded module: ``module.<name>`` gathers the parameter.
 
-Each sharded module gets a subclass of its class with one property per parameter: reading it
-returns ``unshard(leaf, ...)``, one marker per read, which Dynamo inlines into the graph and the
-eager runtime executes. The root's subclass also wraps ``forward`` to set the per-forward state
-the reads use (and cast for mixed precision); a unit compiled as a region gets the region's
-forward. Everything a read needs is in the module's state (:mod:`.module_state`), never in the
-class: one class serves every instance with the same class, parameter names and role.
+One property per parameter returns ``unshard(leaf, ...)``, a marker Dynamo inlines and the eager
+runtime executes; the root's ``forward`` also sets the per-forward state the reads use, a region
+unit's runs as a region. What a read needs is in the module's state, never the class, which all
+instances with the same class, parameter names and role share.
+
+The state (:class:`ModuleState`) is one instance attribute, ``module._fsdp_state``, because the
+reads are traced: an instance attribute costs Dynamo one load and one type guard, and its source
+lies below the module's, so a region's trace of one block replays for the next (a map keyed by
+module, as FSDP2's, would not). Shared by reference: the model's LocalShards, the backend's
+GradientSync, a region's RegionClass.
+
+A read that runs as Python (the eager runtime, or a frame Dynamo runs as Python after a graph
+break) has no graph to be bucketed in, so it gathers its whole bucket at once
+(:func:`eager_read`): the first read of a bucket in a forward gathers every parameter of it not
+yet read with one all-gather, keeps the others until read (``LocalShards.prefetched``), and
+their gradients are reduced together. A bucket: one unit's parameters that communicate alike; a
+tied parameter has none. The gather and reduction are the compiled path's, so values do not change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,11 +30,122 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..api import MixedPrecision
-from .compile_regions import make_region_forward, region_input
-from .eager_buckets import eager_read
-from .local_shards import LocalShards
-from .region_fallback import region_fallback_call
-from .tensor_parallel import as_tp_dtensor
+from ..runtime import markers  # noqa: F401  (registers the bucket ops)
+from .compile_regions import (
+    ModelRegions,
+    RegionClass,
+    RegionReads,
+    make_region_forward,
+    region_fallback_call,
+    region_input,
+)
+from .grad_sync import GradientSync
+from .sharded_param import LocalShards, ShardedParamInfo
+from .tensor_parallel import TPSpec, as_tp_dtensor
+
+# Read as the literal ``self._fsdp_state`` in traced code: the cheapest load for Dynamo.
+STATE_ATTR = "_fsdp_state"
+
+
+@dataclass(eq=False)
+class ModuleState:
+    """One sharded module's state: ``module._fsdp_state``."""
+
+    specs: dict[str, ShardedParamInfo]  # local parameter name -> its spec
+    shards: LocalShards  # the model's, shared by all its modules
+    sync: GradientSync | None  # the backend's, shared by all the models it shards
+    region: RegionReads | None = None  # inside a unit compiled as a region
+    mixed_precision: MixedPrecision | None = None  # the root's, when it casts inputs or the output
+    region_class: RegionClass | None = None  # a unit compiled as a region: its class's switch
+    regions: ModelRegions | None = None  # the root of a model with regions: their classes, the fallback
+    # local parameter name -> (fqn, the unshard marker's arguments): what a read passes on.
+    reads: dict[str, tuple[str, tuple]] = field(init=False)
+    # local parameter name -> its TP spec, for tensor-parallel parameters.
+    tp: dict[str, TPSpec] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reads = {name: (info.fqn, info.unshard_args) for name, info in self.specs.items()}
+        self.tp = {name: info.tp for name, info in self.specs.items() if info.tp is not None}
+
+
+def module_state(module: nn.Module) -> ModuleState | None:
+    """``module``'s state, or None if it was not sharded."""
+    return module.__dict__.get(STATE_ATTR)
+
+
+def set_module_state(module: nn.Module, state: ModuleState) -> None:
+    module.__dict__[STATE_ATTR] = state
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` or any module inside it was sharded."""
+    return any(module_state(m) is not None for m in module.modules())
+
+
+@dataclass(frozen=True)
+class EagerBucket:
+    """Parameters gathered together by a Python read: the markers' arguments, as lists."""
+
+    fqns: list[str]
+    full_rows: list[int]
+    local_rows: list[int]
+    grad_dtypes: list[torch.dtype]
+    spec: str  # the CommSpec, as the markers carry it
+
+
+class _GatherBucket(torch.autograd.Function):
+    """A bucket gathered with one collective, its gradients reduced with one (the bucket ops)."""
+
+    @staticmethod
+    def forward(ctx: Any, bucket: EagerBucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.bucket = bucket
+        ctx.set_materialize_grads(False)  # a parameter the forward did not use gets no gradient
+        return tuple(torch.ops.fsdp_compile.unshard_bucket(list(shards), bucket.fqns, bucket.full_rows, bucket.spec))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        bucket = ctx.bucket
+        used = [i for i, g in enumerate(grads) if g is not None]
+        shard_grads: list[torch.Tensor | None] = [None] * len(grads)
+        if used:
+            reduced = torch.ops.fsdp_compile.reduce_grad_bucket(
+                [grads[i] for i in used], [bucket.fqns[i] for i in used], [bucket.local_rows[i] for i in used],
+                [bucket.grad_dtypes[i] for i in used], bucket.spec)
+            for i, grad in zip(used, reduced):
+                shard_grads[i] = grad
+        return (None, *shard_grads)
+
+
+def _bucket_key(shards: LocalShards, fqn: str) -> tuple:
+    _, unit, _, spec = shards.read_args[fqn]
+    leaf = shards.leaves[fqn]
+    return unit, spec, leaf.dtype, leaf.requires_grad
+
+
+def _bucket(shards: LocalShards, fqns: list[str]) -> EagerBucket:
+    leaves = [shards.leaves[f] for f in fqns]
+    return EagerBucket(fqns, [shards.read_args[f][2] for f in fqns],
+                       [leaf.shape[0] if leaf.dim() else 0 for leaf in leaves], [leaf.dtype for leaf in leaves],
+                       shards.read_args[fqns[0]][3])
+
+
+def eager_read(shards: LocalShards, fqn: str) -> torch.Tensor:
+    """The gathered value of ``fqn`` for a read that runs as Python in a forward."""
+    value = shards.prefetched.pop(fqn, None)
+    if value is not None:
+        return value
+    read, tied = shards.read_in_forward, shards.tied
+    if fqn in read or fqn in tied:  # read again, or tied (the root gathers it on its own)
+        return torch.ops.fsdp_compile.unshard(shards.leaves[fqn], *shards.read_args[fqn])
+    key = _bucket_key(shards, fqn)
+    members = [f for f in shards.read_args if f not in read and f not in tied and _bucket_key(shards, f) == key]
+    values = _GatherBucket.apply(_bucket(shards, members), *(shards.leaves[f] for f in members))
+    read.update(members)
+    for member, gathered in zip(members, values):
+        if member != fqn:
+            shards.prefetched[member] = gathered
+    return values[members.index(fqn)]
+
 
 _CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...], bool, bool], type] = {}
 
@@ -51,8 +174,7 @@ def sharded_class(cls: type, names: tuple[str, ...], root: bool = False, region_
     return _CLASS_CACHE[key]
 
 
-# Which modules run inside a compile region, for whoever inspects a sharded model (the tests
-# count them): a view of the state, which is what the reads use.
+# Which modules run inside a compile region, for whoever inspects a sharded model.
 _REGION_READS = property(lambda self: self._fsdp_state.region,
                          doc="This module's RegionReads inside a compile region, else None.")
 
@@ -127,7 +249,7 @@ def gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> tor
 
 def _gather(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
     """One marker (its gradient reduced, or accumulated under no_sync); a read in a forward that
-    runs as Python gathers with its bucket (:mod:`.eager_buckets`)."""
+    runs as Python gathers with its bucket (:func:`eager_read`)."""
     local = shards.leaves[fqn]
     if shards.in_forward:
         accumulating = shards.accumulating

@@ -1,17 +1,10 @@
 """Bucket units: which module each parameter communicates with, decided when a model is sharded.
 
-A unit is a module whose parameters form one bucket (one all-gather, one reduce-scatter).
-Policies (``bucket=``, parsed in :mod:`fsdp_compile.api.buckets`):
-
-* ``"module"`` (default): one bucket per repeated block, plus one for the rest (FSDP's
-  transformer auto-wrap without naming the class): see :class:`_BlockFinder`;
-* a set of module classes, or a callable ``module -> bool``: each selected module is a unit, and
-  a parameter belongs to its nearest selected ancestor, else to the root;
-* an int: no units; consecutive markers share a bucket up to that many bytes;
-* ``"param"``: one bucket per parameter.
-
-Units travel in each marker's ``unit`` argument, so bucketing (:mod:`fsdp_compile.passes.bucketing`)
-needs nothing but the graph.
+A unit is a module whose parameters form one bucket. ``bucket=`` (parsed in
+:mod:`fsdp_compile.api.buckets`): ``"module"`` (default), the repeated blocks plus the rest
+(:class:`_BlockFinder`); classes or a callable, each selected module, a parameter going to its
+nearest selected ancestor or the root; an int, no units (a byte budget); ``"param"``, one bucket
+per parameter. Units travel in each marker's ``unit`` argument, so bucketing needs only the graph.
 """
 
 from __future__ import annotations
