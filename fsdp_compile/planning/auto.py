@@ -1,15 +1,7 @@
-"""``strategy="auto"``: plan for the actual world, topology and device memory.
-
-``fsdp_compile.backend("auto", ...)`` returns :class:`fsdp_compile.auto_backend.AutoBackend`,
-a backend whose strategy, bucket policy and prefetch depth come from a plan made when the model
-is sharded: what it plans with, and how a plan's row becomes the backend's options, is here.
-The class itself lives beside the backend (``fsdp_compile/auto_backend.py``), which is above
-the planner: the planner traces candidates with the backend's own pipeline.
-
-Rank 0 plans (in a subprocess: the job's process group is the default one here, see
-:mod:`.child_process`) and broadcasts the plan, so every rank applies the same choice; a planning
-error is raised on every rank. The choice is the plan's best row: strategy, bucket policy and
-prefetch depth (and, for hybrid strategies, shard groups of one node).
+"""``strategy="auto"``: what :class:`fsdp_compile.auto_backend.AutoBackend` (which lives above
+the planner) plans with at ``shard()``, and how the plan's best row becomes its options
+(strategy, bucket policy, prefetch depth; hybrid: shard groups of one node). Rank 0 plans (in a
+subprocess, :mod:`.child_process`) and broadcasts the plan, or its error, to every rank.
 """
 
 from __future__ import annotations

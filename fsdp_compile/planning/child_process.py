@@ -1,28 +1,19 @@
 """Plan in a child process, for processes that already have a real default process group.
 
-The planner's fake world must be the default process group of the process that traces, and a
-process has one default group: inside a ``torchrun`` job (``strategy="auto"``, or ``plan()``
-called from a training script) the planning runs in a fresh Python process started with
-``subprocess`` (which, unlike ``multiprocessing``, also works from daemonic processes). The
-child gets the model as a meta-device copy (structure and shapes only, never the weights),
-the inputs as meta tensors, and sends back the plan's rows.
+The fake world must be the default group of the process that traces, so inside a ``torchrun``
+job the planning runs in a fresh ``subprocess`` (which, unlike ``multiprocessing``, works from
+daemonic processes), handed a meta-device copy of the model and meta inputs.
 
-``loss_fn`` and the model's classes travel by reference, so the child must find them: in a
-module it can import (its ``sys.path`` is the parent's), or in the training script itself,
-where they usually are. For those, the child prepares the script as Python's own ``spawn``
-start method prepares a child's ``__main__`` (``multiprocessing.spawn.prepare``): it runs the
-parent's main script as the module ``__mp_main__`` and stands it in for ``__main__``, when an
-unpickled object first asks for it. A script that keeps its training under
-``if __name__ == "__main__":`` runs whole there, as under ``spawn``. A script with everything
-at its top level would train again in the child, so of such a script only the definitions
-run: imports, functions, classes, and assignments that call nothing (``VOCAB = 128``); a name
-the definitions need that is computed by a call must then be computed inside them.
+``loss_fn`` and the model's classes travel by reference: the child imports their module, or,
+for the training script itself, prepares it as ``spawn`` does (``multiprocessing.spawn.prepare``):
+the script runs as ``__mp_main__`` standing in for ``__main__``, whole if it guards its entry
+point with ``if __name__ == "__main__":``, else its definitions only (imports, functions, classes,
+assignments that call nothing), so that it does not train again.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import os
 import pickle
 import subprocess
@@ -36,24 +27,20 @@ import torch
 from torch import nn
 
 from .vocabulary import PlanError
+from .world import copy_with
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
     """``model``'s structure with every parameter and buffer on the meta device (no data copied)."""
-    memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in memo:
-            continue
-        meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(
-            tensor, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    return copy_with(model, _meta)
 
 
 def _meta_inputs(inputs: Any) -> Any:
-    return torch.utils._pytree.tree_map(
-        lambda v: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
-        if isinstance(v, torch.Tensor) else v, inputs)
+    return torch.utils._pytree.tree_map(lambda v: _meta(v) if isinstance(v, torch.Tensor) else v, inputs)
 
 
 # Where objects defined by the main script say they come from: "__main__" in the process that
@@ -62,9 +49,7 @@ _MAIN_NAMES = ("__main__", "__mp_main__")
 
 
 def main_script() -> dict[str, str | None] | None:
-    """What the child needs to prepare this process's main script (see the module docstring):
-    its path and, when it ran with ``-m``, its module name; None without a script (an
-    interactive session, ``python -c``)."""
+    """This process's main script's path and, run with ``-m``, module name; None without one."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path is None or not os.path.isfile(path):
@@ -116,8 +101,7 @@ def prepare_main(script: dict[str, str | None]) -> types.ModuleType:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Finds what the main script defined: in the child by preparing the script on first use,
-    in the parent under either of its names."""
+    """Finds what the main script defined: in the child by preparing it on first use."""
 
     def __init__(self, file: Any, script: dict[str, str | None] | None = None) -> None:
         super().__init__(file)
@@ -139,10 +123,8 @@ class _Unpickler(pickle.Unpickler):
 
 
 def run_in_subprocess(planner: Callable[..., Any], model: nn.Module, example_inputs: tuple, **kwargs: Any):
-    """``planner(model's meta copy, meta inputs, **kwargs)`` in a fresh Python process.
-
-    ``planner`` travels by reference (a module-level function: pickle names its module, which
-    the child imports), so this module needs nothing of the planner itself."""
+    """``planner(model's meta copy, meta inputs, **kwargs)`` in a fresh Python process
+    (``planner``: a module-level function, which travels by reference)."""
     request = {"planner": planner, "model": meta_copy(model), "inputs": _meta_inputs(example_inputs),
                "kwargs": kwargs}
     script = main_script()

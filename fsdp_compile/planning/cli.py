@@ -360,9 +360,8 @@ COMPARE_PLAN_OPTIONS: dict[str, Any] = {"prefetch": (1,), "memory_budget": 64 <<
 
 def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[Any, list[str]]],
               **kwargs: Any) -> dict[str, Any]:
-    """``plan(cluster=..., strategies=...)`` for each entry of ``on``, in one process: inside a job
-    with a real process group each ``plan()`` would start a planning subprocess of its own
-    (:mod:`.child_process`), and ``compare`` plans every strategy on a cluster of its own."""
+    """``plan(cluster=..., strategies=...)`` for each entry of ``on``, in one process (inside a job
+    each ``plan()`` would start a subprocess of its own, :mod:`.child_process`)."""
     from .plan import plan
 
     return {key: plan(model, example_inputs, cluster=cluster, strategies=strategies, **kwargs)
@@ -370,8 +369,7 @@ def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[An
 
 
 def _print_speed(rows: list[dict[str, Any]]) -> None:
-    """How far the machine's speed moved from the calibration while each strategy ran, and what
-    the prediction would have been at the calibration's speed."""
+    """How far the machine's speed moved from the calibration while each strategy ran."""
     if not any(r["measured"]["reference_seconds"] for r in rows):
         return  # not timed (a GPU, where the CPU runs ahead and compute_scale is 1)
     moved = [(r["strategy"], r["compute_scale"]["beside_steps"] / r["compute_scale"]["at_calibration"],
@@ -383,8 +381,7 @@ def _print_speed(rows: list[dict[str, Any]]) -> None:
 
 
 def _print_exposed(rows: list[dict[str, Any]]) -> None:
-    """The ``--exposed`` table: each strategy's step on unlimited links and the communication
-    the emulated network exposes beyond it, measured and predicted."""
+    """The ``--exposed`` table: steps on unlimited links and the communication the network exposes."""
     print(f"{'strategy':<20}{'unlimited ms':>14}{'pred ms':>10}{'exposed ms':>12}{'95% interval':>18}{'pred ms':>10}")
     for r in rows:
         m, p, u = r["measured"], r["predicted"], r["predicted_unlimited"]
@@ -398,15 +395,12 @@ def _print_exposed(rows: list[dict[str, Any]]) -> None:
 
 def step_split(measured: dict[str, Any], predicted: dict[str, Any],
                cpu_share: float = 1.0) -> dict[str, tuple[float, float]] | None:
-    """A step's time three ways, (measured, predicted) seconds each: the main thread's CPU
-    against the predicted compute, its wait for a core against the communication backend's CPU
-    the plan charges to compute, and the rest of the step (blocked in waits) against the plan's
-    waits. None where the machine gave no scheduler statistics. Each measured figure is the
-    median of the slowest rank's, so the rest is near, not exactly, one rank's blocked time
-    (a few milliseconds below zero where nothing blocked). Where the process's other threads
-    were timed, a fourth pair: their CPU (gloo's) against the CPU the plan prices for them. The
-    plan's charge is that CPU stretched by the rank's share of a core (``cpu_share``; 2x at
-    world 4 on 2 cores), so the pair takes the charge times ``cpu_share``."""
+    """A step's time three ways, (measured, predicted) seconds each: the main thread's CPU against
+    the predicted compute, its wait for a core against the backend CPU the plan charges to compute,
+    and the rest (blocked in waits) against the plan's waits; None without scheduler statistics.
+    Each measured figure is the slowest rank's median, so the rest can dip a few ms below zero.
+    A fourth pair, where the other threads were timed: their CPU (gloo's) against the plan's
+    charge times ``cpu_share`` (the charge is that CPU stretched by the rank's share of a core)."""
     if measured.get("cpu_seconds") is None or measured.get("core_wait_seconds") is None:
         return None
     backend = predicted.get("backend_cpu_seconds") or 0.0
@@ -472,8 +466,7 @@ def _emulated_network(links: str, latency: str, devices_per_node: int | None) ->
 
 
 def cross_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the logits against class 0 (the values do not change the cost);
-    module level, so the planner can pickle it for its subprocess."""
+    """Cross-entropy of the logits against class 0 (module level: the planner pickles it)."""
     import torch.nn.functional as F
 
     flat = logits.reshape(-1, logits.shape[-1]).float()

@@ -1,14 +1,10 @@
-"""Tensor parallelism in the planner: which TP degrees apply, and the 2-D (or 3-D) mesh each is traced on.
+"""Tensor parallelism in the planner: which TP degrees apply, and the mesh each is traced on.
 
-A TP degree ``tp`` splits the world into ``dp = world / tp`` data-parallel ranks of ``tp`` ranks
-each. TP lives inside a node (its all-reduces and all-gathers run every layer, on the fast
-link): the mesh puts each tp group on consecutive ranks, so a degree that divides the devices of
-a node keeps every tp group inside one, and the cost model prices its collectives on the
-intra-node link. FSDP shards over the dp part: ``mesh["dp"]`` (dp x tp) for FULL_SHARD,
-SHARD_GRAD_OP and NO_SHARD, ``mesh["dp_replicate", "dp_shard"]`` (dp_replicate x dp_shard x tp,
-dp_shard = devices per node / tp) for the hybrid strategies, as a real 2-D run is set up
-(docs/tensor-parallel.md). ``parallelize_fn(model, tp_mesh)`` applies the user's TP plan; the
-built-in GPT and Llama bring their own (:func:`default_parallelize_fn`).
+A degree ``tp`` splits the world into ``dp = world / tp`` groups of ``tp`` consecutive ranks,
+inside a node (its collectives run every layer, priced on the intra-node link). FSDP shards over
+``mesh["dp"]`` (dp x tp), or for hybrid strategies ``mesh["dp_replicate", "dp_shard"]``
+(dp_replicate x dp_shard x tp), as a real 2-D run is set up (docs/tensor-parallel.md).
+``parallelize_fn(model, tp_mesh)`` applies the TP plan (built in for GPT and Llama).
 """
 
 from __future__ import annotations
@@ -42,12 +38,9 @@ def default_parallelize_fn(model: nn.Module) -> Callable[[nn.Module, Any], nn.Mo
 
 def model_heads(model: nn.Module) -> dict[str, int]:
     """The model's attention head counts by attribute name (``n_heads``, ``n_kv_heads``, ...), from
-    its ``cfg``/``config`` or any submodule that carries them; empty when none is found."""
+    its ``cfg``/``config`` or any submodule that carries them."""
     heads: dict[str, int] = {}
-    holders: list[Any] = [getattr(model, "cfg", None), getattr(model, "config", None), *model.modules()]
-    for holder in holders:
-        if holder is None:
-            continue
+    for holder in (getattr(model, "cfg", None), getattr(model, "config", None), *model.modules()):
         for name in HEAD_ATTRIBUTES:
             value = getattr(holder, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0 and name not in heads:
@@ -57,8 +50,8 @@ def model_heads(model: nn.Module) -> dict[str, int]:
 
 def check_tp_degrees(degrees: Sequence[int], model: nn.Module, world: int, devices_per_node: int,
                      parallelize_fn: Callable | None) -> tuple[tuple[int, ...], Callable | None]:
-    """The TP degrees to plan and the function applying the TP plan; a :class:`PlanError` naming
-    the degree and why for one that cannot run (see the module docstring)."""
+    """The TP degrees to plan and the function applying the TP plan; :class:`PlanError` naming a
+    degree that cannot run, and why."""
     out: list[int] = []
     for tp in degrees:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -131,9 +124,8 @@ class TPMeshes:
 
 def tp_model_states(model: nn.Module, candidates: Sequence[Any], meshes: TPMeshes,
                     optimizer: str) -> dict[tuple[ShardingStrategy, int], dict[str, float]]:
-    """Model states per device of each (strategy, TP degree) among ``candidates``: TP parameters
-    at their TP-local size over dp (:func:`~fsdp_compile.planning.states.model_state_bytes`), read
-    off a fake copy with the TP plan applied (in the current fake world)."""
+    """Model states per device of each (strategy, TP degree) among ``candidates``, read off a fake
+    copy with the TP plan applied (:func:`.states.model_state_bytes`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .states import model_state_bytes

@@ -1,18 +1,11 @@
 """Trace every candidate's graphs with the backend's own pipeline, sharing what is the same.
 
-A candidate is a strategy with a bucket policy and a prefetch depth. Candidates that shard
-over groups of the same size see the same shard shapes, so Dynamo and AOTAutograd produce the
-same joint graph for all of them except for the markers' arguments (their groups, the reshard
-flag, the bucket unit): one trace per such *layout* (FULL_SHARD and SHARD_GRAD_OP share one,
-the two hybrid strategies another, NO_SHARD its own), and each further candidate replays the
-joint graph with its own markers through the backend's partitioner and passes
-(``Compiler.replay``). Replaying gives exactly the graphs a trace of that candidate gives
-(tests/test_planning_plan.py checks it); it only skips repeating the capture. Candidates with
-the same reshard policy also share the partitioned graphs.
-
-The backend that shards and traces a candidate sits above the planner, which never imports it:
-the package names it when it is imported (``compilation/tracing.py``'s ``trace_with``), and the
-planner reaches its compiler through the compiler's tracing door only (``Compiler.trace``, ``Compiler.replay``).
+Candidates that shard over groups of the same size (a *layout*: FULL_SHARD with SHARD_GRAD_OP,
+the two hybrids, NO_SHARD) get the same joint graph but for the markers' arguments: one is
+traced, the others replay its joint graph with their own markers (``Compiler.replay``; exactly
+the graphs a trace gives, tests/test_planning_plan.py), and those with the same reshard policy
+share the partitioned graphs. The backend sits above the planner, which reaches it only through
+``compilation/tracing.py``'s ``make_backend`` and the compiler's tracing door.
 """
 
 from __future__ import annotations
@@ -44,14 +37,11 @@ class Candidate:
     bucket: BucketPolicy = "module"
     prefetch: int = 1
     tp: int = 1  # the tensor-parallel degree (1: no TP); FSDP shards over dp = world / tp
-    # Units that reshard after forward to other than the strategy's, as reshard_after_forward=
-    # gives them (unit name, False or n): the mix a memory budget chose
-    # (planning/budget.py); empty: the strategy's own.
+    # A memory budget's mix (:mod:`.budget`), as reshard_after_forward= takes it; empty: the strategy's
     reshard: tuple[tuple[str, bool | int], ...] = ()
 
     def layout(self, devices_per_node: int, world: int) -> tuple[int, int]:
-        """The TP degree and the ranks a (TP-local) parameter is sharded over: the shard shapes
-        every trace of it sees."""
+        """The TP degree and the ranks a parameter is sharded over: the shard shapes its traces see."""
         if self.strategy is ShardingStrategy.NO_SHARD:
             return self.tp, 1
         return self.tp, (devices_per_node if self.strategy.is_hybrid else world) // self.tp
@@ -78,7 +68,7 @@ def candidate_label(strategy: str, tp: int, bucket: str, prefetch: int,
 
 def describe_reshard(reshard: dict[str, bool | int]) -> str:
     """A budget's mix in a row's name: how many units keep their gathered parameters, how many a
-    shard over n ranks (``reshard_after_forward=`` values by unit: False, or n)."""
+    shard over n ranks."""
     kept = sum(1 for value in reshard.values() if value is False)
     over = sorted({value for value in reshard.values() if value is not False and value is not True})
     parts = [f"{kept} kept"] if kept else []
@@ -115,10 +105,7 @@ def default_loss(output: Any) -> torch.Tensor:
               if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
         raise ValueError("the model's output has no floating-point tensor to build a loss from; pass loss_fn=")
-    total = leaves[0].float().sum()
-    for t in leaves[1:]:
-        total = total + t.float().sum()
-    return total
+    return sum((t.float().sum() for t in leaves[1:]), leaves[0].float().sum())
 
 
 def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, devices_per_node: int,
@@ -136,13 +123,9 @@ def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, 
 
 
 def tag_buffer_inputs(record: CompiledGraph) -> None:
-    """Mark the forward graph's inputs that are module buffers (role ``buffer``).
-
-    AOTAutograd keeps the order of the Dynamo graph's inputs; the forward graph's tensor
-    inputs that are not parameter shards are, in order, the Dynamo graph's plain tensor
-    inputs (user inputs and buffers). Matched by position with a shape check; left alone
-    when they do not line up.
-    """
+    """Mark the forward graph's inputs that are module buffers (role ``buffer``): its tensor inputs
+    other than shards are, in order, the Dynamo graph's plain tensor inputs (matched by position
+    and shape; left alone where they do not line up)."""
     if record.forward is None:
         return
     dynamo = []
@@ -178,11 +161,8 @@ def trace_candidates(
     progress: Callable[[str], None] | None = None,
     tp_meshes: TPMeshes | None = None,
 ) -> dict[Candidate, Traced]:
-    """Trace ``candidates`` in the current (fake) world; see the module docstring.
-
-    ``symbolic_dims`` ({input index: {dim: "batch" | "seq"}}) traces those sizes as symbols.
-    ``tp_meshes``: the meshes and TP plan of candidates with a TP degree above 1.
-    """
+    """Trace ``candidates`` in the current (fake) world. ``symbolic_dims`` ({input index: {dim:
+    "batch" | "seq"}}) traces those sizes as symbols; ``tp_meshes``: for TP degrees above 1."""
     loss_fn = loss_fn or default_loss
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     inputs = fake_inputs(mode, tuple(example_inputs))

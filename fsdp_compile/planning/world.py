@@ -1,22 +1,16 @@
-"""A world that exists only in this process: a fake process group and fake tensors.
+"""A world that exists only in this process: torch's fake process group (every group, rank and
+size asked for, no communication) and fake tensors (shapes and dtypes, no storage).
 
-The planner traces the real pipeline for a world of any size in one process. torch's fake
-process group (``torch.testing._internal.distributed.fake_pg``) gives ``shard()`` and the
-passes every group, rank and size they ask for and never communicates; fake tensors
-(``FakeTensorMode``) give every parameter, buffer and input its shape and dtype without
-storage. Nothing here allocates the model.
-
-Why CPU fake tensors, not the meta device: under AOTAutograd, some composite ops have a
-Python meta kernel that bypasses their autograd formula on the meta device (checked on torch
-2.13: ``cross_entropy`` on meta tensors traces a backward graph with zero gradients), while
-CPU fake tensors dispatch as a real CPU run would.
+CPU fake tensors, not the meta device: under AOTAutograd some composite ops have a Python meta
+kernel that bypasses their autograd formula on meta (torch 2.13: ``cross_entropy`` on meta
+traces a backward with zero gradients).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,11 +27,9 @@ class RealProcessGroupError(RuntimeError):
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
-    """A fake default process group of ``world_size`` ranks (this process is rank 0).
-
-    Reuses a fake default group of the same size; any other default group is left alone
-    (the planner then runs in a subprocess, see :mod:`fsdp_compile.planning.child_process`).
-    """
+    """A fake default process group of ``world_size`` ranks (this process is rank 0); reuses a
+    fake one of that size, and leaves any other alone (then the planner runs in a subprocess,
+    :mod:`.child_process`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -61,22 +53,20 @@ def fake_like(mode: FakeTensorMode, value: torch.Tensor) -> torch.Tensor:
     return fake
 
 
-def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake tensors; the original is untouched.
-
-    Works for a model on any device (meta included) and copies no data: every parameter and
-    buffer goes into ``deepcopy``'s memo as its fake stand-in, so only the module objects are
-    copied. Shared parameters stay shared.
-    """
+def copy_with(model: nn.Module, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A copy of ``model`` (on any device, meta included) whose parameters and buffers are their
+    ``stand_in``s; no data is copied (they go into ``deepcopy``'s memo), shared ones stay shared."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in memo:
-            continue
-        fake = like_float8_weight(tensor, fake_like(mode, plain_tensor(tensor)))
-        if isinstance(tensor, nn.Parameter):
-            fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
-        memo[id(tensor)] = fake
+        if id(tensor) not in memo:
+            new = stand_in(tensor)
+            memo[id(tensor)] = nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
     return copy.deepcopy(model, memo)
+
+
+def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors."""
+    return copy_with(model, lambda tensor: like_float8_weight(tensor, fake_like(mode, plain_tensor(tensor))))
 
 
 def fake_inputs(mode: FakeTensorMode, inputs: Any) -> Any:
