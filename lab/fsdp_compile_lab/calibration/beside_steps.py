@@ -65,14 +65,10 @@ class BesideSteps:
     are those of the machine while the job's steps ran, not while the calibration did; with
     ``reference`` (the model's own step), ``compute_scale`` too.
 
-    The calibration times each workload within a fraction of a second, once per job: on a shared
-    machine the fits it gives move between jobs a few minutes apart while the jobs' steps do not
-    (the figures: :mod:`fsdp_compile_lab.calibration`). Each sample here is one run of each
-    workload on the compute clock, stretched by the rank's share of a core, as the model's own
-    reference beside the steps is, and the fit is drawn through the medians: the step runs the
-    optimizer at the machine's typical speed, not its fastest. No cache is flushed between
-    samples: the training step and the model's reference run in between, each moving more data
-    than the caches hold."""
+    On a shared machine the calibration's fits move between jobs while the steps do not (the
+    figures: :mod:`fsdp_compile_lab.calibration`). Each sample is one run of each workload on the
+    compute clock, stretched by the rank's share of a core, the fit drawn through the medians (no
+    cache is flushed: the step and the reference in between move more than the caches hold)."""
 
     def __init__(self, group: Any, device: torch.device, optimizer: str = "adamw",
                  reference: tuple[list[fx.GraphModule], Callable[[], None]] | None = None) -> None:

@@ -1,8 +1,5 @@
-"""Ranks sharing a machine's cores, as the calibrations see it: the share of a core each rank's
-compute gets, the compute calibrations run in turns where the ranks outnumber the cores, and the
-collectives timed beside a computing thread where they fill them (``HostCPU.compute_in_turns``
-and ``HostCPU.beside_collectives``, the hooks ``Cluster.measure(host=HostCPU)`` calls).
-"""
+"""Ranks sharing a machine's cores, as the calibrations see it (``HostCPU.compute_in_turns`` and
+``HostCPU.beside_collectives``, the hooks ``Cluster.measure(host=HostCPU)`` calls)."""
 
 from __future__ import annotations
 
@@ -32,10 +29,9 @@ def _cores_per_thread() -> float:
 
 
 def _cpu_share(device: torch.device) -> float:
-    """The share of a core each rank's compute gets from its own job: below 1 when this node's
-    ranks (times their intra-op threads) outnumber the cores they may run on, e.g. a 2 x 2
-    hybrid world on 2 cores. The thread's CPU time does not see that sharing; the wall clock
-    of the training step does."""
+    """The share of a core each rank's compute gets from its own job: below 1 where this node's
+    ranks (times their intra-op threads) outnumber its cores. A thread's CPU time does not see
+    that sharing; a step's wall clock does."""
     return 1.0 if device.type != "cpu" else min(1.0, _cores_per_thread())
 
 
@@ -43,12 +39,10 @@ def in_turns(calibrate: Callable[[float], T], group: Any, device: torch.device) 
     """Run a compute calibration ``calibrate(share)`` on every rank of ``group`` and return this
     rank's result.
 
-    Side by side (share 1: the calibration barriers before each timing) when every rank has a
-    core, as ranks compute in training. When this node's ranks outnumber its cores (a 2 x 2
-    hybrid world on 2 cores) they take turns, as many at a time as there are cores: ranks
-    time-slicing one core evict each other's caches within a single short timing, which a
-    training step's long operators do not suffer, so each calibration sees a core of its own
-    and the sharing is modelled once, by stretching compute with :func:`_cpu_share`."""
+    Side by side (share 1: the calibration barriers before each timing) where every rank has a
+    core. Where this node's ranks outnumber its cores they take turns, as many at a time as
+    there are cores: ranks time-slicing a core evict each other's caches within one short timing,
+    which a step's long operators do not suffer; the sharing is modelled once, by the stretch."""
     share = _cpu_share(device)
     if share >= 1.0 or not dist.is_initialized():
         return calibrate(share)

@@ -1,43 +1,18 @@
 """How far a whole graph's measured compute lies from the sum of its nodes' priced costs.
 
-Each operator's calibration (matmul FLOP/s, memory bandwidth, operator overhead) times that
-operator in isolation. A training graph runs them differently: a linear layer's forward is an
-``addmm`` with a bias on a transposed weight, shapes are smaller than the calibration's mix,
-each operator reads what others just evicted, and a graph run as Python pays for its frame and
-its intermediate values. On a 2-core Xeon, two ranks side by side, a one-block GPT's forward
-and backward took 1.1-1.25x the sum of their nodes' priced costs (its addmms ran 15% below
-their priced rate, the memory-bound operators 20-40%).
+Each operator's calibration times it alone; a training graph runs them differently (an ``addmm``
+on a transposed weight, smaller shapes, caches others just evicted, a Python call per operator):
+on a 2-core Xeon a one-block GPT's forward and backward took 1.1-1.25x their priced cost. So the
+calibration runs one such graph for real and prices it with the same cost model:
+``HostCPU.compute_scale`` (:func:`compute_scale`) is measured over priced, a residual the cost
+model applies to every compute node priced by roofline (1 on a GPU, where the CPU runs ahead).
 
-So the calibration runs one such graph for real and prices it with the same cost model
-(:func:`compute_scale`):
-``HostCPU.compute_scale`` is measured over priced, which the cost model applies to every
-compute node it prices by roofline. It is a residual, not a rate: it is the ratio of a typical
-transformer step's graphs, not of any operator alone. On a GPU it is 1: the CPU runs ahead of
-the device, and a thread's clock cannot time the kernels.
-
-Every rank runs the reference at once, also where the ranks outnumber the cores and each
-operator's calibration takes turns with a core to itself: ranks time-slicing a core refill
-each other's caches at every switch, a cost a whole step pays at the same rate per CPU second
-as the reference does. With 4 ranks on 2 cores, the reference took 8% more CPU time all at
-once than two at a time, and timed two at a time it left world-4 steps on plain gloo
-predicted 13-16% short (their main threads spent 151 ms of CPU per FULL_SHARD step against
-132 ms priced); all at once, -12% to -4% (``bench/results/archive/plan_emulated_cross_job.md``).
-
-The machine's speed is not constant: on a shared virtual machine the same reference took 29 ms
-in one round and 37-40 ms in the next, a minute later, and within one ``compare`` job the main
-thread's CPU per step over the compute the calibration priced ranged 1.05-1.23 across three
-strategies (``bench/results/plan_emulated.md`` as run on ecd421c).
-``compare`` therefore times a reference again after every timed step
-(:mod:`.beside_steps`) and predicts each strategy at the speed the machine had while that strategy's steps ran. There
-the reference is the compared model itself, its forward, loss and backward on one rank's batch
-without collectives (:func:`.beside_steps.model_reference_step`):
-a one-block reference priced through each
-job's operator calibration carried that calibration's spread into the whole model's price. In
-``bench/results/plan_emulated.md`` as run on a981643 (world 2), the model's priced compute over
-the one-block reference's time moved from 4.4 to 5.0 between jobs while the reference itself
-took 40-45 ms in each, and the jobs whose steps were predicted 15-22% short were those at the
-low end. Timing the model's own graphs leaves only the cost model's split of that time between
-strategies (sharded optimizer, collectives, the backend's copies) to the plan.
+Every rank runs the reference at once, also where the operators' calibrations take turns: ranks
+time-slicing a core refill each other's caches, which a step pays too. Timed two at a time, it
+left world-4 plain-gloo steps predicted 13-16% short; all at once, -12% to -4%
+(``bench/results/archive/plan_emulated_cross_job.md``). The machine's speed also moves between
+jobs (29 ms, then 37-40 ms a minute later), so ``compare`` times the compared model's own step
+again beside the steps (:mod:`.beside_steps`; ``bench/results/plan_emulated.md``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import torch
 
 from fsdp_compile.passes.graph import COPY_KERNELS as COPY_KERNEL_OPS
 from fsdp_compile.passes.graph import COPY_OUT
+from fsdp_compile.planning.cluster_numbers import _fits_json
 from fsdp_compile.planning.vocabulary import (
     COLLECTIVE_KINDS,
     COPY_KERNELS,
@@ -33,6 +34,8 @@ from fsdp_compile.planning.vocabulary import (
     line_problems,
     number_problems,
 )
+
+from ..calibration.cores import beside_compute, in_turns
 
 if TYPE_CHECKING:
     from torch import fx
@@ -51,11 +54,6 @@ NO_SHARING = (1.0, 1.0)
 # The numbers written as JSON beside a cluster's: (fixed, per unit) lines, and ring fits.
 _LINES = ("copy_kernels", "collective_issue", "collective_cpu")
 _FITS = ("backend_collectives", "backend_inter_collectives")
-
-
-def _fits_json(fits: dict[str, MeasuredCollective]) -> dict[str, dict[str, Any]]:
-    return {k: {"step_latency": v.step_latency, "bandwidth": v.bandwidth, "group_size": v.group_size}
-            for k, v in fits.items()}
 
 
 @dataclass(frozen=True)
@@ -163,21 +161,8 @@ class HostCPU:
         return backend_links(cluster)
 
     # ------------------------------------------------------------------ measuring, and as JSON
-    @staticmethod
-    def compute_in_turns(calibrate: Any, group: Any, device: torch.device) -> Any:
-        """The device's compute calibrations, in turns where ranks outnumber the cores
-        (:func:`..calibration.cores.in_turns`)."""
-        from ..calibration.cores import in_turns
-
-        return in_turns(calibrate, group, device)
-
-    @staticmethod
-    def beside_collectives(device: torch.device) -> Any:
-        """Compute beside the timed collectives where ranks fill the cores
-        (:func:`..calibration.cores.beside_compute`)."""
-        from ..calibration.cores import beside_compute
-
-        return beside_compute(device)
+    compute_in_turns = staticmethod(in_turns)  # the calibrations in turns where ranks outnumber the cores
+    beside_collectives = staticmethod(beside_compute)  # compute beside timed collectives where ranks fill the cores
 
     def beside_steps(self, model: torch.nn.Module, batch: tuple, loss_fn: Any) -> Any:
         """On a CPU, the model's own step and the calibration's optimizer and runtime workloads,
