@@ -29,7 +29,7 @@ from torch import nn
 
 from fsdp_compile.api import parse_policy
 from fsdp_compile.inspection.bucket_advice import oversized_bucket
-from fsdp_compile.passes.bucketing import unit_label
+from fsdp_compile.passes.lowering import unit_label
 from fsdp_compile.sharding.units import repeated_classes, unit_modules, unit_of
 
 WORLD = 2

@@ -10,9 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsdp_compile  # noqa: F401  (registers the markers)
 from fsdp_compile.api import parse_policy
-from fsdp_compile.passes.bucketing import assign_buckets
 from fsdp_compile.passes.graph import COMM_META
-from fsdp_compile.passes.lowering import lower_markers
+from fsdp_compile.passes.lowering import assign_buckets, lower_markers
 from fsdp_compile.runtime.collectives import CommSpec
 from fsdp_compile.runtime.markers import markers
 

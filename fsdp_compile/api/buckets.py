@@ -2,7 +2,7 @@
 
 Which modules a policy makes bucket units of is decided on the model, when it is sharded
 (:mod:`fsdp_compile.sharding.units`); how markers are grouped into buckets on the graph is
-:mod:`fsdp_compile.passes.bucketing`. Both read the :class:`Policy` parsed here.
+:mod:`fsdp_compile.passes.lowering`. Both read the :class:`Policy` parsed here.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ from ..api.options import described
 from ..passes.graph import COMM_META, decode_collective
 from ..runtime.markers import REDUCE_GRAD, UNSHARD_TARGETS, decode
 from ..sharding.groups import world_timeout
-from ..sharding.reshard_policy import describe_reshard_option
-from ..sharding.units import unit_modules, unit_of
+from ..sharding.units import describe_reshard_option, unit_modules, unit_of
 
 if TYPE_CHECKING:
     from ..api import BackendOptions

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch.fx as fx
 
 from ..inspection.memory_estimate import MemoryEstimate
-from ..passes.bucketing import Bucket
+from ..passes.lowering import Bucket
 from ..passes.scheduling import Schedule
 
 PHASES = ("forward", "backward")

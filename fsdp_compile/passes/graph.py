@@ -59,13 +59,9 @@ SAVED_STORAGE_META = "fsdp_saved_storage"
 
 @dataclass(frozen=True)
 class CommTag:
-    """Set on every node a bucket was lowered into (``node.meta["fsdp_comm"]``).
-
-    ``stage`` counts the waits before the node: 0 for the nodes up to and including the first
-    collective (copy-in or chunk-cat, then the collective), 1 from its wait on (for a hybrid
-    reduction: up to and including the all-reduce across replicas), 2 from the all-reduce's
-    wait on. The scheduler moves stages apart so compute runs while collectives are in flight.
-    """
+    """Set on every node a bucket was lowered into (``node.meta["fsdp_comm"]``). ``stage`` counts
+    the waits before the node (0 up to the first collective, 1 from its wait on, 2 from a hybrid
+    all-reduce's wait on): the scheduler moves stages apart to overlap compute."""
 
     group: int  # one per lowered bucket, unique within the graph
     kind: str  # "gather" or "reduce"
@@ -141,11 +137,8 @@ def storage_keys(value: Any) -> set[int]:
 
 
 def decode_collective(node: fx.Node) -> Collective | None:
-    """The collective ``node`` calls, or None if it calls none.
-
-    Argument layouts: ``all_gather_into_tensor(input, group_size, group)``,
-    ``reduce_scatter_tensor(input, op, group_size, group)``, ``all_reduce(input, op, group)``.
-    """
+    """The collective ``node`` calls, or None (``all_gather_into_tensor(input, group_size, group)``,
+    ``reduce_scatter_tensor(input, op, group_size, group)``, ``all_reduce(input, op, group)``)."""
     if not is_collective(node):
         return None
     kind = COLLECTIVES[node.target]
@@ -185,11 +178,8 @@ def tag_parameter_input(node: fx.Node) -> None:
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:
-    """Reorder nodes so each follows its inputs, keeping the existing order where it is valid.
-
-    Splicing a bucket in before its first marker can place a collective ahead of an input
-    computed later; each such node's missing inputs are placed first, in their original order.
-    """
+    """Reorder nodes so each follows its inputs, keeping the order where valid: a spliced bucket
+    can precede an input computed later, whose missing inputs then go first, in order."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     placed: set[fx.Node] = set()
     cursor: fx.Node | None = None

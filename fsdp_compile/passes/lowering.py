@@ -1,18 +1,22 @@
-"""Replace each bucket of markers by the collectives it stands for.
+"""Group markers into buckets, and replace each bucket by the collectives it stands for.
 
-Gathers become copy-in of the shards (cast to the compute dtype), one ``all_gather_into_tensor``
-and its wait, and copy-out; reductions one chunk-concatenated buffer, one reduce-scatter
-(all-reduce for NO_SHARD; then an all-reduce across replicas for hybrid) and shard gradients.
-The replacement is the traced body of :func:`gather_params` / :func:`reduce_grads`, which the
-markers' eager implementations call too: lowering changes how many collectives run, never what
-they compute. Identical buckets are traced once (:class:`TraceCache`), and copies get fresh fake
-values on storages of their own (:func:`stamp_fake_values`), as a fresh trace would: the memory
-estimate and Inductor's re-inplacing tell buffers apart by storage.
+A bucket is one collective instead of one per parameter: a unit's markers, a byte budget's run,
+or one parameter; markers share one only when they communicate alike (the float8 cast aside)
+and read one dtype. A unit read again at the graph's end gets a ``<unit>:tail`` bucket: a
+transformer's root would otherwise gather its head with its embeddings before any compute
+(torchtitan shards ``[norm, output]`` apart for this); a tied head stays in the earlier one.
+
+A bucket's replacement is the traced body of :func:`gather_params` / :func:`reduce_grads`, which
+the markers' eager implementations call too: lowering changes how many collectives run, never
+what they compute. Identical buckets are traced once (:class:`TraceCache`); copies get fresh
+fake values on storages of their own (:func:`stamp_fake_values`), as a fresh trace would: the
+memory estimate and Inductor's re-inplacing tell buffers apart by storage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,11 +26,77 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..api import Policy
-from ..runtime.collectives import chunk_numels, gather_params, reduce_grads
-from ..runtime.markers import markers
-from .bucketing import Bucket, assign_buckets
+from ..runtime.collectives import CommSpec, chunk_numels, gather_params, reduce_grads
+from ..runtime.markers import Marker, markers
 from .context import PassContext
 from .graph import COMM_META, WAIT, CommTag, stable_topological_sort, storage_key, tag_parameter_input
+
+TAIL = ":tail"  # a unit's bucket of the graph's last run of markers
+
+
+def unit_label(bucket_label: str) -> str:
+    """The unit a unit policy's bucket belongs to, by its label (its tail bucket included)."""
+    return bucket_label.removesuffix(TAIL)
+
+
+@dataclass
+class Bucket:
+    """Markers of one kind that become one collective."""
+
+    kind: str  # "unshard" or "reduce_grad"
+    key: str
+    spec: CommSpec
+    markers: list[Marker] = field(default_factory=list)
+
+    @property
+    def fqns(self) -> list[str]:
+        return [m.fqn for m in self.markers]
+
+
+def _dtype(marker: Marker) -> torch.dtype:
+    return marker.input.meta["val"].dtype
+
+
+def _tail_start(markers: list[Marker]) -> int:
+    """Index of the graph's last run of markers if its unit was read earlier, else len(markers)."""
+    start = len(markers)
+    while start > 0 and markers[start - 1].unit == markers[-1].unit:
+        start -= 1
+    earlier = any(m.unit == markers[-1].unit for m in markers[:start])
+    return start if earlier else len(markers)
+
+
+def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
+    """Group markers (of one kind, in graph order) into buckets, ordered by first marker."""
+    tail = _tail_start(markers) if policy.uses_units and markers else len(markers)
+    gathered_before_tail = {m.fqn for m in markers[:tail] if m.kind == "unshard"}
+    buckets: dict[tuple, Bucket] = {}
+    open_bucket: dict[tuple, tuple] = {}  # for the bytes policy: compat key -> current key
+    filled: dict[tuple, int] = {}
+    for i, marker in enumerate(markers):
+        spec = marker.spec.for_reduction() if marker.kind == "reduce_grad" else marker.spec
+        compat = (spec, _dtype(marker))
+        if policy.uses_units:
+            in_tail = i >= tail and marker.fqn not in gathered_before_tail
+            key = (marker.unit, in_tail, *compat)
+            label = (marker.unit or "<root>") + (TAIL if in_tail else "")
+        elif policy.kind == "param":
+            key = (marker.fqn, *compat)
+            label = marker.fqn
+        else:
+            size = marker.full_bytes
+            key = open_bucket.get(compat)
+            if key is None or (filled[key] + size > policy.max_bytes and filled[key] > 0):
+                key = (len(buckets), *compat)
+                open_bucket[compat] = key
+                filled[key] = 0
+            filled[key] += size
+            label = f"bytes[{key[0]}]"
+        if key not in buckets:
+            buckets[key] = Bucket(marker.kind, label, spec)
+        buckets[key].markers.append(marker)
+    return list(buckets.values())
+
 
 try:  # what make_fx stores as a node's value (a detached alias of the traced fake tensor)
     from torch.fx.experimental.proxy_tensor import extract_val as _extract_val
@@ -108,8 +178,7 @@ class _Aliases(Exception):
     """A template value lives on an input's storage: it must be recomputed, not re-created."""
 
 
-def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence[fx.Node],
-                      fake_mode: Any) -> None:
+def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence[fx.Node], fake_mode: Any) -> None:
     """Give the copies of a template's nodes fresh fake values. ``pairs``: (template node, its
     copy) in graph order; ``inputs``: the template's placeholders."""
     converter = getattr(fake_mode, "fake_tensor_converter", None)

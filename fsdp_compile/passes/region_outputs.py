@@ -121,10 +121,10 @@ def _shared_outputs(call: fx.Node) -> dict[fx.Node, list[tuple[int, list[fx.Node
     return {owner: read for owner, read in groups.items() if owner.op == "placeholder" or len(read) > 1}
 
 
-def unalias_region_outputs(gm: fx.GraphModule) -> int:
-    """Rewrite readers of region outputs that share storage (see the module docstring); returns
-    how many readers now read a view of the owner. A call whose shared outputs are views that
-    cannot be made outside its body (sized by the body's own values) is inlined instead."""
+def unalias_region_outputs(gm: fx.GraphModule, ctx: PassContext | None = None) -> int:
+    """Each graph: readers of region outputs that share a storage read views of its owner instead;
+    returns how many. A call whose shared outputs are views sized by the body's own values is
+    inlined instead."""
     graph = gm.graph
     # Values are fake tensors in a compilation; a test may give real ones.
     fake_mode = detect_fake_mode([node_value(n) for n in placeholders(graph)]) or contextlib.nullcontext()
@@ -158,7 +158,3 @@ def unalias_region_outputs(gm: fx.GraphModule) -> int:
         graph.lint()
     return count
 
-
-def unalias_region_outputs_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Each graph: readers of region outputs that share a storage read views of its owner."""
-    return unalias_region_outputs(gm)

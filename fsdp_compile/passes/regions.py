@@ -1,23 +1,18 @@
 """Passes that keep compile regions' collectives in the top-level graph, and inline the region
-calls AOTAutograd would refuse or sum gradients differently for.
-
-A region (:mod:`fsdp_compile.sharding.compile_regions`) is one body every block calls through
-``invoke_subgraph``; collectives inside it would escape bucketing, scheduling and the reshard
-policy, and run once per read through the eager runtime.
+calls AOTAutograd would refuse or sum gradients differently for. Collectives inside a region's
+body (:mod:`fsdp_compile.sharding.compile_regions`) would escape bucketing, scheduling and the
+reshard policy.
 
 * ``hoist_region_markers``: each ``unshard`` marker a body applies to an input becomes a body
   input taking the full parameter, gathered at each call site with its own parameter's marker.
 * ``inline_mutating_regions``: a body that writes an input while training is refused by every
-  higher-order operator's autograd kernel (``HigherOrderOperator.py_autograd_impl``, from
-  ``invoke_subgraph.gen_schema``); the same test, made before AOTAutograd, inlines those calls.
-* ``inline_reordering_regions``: an input read twice inside the body and also elsewhere (a
-  decoder's cross-attention over the encoder's output) gets its gradient summed in another order
-  than eagerly; compiled runs promise the eager runtime's bits, so such calls are inlined.
-* ``route_region_inputs`` (joint graph): a body's partition saves gathered parameters as outputs
-  of its forward call, which the top-level partitioner could only save (FULL_SHARD would hold
-  every gathered block until backward). A backward call's input that is a forward call's input
-  passed through (or a view of one) is taken from that input instead: the gather's output, which
-  the reshard policy can recompute.
+  higher-order operator's autograd kernel (``HigherOrderOperator.py_autograd_impl``); the same
+  test (``invoke_subgraph.gen_schema``), made before AOTAutograd, inlines those calls.
+* ``inline_reordering_regions``: an input read twice inside the body and also elsewhere gets its
+  gradient summed in another order than eagerly, so such calls are inlined (the eager bits).
+* ``route_region_inputs`` (joint graph): a backward call's input that is a forward call's input
+  passed through (or a view of one, as a body's partition saves gathered parameters) is taken
+  from that input, the gather's output, which the reshard policy can then recompute.
 """
 
 from __future__ import annotations
@@ -264,8 +259,9 @@ def _written_input(call: fx.Node) -> str | None:
     return operand.name if isinstance(operand, fx.Node) else f"operand {written[0]}"
 
 
-def inline_mutating_regions(gm: fx.GraphModule) -> list[InlinedRegion]:
-    """Inline every call of a body that writes an input while training; returns one entry per body."""
+def inline_mutating_regions(gm: fx.GraphModule, ctx: PassContext | None = None) -> list[InlinedRegion]:
+    """Captured graph: calls of bodies that write an input while training are inlined; returns one
+    entry per body."""
     checked: dict[str, str | None] = {}
     found: list[InlinedRegion] = []
     for call in [n for n in gm.graph.nodes if is_region_call(n)]:
@@ -315,8 +311,7 @@ def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[f
     return index, views
 
 
-def parameter_computation(body: fx.GraphModule, output_index: int,
-                          gathered: Collection[int]) -> list[fx.Node] | None:
+def parameter_computation(body: fx.GraphModule, output_index: int, gathered: Collection[int]) -> list[fx.Node] | None:
     """The body's nodes computing output ``output_index`` from the inputs at ``gathered`` alone;
     None when it reads anything else or is an input."""
     values = output_values(body.graph)
@@ -408,11 +403,6 @@ def route_region_inputs(graph: fx.Graph) -> int:
 def hoist_region_markers_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Captured graph: region bodies' gathers move to their call sites, to be bucketed there."""
     return hoist_region_markers(gm, ctx.params or {})
-
-
-def inline_mutating_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> list[InlinedRegion]:
-    """Captured graph: calls of bodies that write an input while training are inlined."""
-    return inline_mutating_regions(gm)
 
 
 def inline_reordering_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> int:

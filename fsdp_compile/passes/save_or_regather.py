@@ -1,7 +1,7 @@
 """Joint-graph passes that turn each unit's reshard policy into partitioner decisions.
 
 By default AOTAutograd's partitioner saves the full parameter a gather produced. Per the spec
-of each marker (``reshard_after_forward=``, sharding/reshard_policy.py): a unit that reshards to
+of each marker (``reshard_after_forward=``, sharding/units.py): a unit that reshards to
 the shard has its gather and everything computed from gathered parameters alone (a float8
 weight's cast included: tagging only views let the partitioner save a float8 copy of every
 weight) tagged must-recompute; a unit that keeps it is tagged must-save; a unit resharding to
@@ -47,10 +47,8 @@ def elide_trivial_unshard(graph: fx.Graph) -> int:
 
 
 def tag_reshard_policy(graph: fx.Graph) -> int:
-    """Tag each gather with its unit's policy; returns how many gathers reshard. Must-save is
-    stated rather than left to the min-cut partitioner's cost model, which keeps custom ops only
-    because they are not on its recompute allowlist (re-running a gather would silently double
-    backward communication)."""
+    """Tag each gather with its unit's policy; returns how many reshard. Must-save is stated, not
+    left to the partitioner's cost model (re-running a gather would double backward's traffic)."""
     count = 0
     backward = backward_nodes(graph)
     dropped: list[fx.Node] = []
@@ -124,8 +122,7 @@ def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) 
     def redo(node: fx.Node) -> fx.Node:
         if node not in redone:
             inputs = [redo(n) for n in node.all_input_nodes if n in in_chain]
-            args, kwargs = fx.map_arg((node.args, dict(node.kwargs)),
-                                      lambda n: redone[n] if n in in_chain else n)
+            args, kwargs = fx.map_arg((node.args, dict(node.kwargs)), lambda n: redone[n] if n in in_chain else n)
             last = inputs[0] if len(inputs) == 1 else max(inputs, key=_position(graph))
             with graph.inserting_after(last):
                 copy = graph.call_function(node.target, args, kwargs)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ..api import ConfigError, check_inflight_budget, check_prefetch
-from .bucketing import unit_label
 from .context import PassContext
 from .graph import COLLECTIVE_OPS, COMM_META, PURE_VIEWS, CommTag, calls, collective_bytes, stable_topological_sort
+from .lowering import unit_label
 
 
 @dataclass(frozen=True)
@@ -207,8 +207,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         for positions, size in group.spans():
             inflight.add(positions.start, positions.stop, sign * size)
 
-    gathers = sorted((g for g in groups.values() if g.tag.kind == "gather" and not g.pinned),
-                     key=lambda g: g.first_use)
+    gathers = sorted((g for g in groups.values() if g.tag.kind == "gather" and not g.pinned), key=lambda g: g.first_use)
     # Explicit orders name units; a unit read at both ends has a tail bucket too (bucketing):
     # it starts being used with its first bucket, and a prefetch of it gathers every bucket.
     first_of_unit: dict[str, _Group] = {}
@@ -246,8 +245,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     # so a reduction goes out after the gathers issued before the next gather's wait.
     gather_issues = sorted(g.at[0] for g in gathers)
     gather_waits = sorted(g.at[-1] for g in gathers)
-    reductions = sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned),
-                        key=lambda g: g.ready)
+    reductions = sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned), key=lambda g: g.ready)
     # Where the link has surely carried a collective issued at p: the next gather's wait or reduction.
     milestones = sorted({*gather_waits, *(g.ready for g in reductions)})
     placed: list[_Group] = []

@@ -23,10 +23,10 @@ from ..errors import ConfigError
 from .context import STAGES, GraphPass, PassContext
 from .inflight import check_inflight_buffers_pass
 from .lowering import lower_markers_pass
-from .region_outputs import unalias_region_outputs_pass
+from .region_outputs import unalias_region_outputs
 from .regions import (
     hoist_region_markers_pass,
-    inline_mutating_regions_pass,
+    inline_mutating_regions,
     inline_reordering_regions_pass,
     route_region_inputs_pass,
 )
@@ -38,14 +38,14 @@ Pass = tuple[str, Callable[[fx.GraphModule], Any]]
 
 PIPELINE: tuple[GraphPass, ...] = (
     GraphPass("hoist_region_markers", hoist_region_markers_pass, "captured"),
-    GraphPass("inline_mutating_regions", inline_mutating_regions_pass, "captured"),
+    GraphPass("inline_mutating_regions", inline_mutating_regions, "captured"),
     GraphPass("inline_reordering_regions", inline_reordering_regions_pass, "captured"),
     GraphPass("route_region_inputs", route_region_inputs_pass, "joint"),
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "joint"),
     GraphPass("apply_reshard_choice", apply_reshard_choice_pass, "joint", when=lambda ctx: ctx.reshard is not None),
     GraphPass("tag_reshard_policy", tag_reshard_policy_pass, "joint"),
     GraphPass("order_rng_states", order_rng_states_pass, "partitioned"),
-    GraphPass("unalias_region_outputs", unalias_region_outputs_pass, "graph"),
+    GraphPass("unalias_region_outputs", unalias_region_outputs, "graph"),
     GraphPass("elide_trivial_unshard", elide_trivial_unshard_pass, "graph"),
     GraphPass("lower_markers", lower_markers_pass, "graph"),
     GraphPass("schedule_collectives", schedule_collectives_pass, "graph", when=lambda ctx: ctx.schedule is not None),
@@ -65,11 +65,8 @@ def run_stage(gm: fx.GraphModule, stage: str, ctx: PassContext, *, disabled: Col
               on_graph: Callable[[str, fx.GraphModule], None] | None = None, rollback: bool = True,
               regenerate: bool = True) -> tuple[fx.GraphModule, list[PassResult]]:
     """Run ``stage``'s passes on ``gm`` (then ``user_passes``, which take ``gm`` only).
-
-    ``rollback=False``, for graphs another component holds (the joint graph Inductor's
-    partitioner keeps): a failure leaves the graph as far as it got, not replaced by a copy.
-    ``regenerate=False``: no code regeneration at the end (the partitioner reads graphs only).
-    """
+    ``rollback=False`` (a graph Inductor's partitioner holds): a failure leaves the graph as far
+    as it got. ``regenerate=False``: no code regeneration at the end."""
     # Ours rewrite the graph only (never run or read its code); user passes may run the module.
     passes: list[Pass] = [(p.name, functools.partial(p.fn, ctx=ctx)) for p in stage_passes(stage, ctx, disabled)]
     graph_only = {fn for _, fn in passes}
@@ -110,12 +107,9 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Pass],
                graph_only: Collection[Callable[[fx.GraphModule], Any]] = (), rollback: bool = True,
                results: dict[str, Any] | None = None,
                regenerate: bool = True) -> tuple[fx.GraphModule, list[PassResult]]:
-    """Apply ``passes`` to ``gm``; ``on_graph(step, graph)`` sees it before and after each.
-
-    On a failure ``gm`` gets back a copy of its graph (copying the module would regenerate its
-    code). Passes in ``graph_only`` never run or read ``gm``'s code, so code is regenerated only
-    before a pass that may (a user's) and at the end: each regeneration costs time per node.
-    """
+    """Apply ``passes`` to ``gm``; ``on_graph(step, graph)`` sees it before and after each. On a
+    failure ``gm`` gets back a copy of its graph. Code is regenerated (time per node) only before
+    a pass not in ``graph_only`` (which may run ``gm``) and at the end."""
     backup = copy.deepcopy(gm.graph) if rollback else None
     work = gm
     stale = False

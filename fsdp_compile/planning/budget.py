@@ -36,8 +36,8 @@ import torch.fx as fx
 from ..compilation import CompiledGraph
 from ..errors import ConfigError
 from ..inspection.memory_estimate import input_bytes, storage_lifetimes
-from ..passes.bucketing import unit_label
 from ..passes.graph import COMM_META
+from ..passes.lowering import unit_label
 from ..sharding.backend_state import ShardingState
 from .cluster import Cluster
 from .cost import Group, NodeCost, collective_cost, graph_costs

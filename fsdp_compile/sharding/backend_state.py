@@ -12,9 +12,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .compile_regions import RegionFallback
 from .groups import Topology
-from .reshard_policy import ReshardGroups
 from .sharded_param import LocalShards, ShardedParamInfo
-from .units import ROOT_UNIT
+from .units import ROOT_UNIT, ReshardGroups
 
 if TYPE_CHECKING:
     from .shard import ShardResult
@@ -36,8 +35,7 @@ class ShardingState:
     # One LocalShards per model sharded: the leaves each model's forward reads.
     local_shards: weakref.WeakSet[LocalShards] = field(default_factory=weakref.WeakSet)
     # {"forward" | "backward": {bucket: [buckets to gather when it starts]}}, from the options.
-    explicit_prefetch: dict[str, dict[str, list[str]]] = field(
-        default_factory=lambda: {"forward": {}, "backward": {}})
+    explicit_prefetch: dict[str, dict[str, list[str]]] = field(default_factory=lambda: {"forward": {}, "backward": {}})
     verifier: GraphCheck | None = None  # set by the first shard() with verify=True
     # Buckets over half of a model's parameters under a resharding strategy, by label: what
     # the report marks (see inspection/bucket_advice.py).

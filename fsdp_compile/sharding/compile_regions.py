@@ -2,20 +2,17 @@
 the blocks torch refuses as regions run inline instead.
 
 Dynamo traces one block of a repeated class and stamps the others out of that trace (torch >=
-2.13); the graph holds one body every block calls. So nothing a read in a region does may name
-the block: it is ``unshard(leaf, <name within the unit>, "<region>", ...)`` read from the module
-(:class:`RegionReads`), and :mod:`fsdp_compile.passes.regions` hoists it to the call sites. A
-unit is a region when its class repeats, it holds no tied parameter and gradients are
-synchronized. A block returning one of its inputs (T5's position bias) returns a reference to it
-instead, as ``invoke_subgraph`` refuses aliases.
+2.13). So no read in a region may name the block: it is ``unshard(leaf, <name within the unit>,
+"<region>", ...)`` read from the module (:class:`RegionReads`), which
+:mod:`fsdp_compile.passes.regions` hoists to the call sites. A unit is a region when its class
+repeats, it holds no tied parameter and gradients are synchronized. A block returning one of its
+inputs (T5's position bias) returns a reference to it instead (``invoke_subgraph`` refuses aliases).
 
-The fallback (a model that trains with ``regions=False`` must train with the defaults): where
-Dynamo refuses a block as a region (docs/design.md) the compile raises before the step ran, and
-the root's ``__call__`` (:func:`region_fallback_call`) turns that class's :class:`RegionClass`
-off and calls again, with one warning per class. A compile that fails after part of the step
-ran is not retried (side effects would repeat): the class is off for later calls. An error other
-than torch's refusals (:func:`refused_by_torch`) may be a bug inlining hides: ``strict=True``
-raises it.
+A model that trains with ``regions=False`` must train with the defaults: where Dynamo refuses a
+block as a region (docs/design.md), the root's ``__call__`` (:func:`region_fallback_call`) turns
+that class's :class:`RegionClass` off and calls again, with one warning per class, unless part
+of the step already ran (its side effects would repeat; the class is off for later calls) or,
+under ``strict=True``, the error is not one of torch's refusals (:func:`refused_by_torch`).
 """
 
 from __future__ import annotations

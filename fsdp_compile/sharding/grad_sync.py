@@ -46,8 +46,7 @@ class GradientSync:
             raise TypeError(f"set_requires_gradient_sync() takes a bool, got {type(requires_sync).__name__}")
         self.requires_sync = requires_sync
         if not requires_sync and not self.accumulating:
-            self.accumulators = {fqn: self._accumulator(e) for fqn, e in self._entries.items()
-                                 if e.param.requires_grad}
+            self.accumulators = {fqn: self._accumulator(e) for fqn, e in self._entries.items() if e.param.requires_grad}
             self.accumulating = True
         # Turning sync back on keeps ``accumulating`` until the next backward has reduced.
 

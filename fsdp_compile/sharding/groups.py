@@ -25,12 +25,8 @@ _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class Topology:
-    """Where a strategy's collectives run, as seen from this rank.
-
-    ``shard_group`` gathers parameters and reduce-scatters gradients (``None``: nothing is
-    sharded, NO_SHARD). ``replicate_group`` all-reduces gradients across replicas (``None``:
-    no replicas, FULL_SHARD / SHARD_GRAD_OP).
-    """
+    """Where a strategy's collectives run, as seen from this rank: ``shard_group`` gathers and
+    reduce-scatters (None under NO_SHARD), ``replicate_group`` all-reduces across replicas."""
 
     strategy: ShardingStrategy
     mesh: DeviceMesh
@@ -86,14 +82,10 @@ def end_process_group(*, exit_process: bool = False) -> None:
     """Wait for every rank, then destroy the default process group: how a script ends.
 
     With ``exit_process=True`` the process then exits (status 0, output flushed) without
-    finalizing the interpreter: ``destroy_process_group()`` does not stop a gloo group something
-    still references (DTensor's redistribute cache), and a gloo thread freeing a finished
-    collective after finalization began aborts the process ("terminate called without an active
-    exception", pytorch/pytorch#190489; about one demo run in 25 on a loaded machine).
-
-    Not ``dist.barrier()`` on gloo: its work keeps every collective in flight alive until a gloo
-    thread frees it, after it returned (the late free above, made likelier);
-    ``monitored_barrier()`` synchronizes from the calling thread and holds no earlier work.
+    finalizing: a gloo group something still references (DTensor's redistribute cache) outlives
+    ``destroy_process_group()``, and its thread freeing a collective after finalization began
+    aborts the process (pytorch/pytorch#190489). Not ``dist.barrier()`` on gloo, whose work keeps
+    collectives in flight alive until a gloo thread frees it: ``monitored_barrier()`` holds none.
     """
     if dist.is_initialized():
         try:
@@ -218,17 +210,19 @@ def _hybrid_mesh(device_type: str, mesh: DeviceMesh | None, process_groups: Sequ
         raise ValueError(f"shard_size={shard_size} does not divide the world size {world}: hybrid sharding "
                          "needs equal shard groups; pass a shard_size that divides it")
     layout = torch.arange(world).view(world // shard_size, shard_size)
-    # Every rank must create every group, in the same order (new_group is collective).
-    shard_pg = replicate_pg = None
-    for row in layout.tolist():
-        group = dist.new_group(row, timeout=timeout)
-        if dist.get_rank() in row:
-            shard_pg = group
-    for column in layout.t().tolist():
-        group = dist.new_group(column, timeout=timeout)
-        if dist.get_rank() in column:
-            replicate_pg = group
+    shard_pg, replicate_pg = new_groups(layout.tolist(), timeout), new_groups(layout.t().tolist(), timeout)
     return DeviceMesh.from_group([replicate_pg, shard_pg], device_type, mesh=layout, mesh_dim_names=names)
+
+
+def new_groups(rank_lists: list[list[int]], timeout: Any) -> dist.ProcessGroup | None:
+    """Create a group of each rank list, as every rank must, in the same order (``new_group`` is
+    collective); returns this rank's."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks, timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 def _layout_from_groups(shard_pg: dist.ProcessGroup, replicate_pg: dist.ProcessGroup) -> torch.Tensor:

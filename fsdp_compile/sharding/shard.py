@@ -34,11 +34,10 @@ from .grad_sync import GradientSync
 from .groups import Topology, current_device
 from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
-from .reshard_policy import ReshardGroups, resolve_reshard
 from .sharded_class import ModuleState, set_module_state, sharded_class
 from .sharded_param import LocalShards, ShardedParamInfo, shard_tensor, sharded_parameter
 from .tensor_parallel import tp_local, tp_spec
-from .units import unit_modules, unit_of
+from .units import ReshardGroups, resolve_reshard, unit_modules, unit_of
 
 
 @dataclass(frozen=True)
@@ -63,15 +62,10 @@ class ShardResult:
 def shard_module(model: nn.Module, topology: Topology, options: BackendOptions, init: Init = Init(), *,
                  sync: GradientSync | None = None, region_fallback: RegionFallback | None = None,
                  reshard_groups: ReshardGroups | None = None) -> ShardResult:
-    """Shard every parameter of ``model`` in place as the backend's ``options`` say; returns the
-    info of each, by name.
-
-    Meta-device parameters are materialized unit by unit as ``init`` says (:mod:`.materialize`).
-    Regions need ``sync``; ``region_fallback``: the backend's switches of region classes (a new
-    one by default); ``reshard_groups`` makes the groups ``reshard_after_forward=n`` reshards to.
-    Tensor-parallel DTensor parameters are sharded over ``topology``'s dp mesh, which must be
-    the ``mesh=`` the user gave (:mod:`.tensor_parallel`).
-    """
+    """Shard every parameter of ``model`` in place as ``options`` say; returns each one's info.
+    Meta parameters are materialized as ``init`` says; regions need ``sync``; ``region_fallback``
+    and ``reshard_groups``: the backend's (new ones by default). Tensor-parallel parameters are
+    sharded over ``topology``'s dp mesh, which must be the ``mesh=`` the user gave."""
     policy, mixed_precision, offload = options.bucket_policy, options.mixed_precision, options.offload
     units = unit_modules(model, policy)
     reshard_to = resolve_reshard(options.reshard_after_forward, model, units, topology)

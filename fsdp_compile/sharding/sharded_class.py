@@ -1,22 +1,15 @@
 """The generated subclass of every sharded module: ``module.<name>`` gathers the parameter.
 
 One property per parameter returns ``unshard(leaf, ...)``, a marker Dynamo inlines and the eager
-runtime executes; the root's ``forward`` also sets the per-forward state the reads use, a region
-unit's runs as a region. What a read needs is in the module's state, never the class, which all
-instances with the same class, parameter names and role share.
+runtime executes; the root's ``forward`` sets the per-forward state the reads use, a region
+unit's runs as a region. A read's needs are in the module's :class:`ModuleState`, one instance
+attribute (``module._fsdp_state``): for Dynamo one load and one type guard, with a source below
+the module's so a region's trace of one block replays for the next (FSDP2's map keyed by module
+would not). Never in the class, which instances share.
 
-The state (:class:`ModuleState`) is one instance attribute, ``module._fsdp_state``, because the
-reads are traced: an instance attribute costs Dynamo one load and one type guard, and its source
-lies below the module's, so a region's trace of one block replays for the next (a map keyed by
-module, as FSDP2's, would not). Shared by reference: the model's LocalShards, the backend's
-GradientSync, a region's RegionClass.
-
-A read that runs as Python (the eager runtime, or a frame Dynamo runs as Python after a graph
-break) has no graph to be bucketed in, so it gathers its whole bucket at once
-(:func:`eager_read`): the first read of a bucket in a forward gathers every parameter of it not
-yet read with one all-gather, keeps the others until read (``LocalShards.prefetched``), and
-their gradients are reduced together. A bucket: one unit's parameters that communicate alike; a
-tied parameter has none. The gather and reduction are the compiled path's, so values do not change.
+A read that runs as Python (the eager runtime, or after a graph break) has no graph to bucket
+in, so the first read of a bucket in a forward gathers the bucket's unread parameters with one
+all-gather and keeps them until read (:func:`eager_read`); their gradients reduce together.
 """
 
 from __future__ import annotations

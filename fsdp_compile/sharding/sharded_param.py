@@ -203,20 +203,12 @@ class LocalShards:
     """The leaves that stand for one model's sharded parameters in its forward, and the state of
     that forward. One per model, shared by the states of all its modules.
 
-    Why leaves, not the DTensor parameters: every DTensor a graph reads costs Dynamo a subclass
-    input with spec guards and an unwrapping per parameter, and AOTAutograd a subclass to
-    flatten and a gradient to rebuild (more than twice the compile time of a deep model).
-    Plain tensors also keep checkpointed regions clean (``to_local()`` inside one made
-    AOTAutograd save the DeviceMesh for backward, which it cannot).
-
-    The leaves follow their parameters (``requires_grad``, replaced storage) through
-    :meth:`refresh`, run eagerly before every forward (the root's in the eager runtime, each
-    compiled graph's call otherwise; a graph traced with a stale leaf runs eagerly once).
-
-    Tied parameters (registered under several names) are gathered once per forward, at the
-    root, so autograd sums all uses' gradients before one reduction, as FSDP2 does; a marker per
-    read would reduce each use apart: twice the bytes, and a different rounding. At the root, not
-    on first read: a first read inside a checkpointed region would mutate state outside it.
+    Leaves, not DTensors: a DTensor input costs Dynamo spec guards and an unwrapping, and
+    AOTAutograd a subclass to flatten (over twice a deep model's compile time), and ``to_local()``
+    in a checkpointed region made AOTAutograd save the DeviceMesh. The leaves follow their
+    parameters through :meth:`refresh`, run eagerly before every forward. Tied parameters are
+    gathered once per forward at the root (not on first read, which inside a checkpointed region
+    would mutate outside state), so their gradients are summed before one reduction, as FSDP2's.
     """
 
     def __init__(self, sync: GradientSync | None = None) -> None:

@@ -1,19 +1,28 @@
-"""Bucket units: which module each parameter communicates with, decided when a model is sharded.
+"""Bucket units: which module each parameter communicates with, and what each unit keeps of its
+gathered parameters from forward to backward, decided when a model is sharded.
 
-A unit is a module whose parameters form one bucket. ``bucket=`` (parsed in
-:mod:`fsdp_compile.api.buckets`): ``"module"`` (default), the repeated blocks plus the rest
-(:class:`_BlockFinder`); classes or a callable, each selected module, a parameter going to its
-nearest selected ancestor or the root; an int, no units (a byte budget); ``"param"``, one bucket
-per parameter. Units travel in each marker's ``unit`` argument, so bucketing needs only the graph.
+``bucket=`` (:mod:`fsdp_compile.api.buckets`): ``"module"`` (default) makes the repeated blocks
+units, plus the root for the rest (:class:`_BlockFinder`); classes or a callable make each
+selected module one, a parameter going to its nearest selected ancestor; an int or ``"param"``
+make none. Units travel in each marker's ``unit`` argument, so bucketing needs only the graph.
+
+``reshard_after_forward=`` (as FSDP2's, per unit, or ``{unit name | module | class: value}``):
+``True`` reshards to the shard group, ``False`` keeps the gathered parameters, ``n`` keeps a
+shard over groups of ``n`` consecutive ranks (ZeRO++'s hpZ). Each unit resolves to
+``reshard_to``, the ranks it reshards to; the gradient's reduction is the same in every case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 
+from ..api import ConfigError, ReshardOption
 from ..api.buckets import Policy
+from .groups import Topology, new_groups
 
 ROOT_UNIT = ""
 
@@ -152,3 +161,86 @@ def unit_of(module_name: str, units: set[str]) -> str:
         if candidate in units:
             return candidate
     return ROOT_UNIT
+
+
+def describe_reshard_option(option: ReshardOption, model: nn.Module | None = None) -> str:
+    """The option, spelled alike on every rank (modules by name, classes by qualified name)."""
+    if not isinstance(option, Mapping):
+        return repr(option)
+    names = {m: n for n, m in model.named_modules()} if model is not None else {}
+
+    def key(k: Any) -> str:
+        if isinstance(k, nn.Module):
+            return names.get(k, type(k).__qualname__)
+        return k.__qualname__ if isinstance(k, type) else repr(k)
+    return "{" + ", ".join(f"{key(k)}: {v!r}" for k, v in option.items()) + "}"
+
+
+def resolve_reshard(option: ReshardOption, model: nn.Module, units: Iterable[str],
+                    topology: Topology) -> dict[str, int]:
+    """Each unit's ``reshard_to`` (see the module docstring); bad keys and sizes are named."""
+    shard_size = topology.shard_size
+    default = shard_size if topology.strategy.reshard_after_forward else 1
+    units = sorted(set(units) | {ROOT_UNIT})
+    chosen = dict.fromkeys(units, default)
+    given: dict[str, bool | int] = {}
+    if isinstance(option, Mapping):
+        for key, value in option.items():
+            for unit in _units_of(key, model, units):
+                given[unit] = value
+    elif option is not None:
+        given = dict.fromkeys(units, option)
+    for unit, value in given.items():
+        chosen[unit] = _reshard_to(unit, value, shard_size)
+    return chosen
+
+
+def _units_of(key: Any, model: nn.Module, units: list[str]) -> list[str]:
+    shown = ", ".join(u or "<root>" for u in units)
+    if isinstance(key, str):
+        unit = ROOT_UNIT if key == "<root>" else key
+        if unit not in units:
+            raise ConfigError(f"reshard_after_forward= names {key!r}, which is not a bucket unit of the sharded model; "
+                              f"units are: {shown}")
+        return [unit]
+    if isinstance(key, nn.Module):
+        name = next((n for n, m in model.named_modules() if m is key), None)
+        if name is None or name not in units:
+            what = "not part of the model" if name is None else f"module {name!r}, which is not a bucket unit"
+            raise ConfigError(f"reshard_after_forward= names a {type(key).__name__} that is {what}; units are: {shown}")
+        return [name]
+    matched = [u for u in units if isinstance(model.get_submodule(u), key)]
+    if not matched:
+        raise ConfigError(f"reshard_after_forward= names the class {key.__qualname__}, of which no bucket unit is an "
+                          f"instance; units are: {shown}")
+    return matched
+
+
+def _reshard_to(unit: str, value: bool | int, shard_size: int) -> int:
+    if isinstance(value, bool):
+        return shard_size if value else 1
+    if shard_size % value or value >= shard_size:
+        label = unit or "<root>"
+        raise ConfigError(
+            f"reshard_after_forward={value} for unit {label!r}: a unit reshards to groups of n consecutive ranks "
+            f"of its shard group, so n must divide the shard group's {shard_size} ranks and be smaller than it "
+            f"(True reshards to all {shard_size}); use a divisor of {shard_size} between 2 and {shard_size // 2}")
+    return value
+
+
+class ReshardGroups:
+    """This rank's group of ``n`` consecutive ranks of its shard group, by ``n``; every rank creates
+    every group, in the same order (``new_group`` is collective)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[int, dist.ProcessGroup] = {}
+
+    def groups(self) -> dict[int, dist.ProcessGroup]:
+        """This rank's group of each size made so far."""
+        return dict(self._groups)
+
+    def group(self, topology: Topology, n: int, timeout: Any = None) -> dist.ProcessGroup:
+        if n not in self._groups:
+            rows = topology.mesh.mesh.reshape(-1, topology.shard_size).tolist()
+            self._groups[n] = new_groups([row[i:i + n] for row in rows for i in range(0, len(row), n)], timeout)
+        return self._groups[n]
