@@ -1,14 +1,7 @@
-"""Attention as the target device runs it.
-
-The planner traces on CPU fake tensors, where ``F.scaled_dot_product_attention`` dispatches
-to the CPU's flash kernel. A CUDA run dispatches to FlashAttention (fp16/bf16) or the
-memory-efficient kernel (fp32, or with a mask): same FLOPs, but what each saves for backward
-(and so activation memory) is the CUDA kernel's. This Dynamo-graph pass calls the CUDA
-kernel's op directly, whose fake implementation gives the shapes it returns and saves; it
-is applied only when the cluster's devices are CUDA devices.
-
-Cases the CUDA dispatcher would send to the math fallback (dropout with a mask, unsupported
-head sizes) keep the CPU kernel: the plan says so in the row's notes.
+"""Attention as the target device runs it: the planner traces on CPU fake tensors, where
+``scaled_dot_product_attention`` dispatches to the CPU's flash kernel; a CUDA run's FlashAttention
+or memory-efficient kernel saves other tensors for backward. On a CUDA cluster this Dynamo-graph
+pass calls the CUDA kernel's op, whose fake implementation gives what it returns and saves.
 """
 
 from __future__ import annotations

@@ -46,14 +46,13 @@ from ..network.links import unlimited_links
 from ..runtime.ring import wire_bytes
 from .calibration.allocator import _allocated_peak
 from .calibration.compute import _compute_clock
+from .calibration.compute import _slowest as _slowest_in
 from .measured import Measured
 from .trace import make_backend
 
 
 def _slowest(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return _slowest_in(value, None)
 
 
 class ThreadTimes(NamedTuple):

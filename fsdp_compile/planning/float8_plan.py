@@ -1,12 +1,9 @@
 """``plan(float8=True)``: plan the model as torchao's float8 training would run it.
 
-The model's linear layers are converted with torchao (``convert_to_float8_training``, float8
-all-gather on, the defaults torchtitan uses: dynamic tensorwise scaling, and layers whose
-features are not multiples of 16 or that are the output head left in the compute dtype). The
-traced step then holds what a float8 run computes: on a GPU cluster ``torch._scaled_mm``
-matmuls, priced at the cluster's float8 peak, and the weights' float8 gathers (one byte per
-element plus an amax all-reduce per bucket), priced by their bytes like any collective. On a
-CPU cluster torchao emulates the float8 matmuls in the compute dtype, as the CPU runs them.
+The linears are converted with torchao as torchtitan does (float8 all-gather, dynamic tensorwise
+scaling; the output head and layers whose features are not multiples of 16 left out). The traced
+step holds ``torch._scaled_mm`` matmuls priced at the float8 peak and float8 gathers priced by
+their bytes; on a CPU cluster torchao emulates the matmuls in the compute dtype.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""What one strategy's measured steps are, and the statistics ``compare`` draws from them:
-the median step, the steps without waits for a core, the spread that says whether two
-strategies differ, and, on an emulated network, the communication it exposes with an interval.
-
-Order statistics rather than means and standard deviations: steps of ranks sharing cores have
-heavy tails (a step that waited for a core, a collection, another job), and a median with a
-distribution-free interval needs no assumption about them.
+"""One strategy's measured steps and the statistics ``compare`` draws from them: the median
+step, the spread that says whether two strategies differ, and the communication an emulated
+network exposes with an interval. Order statistics, not means: steps on a shared machine have
+heavy tails, and a median's distribution-free interval assumes nothing about them.
 """
 
 from __future__ import annotations
@@ -30,25 +27,18 @@ class Measured:
     collectives: dict[str, int] = field(default_factory=dict)
     cpu_seconds: float | None = None  # the main thread's CPU time per step (median, slowest rank)
     cpu_wait_fraction: float | None = None  # run-queue wait / wall time per step (median, largest rank)
-    # The main thread's wait for a core per step (median, largest rank): with cpu_seconds, what
-    # of the step was not blocked in waits (the planner's compute and backend CPU, its referee)
-    core_wait_seconds: float | None = None
+    core_wait_seconds: float | None = None  # the main thread's wait for a core per step (median, largest rank)
     load_average: float | None = None  # the machine's 1-minute load average after the steps
     wait_fractions: list[float] = field(default_factory=list)  # per step, the largest rank's
-    # On an emulated network: what the links did in the timed steps alone (warm-up and
-    # compilation, where ranks drift apart by seconds, are left out), as NetworkStats.to_dict().
-    network: dict[str, Any] | None = None
+    network: dict[str, Any] | None = None  # an emulated network's NetworkStats over the timed steps alone
     warmup_steps: int = 2
-    # With ``unlimited_too``: each timed step run again on unlimited links, in the same
-    # processes, right before or after it (each step minus its pair: ``exposed_seconds``).
+    # With ``unlimited_too``: each timed step run again on unlimited links, right before or after it
     unlimited_step_times: list[float] = field(default_factory=list)
     # With ``reference``: its step's median on the compute clock beside the timed steps (slowest rank).
     reference_seconds: float | None = None
-    # With ``outside_graphs``: the optimizer and runtime fits timed beside the steps (slowest
-    # rank), as the Cluster fields they replace: {"optimizer_step": {...}, "runtime_per_tensor": s}.
+    # With ``outside_graphs``: its fits beside the steps, as the Cluster fields they replace
     outside_graphs: dict[str, Any] | None = None
-    # The CPU time of the process's other threads per step (the communication backend's: gloo's
-    # threads; median, largest rank): the referee of the plan's backend_cpu_seconds.
+    # The other threads' (gloo's) CPU time per step (median, largest rank): against backend_cpu_seconds
     others_cpu_seconds: float | None = None
 
     @property
@@ -62,9 +52,8 @@ class Measured:
 
     @property
     def exposed_seconds(self) -> float | None:
-        """The communication the network exposes: the median of the paired differences. The
-        pair's two steps ran back to back, so the machine's drift, which moves both, cancels
-        in each difference (steps of ranks sharing cores vary by tens of milliseconds)."""
+        """The communication the network exposes: the median of the paired differences (the
+        machine's drift, common to a pair's back-to-back steps, cancels in each)."""
         differences = self.exposed_differences
         return statistics.median(differences) if differences else None
 

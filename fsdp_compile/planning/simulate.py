@@ -14,11 +14,10 @@ ints or sympy expressions for graphs traced with symbolic sizes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
 from torch import fx
 
 from ..inspection.memory_estimate import ROLES, role_of, storage_lifetimes
@@ -53,11 +52,6 @@ class Timeline:
 # Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key);
 # a host model (:mod:`.host_model`) adds numbers to an issue and events of its own, which its hook plays.
 Event = tuple
-
-
-def symbolic_events(events: Sequence[Event]) -> bool:
-    """Whether any of ``events``' numbers is an expression (a graph traced with symbolic sizes)."""
-    return any(isinstance(x, sympy.Basic) for event in events for x in event[1:])
 
 
 def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0,

@@ -1,18 +1,11 @@
 """Memory and step time as expressions of the batch or the sequence length, and what fits.
 
-The planner traces the candidate again with one input dimension marked dynamic
-(``torch._dynamo.mark_dynamic``): Dynamo and AOTAutograd carry its size as a sympy symbol
-through every shape, so each storage's bytes, each node's FLOPs and bytes, and so the memory
-live at each node and the simulated step time, are sympy expressions of it. The largest
-size that fits is then solved: every node's live bytes is a polynomial in the size; each
-polynomial's crossing of the budget is a root, and the answer is the floor of the smallest
-root (or the bound Dynamo's guards put on the size, e.g. a model's maximum sequence length).
-
-What is assumed: the partitioner's choices (which it makes from the example's sizes) and the
-schedule do not change with the size; a real run compiles again for a new size and may
-choose differently. The step time expression leaves out what a host model has no closed form
-for (its ``closed_form()``: on a CPU, gloo's share of the cores), so on a CPU whose ranks fill
-the cores it is a little below ``plan()``'s step at the same size.
+The candidate is traced again with one input dimension marked dynamic: its size is a sympy
+symbol through every shape, so live memory and the simulated step are expressions of it. Each
+node's live bytes is a polynomial; the largest size that fits is the floor of the smallest root
+of any crossing the budget (or the bound Dynamo's guards put on the size). Assumed: the
+partitioner's choices and the schedule do not change with the size (a real run compiles again).
+The step leaves out what a host model has no closed form for (its ``closed_form()``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""What a training step spends outside the compiled graphs, per sharded parameter.
-
-The optimizer step over the shards and the runtime's work around each graph call (checking
-every shard's leaf against its parameter, wrapping each reduced gradient into a DTensor
-``.grad``) scale with the number of parameter tensors as much as with their bytes. Each is
-timed as the real thing over DTensor shards, as the backend's parameters are, at two sizes,
-and the line through both points separates the cost per tensor from the rest (for the
-optimizer, from its cost per byte): ``Cluster.optimizer_step`` and
-``Cluster.runtime_per_tensor``.
+"""What a training step spends outside the compiled graphs, per sharded parameter: the optimizer
+step and the runtime's work around each graph call scale with the number of tensors as much as
+with their bytes. Each is timed as the real thing over DTensor shards at two sizes, and the line
+through both separates the cost per tensor (``Cluster.optimizer_step``, ``runtime_per_tensor``).
 """
 
 from __future__ import annotations
@@ -60,11 +55,9 @@ def _optimizer_line(t_many: float, t_few: float) -> tuple[float, float]:
 
 def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: int,
                     share: float = 1.0) -> tuple[float, float]:
-    """(seconds per parameter tensor, seconds per shard byte) of one real ``optimizer`` step
-    over DTensor shards on ``group``, as the backend's sharded parameters are: a line through
-    a step over many small tensors (per-tensor dispatch) and one over few large ones (bytes).
-    Each step is timed with cold caches, as it runs after a backward (a loop of steps runs
-    faster per tensor than the same steps after the caches were refilled)."""
+    """(seconds per tensor, seconds per shard byte) of a real ``optimizer`` step over DTensor
+    shards, through many small tensors and few large ones, each timed with cold caches as it
+    runs after a backward."""
     def step_seconds(count: int, numel: int) -> float:
         step = _optimizer_workload(optimizer, count, numel, group, device)
         _sync_ranks(group, share)
@@ -98,12 +91,9 @@ def _runtime_line(t_few: float, t_many: float) -> float:
 
 
 def _runtime_per_tensor(group: Any, device: torch.device, repeats: int, share: float = 1.0) -> float:
-    """Seconds per sharded parameter per training step spent outside the compiled graphs: each
-    graph call first checks every leaf against its DTensor parameter
-    (:meth:`~fsdp_compile.sharding.sharded_param.LocalShards.refresh`), and backward accumulates each
-    reduced gradient into its leaf, whose hook wraps it into a DTensor ``.grad``. Timed as a
-    real autograd round trip through :class:`LocalShards` at two parameter counts (the slope:
-    per tensor), like the optimizer step, so the graphs' own work is not counted twice."""
+    """Seconds per sharded parameter per step outside the graphs (leaf checks,
+    :meth:`~fsdp_compile.sharding.sharded_param.LocalShards.refresh`, DTensor ``.grad`` wrapping):
+    the slope of a real autograd round trip through :class:`LocalShards` at two counts."""
     def round_trip_seconds(count: int) -> float:
         step = _runtime_workload(count, group, device)
         _sync_ranks(group, share)

@@ -263,9 +263,7 @@ class HostCPU:
     # ------------------------------------------------------------------ the step (:mod:`..simulate`, :mod:`..plan`)
     def timeline(self, events: Sequence[Event]) -> HostTimeline:
         """The hook :func:`..simulate.simulate_events` plays ``events`` with on one rank."""
-        from fsdp_compile.planning.simulate import symbolic_events
-
-        from .timeline import HostTimeline
+        from .timeline import HostTimeline, symbolic_events
 
         # A processor-shared queue has no closed form: expressions are simulated without it.
         queue = tuple(self.backend_share) != NO_SHARING and not symbolic_events(events)

@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import sympy
 
-from fsdp_compile.planning.simulate import Event, graph_events, symbolic_events
+from fsdp_compile.planning.simulate import Event, graph_events
+
+from .timeline import symbolic_events
 
 if TYPE_CHECKING:
     from torch import fx

@@ -25,12 +25,20 @@ queued behind a busy link loses nothing to it).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
+
+import sympy
 
 from fsdp_compile.planning.simulate import Event
 
 # A host event the two streams have no kind for: compute's time a backend's threads take.
 BACKEND_CPU = "backend_cpu"
+
+
+def symbolic_events(events: Sequence[Event]) -> bool:
+    """Whether any of ``events``' numbers is an expression (a graph traced with symbolic sizes)."""
+    return any(isinstance(x, sympy.Basic) for event in events for x in event[1:])
 
 
 class BackendQueue:
