@@ -156,7 +156,7 @@ class ReshardStep:
 
 
 def kept_bytes(gathered_bytes: float, ranks: int, shard_size: int) -> float:
-    """What a unit holds beyond its shard from forward to backward when it reshards to ``ranks``."""
+    """What a unit holds beyond its shard from forward to backward, resharded to ``ranks``."""
     return 0.0 if ranks >= shard_size else gathered_bytes / ranks
 
 
@@ -289,7 +289,7 @@ class MemoryBudget:
         return choice
 
     def check_compiled(self, record: CompiledGraph, state: ShardingState) -> None:
-        """The compiled graphs' own estimate against the budget: the choice's prediction held?"""
+        """Warn where the compiled graphs' own estimate exceeds the budget."""
         choice = state.reshard_choice
         if choice is None or choice.compiled_peak is not None or record.backward is None:
             return
@@ -330,7 +330,7 @@ def optimizer_step_peak(states: Mapping[str, float]) -> float:
 
 
 def compiled_peak(records: Sequence[CompiledGraph], cluster: Any, local_shards: Iterable[Any]) -> float:
-    """The peak the planner counts for graphs compiled with a choice (step 2's sum, on them)."""
+    """The peak the planner counts for graphs compiled with a choice."""
     states = rank_states(local_shards)
     peak = optimizer_step_peak(states)
     for record in records:

@@ -123,8 +123,7 @@ class Cluster:
                 f"Cluster.preset(..., nodes={-(-world_size // self.devices_per_node)})")
 
     def replace(self, **changes: Any) -> Cluster:
-        """A copy with some numbers changed (validated again); the host model's numbers change
-        through :meth:`with_host`."""
+        """A copy with some numbers changed (validated again); the host model's: :meth:`with_host`."""
         unknown = changes.keys() - {f.name for f in dataclasses.fields(self)}
         if unknown:
             misplaced = [name for name in changes if self.host is not None and hasattr(self.host, name)]
@@ -137,8 +136,7 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
     def with_host(self, **changes: Any) -> Cluster:
-        """A copy whose host model has some numbers changed (its ``replace``); a cluster without
-        one gets one with ``replace(host=...)``."""
+        """A copy whose host model has some numbers changed (its ``replace``)."""
         if self.host is None:
             raise ClusterError(f"cluster {self.name!r} has no host model to change {', '.join(sorted(changes))} of: "
                                "give it one with cluster.replace(host=...)")
@@ -156,10 +154,8 @@ class Cluster:
     # ------------------------------------------------------------------ presets
     @classmethod
     def preset(cls, name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
-        """A cluster of ``nodes`` nodes from data-sheet numbers (:mod:`.presets`): ``"h100-sxm"``,
-        ``"h200"``, ``"b200"``, ``"a100-80gb"``, ``"a100-40gb"``, ``"l40s"``, ``"a10g"`` (AWS
-        G5.48xlarge: 8x A10G per node), ``"l4"``, ``"mi300x"``. Each number's source is in
-        ``.sources``."""
+        """A cluster of ``nodes`` nodes from data-sheet numbers (:mod:`.presets`, :meth:`presets`),
+        each number's source in ``.sources``."""
         key = name.strip().lower()
         if key not in PRESETS:
             raise ClusterError(f"unknown cluster preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
@@ -180,13 +176,11 @@ class Cluster:
         with the device's own total memory; a GPU no preset describes is measured instead
         (:meth:`measure`, collective: every rank must call this).
 
-        ``properties``: the device's properties (``name`` and ``total_memory``; default
-        ``torch.cuda.get_device_properties(device)``). ``devices_per_node``: default the preset's,
-        or for a measured GPU ``LOCAL_WORLD_SIZE`` (torchrun's ranks per node).
+        ``properties``: ``name`` and ``total_memory`` (default the device's). ``devices_per_node``:
+        default the preset's, or for a measured GPU ``LOCAL_WORLD_SIZE``.
 
         Raises:
-            ClusterError: no CUDA device and no ``properties``; or an unknown GPU outside a
-                process group (nothing to measure it with): pass ``cluster=Cluster(...)``.
+            ClusterError: no CUDA device and no ``properties``; or an unknown GPU outside a process group.
         """
         if properties is None:
             if not torch.cuda.is_available():

@@ -1,8 +1,5 @@
-"""A measured cluster's numbers as JSON and back.
-
-``compare`` and the benchmarks write the cluster a job measured beside its steps, so that the job
-can be planned again later with the planner as it is then (``bench/replan.py``): a change to the
-cost model is judged on published measurements in minutes, without running them again.
+"""A measured cluster's numbers as JSON and back, so a published job can be planned again with
+the planner as it is later (``bench/replan.py``) without running it again.
 """
 
 from __future__ import annotations
@@ -38,9 +35,7 @@ def _fits_from(numbers: dict[str, Any], key: str) -> dict[str, MeasuredCollectiv
 
 
 def cluster_numbers(cluster: Cluster) -> dict[str, Any]:
-    """Every number of ``cluster``, JSON-ready (:func:`cluster_from_numbers` reads it back). Its
-    host model's numbers (its ``numbers()``) sit beside the cluster's (a cluster without one
-    writes none)."""
+    """Every number of ``cluster`` and of its host model, JSON-ready (:func:`cluster_from_numbers`)."""
     numbers = {**{name: getattr(cluster, name) for name in _SHAPE},
                "peak_flops": {_dtype_name(k): v for k, v in cluster.peak_flops.items()},
                "attention_flops": {_dtype_name(k): v for k, v in cluster.attention_flops.items()},
@@ -58,12 +53,10 @@ def cluster_from_numbers(numbers: dict[str, Any], *, nodes: int | None = None,
                          host: type[HostModel] | None = None) -> Cluster:
     """The :class:`Cluster` that :func:`cluster_numbers` wrote.
 
-    Files written before the cluster's shape was recorded (``compare.json`` before it carried
-    ``nodes``) need ``nodes`` and ``devices_per_node``; their links are each link's measured
-    all-gather fit, as :meth:`Cluster.measure` sets them, their device is a CPU and their memory
-    ``device_memory`` (default 64 GiB, what ``compare`` plans against). ``host``: the host model's
-    class that reads its numbers back (its ``from_numbers``); without it the cluster has none. An
-    argument given overrides the file.
+    Files written before the cluster's shape was recorded need ``nodes`` and ``devices_per_node``;
+    their links are each link's all-gather fit, their device a CPU with ``device_memory`` (default
+    64 GiB, what ``compare`` plans against). ``host``: the host model's class that reads its numbers
+    back (without it, none). An argument given overrides the file.
     """
     def dtypes(values: dict[str, float]) -> dict[torch.dtype, float]:
         return {getattr(torch, name): v for name, v in values.items()}

@@ -82,9 +82,7 @@ class BesideSteps(Protocol):
 
 @runtime_checkable
 class HostModel(Protocol):
-    """What the planner asks of ``Cluster.host``. Each hook's default answer, without a host
-    model, is the GPU's: a view is free, a compute node costs its roofline time, a collective its
-    link's time, a rank's timeline is the simulator's own and no step is played on every rank."""
+    """What the planner asks of ``Cluster.host``; without one, each hook's answer is the GPU's."""
 
     def replace(self, **changes: Any) -> HostModel:
         """A copy with some numbers changed (validated again): ``Cluster.with_host``."""
@@ -104,9 +102,8 @@ class HostModel(Protocol):
 
     def collective(self, cost: NodeCost, kind: str, buffer_bytes: Any, steps: int, measured: bool,
                    device_type: str) -> NodeCost:
-        """``cost`` (a collective of ``steps`` ring steps priced on its link; ``measured``: at a
-        measured fit) with what the host adds in its ``host`` field, whose ``events(issue)`` gives
-        the simulator's events for it."""
+        """``cost`` (``steps`` ring steps on its link; ``measured``: at a measured fit) with what the
+        host adds in its ``host`` field, whose ``events(issue)`` gives the simulator's events."""
         ...
 
     def timeline(self, events: Sequence[Event]) -> HostTimeline:
@@ -142,9 +139,8 @@ class HostModel(Protocol):
 
     @classmethod
     def compute_in_turns(cls, calibrate: Callable[[float], Any], group: Any, device: torch.device) -> Any:
-        """``calibrate(share)``, a compute calibration, run on every rank of ``group`` (side by side,
-        or in turns), with this rank's share of a core to stretch thread-clock timings by; this
-        rank's result."""
+        """This rank's result of ``calibrate(share)`` (a compute calibration, ``share`` the rank's
+        share of a core its thread-clock timings are stretched by), run on every rank of ``group``."""
         ...
 
     @classmethod
@@ -154,6 +150,6 @@ class HostModel(Protocol):
 
     @classmethod
     def calibrate(cls, cluster: Cluster, calibration: HostCalibration) -> HostModel:
-        """The model measured on this machine, collectively on every rank of ``calibration.group``
-        (all ranks return the same), for ``cluster`` (the device's numbers, already measured)."""
+        """The model measured on every rank of ``calibration.group`` (all return the same), for
+        ``cluster`` (the device's numbers)."""
         ...

@@ -109,9 +109,7 @@ class Plan:
     _solved: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_context"] = None  # graphs and fake models stay in the process that traced them
-        return state
+        return {**self.__dict__, "_context": None}  # graphs and fake models stay in the process that traced them
 
     def __str__(self) -> str:
         from .plan_table import render_plan
@@ -129,8 +127,7 @@ class Plan:
         return min(rows, key=rank)
 
     def max_batch(self, strategy: ShardingStrategy | str, *, input_index: int = 0, dim: int = 0) -> int:
-        """The largest batch ``strategy`` fits, solved from memory as an expression of the batch
-        (dim ``dim`` of every input's batch dimension traced symbolically); 0 if none fits."""
+        """The largest batch ``strategy`` fits (dim ``dim`` traced symbolically); 0 if none fits."""
         return self._solve(strategy, "batch", input_index, dim)
 
     def max_seq_len(self, strategy: ShardingStrategy | str, *, input_index: int = 0, dim: int = 1) -> int:

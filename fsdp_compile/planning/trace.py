@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..api import BucketPolicy, MixedPrecision, ShardingStrategy
 from ..compilation import CompiledGraph, Compiler, JointCapture
 from ..compilation.tracing import make_backend
 from ..passes.graph import ROLE_META
-from .attention import use_cuda_attention
 from .tp import TPMeshes
 from .world import fake_inputs, fake_model
 
@@ -145,6 +144,35 @@ def tag_buffer_inputs(record: CompiledGraph) -> None:
     for node, (_, is_buffer) in zip(forward, dynamo):
         if is_buffer:
             node.meta[ROLE_META] = "buffer"
+
+
+# Attention as the target device runs it: traced on CPU fake tensors, ``scaled_dot_product_attention``
+# dispatches to the CPU's flash kernel, while a CUDA run's FlashAttention or memory-efficient kernel
+# saves other tensors for backward; on a CUDA cluster the Dynamo graph calls the CUDA kernel's op.
+_SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+
+
+def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+def use_cuda_attention(gm: fx.GraphModule) -> int:
+    """Route every ``scaled_dot_product_attention`` of a Dynamo graph to the CUDA kernel it
+    would dispatch to; returns how many were routed."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SDPA_TARGETS:
+            node.target = _cuda_sdpa
+            count += 1
+    return count
 
 
 def trace_candidates(
