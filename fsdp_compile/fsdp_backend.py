@@ -296,9 +296,8 @@ def model_device_type(model: nn.Module, init_device: torch.device | None = None,
         raise ValueError(f"the model's parameters are on several device types {sorted(types)}; move the "
                          "model to one device before sharding")
     if types == {"cpu"} and init_device is None and not mesh_given and group_device_type() != "cpu":
-        # Built on the CPU for an accelerator's group (NCCL): sharding moves the parameters
-        # there, as FSDP2's fully_shard moves a module to its mesh's device. A mesh the
-        # user gave says the device itself.
+        # Built on the CPU for an accelerator's group: sharding moves the parameters there, as
+        # FSDP2's fully_shard does (a mesh the user gave says the device itself).
         return group_device_type()
     if types:
         return types.pop()

@@ -13,16 +13,11 @@ import torch.nn as nn
 from .strategy import ShardingStrategy
 
 COMPILERS = ("inductor", "aot_eager", "eager")
-# strict= when the backend is not given it: set, every fallback after an error fsdp_compile does not
-# expect raises (a pass's to the eager runtime, a region retry's; the test suite forces it on: a
-# test cannot pass through one unless it says so).
+# strict= when the backend is not given it (the test suite sets it: no test passes through a fallback unnoticed).
 STRICT_ENV = "FSDP_COMPILE_STRICT"
 
-# Passes a user may switch off by name (backend(disable_passes=...)), as the pipeline names them
-# (passes/stages.py); the partition fix-up that orders saved RNG states is a correctness repair,
-# not an optimization, and always runs, and so do the captured graph's region passes
-# (backend(regions=False) compiles without regions). Declared here, with the option, so that the
-# options need nothing of the passes.
+# Passes disable_passes= may switch off (the repairs and the region passes always run): declared
+# with the option, so that the options need nothing of the passes.
 OPTIONAL_PASSES = ("route_region_inputs", "elide_trivial_unshard", "tag_reshard_policy",
                    "lower_markers", "schedule_collectives")
 

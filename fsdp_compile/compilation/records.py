@@ -26,12 +26,9 @@ class PhaseResult(NamedTuple):
 
 @dataclass
 class CompiledGraph:
-    """The graphs the backend produced for one Dynamo graph, after its passes.
-
-    Each phase (an inference graph is the forward phase) has its graph, buckets, schedule and
-    memory estimate as fields of its own (``forward``, ``forward_buckets``, ...; None or empty
-    when not compiled, or loaded from the cache); :meth:`phase` reads one phase's four at once.
-    """
+    """The graphs the backend produced for one Dynamo graph, after its passes: per phase (inference
+    is the forward phase) its graph, buckets, schedule and memory estimate (``forward``,
+    ``forward_buckets``, ...; empty when not compiled), which :meth:`phase` reads at once."""
 
     index: int
     dynamo: fx.GraphModule
@@ -50,12 +47,10 @@ class CompiledGraph:
     compiler: str = ""
     fallbacks: list[dict[str, str]] = field(default_factory=list)  # passes that failed, per phase
     pass_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> pass -> s
-    # For compile-time accounting (bench/compile_time.py): nodes each phase's passes received,
-    # and seconds spent in the whole of our work per phase (passes, copies, memory estimate).
+    # Compile-time accounting (bench/compile_time.py): nodes each phase's passes received, seconds of our work.
     graph_nodes: dict[str, int] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    # Inductor only (see fsdp_compile.compilation.cache): "hit" (loaded: no passes ran, so no
-    # forward/backward graphs here), "miss" (compiled and stored), or "off: <why>".
+    # Inductor only (compilation/cache.py): "hit" (no passes ran, no graphs here), "miss", or "off: <why>".
     cache: str = ""
     cache_key: str | None = None
     # A graph that only read this parameter, run as Python (see Compiler._python_read).

@@ -8,15 +8,7 @@ from collections import Counter
 
 import torch.fx as fx
 
-from ..passes.graph import (
-    COLLECTIVES,
-    COPY_OUT,
-    VIEW_LIKE,
-    WAIT,
-    Collective,
-    decode_collective,
-    is_compute,
-)
+from ..passes.graph import COLLECTIVES, COPY_OUT, VIEW_LIKE, WAIT, Collective, decode_collective, is_compute
 from ..runtime.markers import REDUCE_GRAD, UNSHARD, UNSHARD_NO_SYNC, UNSHARD_TARGETS
 
 
@@ -46,12 +38,8 @@ def collective_counts(gm: fx.GraphModule | None) -> dict[str, int]:
 
 
 def missed_overlaps(gm: fx.GraphModule) -> list[str]:
-    """Collectives waited right after they are issued although compute could go between.
-
-    The order of compute is the model's; only collectives move. So a wait directly after its
-    collective is a missed overlap when some compute node after it does not need its result
-    and could have run first. Views are not compute: they take no time to overlap with.
-    """
+    """Collectives waited right after they are issued although some later compute node (not a
+    view) does not need the result and could have run between."""
     nodes = list(gm.graph.nodes)
     missed = []
     for i, node in enumerate(nodes):
@@ -91,21 +79,8 @@ def is_gathered(node: fx.Node) -> bool:
 
 
 def saved_gathered_parameters(forward: fx.GraphModule) -> list[str]:
-    """Forward outputs that are (views of) gathered parameters, i.e. kept alive for backward.
-
-    The user-visible outputs of a training graph are activations, so any forward output that
-    traces back to a gather (an ``unshard`` marker or the copy-out of a lowered all-gather) is
-    a full parameter saved for the backward graph.
-    """
+    """Forward outputs that trace back to a gather: full parameters saved for the backward graph."""
     output = next(n for n in forward.graph.nodes if n.op == "output")
-    saved = []
-    for arg in _flatten(output.args):
-        if isinstance(arg, fx.Node) and is_gathered(arg):
-            saved.append(arg.name)
-    return saved
-
-
-def _flatten(args) -> list:
-    out: list = []
-    fx.node.map_aggregate(args, out.append)
-    return out
+    found: list = []
+    fx.node.map_aggregate(output.args, found.append)
+    return [arg.name for arg in found if isinstance(arg, fx.Node) and is_gathered(arg)]

@@ -17,15 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..passes.graph import (
-    COLLECTIVE_OPS,
-    COMM_META,
-    PURE_VIEWS,
-    ROLE_META,
-    SAVED_STORAGE_META,
-    WAIT,
-    collective_bytes,
-)
+from ..passes.graph import COLLECTIVE_OPS, COMM_META, PURE_VIEWS, ROLE_META, SAVED_STORAGE_META, WAIT, collective_bytes
 from ..passes.regions import aliased_input, is_region_call, region_body
 
 ROLES = ("param", "gathered", "grad", "activation", "buffer", "tp_comm")

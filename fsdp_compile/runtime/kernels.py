@@ -126,10 +126,8 @@ def _(gathered, world, padded_numels, dims, ranks):
 
 
 # ----------------------------------------------------------------------------- float8
-# The gather of torchao float8 weights (runtime/collectives.py: _gather_float8): the copy-in
-# casts each shard to float8 with its weight's scale, as torchao's cast does, into a byte
-# buffer (what the all-gather moves); the copy-out turns the gathered bytes back into each
-# weight in the compute dtype, as torchao's Float8TrainingTensor.to_original_precision does.
+# The gather of torchao float8 weights (collectives.py: _gather_float8): cast into a byte buffer
+# and back to the compute dtype, as torchao's cast and to_original_precision do.
 def _to_float8(values: torch.Tensor, scale: torch.Tensor, float8: torch.dtype) -> torch.Tensor:
     # torchao's hp_tensor_and_scale_to_float8: scale in float32, saturate, round to float8.
     largest = torch.finfo(float8).max

@@ -20,11 +20,9 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients in place so their global ``norm_type`` norm is at most ``max_norm``.
 
-    Same contract as ``torch.nn.utils.clip_grad_norm_`` (returns the total norm before
-    clipping, as a plain tensor equal on every rank), computed for sharded gradients: each
-    rank takes the norm of its own shards, and only mesh dimensions a gradient is sharded on
-    are summed across ranks (replicas hold copies and must not be counted twice). One
-    all-reduce per sharded mesh dimension and layout (one in all for a 1-D model).
+    Same contract as ``torch.nn.utils.clip_grad_norm_`` (returns the total norm before clipping,
+    equal on every rank), for sharded gradients: only the mesh dimensions a gradient is sharded
+    on are summed across ranks (replicas must not count twice); one all-reduce per layout.
     """
     if isinstance(parameters, nn.Module):
         parameters = parameters.parameters()
@@ -62,10 +60,8 @@ def clip_grad_norm_(
         raise ValueError("gradients are sharded over meshes that were not sliced from one DeviceMesh "
                          f"({[dims for _, dims in groups]}); clip each model's parameters separately")
     if groups:
-        # One sum per (mesh, sharded dims): under tensor parallelism a parameter can be split on
-        # dp and tp (column- or row-wise), on dp only (a replicated norm weight, or a parameter
-        # outside the TP plan on the dp mesh) or on tp only (NO_SHARD). Each group's shards are
-        # summed over exactly the dims that split it, so no replica is counted twice.
+        # One sum per (mesh, sharded dims): under tensor parallelism a parameter may be split on
+        # dp and tp, dp only or tp only; each is summed over exactly the dims that split it.
         op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
         total_sharded = torch.zeros((), dtype=torch.float32, device=device)
         for (mesh, mesh_dims), members in groups.items():
