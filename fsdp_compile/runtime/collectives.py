@@ -210,12 +210,8 @@ def divide_factors(reduce_dtype: torch.dtype, data_parallel_size: int) -> tuple[
     return float(pre), data_parallel_size / pre
 
 
-def reduce_grads(
-    grads: Sequence[torch.Tensor],
-    local_rows: Sequence[int],
-    grad_dtypes: Sequence[torch.dtype],
-    spec: CommSpec,
-) -> list[torch.Tensor]:
+def reduce_grads(grads: Sequence[torch.Tensor], local_rows: Sequence[int], grad_dtypes: Sequence[torch.dtype],
+                 spec: CommSpec) -> list[torch.Tensor]:
     """Gradients of this rank's shards, averaged over data-parallel ranks: a reduce-scatter (an
     all-reduce if not sharded) in the shard group, then an all-reduce across replicas; each cast
     back to the parameter's dtype (and under CPU offload copied to the host)."""

@@ -71,10 +71,9 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _segment_copy_kernel(
-        table, n_segments, SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr, WIDEN_FROM_BF16: tl.constexpr,
-        ROUND_TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    ):
+    def _segment_copy_kernel(table, n_segments, SRC_DTYPE: tl.constexpr, DST_DTYPE: tl.constexpr,
+                             WIDEN_FROM_BF16: tl.constexpr, ROUND_TO_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             SEARCH_STEPS: tl.constexpr):
         # The table holds one column per field (see segment_copy), n_segments long each.
         pid = tl.program_id(0).to(tl.int64)
         first_block = table + 6 * n_segments

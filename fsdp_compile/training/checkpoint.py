@@ -62,12 +62,8 @@ def _model_and_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | 
     return {"model": model_state, "optim": optim_state}
 
 
-def save_checkpoint(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> None:
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    extra: Mapping[str, Any] | None = None) -> None:
     """Save ``model`` (and ``optimizer``) to the directory ``path``; collective over all ranks.
 
     ``extra`` (plain Python values and tensors: step, data position, RNG state) is saved by

@@ -12,12 +12,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def clip_grad_norm_(
-    parameters: nn.Module | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-) -> torch.Tensor:
+def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale gradients in place so their global ``norm_type`` norm is at most ``max_norm``.
 
     Same contract as ``torch.nn.utils.clip_grad_norm_`` (returns the total norm before clipping,
