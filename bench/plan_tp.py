@@ -167,8 +167,9 @@ def render(results: dict) -> str:
         lines += ["", "A step's time on this shared 2-core machine includes other jobs' time on the cores "
                   "(\"waiting for a core\": the ranks' run-queue wait over the step); quiet steps are those in "
                   "which no rank waited more than 5% beyond what the job's own 4 ranks on 2 cores make it wait "
-                  "(`compare`'s `quiet_step_seconds`; none when fewer than two). The planner's compute and "
-                  "collective numbers come from `Cluster.measure()` taken at the start of the same job."]
+                  "(the lab's `quiet_step_seconds` over `compare`'s per-step waits; none when fewer than two). "
+                  "The planner's compute and collective numbers come from `Cluster.measure()` taken at the start "
+                  "of the same job."]
         lines.append("")
     anchor = results.get("anchor")
     if anchor:
