@@ -39,6 +39,7 @@ from ..inspection.memory_estimate import input_bytes, storage_lifetimes
 from ..passes.graph import COMM_META
 from ..passes.lowering import unit_label
 from ..sharding.backend_state import ShardingState
+from .choice import size
 from .cluster import Cluster
 from .cost import Group, NodeCost, collective_cost, graph_costs
 from .simulate import memory_timeline, simulate_graph
@@ -82,13 +83,6 @@ class ReshardChoice:
                 "compiled_peak": self.compiled_peak,
                 "units": [{"unit": c.unit, "reshard_to": c.reshard_to, "kept_bytes": c.kept_bytes,
                            "saved_seconds": c.saved_seconds} for c in self.units.values()]}
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 # ---------------------------------------------------------------------- the strategy's step
@@ -205,8 +199,8 @@ def choose(step: ReshardStep, budget: float, shard_size: int, candidates: Sequen
     choice.strategy_exposed, strategy_comm = step.exposed({})
     if choice.strategy_peak > budget:
         raise ConfigError(
-            f"memory_budget={_size(budget)} is below what resharding every unit after forward needs for this "
-            f"model and batch: the smallest budget that fits is {_size(math.ceil(choice.strategy_peak))} "
+            f"memory_budget={size(budget)} is below what resharding every unit after forward needs for this "
+            f"model and batch: the smallest budget that fits is {size(math.ceil(choice.strategy_peak))} "
             f"({math.ceil(choice.strategy_peak)} bytes) per rank, as the planner counts the step's peak (the graphs' "
             "live memory, this rank's shards, gradients and AdamW's state)")
     moves = []
