@@ -50,10 +50,8 @@ def order_rng_states_before_opaque(forward: fx.GraphModule, backward: fx.GraphMo
     placeholders = list(backward.graph.find_nodes(op="placeholder"))
     state_inputs = [p for p in placeholders if p.name.startswith("rng_state_output")]
     if len(state_inputs) != len(states):
-        raise RuntimeError(
-            f"found {len(states)} saved RNG states in forward but {len(state_inputs)} in backward; "
-            "cannot reorder them consistently"
-        )
+        raise RuntimeError(f"found {len(states)} saved RNG states in forward but {len(state_inputs)} in backward; "
+                           "cannot reorder them consistently")
     new_inputs = _before_trailing_non_tensors(placeholders, state_inputs)
     output.args = (tuple(new_outputs), *output.args[1:])
     anchor = new_inputs[0]

@@ -298,17 +298,10 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
     stable_topological_sort(graph)
     graph.lint()
 
-    return Schedule(
-        budget=budget,
-        peak_inflight=inflight.peak(),
-        collectives=[
-            ScheduledCollective(
-                kind=g.tag.kind, bucket=g.tag.bucket, bytes=g.sizes[0],
-                issued_before=compute[g.at[0]].name, waited_before=compute[g.at[1]].name,
-                overlapped_nodes=g.at[-1] - g.at[0], prefetch_delayed=g.delayed, pinned=g.pinned)
-            for g in sorted(groups.values(), key=lambda g: tuple(g.at))
-        ],
-    )
+    return Schedule(budget, inflight.peak(), [
+        ScheduledCollective(g.tag.kind, g.tag.bucket, g.sizes[0], compute[g.at[0]].name, compute[g.at[1]].name,
+                            g.at[-1] - g.at[0], prefetch_delayed=g.delayed, pinned=g.pinned)
+        for g in sorted(groups.values(), key=lambda g: tuple(g.at))])
 
 
 def _hoist_and_sink_views(graph: fx.Graph) -> None:

@@ -26,14 +26,18 @@ def _is_torchao(obj: object) -> bool:
     return type(obj).__module__.startswith("torchao.")
 
 
+def _is_float8_weight(tensor: torch.Tensor) -> bool:
+    if not _is_torchao(tensor):
+        return False
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return isinstance(tensor, WeightWithDynamicFloat8CastTensor)
+
+
 def float8_gather(module: nn.Module, name: str, param: torch.Tensor) -> Float8Gather | None:
     """The float8 cast of ``module.<name>``'s all-gather, or None: a weight torchao marked for
     FSDP's float8 all-gather (only with dynamic tensorwise scaling, which the gather reproduces)."""
-    if not (_is_torchao(param) or _is_torchao(module)):
-        return None
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    if name != "weight" or not isinstance(param, WeightWithDynamicFloat8CastTensor):
+    if name != "weight" or not _is_float8_weight(param):
         return None
     config = getattr(module, "config", None)
     return Float8Gather(param._dtype, bool(getattr(config, "round_scales_to_power_of_2", False)))
@@ -41,22 +45,14 @@ def float8_gather(module: nn.Module, name: str, param: torch.Tensor) -> Float8Ga
 
 def plain_tensor(param: torch.Tensor) -> torch.Tensor:
     """The tensor a float8 weight wraps, else ``param`` itself."""
-    if not _is_torchao(param):
-        return param
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    return param._tensor if isinstance(param, WeightWithDynamicFloat8CastTensor) else param
+    return param._tensor if _is_float8_weight(param) else param
 
 
 def like_float8_weight(original: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` wrapped as ``original`` is when that is a torchao float8 weight, else ``tensor``."""
-    if not _is_torchao(original):
+    if not _is_float8_weight(original):
         return tensor
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    if not isinstance(original, WeightWithDynamicFloat8CastTensor):
-        return tensor
-    return WeightWithDynamicFloat8CastTensor(tensor, original._linear_mm_config, original._dtype)
+    return type(original)(tensor, original._linear_mm_config, original._dtype)
 
 
 def require_torchao(what: str) -> None:

@@ -132,15 +132,9 @@ def _require_initialized() -> None:
                            "first (torchrun sets up the environment for it), also for a single process")
 
 
-def resolve_topology(
-    strategy: ShardingStrategy,
-    device_type: str,
-    *,
-    mesh: DeviceMesh | None = None,
-    process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
-    shard_size: int | None = None,
-    timeout: datetime.timedelta | None = None,
-) -> Topology:
+def resolve_topology(strategy: ShardingStrategy, device_type: str, *, mesh: DeviceMesh | None = None,
+                     process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
+                     shard_size: int | None = None, timeout: datetime.timedelta | None = None) -> Topology:
     """Build the layout for ``strategy`` from at most one of ``mesh`` / ``process_groups``
     (options as :meth:`fsdp_compile.api.BackendOptions.validate` accepts them)."""
     _require_initialized()  # the options themselves were checked by BackendOptions.validate
@@ -255,15 +249,10 @@ def _layout_from_groups(shard_pg: dist.ProcessGroup, replicate_pg: dist.ProcessG
                          f"world of {world} ranks (need shard size x replicate size = world size)")
     replicate_of = {rank: tuple(sorted(rg)) for _, rg in everyone for rank in rg}
     columns = [replicate_of[rank] for rank in shard_groups[0]]
-    layout = []
     for group in shard_groups:
-        row = []
         for column in columns:
-            common = set(group) & set(column)
-            if len(common) != 1:
+            if len(common := set(group) & set(column)) != 1:
                 raise ValueError(f"process_groups: shard group {list(group)} and replicate group {list(column)} "
                                  f"share {len(common)} ranks; each replicate group must hold exactly one rank of "
                                  "each shard group")
-            row.append(common.pop())
-        layout.append(row)
-    return torch.tensor(layout)
+    return torch.tensor([[(set(group) & set(column)).pop() for column in columns] for group in shard_groups])

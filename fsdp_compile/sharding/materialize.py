@@ -51,17 +51,8 @@ def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return order
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def materialize(
-    model: nn.Module,
-    units: set[str],
-    device: torch.device,
-    shard: ShardFn,
-    init_fn: InitFn | None = None,
-) -> Materialized:
+def materialize(model: nn.Module, units: set[str], device: torch.device, shard: ShardFn,
+                init_fn: InitFn | None = None) -> Materialized:
     """Initialize ``model``'s meta parameters unit by unit; returns their shards. ``_parameters``
     keep the meta parameters (the caller registers the shards); meta buffers stay whole."""
     order = _post_order(model)
@@ -93,7 +84,7 @@ def materialize(
                          else torch.empty_like(p, device=device))
                 value = nn.Parameter(empty, requires_grad=p.requires_grad)
                 full[id(p)], meta[id(p)], written_at[id(p)] = value, p, value._version
-                held += _bytes(value)
+                held += value.nbytes
                 for owner, owner_name in owners[id(p)]:
                     owner._parameters[owner_name] = value
         own_meta_buffers = [bname for bname, b in module._buffers.items() if b is not None and b.device.type == "meta"]
@@ -108,20 +99,17 @@ def materialize(
         elif own_meta or own_meta_buffers:
             reset = getattr(module, "reset_parameters", None)
             if not callable(reset):
-                raise ValueError(
-                    f"module {name or '<root>'!r} ({type(module).__name__}) has parameters or buffers on the "
-                    "meta device and no reset_parameters(); pass init_fn= to shard() to initialize them"
-                )
+                what = f"module {name or '<root>'!r} ({type(module).__name__})"
+                raise ValueError(f"{what} has parameters or buffers on the meta device and no reset_parameters(); "
+                                 "pass init_fn= to shard() to initialize them")
             reset()
         initialized.add(id(module))
         for key, version in sharded_versions.items():
             if meta[key]._version != version:
                 fqn = _fqn(owners[key][0], names)
-                raise ValueError(
-                    f"initializing module {name or '<root>'!r} wrote parameter {fqn!r}, which was already "
-                    "sharded with its own unit; initialize a module's parameters in its own "
-                    "reset_parameters() (or init_fn), not in an ancestor's"
-                )
+                raise ValueError(f"initializing module {name or '<root>'!r} wrote parameter {fqn!r}, which was already "
+                                 "sharded with its own unit; initialize a module's parameters in its own "
+                                 "reset_parameters() (or init_fn), not in an ancestor's")
 
         if name in units or module is model:
             completed.add(name)
@@ -132,22 +120,18 @@ def materialize(
             for key in ready:
                 value = full.pop(key)
                 if value._version == written_at[key]:
-                    raise ValueError(
-                        f"parameter {_fqn(owners[key][0], names)!r} was materialized from the meta device but "
-                        "neither reset_parameters() nor init_fn wrote it; initialize it there"
-                    )
+                    raise ValueError(f"parameter {_fqn(owners[key][0], names)!r} was materialized from the meta "
+                                     "device but neither reset_parameters() nor init_fn wrote it; initialize it there")
                 with torch.no_grad():
                     sharded[key] = shard(value, meta[key])
-                held -= _bytes(value)
+                held -= value.nbytes
                 for owner, owner_name in owners[key]:
                     owner._parameters[owner_name] = meta[key]
                 sharded_versions[key] = meta[key]._version
     for mod_name, bname, value, version in fresh_buffers:
         if value._version == version:
-            raise ValueError(
-                f"buffer {(mod_name + '.' if mod_name else '') + bname!r} was materialized from the meta "
-                "device but neither reset_parameters() nor init_fn wrote it; initialize it there"
-            )
+            raise ValueError(f"buffer {(mod_name + '.' if mod_name else '') + bname!r} was materialized from the meta "
+                             "device but neither reset_parameters() nor init_fn wrote it; initialize it there")
     return Materialized(sharded, peak)
 
 
