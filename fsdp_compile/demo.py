@@ -48,8 +48,7 @@ def generate_text(sentences: int = 4000, seed: int = 0) -> str:
     rng = random.Random(seed)
     lines = []
     for _ in range(sentences):
-        a = rng.randrange(0, 7)
-        b = rng.randrange(0, 7)
+        a, b = rng.randrange(0, 7), rng.randrange(0, 7)
         if rng.random() < 0.5:
             lines.append(f"{_NUMBERS[a]} plus {_NUMBERS[b]} is {_NUMBERS[a + b]}.")
         else:
@@ -100,18 +99,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "there on start (for torchrun --max-restarts)")
     p.add_argument("--checkpoint-every", type=int, default=5, metavar="K", help="with --checkpoint-dir (default 5)")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be at least 1")
-    if args.grad_accum < 1:
-        p.error("--grad-accum must be at least 1")
-    if args.save_every < 0:
-        p.error("--save-every must be >= 0")
-    if args.save_every and not args.save:
-        p.error("--save-every needs --save DIR")
-    if args.checkpoint_every < 1:
-        p.error("--checkpoint-every must be at least 1")
-    if args.checkpoint_dir and args.resume:
-        p.error("--checkpoint-dir resumes by itself; drop --resume")
+    for wrong, message in ((args.steps < 1, "--steps must be at least 1"),
+                           (args.grad_accum < 1, "--grad-accum must be at least 1"),
+                           (args.save_every < 0, "--save-every must be >= 0"),
+                           (args.save_every and not args.save, "--save-every needs --save DIR"),
+                           (args.checkpoint_every < 1, "--checkpoint-every must be at least 1"),
+                           (args.checkpoint_dir and args.resume, "--checkpoint-dir resumes by itself; drop --resume")):
+        if wrong:
+            p.error(message)
     return args
 
 
@@ -191,8 +186,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
     forward = model if args.no_compile else torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank its own data
-    first_step = 1
-    resume = args.resume
+    first_step, resume = 1, args.resume
     if args.checkpoint_dir:
         newest = newest_checkpoint(args.checkpoint_dir)
         resume = str(newest) if newest is not None else None

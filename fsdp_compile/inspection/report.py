@@ -7,6 +7,7 @@ same from files (``render_report``) and from Python (``FSDPBackend.report()``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,20 +35,12 @@ def _bucket_summary(bucket) -> dict[str, Any]:
 def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    compute_before = []  # compute nodes before each position
-    count = 0
-    for node in nodes:
-        compute_before.append(count)
-        count += is_compute(node)
+    compute_before = list(itertools.accumulate((is_compute(n) for n in nodes[:-1]), initial=0))
     found = []
     waits = {n.args[0]: n for n in nodes if n.target is WAIT}
-    gather_rank = {}
     decoded = {n: c for n in nodes for c in [decode_collective(n)] if c is not None}
-    for node, collective in decoded.items():
-        if collective.kind == "all_gather":
-            gather_rank[node] = len(gather_rank)
-    gather_order = sorted(gather_rank, key=lambda n: index[waits[n]] if n in waits else index[n])
-    use_rank = {n: i for i, n in enumerate(gather_order)}
+    gathers = [n for n, c in decoded.items() if c.kind == "all_gather"]
+    use_rank = {n: i for i, n in enumerate(sorted(gathers, key=lambda n: index[waits.get(n, n)]))}
     for node, collective in decoded.items():
         kind = collective.kind
         tag = node.meta.get(COMM_META)
@@ -57,8 +50,7 @@ def _collectives(gm: fx.GraphModule) -> list[dict[str, Any]]:
         # A collective without our tag is torch's own: tensor parallelism's (DTensor put it in
         # the graph). Shown apart, and not counted against the strategy's theory.
         entry = {"kind": kind, "origin": "fsdp" if tag else "torch", "bucket": tag.bucket if tag else None,
-                 "group": collective.group,
-                 "group_size": collective.group_size,
+                 "group": collective.group, "group_size": collective.group_size,
                  "dtype": str(collective.dtype).replace("torch.", ""), "bytes": int(collective.buffer_bytes),
                  "issued_at": issue_at, "waited_at": wait_at, "issued_before": node.next.name,
                  "overlapped_compute": overlapped}
@@ -154,12 +146,8 @@ def theoretical_bytes(summary: dict[str, Any]) -> dict[str, int]:
 
 def _padded(bucket: dict[str, Any]) -> int:
     world = bucket["shard_size"]
-    total = 0
-    for p in bucket["params"]:
-        rows = p["shape"][0]
-        per_row = p["bytes"] // rows if rows else 0
-        total += padded_rows(rows, world) * world * per_row
-    return total
+    return sum(padded_rows(rows, world) * world * (p["bytes"] // rows if rows else 0)
+               for p in bucket["params"] for rows in [p["shape"][0]])
 
 
 def measured_bytes(summary: dict[str, Any]) -> dict[str, int]:
@@ -177,7 +165,6 @@ def _size(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def render_report(summaries: Iterable[dict[str, Any]], manifest: dict[str, Any] | None = None) -> str:
@@ -337,8 +324,7 @@ def chrome_trace(summaries: Iterable[dict[str, Any]]) -> dict[str, Any]:
                                "tid": f"{phase} collectives", "cat": "collective",
                                "args": {"bytes": c["bytes"], "group": c["group"]}})
             offset += len(t["nodes"]) + 10
-    return {"traceEvents": events, "displayTimeUnit": "ns",
-            "otherData": {"time unit": "one graph node"}}
+    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"time unit": "one graph node"}}
 
 
 ROLE_COLORS = {"param": "tab:blue", "gathered": "tab:orange", "grad": "tab:green", "activation": "tab:red",

@@ -57,6 +57,15 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
+def _pass_through(inner: str, name: str) -> Callable:
+    """A method that calls the same method of the object in attribute ``inner``."""
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(self, inner), name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 class EmulatedWork(dist.Work):
     """A collective in flight on an emulated link: complete once gloo finished it and the modeled
     end has come. Times are ``time.monotonic()`` seconds; ``gloo_done_at`` is None in flight. A
@@ -95,20 +104,11 @@ class EmulatedWork(dist.Work):
     def is_completed(self) -> bool:
         return self._inner.is_completed() and time.monotonic() >= self.modeled_end
 
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def result(self) -> list[torch.Tensor]:
-        return self._inner.result()
-
-    def source_rank(self) -> int:
-        return self._inner.source_rank()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
+    is_success = _pass_through("_inner", "is_success")
+    exception = _pass_through("_inner", "exception")
+    result = _pass_through("_inner", "result")
+    source_rank = _pass_through("_inner", "source_rank")
+    synchronize = _pass_through("_inner", "synchronize")
 
     def block_current_stream(self) -> None:
         self.wait()
@@ -250,11 +250,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         backend = self._gloo._get_backend(torch.device("cpu"))
         backend.monitored_barrier(self.timeout if timeout is None else timeout, wait_all_ranks)
 
-    def shutdown(self) -> None:
-        self._gloo.shutdown()
-
-    def abort(self) -> None:
-        self._gloo.abort()
+    shutdown = _pass_through("_gloo", "shutdown")
+    abort = _pass_through("_gloo", "abort")
 
     def __repr__(self) -> str:
         return f"EmulatedProcessGroup({self._name!r}, ranks {self.global_ranks}, {self.link} link)"

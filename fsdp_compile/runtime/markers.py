@@ -35,11 +35,6 @@ def unshard(shard: torch.Tensor, fqn: str, unit: str, full_rows: int, *spec_args
     return _gather_one(shard, fqn, full_rows, CommSpec.from_op_args(*spec_args))
 
 
-@unshard.register_fake
-def _unshard_fake(shard, fqn, unit, full_rows, *spec_args):
-    return _gathered_fake(shard, full_rows, CommSpec.from_op_args(*spec_args))
-
-
 def _gather_one(shard: torch.Tensor, fqn: str, full_rows: int, spec: CommSpec) -> torch.Tensor:
     try:
         return gather_params([shard], [_full_shape(shard, full_rows, spec)], spec)[0]
@@ -48,6 +43,7 @@ def _gather_one(shard: torch.Tensor, fqn: str, full_rows: int, spec: CommSpec) -
 
 
 def _gathered_fake(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> torch.Tensor:
+    """The meta value of a gathered parameter (every gathering marker's fake)."""
     return torch.empty(_full_shape(shard, full_rows, spec), dtype=spec.compute_dtype(shard.dtype),
                        device=spec.compute_device or shard.device)
 
@@ -100,11 +96,6 @@ def unshard_no_sync(shard: torch.Tensor, accumulator: torch.Tensor, fqn: str, un
     return _gather_one(shard, fqn, full_rows, CommSpec.from_op_args(*spec_args))
 
 
-@unshard_no_sync.register_fake
-def _unshard_no_sync_fake(shard, accumulator, fqn, unit, full_rows, *spec_args):
-    return _gathered_fake(shard, full_rows, CommSpec.from_op_args(*spec_args))
-
-
 def _unshard_no_sync_setup_context(ctx, inputs, output) -> None:
     ctx.accumulator_dtype = inputs[1].dtype
     ctx.num_args = len(inputs)
@@ -115,6 +106,10 @@ def _unshard_no_sync_backward(ctx, grad: torch.Tensor):
 
 
 unshard_no_sync.register_autograd(_unshard_no_sync_backward, setup_context=_unshard_no_sync_setup_context)
+unshard.register_fake(lambda shard, fqn, unit, rows, *spec: _gathered_fake(shard, rows, CommSpec.from_op_args(*spec)))
+unshard_no_sync.register_fake(lambda shard, accumulator, fqn, unit, rows, *spec:
+                              _gathered_fake(shard, rows, CommSpec.from_op_args(*spec)))
+
 
 @_marker("reshard", "Tensor full, str fqn, str unit")
 def reshard(full: torch.Tensor, fqn: str, unit: str, *spec_args) -> torch.Tensor:
@@ -153,8 +148,7 @@ def unshard_bucket(shards: list[torch.Tensor], fqns: list[str], full_rows: list[
 
 @unshard_bucket.register_fake
 def _unshard_bucket_fake(shards, fqns, full_rows, *spec_args):
-    spec = CommSpec.from_op_args(*spec_args)
-    return [_gathered_fake(s, r, spec) for s, r in zip(shards, full_rows)]
+    return [_gathered_fake(s, r, CommSpec.from_op_args(*spec_args)) for s, r in zip(shards, full_rows)]
 
 
 @torch.library.custom_op(f"{NAMESPACE}::reduce_grad_bucket", mutates_args=(),
