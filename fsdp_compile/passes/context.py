@@ -1,8 +1,5 @@
-"""What every pass receives besides its graph, and how a pass is declared.
-
-Every pass of the pipeline is ``fn(gm, ctx) -> result``: ``gm`` the graph module of its stage,
-``ctx`` that graph's :class:`PassContext`; the runner keeps the result under the pass's name.
-"""
+"""Every pass is ``fn(gm, ctx) -> result``: its stage's graph module, that graph's :class:`PassContext`;
+the runner keeps the result under the pass's name."""
 
 from __future__ import annotations
 
@@ -30,15 +27,13 @@ class PassContext:
     forward: fx.GraphModule | None = None  # stage "partitioned": the forward graph (gm is the backward)
     results: dict[str, Any] = field(default_factory=dict)  # earlier passes' results, by name
     params: dict[str, tuple] | None = None  # stage "captured": parameter name -> its marker's arguments
-    # stage "joint", under memory_budget=: unit -> (ranks it reshards to after forward, the
-    # group of that many ranks, or "" for none)
+    # stage "joint", under memory_budget=: unit -> (ranks it reshards to, their group or "")
     reshard: dict[str, tuple[int, str]] | None = None
 
 
 @dataclass(frozen=True)
 class GraphPass:
-    """One pass of the pipeline, declared as data (``stages.PIPELINE``); ``when``: whether it
-    applies to a context."""
+    """One pass of ``stages.PIPELINE``; ``when``: whether it applies to a context."""
 
     name: str
     fn: Callable[[fx.GraphModule, PassContext], Any]
@@ -47,8 +42,6 @@ class GraphPass:
 
 
 def __getattr__(name: str) -> Any:
-    # OPTIONAL_PASSES moved to the options' vocabulary (fsdp_compile.api); the backend's
-    # documentation named it here.
     if name == "OPTIONAL_PASSES":
         warnings.warn("fsdp_compile.passes.context.OPTIONAL_PASSES moved: use fsdp_compile.api.OPTIONAL_PASSES",
                       DeprecationWarning, stacklevel=2)

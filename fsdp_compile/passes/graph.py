@@ -1,7 +1,5 @@
-"""The graph vocabulary every pass, report and estimate shares: which operators communicate,
-copy or only reinterpret storage, the metadata our passes leave on nodes, the node predicates,
-and one way to read a collective off its node. Defined once so a pass and the code that reports
-on its result cannot disagree about what a node is.
+"""The graph vocabulary every pass, report and estimate shares (operators, node metadata, node
+predicates, collectives read off their nodes), defined once so no two can disagree on a node.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..runtime import kernels, ring
 
@@ -51,17 +50,14 @@ VIEW_LIKE = PURE_VIEWS | {
 # node.meta keys our passes set.
 COMM_META = "fsdp_comm"  # a CommTag on every node a bucket was lowered into
 ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see inspection/memory_estimate.py)
-# On a backward graph's saved inputs: the storage key (inspection/memory_estimate.py) of the forward
-# output it is, so saved views of one storage count once and saved values of different
-# region calls, which fake propagation may put on one fake storage, count apart.
+# On a backward graph's saved inputs: the storage key of the forward output it is, so views of one
+# storage count once and region calls' values on one fake storage count apart.
 SAVED_STORAGE_META = "fsdp_saved_storage"
 
 
 @dataclass(frozen=True)
 class CommTag:
-    """Set on every node a bucket was lowered into (``node.meta["fsdp_comm"]``). ``stage`` counts
-    the waits before the node (0 up to the first collective, 1 from its wait on, 2 from a hybrid
-    all-reduce's wait on): the scheduler moves stages apart to overlap compute."""
+    """On every node a bucket was lowered into; ``stage`` counts the waits before the node."""
 
     group: int  # one per lowered bucket, unique within the graph
     kind: str  # "gather" or "reduce"
@@ -120,9 +116,10 @@ def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
-def output_values(graph: fx.Graph) -> Any:
-    """What the graph's output node returns."""
-    return next(n for n in reversed(graph.nodes) if n.op == "output").args[0]
+def output_values(graph: fx.Graph) -> list[Any]:
+    """What the graph's output node returns, as a list."""
+    values = next(n for n in reversed(graph.nodes) if n.op == "output").args[0]
+    return list(values) if isinstance(values, (tuple, list)) else [values]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -137,8 +134,7 @@ def storage_keys(value: Any) -> set[int]:
 
 
 def decode_collective(node: fx.Node) -> Collective | None:
-    """The collective ``node`` calls, or None (``all_gather_into_tensor(input, group_size, group)``,
-    ``reduce_scatter_tensor(input, op, group_size, group)``, ``all_reduce(input, op, group)``)."""
+    """The collective ``node`` calls, or None."""
     if not is_collective(node):
         return None
     kind = COLLECTIVES[node.target]
@@ -168,18 +164,16 @@ def view_base(node: object) -> object:
 
 
 def tag_parameter_input(node: fx.Node) -> None:
-    """Mark the graph input a marker reads (through views, e.g. ``to_local``) as a parameter,
-    for the memory estimate."""
+    """Mark the graph input a marker reads (through views) as a parameter, for the memory estimate."""
     node = view_base(node)
     if node.op == "placeholder":
-        # a role already given stays: backward's regather reads the kept piece of a gathered
-        # parameter (reshard_after_forward=n), which forward saved as "gathered", not a shard
+        # backward's regather reads a kept piece (reshard_after_forward=n), saved as "gathered"
         node.meta.setdefault(ROLE_META, "param")
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:
-    """Reorder nodes so each follows its inputs, keeping the order where valid: a spliced bucket
-    can precede an input computed later, whose missing inputs then go first, in order."""
+    """Reorder nodes so each follows its inputs, keeping the order where valid (a spliced bucket may
+    precede an input computed later)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     placed: set[fx.Node] = set()
     cursor: fx.Node | None = None
@@ -202,11 +196,6 @@ def stable_topological_sort(graph: fx.Graph) -> None:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy with its own graph, as a lazy graph module where torch has them: ``recompile()``
-    then defers code generation to the first call instead of after every pass (seconds each
-    for a graph of tens of thousands of nodes)."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule as cls
-    except ImportError:  # a torch without lazy graph modules: copies recompile eagerly
-        cls = fx.GraphModule
-    return cls(gm, copy.deepcopy(gm.graph))
+    """A lazy copy with its own graph: code generation waits for the first call instead of each pass
+    (seconds each for a graph of tens of thousands of nodes)."""
+    return _LazyGraphModule(gm, copy.deepcopy(gm.graph))

@@ -1,11 +1,6 @@
 """The invariant of every graph handed to the inner compiler: a collective's buffers are left
-alone until its wait.
-
-Between a functional collective and its ``wait_tensor`` the communication library reads its
-input and writes its output from its own threads or stream, and scheduling moves the two apart.
-So each collective's only user is its wait, after it, and nothing in between writes a storage
-its input or output lives on. (Keeping the buffers alive until the wait is the runtime's part,
-and Inductor's: ``torch/_inductor/ir.py``, "In-Place Collective Safety".)
+alone until its wait, as the communication library reads and writes them from its own threads or
+stream: its only user is its wait, and nothing in between writes a storage they live on.
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ def _written(node: fx.Node) -> list[fx.Node]:
 
 
 def check_inflight_buffers(graph: fx.Graph) -> int:
-    """Raise :class:`InflightBufferError` where ``graph`` breaks the rule of this module; return
-    the number of collectives checked."""
+    """Raise :class:`InflightBufferError` where ``graph`` breaks the rule; returns collectives checked."""
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     checked = 0
@@ -45,17 +39,15 @@ def check_inflight_buffers(graph: fx.Graph) -> int:
             continue
         users = list(start.users)
         if len(users) != 1 or users[0].target is not WAIT:
-            raise InflightBufferError(
-                f"collective {start.name} ({start.target}) must have its wait as its only user; "
-                f"its users are {[u.name for u in users] or 'none'}")
+            raise InflightBufferError(f"collective {start.name} ({start.target}) must have its wait as its only "
+                                      f"user; its users are {[u.name for u in users] or 'none'}")
         wait = users[0]
         buffers = storage_keys(start.args[0].meta.get("val")) | storage_keys(start.meta.get("val"))
         for node in nodes[position[start] + 1:position[wait]]:
             for target in _written(node):
                 if storage_keys(target.meta.get("val")) & buffers:
-                    raise InflightBufferError(
-                        f"{node.name} ({node.target}) writes to {target.name}, which shares a buffer "
-                        f"with collective {start.name} before its wait {wait.name}")
+                    raise InflightBufferError(f"{node.name} ({node.target}) writes to {target.name}, which shares a "
+                                              f"buffer with collective {start.name} before its wait {wait.name}")
         checked += 1
     return checked
 

@@ -1,16 +1,12 @@
 """Group markers into buckets, and replace each bucket by the collectives it stands for.
 
-A bucket is one collective instead of one per parameter: a unit's markers, a byte budget's run,
-or one parameter; markers share one only when they communicate alike (the float8 cast aside)
-and read one dtype. A unit read again at the graph's end gets a ``<unit>:tail`` bucket: a
-transformer's root would otherwise gather its head with its embeddings before any compute
-(torchtitan shards ``[norm, output]`` apart for this); a tied head stays in the earlier one.
-
-A bucket's replacement is the traced body of :func:`gather_params` / :func:`reduce_grads`, which
-the markers' eager implementations call too: lowering changes how many collectives run, never
-what they compute. Identical buckets are traced once (:class:`TraceCache`); copies get fresh
-fake values on storages of their own (:func:`stamp_fake_values`), as a fresh trace would: the
-memory estimate and Inductor's re-inplacing tell buffers apart by storage.
+A bucket (a unit's markers, a byte budget's run, or one parameter) holds markers that communicate
+alike and read one dtype. A unit read again at the graph's end gets a ``<unit>:tail`` bucket, or a
+transformer's root would gather its head with its embeddings before any compute (torchtitan shards
+``[norm, output]`` apart for this). A bucket becomes the traced body of :func:`gather_params` /
+:func:`reduce_grads`, which the eager markers call too, so lowering never changes what is computed.
+Identical buckets are traced once (:class:`TraceCache`); copies get fake values on storages of their
+own (:func:`stamp_fake_values`): the memory estimate and Inductor's re-inplacing tell buffers apart by storage.
 """
 
 from __future__ import annotations
@@ -23,7 +19,9 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import extract_val as _extract_val  # what make_fx stores as a value
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ..api import Policy
 from ..runtime.collectives import CommSpec, chunk_numels, gather_params, reduce_grads
@@ -98,17 +96,6 @@ def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
     return list(buckets.values())
 
 
-try:  # what make_fx stores as a node's value (a detached alias of the traced fake tensor)
-    from torch.fx.experimental.proxy_tensor import extract_val as _extract_val
-except ImportError:  # pragma: no cover - older torch
-    def _extract_val(value: Any) -> Any:
-        return fx.node.map_aggregate(value, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
-
-try:
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
-except ImportError:  # pragma: no cover
-    _extract_tensor_metadata = None
-
 
 def value_signature(value: Any) -> Hashable | None:
     """What a trace may depend on about one input; None when it is symbolic (never shared)."""
@@ -122,8 +109,7 @@ def value_signature(value: Any) -> Hashable | None:
 
 
 class TraceCache:
-    """Traced graphs by signature for one graph's lowering; ``traces`` and ``stamps`` count fresh
-    traces and reuses."""
+    """Traced graphs by signature for one graph's lowering; counts fresh ``traces`` and reuses (``stamps``)."""
 
     def __init__(self) -> None:
         self._graphs: dict[Hashable, fx.Graph] = {}
@@ -132,8 +118,7 @@ class TraceCache:
 
     def graph_for(self, key: Hashable | None, fn: Callable, values: Sequence[Any],
                   decompositions: dict | None) -> tuple[fx.Graph, bool]:
-        """(graph of ``fn`` traced on ``values``, whether it was traced just now). ``key`` names
-        what the trace depends on besides the inputs' signatures; ``None`` always traces."""
+        """(``fn`` traced on ``values``, whether just now); ``key``: what else it depends on (None: trace)."""
         signatures = tuple(value_signature(v) for v in values)
         full_key = None if key is None or any(s is None for s in signatures) else (key, signatures)
         graph = self._graphs.get(full_key) if full_key is not None else None
@@ -166,7 +151,7 @@ def refresh_fake_values(node: fx.Node) -> None:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
     value = node.target(*args, **kwargs)
     node.meta["val"] = _extract_val(value)
-    if isinstance(value, torch.Tensor) and _extract_tensor_metadata is not None:
+    if isinstance(value, torch.Tensor):
         node.meta["tensor_meta"] = _extract_tensor_metadata(value)
     else:
         node.meta.pop("tensor_meta", None)
@@ -179,8 +164,7 @@ class _Aliases(Exception):
 
 
 def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence[fx.Node], fake_mode: Any) -> None:
-    """Give the copies of a template's nodes fresh fake values. ``pairs``: (template node, its
-    copy) in graph order; ``inputs``: the template's placeholders."""
+    """Give the copies of a template's nodes fresh fake values; ``pairs``: (template, copy) in order."""
     converter = getattr(fake_mode, "fake_tensor_converter", None)
     input_storages = {storage_key(t) for n in inputs for t in _tensors(n.meta.get("val"))}
     storages: dict[int, Any] = {}
@@ -217,7 +201,9 @@ def _stamp(pairs: Sequence[tuple[fx.Node, fx.Node]], rebuild: Callable[[Any], An
         try:
             copy.meta["val"] = rebuild(template.meta.get("val"))
         except _Aliases:
-            with fake_mode, _below_autograd():
+            # Only fake values are computed: skip the autograd layer (Python for custom ops, the
+            # most expensive part of a fake call).
+            with fake_mode, torch._C._AutoDispatchBelowAutograd():
                 refresh_fake_values(copy)
             continue
         if "eager_input_vals" in copy.meta:
@@ -230,23 +216,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def _below_autograd():
-    # Only fake values are computed: skip the autograd layer of every op (for custom ops it is
-    # Python, and the most expensive part of a fake call).
-    guard = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
-    return guard() if guard is not None else torch.no_grad()
-
-
 Decompositions = dict | None
 
 
 def _splice(graph: fx.Graph, before: fx.Node, fn: Callable, inputs: Sequence[fx.Node],
             decompositions: Decompositions, tag: Callable[[int], CommTag],
             cache: TraceCache | None = None, key: Hashable | None = None) -> list[fx.Node]:
-    """Trace ``fn`` on the inputs' fake values and copy its graph in before ``before``; every new
-    node gets ``tag(stage)`` as its ``fsdp_comm`` metadata. ``decompositions`` must be the table
-    the graph was traced with (Inductor rejects an op it has a decomposition for). ``key`` names
-    ``fn``'s constants for ``cache``."""
+    """Trace ``fn`` on the inputs' fake values and copy it in before ``before``, each node tagged
+    ``tag(stage)``. ``decompositions``: the graph's table (Inductor rejects an op it decomposes)."""
     values = [n.meta["val"] for n in inputs]
     cache = cache if cache is not None else TraceCache()
     traced, fresh = cache.graph_for(key, fn, values, decompositions)
@@ -316,13 +293,9 @@ def _lower_reduce(graph: fx.Graph, bucket: Bucket, decompositions: Decomposition
 
 def lower_markers(gm: fx.GraphModule, policy: Policy, decompositions: Decompositions = None,
                   reuse_traces: bool = True, trace_cache: TraceCache | None = None) -> dict[str, list[Bucket]]:
-    """Lower every marker of ``gm`` bucket by bucket (``gm.graph`` only: recompile before
-    running it); returns the buckets by kind. ``reuse_traces=False`` traces every bucket afresh
-    (same result); ``trace_cache``: the cache to use (a fresh one by default)."""
-    buckets = {
-        "unshard": assign_buckets(markers(gm.graph, "unshard"), policy),
-        "reduce_grad": assign_buckets(markers(gm.graph, "reduce_grad"), policy),
-    }
+    """Lower every marker of ``gm.graph`` bucket by bucket; returns the buckets by kind.
+    ``reuse_traces=False`` traces every bucket afresh (same result)."""
+    buckets = {kind: assign_buckets(markers(gm.graph, kind), policy) for kind in ("unshard", "reduce_grad")}
     for bucket in buckets["unshard"]:
         for marker in bucket.markers:
             tag_parameter_input(marker.input)

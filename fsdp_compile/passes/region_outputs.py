@@ -1,12 +1,9 @@
 """Keep a region call's outputs from sharing memory that Inductor does not know is shared.
 
-Inductor gives each output of a region call a buffer of its own and hands a dead buffer's
-storage to the next allocation of that size, never asking whether two outputs (or an output
-and an operand) are one storage, which partitioned bodies often make them (q, k, v saved as
-views of one projection; an incoming gradient returned as it came): silently wrong results.
-:func:`unalias_region_outputs` gives each top-level reader of such an output a view of the
-storage's owner, made in the top-level graph where Inductor tracks views. Sharing Inductor
-introduces inside a body: docs/design.md (donated buffers).
+Inductor gives each output of a region call a buffer of its own and reuses a dead one's storage,
+never asking whether two outputs (or an output and an operand) are one storage, which partitioned
+bodies often make them (q, k, v as views of one projection): silently wrong results. So each
+top-level reader of such an output reads a view of the storage's owner, made where Inductor tracks views.
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ from .regions import inline_call, region_body
 
 
 def alias_path(node: fx.Node) -> list[fx.Node]:
-    """``[owner, ..., node]``: the chain of nodes on ``node``'s storage, from the one that owns
-    it (a graph input, or the op that allocated it) to ``node``. ``[node]`` when it owns it."""
+    """``[owner, ..., node]``: the nodes on ``node``'s storage from its owner (a graph input, or the
+    op that allocated it)."""
     (key,) = storage_keys(node_value(node)) or {None}
     path = [node]
     while key is not None and path[-1].op != "placeholder":
@@ -53,16 +50,10 @@ def _readers(call: fx.Node) -> dict[int, list[fx.Node]]:
     return readers
 
 
-def _outputs(body: fx.GraphModule) -> list[Any]:
-    values = output_values(body.graph)
-    return list(values) if isinstance(values, (tuple, list)) else [values]
-
-
 def _output_of(call: fx.Node, owner: fx.Node, added: dict[fx.Node, int], fake_mode: Any) -> fx.Node:
-    """A getitem of ``call`` reading the body output ``owner``, which is added to the body's
-    outputs if it is not one (once per body: every call of it returns the same outputs)."""
+    """A getitem of ``call`` reading body output ``owner``, added to the outputs once per body if missing."""
     body = region_body(call)
-    outputs = _outputs(body)
+    outputs = output_values(body.graph)
     if owner in outputs:
         index = outputs.index(owner)
     elif owner in added:
@@ -89,14 +80,12 @@ def _output_of(call: fx.Node, owner: fx.Node, added: dict[fx.Node, int], fake_mo
 
 
 def _redoable(views: list[fx.Node]) -> bool:
-    """Whether each view reads only the one before it (its sizes are constants), so that the
-    chain can be copied out of the body."""
+    """Whether each view reads only the one before it (constant sizes): copyable out of the body."""
     return all(view.all_input_nodes == [previous] for previous, view in itertools.pairwise(views))
 
 
 def _redo(path: list[fx.Node], source: fx.Node, fake_mode: Any) -> fx.Node:
-    """The views of ``path`` (``path[0]`` is the owner) copied into the top-level graph, applied
-    to ``source``, right after it; returns the last copy (``source`` when there are none)."""
+    """The views of ``path`` (after its owner) applied to ``source`` right after it; returns the last."""
     value = source
     for view in path[1:]:
         with source.graph.inserting_after(value):
@@ -109,12 +98,11 @@ def _redo(path: list[fx.Node], source: fx.Node, fake_mode: Any) -> fx.Node:
 
 
 def _shared_outputs(call: fx.Node) -> dict[fx.Node, list[tuple[int, list[fx.Node]]]]:
-    """The read outputs of ``call`` that share a storage the top-level graph cannot see is
-    shared, by owner: those on one of its operands, and those of a storage that more than one
-    read output is on. Each with its index and its :func:`alias_path`."""
+    """By owner, the read outputs of ``call`` on an operand's storage or on one another's, each with
+    its index and :func:`alias_path`."""
     readers = _readers(call)
     groups: dict[fx.Node, list[tuple[int, list[fx.Node]]]] = {}
-    for index, output in enumerate(_outputs(region_body(call))):
+    for index, output in enumerate(output_values(region_body(call).graph)):
         if index in readers and isinstance(output, fx.Node) and isinstance(node_value(output), torch.Tensor):
             path = alias_path(output)
             groups.setdefault(path[0], []).append((index, path))
@@ -122,9 +110,8 @@ def _shared_outputs(call: fx.Node) -> dict[fx.Node, list[tuple[int, list[fx.Node
 
 
 def unalias_region_outputs(gm: fx.GraphModule, ctx: PassContext | None = None) -> int:
-    """Each graph: readers of region outputs that share a storage read views of its owner instead;
-    returns how many. A call whose shared outputs are views sized by the body's own values is
-    inlined instead."""
+    """Each graph: readers of region outputs sharing a storage read views of its owner; returns how
+    many. A call whose shared outputs are views sized by the body's values is inlined instead."""
     graph = gm.graph
     # Values are fake tensors in a compilation; a test may give real ones.
     fake_mode = detect_fake_mode([node_value(n) for n in placeholders(graph)]) or contextlib.nullcontext()

@@ -1,18 +1,14 @@
-"""Passes that keep compile regions' collectives in the top-level graph, and inline the region
-calls AOTAutograd would refuse or sum gradients differently for. Collectives inside a region's
-body (:mod:`fsdp_compile.sharding.compile_regions`) would escape bucketing, scheduling and the
-reshard policy.
+"""Passes that keep compile regions' collectives in the top-level graph (inside a body they would
+escape bucketing, scheduling and the reshard policy), and inline the region calls AOTAutograd
+would refuse or sum gradients differently for.
 
-* ``hoist_region_markers``: each ``unshard`` marker a body applies to an input becomes a body
-  input taking the full parameter, gathered at each call site with its own parameter's marker.
-* ``inline_mutating_regions``: a body that writes an input while training is refused by every
-  higher-order operator's autograd kernel (``HigherOrderOperator.py_autograd_impl``); the same
-  test (``invoke_subgraph.gen_schema``), made before AOTAutograd, inlines those calls.
-* ``inline_reordering_regions``: an input read twice inside the body and also elsewhere gets its
-  gradient summed in another order than eagerly, so such calls are inlined (the eager bits).
-* ``route_region_inputs`` (joint graph): a backward call's input that is a forward call's input
-  passed through (or a view of one, as a body's partition saves gathered parameters) is taken
-  from that input, the gather's output, which the reshard policy can then recompute.
+* ``hoist_region_markers``: a body's ``unshard`` markers become body inputs, gathered at each call site.
+* ``inline_mutating_regions``: a body writing an input while training is refused by every
+  higher-order operator's autograd kernel; the same test (``invoke_subgraph.gen_schema``) inlines them.
+* ``inline_reordering_regions``: an input read twice in the body and also elsewhere would get its
+  gradient summed in another order than eagerly (other bits).
+* ``route_region_inputs`` (joint): a backward call's input that a forward call passed through (or
+  viewed) is taken from the gather, which the reshard policy can then recompute.
 """
 
 from __future__ import annotations
@@ -68,8 +64,7 @@ def region_body(node: fx.Node) -> fx.GraphModule:
 
 
 def _hoist_from_body(body: fx.GraphModule, hoisted: list[tuple[fx.Node, int]]) -> tuple[list[int], list[fx.Node]]:
-    """Turn the ``hoisted`` markers' outputs into new inputs of ``body``; returns the original
-    inputs it still takes, by index, and the new ones."""
+    """The markers' outputs become new inputs of ``body``; returns the kept inputs' indices, the new ones."""
     graph = body.graph
     inputs = placeholders(graph)
     new_inputs = []
@@ -108,9 +103,8 @@ class _Hoisted:
 
 
 def _lift(owner: fx.GraphModule, done: dict[int, _Hoisted]) -> int:
-    """Move the region markers of every body ``owner`` calls (nested ones level by level) into
-    ``owner``'s graph; returns how many it gained. Bodies are rewritten as copies beside the
-    originals (a failed pass rolls back ``owner``'s graph only)."""
+    """Move the markers of every body ``owner`` calls (nested level by level) into ``owner``; returns
+    how many. Bodies are rewritten as copies (a failed pass rolls back ``owner``'s graph only)."""
     count = 0
     for call in [n for n in owner.graph.nodes if calls(n, _OPERANDS_START)]:
         start, attr = _OPERANDS_START[call.target], call.args[0]
@@ -145,10 +139,9 @@ def _lift(owner: fx.GraphModule, done: dict[int, _Hoisted]) -> int:
 
 
 def hoist_region_markers(gm: fx.GraphModule, params: dict[str, tuple]) -> int:
-    """Move every region body's markers to its call sites; returns how many markers the top-level
-    graph gained or had renamed. ``params``: parameter name -> its marker's arguments after the
-    input. Those markers, and those of a body Dynamo inlined, get their parameter's own name,
-    unit and groups, found from the graph input (the leaf) they read."""
+    """Move every region body's markers to its call sites; returns how many the top-level graph
+    gained or renamed. ``params``: parameter name -> its marker's arguments after the input, which
+    those markers (and a body Dynamo inlined) get, found from the graph input they read."""
     _lift(gm, {})
     markers = [n for n in gm.graph.nodes if _is_region_marker(n)]
     for marker in markers:
@@ -162,8 +155,7 @@ def hoist_region_markers(gm: fx.GraphModule, params: dict[str, tuple]) -> int:
 
 
 def _drop_unused_bodies(gm: fx.GraphModule) -> None:
-    """Delete the graph modules ``gm``'s graph no longer reads (``delete_all_unused_submodules()``
-    would delete bodies nested in kept bodies too)."""
+    """Delete the bodies ``gm`` no longer reads (``delete_all_unused_submodules`` also drops nested ones)."""
     read = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     for name, child in list(gm.named_children()):
         if isinstance(child, fx.GraphModule) and name not in read:
@@ -171,8 +163,7 @@ def _drop_unused_bodies(gm: fx.GraphModule) -> None:
 
 
 def _reorders_gradients(call: fx.Node, body: fx.GraphModule) -> bool:
-    """Whether ``call`` passes a tensor needing a gradient that the body reads more than once and
-    that has other readers."""
+    """Whether ``call`` passes a tensor needing a gradient that the body reads twice and others read."""
     for operand, placeholder in zip(call.args[2:], placeholders(body.graph)):
         value = node_value(operand) if isinstance(operand, fx.Node) else None
         if (isinstance(value, torch.Tensor) and value.requires_grad and len(placeholder.users) > 1
@@ -211,8 +202,7 @@ def inline_call(call: fx.Node) -> None:
 
 
 def inline_regions(gm: fx.GraphModule, bodies: Collection[str] | None = None) -> int:
-    """Inline the calls of the given bodies (by attribute name; all by default); returns how many.
-    A graph run as Python (``compiler="eager"``) needs them all inlined."""
+    """Inline the calls of the given bodies (by attribute name; default all); returns how many."""
     inlined = [c for c in gm.graph.nodes if is_region_call(c) and (bodies is None or c.args[0].target in bodies)]
     for call in inlined:
         attr = call.args[0]
@@ -260,8 +250,7 @@ def _written_input(call: fx.Node) -> str | None:
 
 
 def inline_mutating_regions(gm: fx.GraphModule, ctx: PassContext | None = None) -> list[InlinedRegion]:
-    """Captured graph: calls of bodies that write an input while training are inlined; returns one
-    entry per body."""
+    """Captured graph: calls of bodies that write an input while training are inlined, one entry per body."""
     checked: dict[str, str | None] = {}
     found: list[InlinedRegion] = []
     for call in [n for n in gm.graph.nodes if is_region_call(n)]:
@@ -279,7 +268,7 @@ def inline_mutating_regions(gm: fx.GraphModule, ctx: PassContext | None = None) 
 def _view_chain(body: fx.GraphModule, output_index: int) -> tuple[fx.Node | None, list[fx.Node]]:
     """The node ``body``'s output ``output_index`` is (a chain of pure views of), and the views."""
     values = output_values(body.graph)
-    if not isinstance(values, (tuple, list)) or output_index >= len(values):
+    if output_index >= len(values):
         return None, []
     node, views = values[output_index], []
     while calls(node, PURE_VIEWS):
@@ -300,8 +289,7 @@ def aliased_input(body: fx.GraphModule, output_index: int) -> int | None:
 
 
 def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[fx.Node]] | None:
-    """(input index, views from it) when ``body``'s output ``output_index`` is an input or a view
-    of one that can be redone outside the body; else None."""
+    """(input index, views) when output ``output_index`` is an input or a view redoable outside the body."""
     root, views = _view_chain(body, output_index)
     index = _input_index(body, root)
     found: list[fx.Node] = []
@@ -312,10 +300,9 @@ def passed_through(body: fx.GraphModule, output_index: int) -> tuple[int, list[f
 
 
 def parameter_computation(body: fx.GraphModule, output_index: int, gathered: Collection[int]) -> list[fx.Node] | None:
-    """The body's nodes computing output ``output_index`` from the inputs at ``gathered`` alone;
-    None when it reads anything else or is an input."""
+    """The body's nodes computing output ``output_index`` from the inputs at ``gathered`` alone, or None."""
     values = output_values(body.graph)
-    if not isinstance(values, (tuple, list)) or output_index >= len(values):
+    if output_index >= len(values):
         return None
     target = values[output_index]
     if not isinstance(target, fx.Node) or target.op != "call_function":
@@ -337,8 +324,8 @@ def parameter_computation(body: fx.GraphModule, output_index: int, gathered: Col
 
 def _redo_parameter_computation(graph: fx.Graph, call: fx.Node, producer: fx.Node, body: fx.GraphModule,
                                 output_index: int) -> fx.Node | None:
-    """Compute before ``call`` a forward call's output that the body computes from gathered
-    parameters alone (a float8 weight's cast), for the reshard policy to recompute, not save."""
+    """Compute before ``call`` a forward output made from gathered parameters alone (a float8 cast),
+    for the reshard policy to recompute, not save."""
     operands = producer.args[2:]
     gathered = [i for i, operand in enumerate(operands) if calls(view_base(operand), UNSHARD_TARGETS)]
     nodes = parameter_computation(body, output_index, gathered) if gathered else None

@@ -1,12 +1,9 @@
 """Joint-graph passes that turn each unit's reshard policy into partitioner decisions.
 
-By default AOTAutograd's partitioner saves the full parameter a gather produced. Per the spec
-of each marker (``reshard_after_forward=``, sharding/units.py): a unit that reshards to
-the shard has its gather and everything computed from gathered parameters alone (a float8
-weight's cast included: tagging only views let the partitioner save a float8 copy of every
-weight) tagged must-recompute; a unit that keeps it is tagged must-save; a unit resharding to
-``n`` ranks keeps this rank's ``1/n`` in forward (``reshard``, must-save) and has backward gather
-those pieces inside the group (must-recompute). The gradient's reduction is untouched.
+A unit that reshards has its gather and all computed from gathered parameters alone (a float8 cast
+too, or the partitioner saves a float8 copy of every weight) tagged must-recompute; a unit that
+keeps it, must-save; a unit resharding to ``n`` ranks keeps its ``1/n`` (``reshard``, must-save)
+and backward gathers those pieces in the group. The gradient's reduction is untouched.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ def unshard_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def elide_trivial_unshard(graph: fx.Graph) -> int:
-    """Replace markers that neither gather nor cast by their input; returns how many. A NO_SHARD
-    (or 0-d) parameter's marker is a copy that only keeps the eager runtime from aliasing it;
-    saved for backward, it would double the parameter memory."""
+    """Replace markers that neither gather nor cast by their input; returns how many (a NO_SHARD
+    marker's copy, saved for backward, would double the parameter memory)."""
     count = 0
     for node in unshard_nodes(graph):
         spec = decode(node).spec
@@ -47,8 +43,8 @@ def elide_trivial_unshard(graph: fx.Graph) -> int:
 
 
 def tag_reshard_policy(graph: fx.Graph) -> int:
-    """Tag each gather with its unit's policy; returns how many reshard. Must-save is stated, not
-    left to the partitioner's cost model (re-running a gather would double backward's traffic)."""
+    """Tag each gather with its unit's policy; returns how many reshard. Must-save is stated: the
+    partitioner's cost model might re-run a gather, doubling backward's traffic."""
     count = 0
     backward = backward_nodes(graph)
     dropped: list[fx.Node] = []
@@ -71,9 +67,7 @@ def tag_reshard_policy(graph: fx.Graph) -> int:
 
 
 def parameter_only(graph: fx.Graph, sources: list[fx.Node], backward: set[fx.Node]) -> list[fx.Node]:
-    """``sources`` and the forward nodes computed from them (and constants) alone, in graph
-    order: a gathered parameter's views and casts, a float8 weight's amax, scale and cast.
-    Recomputing these in backward needs only the regathered parameters."""
+    """``sources`` and the forward nodes computed from them (and constants) alone, in graph order."""
     chain = set(sources)
     for node in graph.nodes:
         if node in chain or node.op != "call_function" or node in backward or _communicates(node) or is_random(node):
@@ -146,15 +140,13 @@ def _position(graph: fx.Graph):
 
 
 def _fake(node: fx.Node, fake_mode) -> None:
-    """The node's fake value, computed from its inputs' (what tracing would have recorded)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         node.meta["val"] = node.target(*args, **kwargs)
 
 
 def apply_reshard_choice(graph: fx.Graph, reshard: dict[str, tuple[int, str]]) -> int:
-    """Give each unit's gathers the setting ``memory_budget=`` chose, for :func:`tag_reshard_policy`
-    to apply; returns how many changed."""
+    """Give each unit's gathers the setting ``memory_budget=`` chose; returns how many changed."""
     count = 0
     for node in unshard_nodes(graph):
         marker = decode(node)

@@ -1,13 +1,10 @@
 """Move collectives apart from their waits so communication overlaps compute.
 
-A lowered bucket is an "issue" stage (copy-in or chunk-cat, the collective) and a "finish" stage
-(the wait and what follows); compute keeps its order, only stages move. A gather is waited right
-before its first use and issued ``prefetch`` buckets earlier in use order (or when an explicit
-order, as FSDP2's ``set_modules_to_forward_prefetch``, says); a reduction is issued as soon as
-its gradients exist and waited as late as possible. Unsharded bytes in flight never exceed
-``max_inflight_bytes`` (default: twice the largest bucket, plus two hybrid all-reduces): a
-prefetch is delayed, a reduction waited earlier, rather than break it. Under Inductor this order
-is the order the step runs in (the compiler turns Inductor's reordering off for these graphs).
+A lowered bucket's stages (issue: copy-in, collective; finish: wait and after) move; compute keeps
+its order. A gather is waited before its first use and issued ``prefetch`` buckets earlier (or as an
+explicit order says); a reduction is issued once its gradients exist and waited late. Bytes in flight
+stay under ``max_inflight_bytes`` (default: twice the largest bucket plus two hybrid all-reduces).
+Under Inductor this is the order the step runs in (the compiler turns its reordering off).
 """
 
 from __future__ import annotations
@@ -58,9 +55,8 @@ class Schedule:
 
 @dataclass
 class _Group:
-    """One lowered bucket: its stages (split at each wait) and where each goes. Stage k < last
-    ends with a collective, in flight from ``at[k]`` to its wait at ``at[k + 1]``; a stage at
-    position p is laid out right before compute node p."""
+    """One lowered bucket's stages (split at each wait): stage k < last ends with a collective in flight
+    from ``at[k]`` to ``at[k + 1]``; a stage at position p goes right before compute node p."""
 
     tag: CommTag
     stages: list[list[fx.Node]] = field(default_factory=list)
@@ -84,9 +80,8 @@ class _Group:
 
 
 class _Inflight:
-    """Bytes in flight at each position: a segment tree (lazy range add, range max). A reduction
-    issued early in backward stays in flight to the graph's end: with a plain list the pass
-    would grow with the square of the model's depth."""
+    """Bytes in flight at each position: a segment tree (lazy range add, range max), or reductions in
+    flight to the graph's end would make the pass grow with the square of the model's depth."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -305,8 +300,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
 
 
 def _hoist_and_sink_views(graph: fx.Graph) -> None:
-    """Views of graph inputs go to the top, views only the output uses to the bottom: left next
-    to the markers they fed, they would pin collectives there (and allocate nothing)."""
+    """Views of inputs go to the top, views only the output uses to the bottom (else they pin collectives)."""
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = nodes[-1]
@@ -335,10 +329,9 @@ def _next_compute_position(order: list[fx.Node], node: fx.Node, position: dict, 
 
 
 def _emit(graph: fx.Graph, compute: list[fx.Node], groups) -> None:
-    """Lay the graph out: before each compute node, the stages scheduled at its position:
-    gathers issued ahead of the waits there (``issue_first``), waits of earlier collectives
-    (freeing memory first), collectives issued and waited right there, then issues waited later,
-    gathers before reductions (the link serves in issue order; a gather is needed sooner)."""
+    """Lay the graph out: before each compute node, its position's stages: ``issue_first`` gathers,
+    waits (freeing memory first), collectives waited right there, then later-waited issues, gathers
+    before reductions (the link serves in issue order; a gather is needed sooner)."""
     entries = []
     for g in groups:
         for k, stage in enumerate(g.stages):

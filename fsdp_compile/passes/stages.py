@@ -1,11 +1,9 @@
 """The pipeline declared as data, and the one runner every stage goes through.
 
-``PIPELINE`` lists our passes in order with their stage (:mod:`.context`); ``disable_passes=``
-drops some by name. :func:`run_stage` runs a stage's passes (ours, then the user's ``passes=``)
-on one graph, timing, dumping and recording each. A pass rewrites ``gm`` in place and may return
-a value or a replacement GraphModule. A ``ConfigError`` passes through unwrapped; any other
-error becomes a ``PassFailure``, and the graph is restored from a copy so the caller can still
-run it.
+:func:`run_stage` runs a stage's passes (``PIPELINE``'s less ``disable_passes=``, then the user's
+``passes=``) on one graph, timing, dumping and recording each. A pass rewrites ``gm`` in place and may
+return a value or a replacement GraphModule. A ``ConfigError`` passes through; any other error becomes
+a ``PassFailure``, the graph restored from a copy so the caller can still run it.
 """
 
 from __future__ import annotations
@@ -64,9 +62,8 @@ def run_stage(gm: fx.GraphModule, stage: str, ctx: PassContext, *, disabled: Col
               user_passes: Sequence[Callable[[fx.GraphModule], Any]] = (),
               on_graph: Callable[[str, fx.GraphModule], None] | None = None, rollback: bool = True,
               regenerate: bool = True) -> tuple[fx.GraphModule, list[PassResult]]:
-    """Run ``stage``'s passes on ``gm`` (then ``user_passes``, which take ``gm`` only).
-    ``rollback=False`` (a graph Inductor's partitioner holds): a failure leaves the graph as far
-    as it got. ``regenerate=False``: no code regeneration at the end."""
+    """Run ``stage``'s passes on ``gm``, then ``user_passes`` (``gm`` only). ``rollback=False``: a
+    failure leaves the graph as far as it got; ``regenerate=False``: no code regeneration at the end."""
     # Ours rewrite the graph only (never run or read its code); user passes may run the module.
     passes: list[Pass] = [(p.name, functools.partial(p.fn, ctx=ctx)) for p in stage_passes(stage, ctx, disabled)]
     graph_only = {fn for _, fn in passes}
@@ -76,9 +73,8 @@ def run_stage(gm: fx.GraphModule, stage: str, ctx: PassContext, *, disabled: Col
 
 
 def fix_partition(forward: fx.GraphModule, backward: fx.GraphModule, disabled: Collection[str] = ()) -> None:
-    """The repairs a partitioned pair needs (stage "partitioned"), whoever partitioned it. A
-    failure is raised as the pass raised it: there is no graph to fall back to. Takes only the
-    disabled pass names, so Inductor's partitioner hook that calls it stays cache-keyable."""
+    """The repairs a partitioned pair needs, whoever partitioned it, raised as is (no graph to fall back
+    to). Takes only names, so Inductor's partitioner hook that calls it stays cache-keyable."""
     ctx = PassContext("partitioned", forward=forward)
     try:
         run_stage(backward, "partitioned", ctx, disabled=disabled, rollback=False, regenerate=False)
@@ -107,9 +103,8 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[Pass],
                graph_only: Collection[Callable[[fx.GraphModule], Any]] = (), rollback: bool = True,
                results: dict[str, Any] | None = None,
                regenerate: bool = True) -> tuple[fx.GraphModule, list[PassResult]]:
-    """Apply ``passes`` to ``gm``; ``on_graph(step, graph)`` sees it before and after each. On a
-    failure ``gm`` gets back a copy of its graph. Code is regenerated (time per node) only before
-    a pass not in ``graph_only`` (which may run ``gm``) and at the end."""
+    """Apply ``passes`` to ``gm``; ``on_graph(step, graph)`` sees it before and after each. Code is
+    regenerated only before a pass not in ``graph_only`` (which may run ``gm``) and at the end."""
     backup = copy.deepcopy(gm.graph) if rollback else None
     work = gm
     stale = False

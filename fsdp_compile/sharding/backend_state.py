@@ -37,15 +37,12 @@ class ShardingState:
     # {"forward" | "backward": {bucket: [buckets to gather when it starts]}}, from the options.
     explicit_prefetch: dict[str, dict[str, list[str]]] = field(default_factory=lambda: {"forward": {}, "backward": {}})
     verifier: GraphCheck | None = None  # set by the first shard() with verify=True
-    # Buckets over half of a model's parameters under a resharding strategy, by label: what
-    # the report marks (see inspection/bucket_advice.py).
+    # Buckets over half of a model's parameters under a resharding strategy (inspection/bucket_advice.py).
     oversized_buckets: dict[str, dict[str, Any]] = field(default_factory=dict)
     init_peak_bytes: int | None = None  # meta-device init: most full parameter bytes held
-    # The switches of the block classes compiled as regions, and the count of compiled-graph
-    # calls that tells the fallback whether a failed call had run anything.
+    # The region classes' switches, and the count of graph calls the fallback reads.
     region_fallback: RegionFallback = field(default_factory=RegionFallback)
-    # reshard_after_forward=: each unit's ranks it reshards to after forward (shard size: all,
-    # 1: keeps the gathered parameters), and the groups of fewer ranks it made.
+    # reshard_after_forward=: each unit's ranks it reshards to, and the groups of fewer ranks it made.
     reshard_to: dict[str, int] = field(default_factory=dict)
     reshard_groups: ReshardGroups = field(default_factory=ReshardGroups)
     # memory_budget=: what the compiler chose (planning/budget.py), once it has.
@@ -53,8 +50,7 @@ class ShardingState:
     _owned: Any = field(default_factory=WeakIdKeyDictionary)  # sharded parameter -> True
 
     def group_roles(self) -> dict[str, str]:
-        """Process-group name -> its role, for cross-rank checks (each dp rank's own tp group is
-        in the same role)."""
+        """Process-group name -> its role, for cross-rank checks."""
         roles = self.topology.group_roles() if self.topology is not None else {}
         for n, group in self.reshard_groups.groups().items():
             roles[group.group_name] = f"reshard group ({n} ranks of the shard group)"

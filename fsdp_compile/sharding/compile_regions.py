@@ -1,18 +1,12 @@
-"""Compile each repeated block once: repeated bucket units as ``nested_compile_region``\\ s, and
-the blocks torch refuses as regions run inline instead.
+"""Compile each repeated block once, as a ``nested_compile_region``; blocks torch refuses run inline.
 
-Dynamo traces one block of a repeated class and stamps the others out of that trace (torch >=
-2.13). So no read in a region may name the block: it is ``unshard(leaf, <name within the unit>,
-"<region>", ...)`` read from the module (:class:`RegionReads`), which
-:mod:`fsdp_compile.passes.regions` hoists to the call sites. A unit is a region when its class
-repeats, it holds no tied parameter and gradients are synchronized. A block returning one of its
-inputs (T5's position bias) returns a reference to it instead (``invoke_subgraph`` refuses aliases).
-
+Dynamo traces one block of a repeated class and stamps the others out of that trace, so no read
+in a region may name the block: it is ``unshard(leaf, <name within the unit>, "<region>", ...)``
+(:class:`RegionReads`), which :mod:`fsdp_compile.passes.regions` hoists to the call sites.
 A model that trains with ``regions=False`` must train with the defaults: where Dynamo refuses a
-block as a region (docs/design.md), the root's ``__call__`` (:func:`region_fallback_call`) turns
-that class's :class:`RegionClass` off and calls again, with one warning per class, unless part
-of the step already ran (its side effects would repeat; the class is off for later calls) or,
-under ``strict=True``, the error is not one of torch's refusals (:func:`refused_by_torch`).
+block as a region, the root's ``__call__`` (:func:`region_fallback_call`) turns that class off
+and calls again, with one warning per class, unless part of the step already ran (its side
+effects would repeat) or, under ``strict=True``, the error is not one of torch's refusals.
 """
 
 from __future__ import annotations
@@ -49,8 +43,7 @@ def regions_supported() -> bool:
 
 @dataclass(eq=False)
 class RegionClass:
-    """The units of one block class compiled as regions: whether Dynamo still traces them as one
-    (``enabled``, read by the traced forward) and, once some calls compile inline, why."""
+    """One block class's region units: whether Dynamo still traces them as one, and if not, why."""
 
     key: str  # module.QualifiedName of the class
     units: list[str]
@@ -72,9 +65,8 @@ def first_names(names: list[str]) -> str:
 
 @dataclass
 class RegionReads:
-    """What a sharded module inside a region reads, by local name: its leaf and the marker's
-    arguments relative to the unit. Identical in every block but for the leaves, which Dynamo
-    reaches through the module, so a trace of one block is valid for the next."""
+    """What a module inside a region reads, by local name: identical in every block but for the
+    leaves, which Dynamo reaches through the module, so a trace of one block is valid for the next."""
 
     leaves: dict[str, nn.Parameter]
     args: dict[str, tuple]
@@ -104,11 +96,9 @@ def region_units(model: nn.Module, units: Iterable[str], tied_units: Iterable[st
 
 
 def tp_mesh_split_classes(model: nn.Module, units: Iterable[str]) -> set[type]:
-    """The block classes whose units' tensor-parallel hooks hold different ``DeviceMesh`` objects,
-    which cannot be regions on torch 2.13: slicing the mesh per block (``mesh["tp"]`` in the
-    loop) makes Dynamo, reusing block 0's trace for block 1, raise while guarding block 1's mesh
-    through its hook ("Expecting clean index here", ``torch/_dynamo/guards.py``). Read from the
-    hooks' closures and partials, the only place the mesh object is kept."""
+    """The block classes whose TP hooks hold different ``DeviceMesh`` objects (``mesh["tp"]`` sliced
+    per block): torch 2.13 raises guarding block 1's mesh on block 0's trace ("Expecting clean
+    index here"). Read from the hooks' closures and partials, where the mesh object is kept."""
     by_class: dict[type, set[tuple[int, ...]]] = {}
     for module in (model.get_submodule(u) for u in units if u):
         by_class.setdefault(type(module), set()).add(_hook_meshes(module))
@@ -116,7 +106,6 @@ def tp_mesh_split_classes(model: nn.Module, units: Iterable[str]) -> set[type]:
 
 
 def _hook_meshes(block: nn.Module) -> tuple[int, ...]:
-    """The ids of the ``DeviceMesh`` objects the forward hooks inside ``block`` hold, in order."""
     from torch.distributed.device_mesh import DeviceMesh
 
     found: list[int] = []
@@ -189,8 +178,7 @@ def _resolve_inputs(inputs: list[torch.Tensor], output: str) -> torch.Tensor | s
 
 
 def make_region_forward(cls: type, tensor_parallel: bool = False):
-    """The generated unit class's forward: the original, as a region while gradients are
-    synchronized and its :class:`RegionClass` is enabled (``tensor_parallel``: :func:`region_input`)."""
+    """The unit class's forward: a region while gradients sync and its class is enabled."""
     original_forward = cls.forward
     key = class_key(cls)
 
@@ -198,8 +186,7 @@ def make_region_forward(cls: type, tensor_parallel: bool = False):
         if tensor_parallel:
             args, kwargs = tree_map_only(torch.Tensor, region_input, (args, kwargs))
         output = original_forward(self, *args, **kwargs)
-        # An output that is an input would alias it, which invoke_subgraph refuses: return
-        # where it came from instead (the identity test is decided while Dynamo traces).
+        # invoke_subgraph refuses an output aliasing an input (T5's position bias): say which input.
         return tree_map_only(torch.Tensor, functools.partial(_reference_inputs, _tensors(args, kwargs)), output)
 
     region = torch.compiler.nested_compile_region(body, max_reuse_entries=_MAX_REUSE_ENTRIES)
@@ -219,10 +206,8 @@ def make_region_forward(cls: type, tensor_parallel: bool = False):
 
 
 def region_input(value: torch.Tensor) -> torch.Tensor:
-    """A copy a tensor-parallel region body may hand to ``DTensor.from_local``: on torch 2.13
-    ``from_local`` of a body input traces as an in-place ``detach_``, so ``invoke_subgraph``
-    functionalizes the body, where ``from_local``'s autograd.Function is refused. Inductor drops
-    the copy where it can; the eager runtime never makes it."""
+    """A copy a TP region body may hand to ``DTensor.from_local``: torch 2.13 traces ``from_local``
+    of a body input as an in-place ``detach_``, which makes the body refused. Inductor drops it."""
     return value.clone() if torch.compiler.is_compiling() else value
 
 
@@ -244,8 +229,7 @@ _UNCAPTURED = "UncapturedHigherOrderOpError"
 
 
 def refused_by_torch(error: BaseException) -> bool:
-    """Whether ``error`` is torch refusing a block as a region by one of its rules (a graph break
-    inside the body, an alias or in-place write it does not allow): what inlining gets past."""
+    """Whether ``error`` is torch refusing a block as a region by its rules: what inlining gets past."""
     # The errors it was raised from, not during: an error raised while handling a refusal is not one.
     cause, seen = error, set()
     while cause is not None and id(cause) not in seen:
@@ -289,8 +273,7 @@ class RegionFallback:
         return [c for c in self.classes.values() if c.reason is not None]
 
     def inlined_by_pass(self, block_class: type | None, reason: str) -> None:
-        """A captured graph's pass inlined ``block_class``'s calls: say so once. The class stays on
-        for Dynamo (every compiled graph guards on it); each graph that needs it inlines again."""
+        """A pass inlined ``block_class``'s calls: say so once. The class stays on for Dynamo."""
         region_class = self.classes.get(class_key(block_class)) if block_class is not None else None
         if region_class is None:
             return
@@ -329,9 +312,8 @@ class _Attempt:
 
 @dataclass(eq=False)
 class ModelRegions:
-    """The region classes of one sharded model (its root's state holds this), and the steps of
-    the call that retries without the regions torch refused (:func:`region_fallback_call`);
-    Dynamo off, as every frame the skipped frame calls would otherwise be compiled."""
+    """One model's region classes and the steps of :func:`region_fallback_call`; Dynamo off, or
+    every frame the skipped frame calls would be compiled."""
 
     classes: list[RegionClass]
     fallback: RegionFallback
@@ -371,8 +353,7 @@ class ModelRegions:
             self.fallback.warn(region_class)
 
     def _ran_before_failing(self, error: BaseException, enabled: list[RegionClass], attempt: _Attempt) -> None:
-        """A compile failed after part of the call ran: not retried. The class traced last is
-        turned off for the next calls (earlier tries' stay off), and the error says so."""
+        """A compile failed after part of the call ran: not retried; the class traced last goes off."""
         self.succeeded(attempt)
         traced = next((c for c in enabled if c.key == _LAST_TRACED[0]), None)
         if traced is None:
@@ -391,8 +372,7 @@ class ModelRegions:
                          "to compile every block inline from the start.")
 
     def _not_retried(self, error: BaseException, enabled: list[RegionClass], attempt: _Attempt) -> None:
-        """strict=True and an error torch's rules do not explain: raised as it is, each class as
-        it was (those an earlier try turned off stay off, and are warned of)."""
+        """strict=True and an error torch's rules do not explain: raised as it is."""
         self.succeeded(attempt)
         traced = [c for c in enabled if c.key == _LAST_TRACED[0]] or enabled
         _LAST_TRACED[0] = None
@@ -404,8 +384,7 @@ class ModelRegions:
                          "warning; regions=False compiles every block inline from the start.")
 
     def _no_region_to_blame(self, error: BaseException, attempt: _Attempt) -> None:
-        """Compiling failed with every class inline too: regions were not the cause. The classes
-        go back on and the first error is raised, the last one noted beside it."""
+        """Failed with every class inline too: the classes go back on and the first error is raised."""
         for region_class in attempt.turned_off:
             region_class.enabled = True
             region_class.reason = None
@@ -452,11 +431,8 @@ def _add_note(error: BaseException, note: str) -> None:
 
 
 def _top_frame_only(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, run as Python when it is the frame ``torch.compile`` starts at (to catch what
-    compiling the frames it calls raises), traced like any code when a compiled function calls
-    it (no graph break, no retry: that compile is the user's). ``torch.compiler.disable(fn,
-    recursive=False)`` gives the first half, but its wrapper is marked disabled, which breaks
-    the graph of a compiled caller; the same wrapper unmarked is inlined there instead."""
+    """``fn`` run as Python when it is the frame ``torch.compile`` starts at, traced when a compiled
+    function calls it: ``disable(fn, recursive=False)`` would break a compiled caller's graph."""
     from torch._dynamo import external_utils
 
     wrap = getattr(external_utils, "get_nonrecursive_disable_wrapper", None)
@@ -466,9 +442,8 @@ def _top_frame_only(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def region_fallback_call(cls: type) -> Callable[..., Any]:
-    """The root class's ``__call__``: ``cls``'s, retried with the regions torch refused inline.
-    The loop is in the frame ``torch.compile`` skips, so what compiling the model inside
-    ``original_call`` raises is caught here."""
+    """The root class's ``__call__``, retried with the regions torch refused inline (the loop is in
+    the frame ``torch.compile`` skips, so what compiling the model raises is caught here)."""
     original_call = cls.__call__
 
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -1,10 +1,8 @@
 """Gradient accumulation without communication: ``backend.no_sync()``.
 
-While sync is off, reads of trainable parameters are ``unshard_no_sync(shard, accumulator, ...)``:
-the same gather, with the gradient summed unreduced into ``accumulator`` (full-shape, an expanded
-zero until a gradient arrives). The first backward with sync back on still accumulates, then
-reduces everything bucket by bucket with the graphs' ``reduce_grads``: one reduction per window,
-as FSDP's ``no_sync``. Dynamo guards on :attr:`GradientSync.accumulating`: one more graph.
+While sync is off, reads are ``unshard_no_sync(shard, accumulator, ...)``: the gradient is summed
+unreduced into a full-shape ``accumulator``. The first backward with sync back on still accumulates,
+then reduces everything with the graphs' ``reduce_grads``: one reduction per window, as FSDP's.
 """
 
 from __future__ import annotations
@@ -61,13 +59,12 @@ class GradientSync:
     def _on_accumulated(self, _accumulator: torch.Tensor) -> None:
         if self.requires_sync and not self._reduce_queued:
             self._reduce_queued = True
-            # Runs once the whole backward is done: every accumulator then holds its last
-            # micro-batch too. The engine API FSDP and DDP use for their end-of-backward work.
+            # Once the whole backward is done (every accumulator holds its last micro-batch), as FSDP's.
             torch.autograd.Variable._execution_engine.queue_callback(self.reduce_accumulated)
 
     def reduce_accumulated(self) -> None:
-        """Reduce the accumulated gradients into ``param.grad`` now and end accumulation (done at the
-        end of the first backward with sync back on; call it if the window ended without one)."""
+        """Reduce the accumulated gradients into ``param.grad`` and end accumulation (the first backward
+        with sync back on does; call it if the window ended without one)."""
         self._reduce_queued = False
         if not self.requires_sync:
             raise RuntimeError("reduce_accumulated() while gradient sync is off; turn it back on first")

@@ -55,8 +55,7 @@ class Topology:
         return "" if self.replicate_group is None else self.replicate_group.group_name
 
     def group_roles(self) -> dict[str, str]:
-        """Process-group name -> its role (in a hybrid mesh each rank's shard group is another
-        group in the same role: what cross-rank checks compare)."""
+        """Process-group name -> its role, which cross-rank checks compare (groups differ per rank)."""
         return {self.shard_group_name: f"shard group ({self.shard_size} ranks)",
                 self.replicate_group_name: f"replicate group ({self.replicate_size} ranks)"}
 
@@ -66,8 +65,7 @@ class Topology:
 
 
 def world_timeout() -> datetime.timedelta:
-    """The default group's timeout, so groups we create fail as fast as the user asked: its own
-    ``timeout`` where its class keeps one (a Python process group), else its backend's."""
+    """The default group's timeout (its own, else its backend's), so groups we create fail as fast."""
     own = getattr(dist.group.WORLD, "timeout", None)
     if isinstance(own, datetime.timedelta):
         return own
@@ -104,8 +102,7 @@ def end_process_group(*, exit_process: bool = False) -> None:
 
 
 def _own_monitored_barrier(group: Any) -> bool:
-    """Whether ``group``'s class defines its own monitored barrier (a Python process group over
-    gloo, such as the emulated network's; ``dist.monitored_barrier`` accepts gloo groups only)."""
+    """Whether ``group``'s class has its own monitored barrier (a Python group, as the emulated network's)."""
     return type(group).monitored_barrier is not dist.ProcessGroup.monitored_barrier
 
 
@@ -135,8 +132,7 @@ def _require_initialized() -> None:
 def resolve_topology(strategy: ShardingStrategy, device_type: str, *, mesh: DeviceMesh | None = None,
                      process_groups: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
                      shard_size: int | None = None, timeout: datetime.timedelta | None = None) -> Topology:
-    """Build the layout for ``strategy`` from at most one of ``mesh`` / ``process_groups``
-    (options as :meth:`fsdp_compile.api.BackendOptions.validate` accepts them)."""
+    """The layout for ``strategy`` from at most one of ``mesh`` / ``process_groups`` (validated options)."""
     _require_initialized()  # the options themselves were checked by BackendOptions.validate
     timeout = timeout or world_timeout()
     if strategy.is_hybrid:
@@ -209,8 +205,7 @@ def _hybrid_mesh(device_type: str, mesh: DeviceMesh | None, process_groups: Sequ
 
 
 def new_groups(rank_lists: list[list[int]], timeout: Any) -> dist.ProcessGroup | None:
-    """Create a group of each rank list, as every rank must, in the same order (``new_group`` is
-    collective); returns this rank's."""
+    """Create a group of each rank list, as every rank must (``new_group`` is collective); returns this rank's."""
     mine = None
     for ranks in rank_lists:
         group = dist.new_group(ranks, timeout=timeout)
@@ -220,8 +215,7 @@ def new_groups(rank_lists: list[list[int]], timeout: Any) -> dist.ProcessGroup |
 
 
 def _layout_from_groups(shard_pg: dist.ProcessGroup, replicate_pg: dist.ProcessGroup) -> torch.Tensor:
-    """The (replicate, shard) rank layout the given groups describe, or a clear error. Collective
-    over the world, so all ranks fail together when the groups do not tile it."""
+    """The (replicate, shard) layout the groups describe; collective, so all ranks fail together."""
     for label, pg in (("shard_pg", shard_pg), ("replicate_pg", replicate_pg)):
         if not isinstance(pg, dist.ProcessGroup):
             raise TypeError(f"process_groups=(shard_pg, replicate_pg): {label} must be a ProcessGroup, "

@@ -1,11 +1,8 @@
 """Big-model initialization: materialize a meta-device model unit by unit while sharding it.
 
-:func:`materialize` walks the modules in post-order (as ``model.apply`` does), allocating each
-module's own meta parameters and buffers and running ``init_fn(module)`` or its
-``reset_parameters()``. At the head of a bucket unit, each parameter whose owners all ran is cut
-to this rank's shard and its full tensor released, so a rank never holds the whole model; the
-draws are those of the unsharded model. A module with no way to initialize, a tensor never
-written, or an initializer writing a parameter already sharded raise naming it.
+Modules run in post-order (as ``model.apply``), each allocating its meta tensors and running
+``init_fn`` or ``reset_parameters()``; at a unit's head, each parameter whose owners all ran is cut
+to this rank's shard and released, so a rank never holds the whole model (the draws are unchanged).
 """
 
 from __future__ import annotations
@@ -53,8 +50,8 @@ def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def materialize(model: nn.Module, units: set[str], device: torch.device, shard: ShardFn,
                 init_fn: InitFn | None = None) -> Materialized:
-    """Initialize ``model``'s meta parameters unit by unit; returns their shards. ``_parameters``
-    keep the meta parameters (the caller registers the shards); meta buffers stay whole."""
+    """Initialize ``model``'s meta parameters unit by unit; returns their shards (the caller registers
+    them); meta buffers stay whole."""
     order = _post_order(model)
     names = {id(m): n for n, m in order}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -77,9 +74,7 @@ def materialize(model: nn.Module, units: set[str], device: torch.device, shard: 
         own_meta = [(pname, p) for pname, p in module._parameters.items() if p is not None and p.device.type == "meta"]
         for _pname, p in own_meta:
             if id(p) not in full:
-                # A tensor-parallel (DTensor) parameter is initialized whole, as a plain tensor of
-                # its global shape: the same draws as the model before its TP plan; ``shard``
-                # then cuts its TP-local part.
+                # A TP (DTensor) parameter is initialized whole (the draws before its TP plan).
                 empty = (torch.empty(p.shape, dtype=p.dtype, device=device) if isinstance(p, DTensor)
                          else torch.empty_like(p, device=device))
                 value = nn.Parameter(empty, requires_grad=p.requires_grad)

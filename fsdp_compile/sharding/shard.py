@@ -42,9 +42,8 @@ from .units import ReshardGroups, resolve_reshard, unit_modules, unit_of
 
 @dataclass(frozen=True)
 class Init:
-    """How ``shard()`` initializes a meta-device model: each module by ``fn`` (default: its
-    ``reset_parameters``), on ``device`` (default: the mesh's); ``materialize=False`` keeps
-    meta shards (planning: shapes only)."""
+    """How ``shard()`` initializes a meta-device model: ``fn`` (default ``reset_parameters``) on
+    ``device`` (default the mesh's); ``materialize=False`` keeps meta shards (planning)."""
 
     fn: InitFn | None = None
     device: torch.device | None = None
@@ -62,10 +61,9 @@ class ShardResult:
 def shard_module(model: nn.Module, topology: Topology, options: BackendOptions, init: Init = Init(), *,
                  sync: GradientSync | None = None, region_fallback: RegionFallback | None = None,
                  reshard_groups: ReshardGroups | None = None) -> ShardResult:
-    """Shard every parameter of ``model`` in place as ``options`` say; returns each one's info.
-    Meta parameters are materialized as ``init`` says; regions need ``sync``; ``region_fallback``
-    and ``reshard_groups``: the backend's (new ones by default). Tensor-parallel parameters are
-    sharded over ``topology``'s dp mesh, which must be the ``mesh=`` the user gave."""
+    """Shard every parameter of ``model`` in place as ``options`` say; returns each one's info. Meta
+    parameters are materialized as ``init`` says; regions need ``sync``; ``region_fallback`` and
+    ``reshard_groups``: the backend's (new by default). TP parameters shard over the dp ``mesh=``."""
     policy, mixed_precision, offload = options.bucket_policy, options.mixed_precision, options.offload
     units = unit_modules(model, policy)
     reshard_to = resolve_reshard(options.reshard_after_forward, model, units, topology)
@@ -169,7 +167,7 @@ def shard_module(model: nn.Module, topology: Topology, options: BackendOptions, 
 
 
 def _region_classes(model: nn.Module, regional: set[str], fallback: RegionFallback) -> dict[str, RegionClass]:
-    """Each unit compiled as a region -> the switch of its class (one per class, the backend's)."""
+    """Each region unit -> its class's switch."""
     by_class: dict[type, list[str]] = {}
     for unit in sorted(regional):
         by_class.setdefault(type(model.get_submodule(unit)), []).append(unit)
@@ -177,17 +175,16 @@ def _region_classes(model: nn.Module, regional: set[str], fallback: RegionFallba
 
 
 def _without_split_meshes(model: nn.Module, regional: set[str]) -> set[str]:
-    """``regional`` less the units of block classes whose TP hooks hold different mesh objects,
-    each class named in a warning."""
+    """``regional`` less the block classes whose TP hooks hold different meshes, each warned of."""
     split = tp_mesh_split_classes(model, regional)
     for cls in sorted(split, key=lambda c: c.__qualname__):
         blocks = sorted(u for u in regional if type(model.get_submodule(u)) is cls)
-        warnings.warn(
-            f"fsdp_compile: the {cls.__qualname__} blocks ({first_names(blocks)}) compile inline, not as one region: "
-            "their tensor-parallel hooks hold different DeviceMesh objects (the TP mesh sliced once per block, e.g. "
-            "mesh['tp'] inside the loop), which torch 2.13 cannot reuse a region's trace across. Slice the mesh once "
-            "(tp_mesh = mesh['tp']) and pass that object to parallelize_module for every block, or pass "
-            "regions=False to compile inline without this warning.", stacklevel=4)
+        warnings.warn(f"fsdp_compile: the {cls.__qualname__} blocks ({first_names(blocks)}) compile inline, not as "
+                      "one region: their tensor-parallel hooks hold different DeviceMesh objects (the TP mesh sliced "
+                      "once per block, e.g. mesh['tp'] inside the loop), which torch 2.13 cannot reuse a region's "
+                      "trace across. Slice the mesh once (tp_mesh = mesh['tp']) and pass that object to "
+                      "parallelize_module for every block, or pass regions=False to compile inline without this "
+                      "warning.", stacklevel=4)
     return {u for u in regional if type(model.get_submodule(u)) not in split}
 
 

@@ -1,15 +1,10 @@
 """The generated subclass of every sharded module: ``module.<name>`` gathers the parameter.
 
 One property per parameter returns ``unshard(leaf, ...)``, a marker Dynamo inlines and the eager
-runtime executes; the root's ``forward`` sets the per-forward state the reads use, a region
-unit's runs as a region. A read's needs are in the module's :class:`ModuleState`, one instance
-attribute (``module._fsdp_state``): for Dynamo one load and one type guard, with a source below
-the module's so a region's trace of one block replays for the next (FSDP2's map keyed by module
-would not). Never in the class, which instances share.
-
-A read that runs as Python (the eager runtime, or after a graph break) has no graph to bucket
-in, so the first read of a bucket in a forward gathers the bucket's unread parameters with one
-all-gather and keeps them until read (:func:`eager_read`); their gradients reduce together.
+runtime executes. A read's needs are in :class:`ModuleState`, one instance attribute: for Dynamo
+one load and one guard, with a source below the module's so a region's trace of one block replays
+for the next (FSDP2's map keyed by module would not). A read that runs as Python has no graph to
+bucket in, so a bucket's first read gathers all its unread parameters at once (:func:`eager_read`).
 """
 
 from __future__ import annotations
@@ -44,17 +39,15 @@ STATE_ATTR = "_fsdp_state"
 class ModuleState:
     """One sharded module's state: ``module._fsdp_state``."""
 
-    specs: dict[str, ShardedParamInfo]  # local parameter name -> its spec
+    specs: dict[str, ShardedParamInfo]  # by local parameter name
     shards: LocalShards  # the model's, shared by all its modules
     sync: GradientSync | None  # the backend's, shared by all the models it shards
     region: RegionReads | None = None  # inside a unit compiled as a region
     mixed_precision: MixedPrecision | None = None  # the root's, when it casts inputs or the output
     region_class: RegionClass | None = None  # a unit compiled as a region: its class's switch
     regions: ModelRegions | None = None  # the root of a model with regions: their classes, the fallback
-    # local parameter name -> (fqn, the unshard marker's arguments): what a read passes on.
-    reads: dict[str, tuple[str, tuple]] = field(init=False)
-    # local parameter name -> its TP spec, for tensor-parallel parameters.
-    tp: dict[str, TPSpec] = field(init=False)
+    reads: dict[str, tuple[str, tuple]] = field(init=False)  # local name -> (fqn, the marker's arguments)
+    tp: dict[str, TPSpec] = field(init=False)  # local name -> TP spec, for tensor-parallel parameters
 
     def __post_init__(self) -> None:
         self.reads = {name: (info.fqn, info.unshard_args) for name, info in self.specs.items()}
@@ -146,11 +139,9 @@ _CLASS_CACHE: dict[tuple[type, tuple[str, ...], bool, bool, bool, tuple[str, ...
 def sharded_class(cls: type, names: tuple[str, ...], root: bool = False, region_forward: bool = False,
                   in_region: bool = False, tp_names: tuple[str, ...] = (), tp_region: bool = False,
                   region_fallback: bool = False) -> type:
-    """The generated subclass: a gathering property per parameter (``in_region``: for a module
-    inside a region), for the root a forward that sets up the reads, for a region unit
-    (``region_forward``) a forward that runs as one. ``tp_names``: tensor-parallel parameters,
-    whose reads return the tp DTensor; ``tp_region``: a region of a tensor-parallel model;
-    ``region_fallback``: the root's call retries with the regions torch refused inline."""
+    """The generated subclass: a gathering property per parameter, for the root a forward that sets
+    up the reads (and with ``region_fallback`` a retrying call), for a region unit a region forward.
+    ``tp_names``' reads return the tp DTensor; ``tp_region``: a region of a tensor-parallel model."""
     key = (cls, names, root, region_forward, in_region, tp_names, tp_region, region_fallback)
     if key not in _CLASS_CACHE:
         namespace: dict[str, Any] = {name: _make_property(name, in_region, name in tp_names) for name in names}
@@ -173,12 +164,9 @@ _REGION_READS = property(lambda self: self._fsdp_state.region,
 
 
 def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
-    # Dynamo inlines every read, at a cost that grows with each call, attribute and constant it
-    # meets (a helper call costs ~100 bytecode steps per read): everything is precomputed at
-    # shard time (the marker's arguments: one tuple, one guard), and the plain case, which the
-    # traced root forward decided once, is one marker on the leaf. Plain attribute reads, not
-    # getattr() or module.__dict__[...] (Dynamo wraps a whole __dict__). The two reads repeat
-    # their common part rather than call it.
+    # Dynamo inlines every read at a cost per call, attribute and constant (a helper call: ~100
+    # bytecode steps per read), so all is precomputed at shard time, reads are plain attribute
+    # loads (Dynamo wraps a whole __dict__), and the two reads repeat their common part.
     def read(self: nn.Module) -> torch.Tensor:
         state = self._fsdp_state
         fqn, marker_args = state.reads[name]
@@ -191,9 +179,8 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
         region = self._fsdp_state.region
         if not region.sync.accumulating and torch.compiler.is_compiling():
             # Nothing here may name the block or read the root's per-forward state, or the next
-            # block could not reuse this trace. A class compiled inline reads the same way: a
-            # frame Dynamo compiles for one block after a graph break then serves the others.
-            # The captured graph's pass names every read at its call site.
+            # block could not reuse this trace (inline too: a frame compiled after a graph break
+            # serves every block). The captured graph's pass names every read at its call site.
             return torch.ops.fsdp_compile.unshard(region.leaves[name], *region.args[name])
         state = self._fsdp_state
         fqn, marker_args = state.reads[name]
@@ -205,15 +192,12 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
     def write(self: nn.Module, value: object) -> None:
         info = self._fsdp_state.specs.get(name)
         fqn = info.fqn if info else name
-        raise AttributeError(
-            f"cannot assign to sharded parameter {fqn!r}; load new values with load_state_dict() "
-            "or copy_() into the existing parameter"
-        )
+        raise AttributeError(f"cannot assign to sharded parameter {fqn!r}; load new values with load_state_dict() "
+                             "or copy_() into the existing parameter")
 
     plain = read_in_region if in_region else read
     if tp:
-        # A separate property, so plain reads pay nothing for TP. The markers move the TP-local
-        # tensor over dp; TP's own DTensor ops then see the parameter as parallelize_module left it.
+        # A separate property, so plain reads pay nothing for TP.
         def read_tp(self: nn.Module) -> torch.Tensor:
             return as_tp_dtensor(plain(self), self._fsdp_state.tp[name])
 
@@ -232,8 +216,7 @@ def _make_property(name: str, in_region: bool, tp: bool = False) -> property:
 
 
 def gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
-    """A read that is not the plain case: a tied parameter, accumulation without sync, a read
-    outside the forward, or one that runs as Python (the compiler runs a one-read graph so)."""
+    """A read that is not the plain case: tied, accumulating, outside the forward, or run as Python."""
     shared = shards.shared_gathered
     if shared is not None and fqn in shared:  # a tied parameter: gathered once at the root
         return shared[fqn]
@@ -241,8 +224,7 @@ def gathered_parameter(fqn: str, marker_args: tuple, shards: LocalShards) -> tor
 
 
 def _gather(fqn: str, marker_args: tuple, shards: LocalShards) -> torch.Tensor:
-    """One marker (its gradient reduced, or accumulated under no_sync); a read in a forward that
-    runs as Python gathers with its bucket (:func:`eager_read`)."""
+    """One marker (its gradient reduced, or accumulated under no_sync), or a Python read's bucket."""
     local = shards.leaves[fqn]
     if shards.in_forward:
         accumulating = shards.accumulating
@@ -270,9 +252,8 @@ def _make_root_forward(cls: type) -> Callable[..., Any]:
         # Not in hooks: Dynamo compiles module hooks as frames of their own.
         shards = self._fsdp_state.shards
         if torch.compiler.is_compiling():
-            # No try/finally while traced: Dynamo cannot resume a frame inside one, so a graph
-            # break would make it run the root's code after the break as Python. The graph after
-            # the break resets the state (after an exception, the next forward).
+            # No try/finally while traced: Dynamo cannot resume a frame inside one after a graph
+            # break. The graph after the break resets the state (after an exception, the next forward).
             _begin_forward(shards, traced=True)
             output = run(self, shards, args, kwargs)
             _end_forward(shards)

@@ -1,20 +1,15 @@
 """Sharded parameters: the tensors each is made of, the map from those tensors to its name, and
 the leaves one model's forward reads (:class:`LocalShards`).
 
-[Note: sharded tensors]
-* DTensor parameter: the ``nn.Parameter`` wrapping a DTensor (:func:`shard_tensor`) that replaces
-  the original in ``module._parameters``, what optimizers, ``state_dict()`` and checkpoints see
-  and where gradients end up. Sharded on dim 0; replicated for NO_SHARD and 0-d tensors.
-* Local shard: its ``_local_tensor``, this rank's rows, stored padded to an equal chunk as FSDP2
-  does (every rank's copy-in reads the same size); in host memory under CPU offload.
-* Leaf: a plain ``nn.Parameter`` sharing the local shard's storage (:class:`ShardedParam`) that
-  stands for the parameter in forward (see :class:`LocalShards`); its gradient moves to the
-  DTensor parameter's ``.grad``. A write to the local shard (optimizer step, checkpoint load) is
-  seen by the next forward without a copy.
+* DTensor parameter (:func:`shard_tensor`): in ``module._parameters``, what optimizers and
+  checkpoints see and where gradients end up; sharded on dim 0 (replicated for NO_SHARD and 0-d).
+* Local shard: its ``_local_tensor``, padded to an equal chunk as FSDP2's; on the host under offload.
+* Leaf: a plain ``nn.Parameter`` on the local shard's storage standing for the parameter in forward
+  (:class:`ShardedParam`), so an optimizer step or checkpoint load is seen without a copy.
 * Gathered parameter: ``module.<name>`` in forward, ``unshard(leaf, ...)``.
 
-Errors name a graph input's parameter through one weak map from tensor to record, not tensor
-attributes, which a copy (``torch.save``, ``deepcopy``) would carry. Read at compile time only.
+Errors name a graph input's parameter through one weak map, not tensor attributes, which a copy
+(``torch.save``, ``deepcopy``) would carry.
 """
 
 from __future__ import annotations
@@ -43,9 +38,7 @@ class ShardedParamInfo:
 
     fqn: str
     unit: str  # the bucket unit (module name; "" is the root)
-    # What the markers gather: the full parameter, or for a tensor-parallel parameter its
-    # TP-local tensor (``tp.shape`` is then the global shape).
-    full_shape: tuple[int, ...]
+    full_shape: tuple[int, ...]  # what the markers gather: the parameter, or a TP parameter's TP-local tensor
     comm: CommSpec
     tp: TPSpec | None = None
 
@@ -58,9 +51,8 @@ class ShardedParamInfo:
 @dataclass(frozen=True)
 class _Record:
     name: str  # the parameter's name when it was sharded
-    # A leaf's LocalShards, weakly: it holds the leaf, and a value that reaches its own key keeps
-    # the entry, the model's parameters, their device mesh and its process group alive forever.
-    # None for a DTensor parameter.
+    # A leaf's LocalShards (None for a DTensor parameter), weakly: a value reaching its own key
+    # would keep the entry, the model's parameters, their mesh and its process group alive forever.
     owner: weakref.ref[LocalShards] | None
 
 
@@ -89,8 +81,8 @@ def sharded_parameter(dtensor: torch.Tensor, fqn: str, requires_grad: bool) -> n
 
 def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | None,
                  tp: TPSpec | None = None) -> tuple[torch.Tensor, bool]:
-    """This rank's DTensor shard of ``param``, and whether it is split on dim 0. With ``tp``
-    (``param`` is its TP-local tensor) the DTensor is on the dp and tp meshes together."""
+    """This rank's DTensor shard of ``param`` (with ``tp``: its TP-local tensor, the DTensor on the dp
+    and tp meshes), and whether it is split on dim 0."""
     full = plain_tensor(param).detach()  # a torchao float8 weight is sharded as the tensor it wraps
     device = None if full.is_meta else current_device(topology.mesh.device_type)
     if full.dim() == 0 or topology.shard_size == 1:
@@ -116,8 +108,7 @@ def _tp_dtensor(local: torch.Tensor, topology: Topology, tp: TPSpec, dim0_sharde
 
 
 def _place(storage: torch.Tensor, offload: CPUOffload | None, device: torch.device | None = None) -> torch.Tensor:
-    """Where a shard lives: host memory under ``offload`` (pinned where asked and possible), else
-    ``device``, the mesh's (None: where it is), as FSDP2 moves a module's states to its mesh's."""
+    """Host memory under ``offload`` (pinned where asked and possible), else ``device`` (None: in place)."""
     if offload is not None:
         storage = storage.to("cpu")
         return storage.pin_memory() if offload.pin_memory and offload_pins_memory() else storage
@@ -130,8 +121,8 @@ def offload_pins_memory() -> bool:
 
 
 class ShardedParam:
-    """One DTensor parameter and the leaf that stands for it in forward, kept in line; a hook
-    moves ``leaf.grad`` into ``param.grad`` as a DTensor, as FSDP2 moves its reduced shards."""
+    """One DTensor parameter and the leaf standing for it in forward; a hook moves ``leaf.grad`` into
+    ``param.grad`` as a DTensor."""
 
     __slots__ = ("__weakref__", "fqn", "hooked", "leaf", "local", "owner", "param")
 
@@ -143,8 +134,7 @@ class ShardedParam:
         self.leaf = self._make_leaf()
 
     def _make_leaf(self) -> nn.Parameter:
-        # nn.Parameter: Dynamo and AOTAutograd treat it as the parameter it stands for (a
-        # static input), as they treated the DTensor.
+        # nn.Parameter: Dynamo and AOTAutograd treat it as a static input, as they did the DTensor.
         leaf = nn.Parameter(self.local.detach(), requires_grad=False)
         _TENSORS[leaf] = _Record(self.fqn, weakref.ref(self.owner))
         self.hooked = False
@@ -164,8 +154,7 @@ class ShardedParam:
             add_local_grad(self.param, grad)
 
     def refresh(self) -> bool:
-        """Make the leaf follow the parameter again; True if the leaf changed (a compiled graph
-        traced with the old one must not run this call)."""
+        """Make the leaf follow the parameter again; True if the leaf changed (graphs must retrace)."""
         if self.param._local_tensor is not self.local:  # new storage (``param.data = ...``)
             self.local = self.param._local_tensor
             self.leaf = self._make_leaf()
@@ -177,9 +166,8 @@ class ShardedParam:
 
 
 def _grad_mover(shard: ShardedParam) -> Callable[[torch.Tensor], None]:
-    """The leaf's post-accumulate-grad hook, holding its ShardedParam weakly: the leaf keeps hooks
-    in C++, out of the garbage collector's sight, so a strong hook would close a cycle that
-    keeps the parameters, their mesh and its gloo group (whose threads race shutdown) alive."""
+    """The leaf's post-accumulate-grad hook, holding its ShardedParam weakly: hooks live in C++, out of
+    the collector's sight, so a strong one would keep the parameters, mesh and gloo group alive."""
     ref = weakref.ref(shard)
 
     def move(leaf: torch.Tensor) -> None:
@@ -200,14 +188,11 @@ class _Registration:
 
 
 class LocalShards:
-    """The leaves that stand for one model's sharded parameters in its forward, and the state of
-    that forward. One per model, shared by the states of all its modules.
+    """The leaves standing for one model's sharded parameters in its forward, and that forward's state.
 
-    Leaves, not DTensors: a DTensor input costs Dynamo spec guards and an unwrapping, and
-    AOTAutograd a subclass to flatten (over twice a deep model's compile time), and ``to_local()``
-    in a checkpointed region made AOTAutograd save the DeviceMesh. The leaves follow their
-    parameters through :meth:`refresh`, run eagerly before every forward. Tied parameters are
-    gathered once per forward at the root (not on first read, which inside a checkpointed region
+    Leaves, not DTensors: a DTensor input costs Dynamo guards and AOTAutograd a subclass to flatten
+    (over twice a deep model's compile time). :meth:`refresh` runs before every forward. Tied
+    parameters are gathered once per forward at the root (a first read inside a checkpointed region
     would mutate outside state), so their gradients are summed before one reduction, as FSDP2's.
     """
 
@@ -221,15 +206,12 @@ class LocalShards:
         self.shared: list[tuple[str, tuple]] = []
         # fqn -> the marker's arguments after the tensor (a read's, see ShardedParamInfo).
         self.read_args: dict[str, tuple] = {}
-        # Set by the root's forward for its duration: whether gradients accumulate without
-        # synchronization (read once per forward, one guard under Dynamo), and the tied
-        # parameters' gathered values.
+        # Set by the root's forward for its duration (read once per forward, one guard under Dynamo).
         self.in_forward = False
         self.accumulating = False
         self.shared_gathered: dict[str, torch.Tensor] | None = None
         self.plain_reads = False  # in_forward, traced, not accumulating, no tied parameters
-        # Reads that run as Python in this forward (sharded_class.eager_read): what they gathered for
-        # reads still to come, and which parameters were gathered.
+        # Reads that run as Python in this forward (sharded_class.eager_read): gathered ahead, and done.
         self.prefetched: dict[str, torch.Tensor] = {}
         self.read_in_forward: set[str] = set()
         # fqn -> the (dict, key) places besides ``leaves`` that hold its leaf (region reads).
@@ -259,9 +241,8 @@ class LocalShards:
         self._snapshot = None
 
     def refresh(self) -> dict[int, nn.Parameter]:
-        """Bring every leaf in line with its parameter; returns ``{id(old leaf): new leaf}`` for
-        those that changed. Raises if a sharded parameter was replaced by another tensor (its
-        leaf would go on reading the old values)."""
+        """Bring every leaf in line with its parameter; returns ``{id(old leaf): new leaf}``. Raises if a
+        sharded parameter was replaced by another tensor (its leaf would read the old values)."""
         if self._unchanged():
             return {}
         for reg in self.registrations:
@@ -283,8 +264,7 @@ class LocalShards:
         return changed
 
     def _unchanged(self) -> bool:
-        # Runs before every graph call, for every parameter: compared with C-level iteration
-        # (map over parallel lists), a few times faster than a loop over the objects.
+        # Runs before every graph call: map over parallel lists is a few times faster than a loop.
         if self._snapshot is None:
             regs, shards = self.registrations, self.shards
             self._snapshot = ([r.parameters for r in regs], [r.name for r in regs], [r.param for r in regs],

@@ -1,11 +1,8 @@
 """Parameters that are already tensor-parallel DTensors: FSDP over the dp part of a 2-D mesh.
 
-A parameter ``parallelize_module`` put on ``mesh["tp"]`` is sharded over dp through its TP-local
-tensor, as a plain one is; the markers move that tensor over the dp groups only and the read
-rebuilds the tp DTensor (with the global shape: unequal TP shards would be misread), so the TP
-plan's ops and collectives are torch's own. The DTensor parameter lives on the dp and tp meshes
-with FSDP2's placements (``_StridedShard(0, split_factor=tp)`` where TP also splits dim 0), so
-``full_tensor()``, ``state_dict()`` and checkpoints read it as FSDP2 + TP writes it.
+Such a parameter is sharded over dp through its TP-local tensor; the read rebuilds the tp DTensor
+(with the global shape: unequal TP shards would be misread), so TP's ops are torch's own. The
+DTensor parameter has FSDP2's placements on the dp and tp meshes, so checkpoints read as FSDP2 + TP's.
 """
 
 from __future__ import annotations
@@ -72,8 +69,7 @@ def tp_spec(fqn: str, param: DTensor, topology: Topology, mesh_given: bool) -> T
 
 
 def tp_local(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
-    """This rank's TP-local part (a view) of a parameter's whole value, as ``distribute_tensor``
-    cuts it (a meta-device model is initialized whole)."""
+    """This rank's TP-local view of a whole value, as ``distribute_tensor`` cuts it (meta-device init)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
@@ -85,7 +81,7 @@ def tp_local(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
 
 
 def combined_layout(topology: Topology, spec: TPSpec, dim0_sharded: bool) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The 2-D (or 3-D for hybrid) mesh and placements of the DTensor parameter, as FSDP2 gives them."""
+    """The dp + tp mesh and placements of the DTensor parameter, as FSDP2 gives them."""
     mesh = DeviceMesh._concatenate([topology.mesh, spec.mesh])
     split = 1
     for dim, placement in enumerate(spec.placements):
@@ -94,8 +90,7 @@ def combined_layout(topology: Topology, spec: TPSpec, dim0_sharded: bool) -> tup
     dp: list[Placement] = []
     for placement in topology.placements:
         if isinstance(placement, Shard) and dim0_sharded:
-            # The dp chunk is taken of the TP-local rows: where TP split dim 0 first, the global
-            # rows a dp rank holds are strided, which only _StridedShard describes.
+            # Where TP split dim 0 first, a dp rank's global rows are strided: _StridedShard.
             dp.append(_StridedShard(0, split_factor=split) if split > 1 else Shard(0))
         else:
             dp.append(Replicate())

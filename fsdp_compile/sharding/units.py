@@ -1,15 +1,11 @@
 """Bucket units: which module each parameter communicates with, and what each unit keeps of its
-gathered parameters from forward to backward, decided when a model is sharded.
+gathered parameters from forward to backward, decided at shard time.
 
-``bucket=`` (:mod:`fsdp_compile.api.buckets`): ``"module"`` (default) makes the repeated blocks
-units, plus the root for the rest (:class:`_BlockFinder`); classes or a callable make each
-selected module one, a parameter going to its nearest selected ancestor; an int or ``"param"``
-make none. Units travel in each marker's ``unit`` argument, so bucketing needs only the graph.
-
-``reshard_after_forward=`` (as FSDP2's, per unit, or ``{unit name | module | class: value}``):
-``True`` reshards to the shard group, ``False`` keeps the gathered parameters, ``n`` keeps a
-shard over groups of ``n`` consecutive ranks (ZeRO++'s hpZ). Each unit resolves to
-``reshard_to``, the ranks it reshards to; the gradient's reduction is the same in every case.
+``bucket="module"`` (default) makes the repeated blocks units, plus the root (:class:`_BlockFinder`);
+classes or a callable make each selected module one; an int or ``"param"`` make none. Units travel
+in each marker's ``unit`` argument, so bucketing needs only the graph. ``reshard_after_forward=``
+(per unit, or ``{unit name | module | class: value}``) resolves to ``reshard_to``, the ranks a unit
+reshards to: all of the shard group, 1 (keep), or ``n`` consecutive ranks (ZeRO++'s hpZ).
 """
 
 from __future__ import annotations
@@ -38,23 +34,18 @@ def _holds_parameters(module: nn.Module) -> bool:
 
 
 def _is_composite(module: nn.Module) -> bool:
-    """A layer made of layers (a block, an attention), not a leaf layer holding its own
-    parameters (two embeddings or q/k/v projections side by side are not blocks)."""
+    """A layer made of layers (a block, an attention), not a leaf layer (q/k/v projections)."""
     return any(_holds_parameters(child) for child in module.children())
 
 
 class _BlockFinder:
     """The ``"module"`` policy: the outermost repeated blocks, wherever the model holds them.
 
-    Siblings repeat when two or more have one class: members of a container (``nn.ModuleList``,
-    ``nn.Sequential``, ``nn.ModuleDict``), or composite attributes (``self.block0``,
-    ``self.block1``). A repeated sibling is a block (its experts are part of it) unless it is a
-    *stage* grouping composite blocks, whose blocks are the units then: a container of them, or
-    a stack (blocks in containers and beside them only leaf layers: T5's encoder and decoder).
-
-    Structure alone cannot tell a stack from a block of experts beside a norm and a router: the
-    sizes do. T5's two stacks are each near half of the model; a mixture of experts has many
-    small blocks. So repeated stacks are stages only when two hold over half the parameters.
+    Siblings repeat when two or more have one class: container members, or composite attributes
+    (``self.block0``, ``self.block1``). A repeated sibling is a block unless it is a *stage* whose
+    composite blocks are the units: a container of them, or a stack (T5's encoder and decoder).
+    Structure alone cannot tell a stack from a block of experts beside a norm and a router; sizes
+    do: repeated stacks are stages only when two hold over half the parameters.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -119,8 +110,8 @@ def _repeated_blocks(model: nn.Module) -> set[str]:
 
 
 def repeated_classes(model: nn.Module, within: Callable[[str], bool] = lambda name: True) -> list[str]:
-    """Names of the classes with parameters that occur twice or more among the modules ``within``
-    selects (containers aside), composite ones first: what a class-set policy could name."""
+    """Names of the classes with parameters repeated among the modules ``within`` selects, composite
+    ones first: what a class-set policy could name."""
     def user_class(module: nn.Module) -> type:
         # Once sharded, a module's class is a generated subclass; the user knows the original.
         return getattr(type(module), "_fsdp_original_class", type(module))
@@ -221,16 +212,15 @@ def _reshard_to(unit: str, value: bool | int, shard_size: int) -> int:
         return shard_size if value else 1
     if shard_size % value or value >= shard_size:
         label = unit or "<root>"
-        raise ConfigError(
-            f"reshard_after_forward={value} for unit {label!r}: a unit reshards to groups of n consecutive ranks "
-            f"of its shard group, so n must divide the shard group's {shard_size} ranks and be smaller than it "
-            f"(True reshards to all {shard_size}); use a divisor of {shard_size} between 2 and {shard_size // 2}")
+        raise ConfigError(f"reshard_after_forward={value} for unit {label!r}: a unit reshards to groups of n "
+                          f"consecutive ranks of its shard group, so n must divide the shard group's {shard_size} "
+                          f"ranks and be smaller than it (True reshards to all {shard_size}); use a divisor of "
+                          f"{shard_size} between 2 and {shard_size // 2}")
     return value
 
 
 class ReshardGroups:
-    """This rank's group of ``n`` consecutive ranks of its shard group, by ``n``; every rank creates
-    every group, in the same order (``new_group`` is collective)."""
+    """This rank's group of ``n`` consecutive ranks of its shard group, by ``n``."""
 
     def __init__(self) -> None:
         self._groups: dict[int, dist.ProcessGroup] = {}
