@@ -1,7 +1,7 @@
-"""``strategy="auto"``: what :class:`fsdp_compile.auto_backend.AutoBackend` (which lives above
-the planner) plans with at ``shard()``, and how the plan's best row becomes its options
-(strategy, bucket policy, prefetch depth; hybrid: shard groups of one node). Rank 0 plans (in a
-subprocess, :mod:`.child_process`) and broadcasts the plan, or its error, to every rank.
+"""``strategy="auto"``: what :class:`fsdp_compile.auto_backend.AutoBackend` (which lives above the planner) plans with
+at ``shard()``, and how the plan's best row becomes its options (strategy, bucket policy, prefetch depth; hybrid: shard
+groups of one node). Rank 0 plans (in a subprocess, :mod:`.child_process`) and broadcasts the plan, or its error, to
+every rank.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ class AutoRequest:
 def machine_cluster(world: int, devices_per_node: int, device_type: str, memory_budget: float | None,
                     properties: Any = None, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
                     ) -> Cluster:
-    """The cluster this job runs on: on a GPU its preset, matched by the device's name and total
-    memory, or measured where no preset describes it (:meth:`Cluster.for_device`; ``properties``
-    stands for the device's); on a CPU measured, against ``memory_budget``, its matmul rates for
-    ``dtypes`` only (a CPU's bf16 calibration takes a minute)."""
+    """The cluster this job runs on: on a GPU its preset, matched by the device's name and total memory, or measured
+    where no preset describes it (:meth:`Cluster.for_device`; ``properties`` stands for the device's); on a CPU
+    measured, against ``memory_budget``, its matmul rates for ``dtypes`` only (a CPU's bf16 calibration takes a
+    minute)."""
     nodes = max(world // devices_per_node, 1)
     if device_type == "cuda":
         cluster = Cluster.for_device(nodes=nodes, devices_per_node=devices_per_node, properties=properties)
@@ -95,8 +95,8 @@ def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecisi
 
 
 def candidate_options(result: Plan, row: PlanRow) -> dict[str, Any]:
-    """The backend options of ``row``: strategy, bucket policy, prefetch, and the units the
-    plan's budget keeps gathered after forward (``reshard_after_forward=``; None: the strategy's)."""
+    """The backend options of ``row``: strategy, bucket policy, prefetch, and the units the plan's budget keeps gathered
+    after forward (``reshard_after_forward=``; None: the strategy's)."""
     if row.tp != 1:
         raise PlanError(f"strategy='auto' applies 1-D rows only, and the plan chose {row.label()} (TP degree "
                         f"{row.tp}): plan_options must not ask for tp_degrees")
@@ -111,10 +111,9 @@ _PLANNED_BY_AUTO = ("cluster", "loss_fn", "mixed_precision", "optimizer", "world
 
 
 def check_plan_options(plan_options: dict[str, Any]) -> None:
-    """Refuse, by name, plan options that ``strategy="auto"`` cannot honour: a TP degree (it shards
-    a 1-D model: plan TP by hand with ``fsdp_compile.plan(..., tp_degrees=...)`` and apply the row
-    with ``parallelize_module`` and ``backend(strategy, mesh=mesh["dp"])``), what it passes
-    itself, and options ``plan()`` does not take."""
+    """Refuse, by name, plan options that ``strategy="auto"`` cannot honour: a TP degree (it shards a 1-D model: plan TP
+    by hand with ``fsdp_compile.plan(..., tp_degrees=...)`` and apply the row with ``parallelize_module`` and
+    ``backend(strategy, mesh=mesh["dp"])``), what it passes itself, and options ``plan()`` does not take."""
     import inspect
 
     known = set(inspect.signature(plan).parameters) - {"model", "example_inputs"}
@@ -144,8 +143,8 @@ AUTO_OPTIONS = ("example_inputs", "loss_fn", "cluster", "memory_budget", "plan_o
 
 
 def __getattr__(name: str) -> Any:
-    # AutoBackend moved up to fsdp_compile.auto_backend, beside the backend it extends; the old
-    # spelling still works, read from the package (the planner does not import the backend).
+    # AutoBackend moved up to fsdp_compile.auto_backend, beside the backend it extends; the old spelling still works,
+    # read from the package (the planner does not import the backend).
     if name == "AutoBackend":
         import sys
         import warnings

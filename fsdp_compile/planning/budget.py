@@ -1,24 +1,22 @@
 """``memory_budget=``: what each unit keeps from forward to backward, chosen at compile time.
 
-Between FULL_SHARD (every unit gathered twice a step) and SHARD_GRAD_OP (once, held from forward
-to backward), a unit can keep its gathered parameters (``reshard_after_forward=False`` for it) or
-a shard over ``n`` ranks that backward gathers inside that group only (``=n``). At the first
-compile of a graph that gathers, :class:`MemoryBudget`:
+Between FULL_SHARD (every unit gathered twice a step) and SHARD_GRAD_OP (once, held from forward to backward), a unit
+can keep its gathered parameters (``reshard_after_forward=False`` for it) or a shard over ``n`` ranks that backward
+gathers inside that group only (``=n``). At the first compile of a graph that gathers, :class:`MemoryBudget`:
 
 1. traces the strategy's step without code generation (``Compiler.trace_step``);
-2. prices each setting's memory: a kept unit holds its bytes (``1/n`` of them for a shard over
-   ``n``) from its last forward use on, and the backward graph takes them as inputs held
-   throughout; added to the graphs' memory timelines (:func:`.simulate.memory_timeline`, with
-   this rank's shards, gradients and AdamW's moments, and the optimizer step's own peak), this
-   gives any mix's peak without tracing it again;
-3. prices what each setting saves: the simulator plays the backward graph on ``cluster=`` with
-   that unit's gather removed or moved to ``n`` ranks;
-4. takes settings greedily by exposed seconds saved per byte kept (then communication seconds
-   saved), each while the mix's peak stays within the budget. Rank 0's choice is broadcast.
+2. prices each setting's memory: a kept unit holds its bytes (``1/n`` of them for a shard over ``n``) from its last
+   forward use on, and the backward graph takes them as inputs held throughout; added to the graphs' memory timelines
+   (:func:`.simulate.memory_timeline`, with this rank's shards, gradients and AdamW's moments, and the optimizer step's
+   own peak), this gives any mix's peak without tracing it again;
+3. prices what each setting saves: the simulator plays the backward graph on ``cluster=`` with that unit's gather
+   removed or moved to ``n`` ranks;
+4. takes settings greedily by exposed seconds saved per byte kept (then communication seconds saved), each while the
+   mix's peak stays within the budget. Rank 0's choice is broadcast.
 
-A budget below the strategy's own peak is an error naming the smallest that fits. The choice
-applies to every graph compiled afterwards (the joint pass ``apply_reshard_choice``), is reported
-by ``backend.report()`` and checked against the compiled graphs' own estimate.
+A budget below the strategy's own peak is an error naming the smallest that fits. The choice applies to every graph
+compiled afterwards (the joint pass ``apply_reshard_choice``), is reported by ``backend.report()`` and checked against
+the compiled graphs' own estimate.
 """
 
 from __future__ import annotations
@@ -249,8 +247,8 @@ def rank_states(local_shards: Iterable[Any]) -> dict[str, float]:
 
 
 class MemoryBudget:
-    """``memory_budget=`` as the backend hands it to its compiler: the compiler traces, this
-    prices and chooses (the compiler knows nothing of the cost model)."""
+    """``memory_budget=`` as the backend hands it to its compiler: the compiler traces, this prices and chooses (the
+    compiler knows nothing of the cost model)."""
 
     def __init__(self, budget: float, cluster: Cluster) -> None:
         self.budget = float(budget)
@@ -259,8 +257,8 @@ class MemoryBudget:
     def decide(self, trace: Callable[[], CompiledGraph], state: ShardingState) -> ReshardChoice:
         """Trace the strategy's step (``trace()``), choose, and make rank 0's choice every rank's.
 
-        Whatever rank 0 meets (a failed trace included) is raised on every rank: a rank raising
-        alone would leave the others waiting in a collective, or retry the compile alone."""
+        Whatever rank 0 meets (a failed trace included) is raised on every rank: a rank raising alone would leave the
+        others waiting in a collective, or retry the compile alone."""
         shard_size = state.topology.shard_size
         choice: Any = None
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -310,8 +308,8 @@ def check_cluster(cluster: Any) -> None:
 
 
 def graph_live(gm: fx.GraphModule, states: Mapping[str, float], cluster: Any) -> list[float]:
-    """Live bytes after each node of ``gm``, with the shards it does not read and the optimizer's
-    state, as ``plan()`` counts."""
+    """Live bytes after each node of ``gm``, with the shards it does not read and the optimizer's state, as ``plan()``
+    counts."""
     held = {"param": max(0.0, states["params"] - input_bytes(gm, "param"))}
     workspace = getattr(cluster, "collective_workspace", None)
     return [float(sum(live.values())) + states["optimizer"]

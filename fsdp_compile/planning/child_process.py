@@ -1,14 +1,13 @@
 """Plan in a child process, for processes that already have a real default process group.
 
-The fake world must be the default group of the process that traces, so inside a ``torchrun``
-job the planning runs in a fresh ``subprocess`` (which, unlike ``multiprocessing``, works from
-daemonic processes), handed a meta-device copy of the model and meta inputs.
+The fake world must be the default group of the process that traces, so inside a ``torchrun`` job the planning runs in a
+fresh ``subprocess`` (which, unlike ``multiprocessing``, works from daemonic processes), handed a meta-device copy of
+the model and meta inputs.
 
-``loss_fn`` and the model's classes travel by reference: the child imports their module, or,
-for the training script itself, prepares it as ``spawn`` does (``multiprocessing.spawn.prepare``):
-the script runs as ``__mp_main__`` standing in for ``__main__``, whole if it guards its entry
-point with ``if __name__ == "__main__":``, else its definitions only (imports, functions, classes,
-assignments that call nothing), so that it does not train again.
+``loss_fn`` and the model's classes travel by reference: the child imports their module, or, for the training script
+itself, prepares it as ``spawn`` does (``multiprocessing.spawn.prepare``): the script runs as ``__mp_main__`` standing
+in for ``__main__``, whole if it guards its entry point with ``if __name__ == "__main__":``, else its definitions only
+(imports, functions, classes, assignments that call nothing), so that it does not train again.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ def _meta_inputs(inputs: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda v: _meta(v) if isinstance(v, torch.Tensor) else v, inputs)
 
 
-# Where objects defined by the main script say they come from: "__main__" in the process that
-# ran it, "__mp_main__" in a spawned process or in the planning child.
+# Where objects defined by the main script say they come from: "__main__" in the process that ran it, "__mp_main__" in a
+# spawned process or in the planning child.
 _MAIN_NAMES = ("__main__", "__mp_main__")
 
 
@@ -84,8 +83,8 @@ def _defines_only(stmt: ast.stmt) -> bool:
 
 
 def prepare_main(script: dict[str, str | None]) -> types.ModuleType:
-    """Run the parent's main script as ``__mp_main__`` (whole if it guards its entry point,
-    else its definitions only) and make it this process's ``__main__``."""
+    """Run the parent's main script as ``__mp_main__`` (whole if it guards its entry point, else its definitions only)
+    and make it this process's ``__main__``."""
     path, name = script["path"], script["module"]
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
@@ -123,8 +122,8 @@ class _Unpickler(pickle.Unpickler):
 
 
 def run_in_subprocess(planner: Callable[..., Any], model: nn.Module, example_inputs: tuple, **kwargs: Any):
-    """``planner(model's meta copy, meta inputs, **kwargs)`` in a fresh Python process
-    (``planner``: a module-level function, which travels by reference)."""
+    """``planner(model's meta copy, meta inputs, **kwargs)`` in a fresh Python process (``planner``: a module-level
+    function, which travels by reference)."""
     request = {"planner": planner, "model": meta_copy(model), "inputs": _meta_inputs(example_inputs),
                "kwargs": kwargs}
     script = main_script()

@@ -50,11 +50,14 @@ def _name(row: PlanRow) -> str:
     return f"{row.strategy} tp={row.tp}" if row.tp > 1 else row.strategy
 
 
-def size(value: float) -> str:
-    """Bytes for people: GiB, MiB or KiB."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+BINARY, DECIMAL = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)), (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+
+
+def size(value: float, units: tuple = BINARY, digits: str = ".2f") -> str:
+    """Bytes for people: GiB, MiB or KiB (``DECIMAL``: GB, MB or kB, as the table's bytes on a link)."""
+    for unit, scale in units:
         if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
+            return f"{value / scale:{digits}} {unit}"
     return f"{value:.0f} B"
 
 

@@ -7,6 +7,7 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,11 @@ def build_model(name: str, *, layers: int | None = None, seq: int = 2048, vocab:
     if name in LLAMA_SIZES:
         from ..models.llama import Llama, LlamaConfig
 
-        overrides: dict[str, Any] = {"max_seq_len": max(seq, 2), "checkpoint_blocks": checkpoint}
-        if layers:
-            overrides["n_layers"] = layers
-        if vocab:
-            overrides["vocab_size"] = vocab
-        if name == "llama-tiny":
-            cfg = LlamaConfig(**overrides)
-        else:
-            cfg = (LlamaConfig.llama3_8b if name == "llama3-8b" else LlamaConfig.llama3_70b)(**overrides)
+        config = {"llama-tiny": LlamaConfig, "llama3-8b": LlamaConfig.llama3_8b, "llama3-70b": LlamaConfig.llama3_70b}
+        overrides = {"n_layers": layers, "vocab_size": vocab}
         with torch.device(device):
-            return Llama(cfg)
+            return Llama(config[name](max_seq_len=max(seq, 2), checkpoint_blocks=checkpoint,
+                                      **{key: value for key, value in overrides.items() if value}))
     raise SystemExit(f"--model {name!r}: use one of {', '.join(model_names())} or module:factory")
 
 
@@ -276,8 +271,8 @@ def run_compare(args: argparse.Namespace) -> int:
     dtypes = tuple(dict.fromkeys(p.dtype for p in probe.parameters() if p.is_floating_point()))
     cluster = Cluster.measure(nodes=world // shard_size if any(n.startswith("HYBRID") for n in names) else 1,
                               device_memory=64 << 30, dtypes=dtypes, host=host)
-    # What the host model times beside each strategy's steps: the machine's speed moves between
-    # the calibration and the steps
+    # What the host model times beside each strategy's steps: the machine's speed moves between the calibration and the
+    # steps
     beside_probe = cluster.host.beside_steps(build(), batches[0], loss_fn) if cluster.host is not None else None
     unlimited_cluster = cluster.host.unlimited_links(cluster) if args.exposed else None
     measured = {}
@@ -322,16 +317,17 @@ def run_compare(args: argparse.Namespace) -> int:
              "unlimited_cluster_numbers": None if unlimited_cluster is None else cluster_numbers(unlimited_cluster),
              "rows": rows},
             indent=2, default=str))
-        print(f"{'strategy':<20}{'step ms':>10}{'range ms':>15}{'pred ms':>10}{'tok/s':>10}{'peak MiB':>10}"
-              f"{'pred MiB':>10}{'wire MB':>10}{'pred MB':>10}{'compile s':>11}")
+        widths = (10, 15, 10, 10, 10, 10, 10, 10, 11)
+        print(_line("strategy", ("step ms", "range ms", "pred ms", "tok/s", "peak MiB", "pred MiB", "wire MB",
+                                 "pred MB", "compile s"), widths))
         for r in rows:
             m, p = r["measured"], r["predicted"]
             low, high = step_range(measured[r["strategy"]])
-            print(f"{r['strategy']:<20}{m['step_seconds'] * 1e3:>10.1f}{f'{low * 1e3:.1f}-{high * 1e3:.1f}':>15}"
-                  f"{p['step_seconds'] * 1e3:>10.1f}"
-                  f"{m['tokens_per_second']:>10.0f}{m['peak_bytes'] / 2**20:>10.1f}{p['peak_bytes'] / 2**20:>10.1f}"
-                  f"{sum(m['bytes_per_step'].values()) / 1e6:>10.2f}{sum(p['bytes_per_step'].values()) / 1e6:>10.2f}"
-                  f"{m['compile_seconds']:>11.1f}")
+            print(_line(r["strategy"], (
+                f"{m['step_seconds'] * 1e3:.1f}", f"{low * 1e3:.1f}-{high * 1e3:.1f}", f"{p['step_seconds'] * 1e3:.1f}",
+                f"{m['tokens_per_second']:.0f}", f"{m['peak_bytes'] / 2**20:.1f}", f"{p['peak_bytes'] / 2**20:.1f}",
+                f"{sum(m['bytes_per_step'].values()) / 1e6:.2f}", f"{sum(p['bytes_per_step'].values()) / 1e6:.2f}",
+                f"{m['compile_seconds']:.1f}"), widths))
         _print_split(rows, beside_probe.cpu_share if beside_probe else 1.0)
         _print_speed(rows)
         if unlimited_cluster is not None:
@@ -360,8 +356,8 @@ COMPARE_PLAN_OPTIONS: dict[str, Any] = {"prefetch": (1,), "memory_budget": 64 <<
 
 def plan_each(model: nn.Module, example_inputs: tuple, *, on: dict[str, tuple[Any, list[str]]],
               **kwargs: Any) -> dict[str, Any]:
-    """``plan(cluster=..., strategies=...)`` for each entry of ``on``, in one process (inside a job
-    each ``plan()`` would start a subprocess of its own, :mod:`.child_process`)."""
+    """``plan(cluster=..., strategies=...)`` for each entry of ``on``, in one process (inside a job each ``plan()``
+    would start a subprocess of its own, :mod:`.child_process`)."""
     from .plan import plan
 
     return {key: plan(model, example_inputs, cluster=cluster, strategies=strategies, **kwargs)
@@ -380,27 +376,32 @@ def _print_speed(rows: list[dict[str, Any]]) -> None:
           + "; ".join(f"{name} {ratio:.2f}x, {seconds * 1e3:.1f} ms" for name, ratio, seconds in moved))
 
 
+def _line(name: str, cells: Sequence[str], widths: Sequence[int]) -> str:
+    """One row of compare's tables: the strategy, then each cell right-aligned to its width."""
+    return f"{name:<20}" + "".join(f"{cell:>{width}}" for cell, width in zip(cells, widths))
+
+
 def _print_exposed(rows: list[dict[str, Any]]) -> None:
     """The ``--exposed`` table: steps on unlimited links and the communication the network exposes."""
-    print(f"{'strategy':<20}{'unlimited ms':>14}{'pred ms':>10}{'exposed ms':>12}{'95% interval':>18}{'pred ms':>10}")
+    widths = (14, 10, 12, 18, 10)
+    print(_line("strategy", ("unlimited ms", "pred ms", "exposed ms", "95% interval", "pred ms"), widths))
     for r in rows:
         m, p, u = r["measured"], r["predicted"], r["predicted_unlimited"]
         interval = m["exposed_interval"]
         spread = "-" if interval is None else f"{interval[0] * 1e3:.1f} .. {interval[1] * 1e3:.1f}"
-        print(f"{r['strategy']:<20}{m['unlimited_step_seconds'] * 1e3:>14.1f}{u['step_seconds'] * 1e3:>10.1f}"
-              f"{m['exposed_seconds'] * 1e3:>12.1f}{spread:>18}{(p['step_seconds'] - u['step_seconds']) * 1e3:>10.1f}")
+        cells = [f"{s * 1e3:.1f}" for s in (m["unlimited_step_seconds"], u["step_seconds"], m["exposed_seconds"])]
+        print(_line(r["strategy"], (*cells, spread, f"{(p['step_seconds'] - u['step_seconds']) * 1e3:.1f}"), widths))
     print("exposed: the median over the timed steps of each step minus its pair on unlimited links; the interval "
           "holds the true median with 95% confidence (fewer than 6 timed steps give none)")
 
 
 def step_split(measured: dict[str, Any], predicted: dict[str, Any],
                cpu_share: float = 1.0) -> dict[str, tuple[float, float]] | None:
-    """A step's time three ways, (measured, predicted) seconds each: the main thread's CPU against
-    the predicted compute, its wait for a core against the backend CPU the plan charges to compute,
-    and the rest (blocked in waits) against the plan's waits; None without scheduler statistics.
-    Each measured figure is the slowest rank's median, so the rest can dip a few ms below zero.
-    A fourth pair, where the other threads were timed: their CPU (gloo's) against the plan's
-    charge times ``cpu_share`` (the charge is that CPU stretched by the rank's share of a core)."""
+    """A step's time three ways, (measured, predicted) seconds each: the main thread's CPU against the predicted
+    compute, its wait for a core against the backend CPU the plan charges to compute, and the rest (blocked in waits)
+    against the plan's waits; None without scheduler statistics. Each measured figure is the slowest rank's median, so
+    the rest can dip a few ms below zero. A fourth pair, where the other threads were timed: their CPU (gloo's) against
+    the plan's charge times ``cpu_share`` (the charge is that CPU stretched by the rank's share of a core)."""
     if measured.get("cpu_seconds") is None or measured.get("core_wait_seconds") is None:
         return None
     backend = predicted.get("backend_cpu_seconds") or 0.0
@@ -415,13 +416,13 @@ def step_split(measured: dict[str, Any], predicted: dict[str, Any],
 
 def _print_split(rows: list[dict[str, Any]], cpu_share: float) -> None:
     """Where each step goes, measured / predicted (see :func:`step_split`)."""
-    print(f"{'strategy':<20}{'main CPU ms':>12}{'pred':>8}{'core wait ms':>14}{'pred':>8}{'blocked ms':>12}{'pred':>8}"
-          f"{'gloo CPU ms':>13}{'pred':>8}")
+    widths = (12, 8, 14, 8, 12, 8, 13, 8)
+    print(_line("strategy", ("main CPU ms", "pred", "core wait ms", "pred", "blocked ms", "pred", "gloo CPU ms",
+                             "pred"), widths))
     for r in rows:
         split = step_split(r["measured"], r["predicted"], cpu_share)
         if split is not None:
-            print(f"{r['strategy']:<20}" + "".join(
-                f"{m * 1e3:>{w}.1f}{p * 1e3:>8.1f}" for (m, p), w in zip(split.values(), (12, 14, 12, 13))))
+            print(_line(r["strategy"], [f"{s * 1e3:.1f}" for pair in split.values() for s in pair], widths))
 
 
 def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[str, Any] | None:

@@ -1,11 +1,10 @@
 """What the planner knows about the machines: devices, their memory and speed, and the links.
 
-Every number is per device; bandwidths are bytes per second in one direction. Presets carry
-data-sheet figures with their sources (:mod:`.presets`); :meth:`Cluster.measure` calibrates the
-machine it runs on. A host model (``host``, :mod:`.host_model`) adds what a device other than a
-GPU adds to the GPU's cost model. Collectives are rings (:mod:`fsdp_compile.runtime.ring`) at the
-speed of their slowest link; latency is a fixed start-up plus a cost per intra- and inter-node
-step (NCCL's tuning model, ``src/graph/tuning.cc``).
+Every number is per device; bandwidths are bytes per second in one direction. Presets carry data-sheet figures with
+their sources (:mod:`.presets`); :meth:`Cluster.measure` calibrates the machine it runs on. A host model (``host``,
+:mod:`.host_model`) adds what a device other than a GPU adds to the GPU's cost model. Collectives are rings
+(:mod:`fsdp_compile.runtime.ring`) at the speed of their slowest link; latency is a fixed start-up plus a cost per
+intra- and inter-node step (NCCL's tuning model, ``src/graph/tuning.cc``).
 """
 
 from __future__ import annotations
@@ -38,21 +37,18 @@ from .vocabulary import (
 class Cluster:
     """``nodes`` x ``devices_per_node`` identical devices and the links between them.
 
-    ``peak_flops``: dtype -> dense matmul FLOP/s; ``memory_bandwidth``: bytes/s;
-    ``intra_node_bandwidth`` / ``inter_node_bandwidth``: bytes/s per device in one direction;
-    ``*_latency``: seconds per ring step, ``collective_latency`` a collective's fixed start-up.
-    Plans must fit in ``usable_memory``: ``device_memory`` less ``reserved_memory`` (CUDA
-    context, communication buffers). ``comm_overlap``: the share of a collective's time that can
-    hide under compute (1: a separate engine). ``device_type`` selects the kernels assumed (flash
-    attention on ``"cuda"``). ``optimizer_step``: optimizer -> measured ``(seconds per parameter
-    tensor, seconds per shard byte)`` over sharded parameters (without it, memory-bound passes).
-    ``collective_workspace``: kind -> bytes the backend allocates beside the result per buffer
-    byte until the wait (gloo's temporaries; NCCL: 0). ``runtime_per_tensor``: seconds per sharded
-    parameter per step outside the graphs (leaf checks, ``.grad`` wrapping; 0 in presets).
-    ``measured_collectives`` / ``measured_inter_collectives``: kind -> fitted ring model on the
-    intra- / inter-node link (without one, priced from the bandwidths and latencies; a group
-    spanning nodes falls back to the intra-node fit). ``attention_flops``: dtype -> fused
-    attention FLOP/s (forward and backward; without it, ``peak_flops``). ``host``: a
+    ``peak_flops``: dtype -> dense matmul FLOP/s; ``memory_bandwidth``: bytes/s; ``intra_node_bandwidth`` /
+    ``inter_node_bandwidth``: bytes/s per device in one direction; ``*_latency``: seconds per ring step,
+    ``collective_latency`` a collective's fixed start-up. Plans must fit in ``usable_memory``: ``device_memory`` less
+    ``reserved_memory`` (CUDA context, communication buffers). ``comm_overlap``: the share of a collective's time that
+    can hide under compute (1: a separate engine). ``device_type`` selects the kernels assumed (flash attention on
+    ``"cuda"``). ``optimizer_step``: optimizer -> measured ``(seconds per parameter tensor, seconds per shard byte)``
+    over sharded parameters (without it, memory-bound passes). ``collective_workspace``: kind -> bytes the backend
+    allocates beside the result per buffer byte until the wait (gloo's temporaries; NCCL: 0). ``runtime_per_tensor``:
+    seconds per sharded parameter per step outside the graphs (leaf checks, ``.grad`` wrapping; 0 in presets).
+    ``measured_collectives`` / ``measured_inter_collectives``: kind -> fitted ring model on the intra- / inter-node link
+    (without one, priced from the bandwidths and latencies; a group spanning nodes falls back to the intra-node fit).
+    ``attention_flops``: dtype -> fused attention FLOP/s (forward and backward; without it, ``peak_flops``). ``host``: a
     :class:`~.host_model.HostModel`, None for GPUs. ``sources``: where each number comes from.
     """
 
@@ -154,8 +150,8 @@ class Cluster:
     # ------------------------------------------------------------------ presets
     @classmethod
     def preset(cls, name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
-        """A cluster of ``nodes`` nodes from data-sheet numbers (:mod:`.presets`, :meth:`presets`),
-        each number's source in ``.sources``."""
+        """A cluster of ``nodes`` nodes from data-sheet numbers (:mod:`.presets`, :meth:`presets`), each number's source
+        in ``.sources``."""
         key = name.strip().lower()
         if key not in PRESETS:
             raise ClusterError(f"unknown cluster preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
@@ -172,12 +168,12 @@ class Cluster:
     @classmethod
     def for_device(cls, device: torch.device | str | int | None = None, *, nodes: int = 1,
                    devices_per_node: int | None = None, properties: Any = None) -> Cluster:
-        """The cluster of ``nodes`` nodes of this GPU: its preset (:func:`.presets.preset_for_device`)
-        with the device's own total memory; a GPU no preset describes is measured instead
-        (:meth:`measure`, collective: every rank must call this).
+        """The cluster of ``nodes`` nodes of this GPU: its preset (:func:`.presets.preset_for_device`) with the device's
+        own total memory; a GPU no preset describes is measured instead (:meth:`measure`, collective: every rank must
+        call this).
 
-        ``properties``: ``name`` and ``total_memory`` (default the device's). ``devices_per_node``:
-        default the preset's, or for a measured GPU ``LOCAL_WORLD_SIZE``.
+        ``properties``: ``name`` and ``total_memory`` (default the device's). ``devices_per_node``: default the
+        preset's, or for a measured GPU ``LOCAL_WORLD_SIZE``.
 
         Raises:
             ClusterError: no CUDA device and no ``properties``; or an unknown GPU outside a process group.
@@ -216,36 +212,33 @@ class Cluster:
                 device_memory: float | None = None, host: type[HostModel] | None = None) -> Cluster:
         """Calibrate a cluster on the machine it is called on, over the process group ``group``.
 
-        Collective over ``group``: every rank calls it with the same arguments, with no other
-        collective in flight; every number is the slowest rank's, so all ranks get the same
-        cluster. In order: matmul FLOP/s per dtype (a transformer's linear layers in their three
-        layouts, the median pass, two rounds); fused causal attention FLOP/s; memory bandwidth (a
-        GPU's large copy, a CPU's memory-bound operators on cold inputs); an AdamW and an SGD step
-        over DTensor shards and the runtime's work per parameter; each collective at each of
-        ``sizes`` (the median burst), fitted to the ring model, or on a process group that models
-        its links (an :class:`~fsdp_compile.EmulatedNetwork`'s) the time its links charged; the
-        backend's workspace per collective; on a GPU ``comm_overlap``; with ``host``, its numbers.
+        Collective over ``group``: every rank calls it with the same arguments, with no other collective in flight;
+        every number is the slowest rank's, so all ranks get the same cluster. In order: matmul FLOP/s per dtype (a
+        transformer's linear layers in their three layouts, the median pass, two rounds); fused causal attention FLOP/s;
+        memory bandwidth (a GPU's large copy, a CPU's memory-bound operators on cold inputs); an AdamW and an SGD step
+        over DTensor shards and the runtime's work per parameter; each collective at each of ``sizes`` (the median
+        burst), fitted to the ring model, or on a process group that models its links (an
+        :class:`~fsdp_compile.EmulatedNetwork`'s) the time its links charged; the backend's workspace per collective; on
+        a GPU ``comm_overlap``; with ``host``, its numbers.
 
-        Compute is timed by the fastest repeat (matmuls and attention by the median pass), on a
-        CPU with one intra-op thread by the thread's CPU time, so other jobs do not slow it. It
-        takes seconds to tens of seconds; its largest buffers are 256 MB on a CPU, about 5 GB on a
-        GPU; on a CPU it runs :mod:`torch.profiler` briefly.
+        Compute is timed by the fastest repeat (matmuls and attention by the median pass), on a CPU with one intra-op
+        thread by the thread's CPU time, so other jobs do not slow it. It takes seconds to tens of seconds; its largest
+        buffers are 256 MB on a CPU, about 5 GB on a GPU; on a CPU it runs :mod:`torch.profiler` briefly.
 
         Args:
             group: the process group to calibrate (default: the world); its size is the world size.
-            sizes: buffer bytes to time each collective at (an all-gather's output, the others'
-                input), rounded down to whole float32 elements per rank; two or more. Default:
-                64 KiB, 256 KiB, 1 MiB, 4 MiB on a CPU; 1, 16, 128 MiB on a GPU.
+            sizes: buffer bytes to time each collective at (an all-gather's output, the others' input), rounded down to
+                whole float32 elements per rank; two or more. Default: 64 KiB, 256 KiB, 1 MiB, 4 MiB on a CPU; 1, 16,
+                128 MiB on a GPU.
             repeats: timings per compute calibration (collectives take at least 9).
             dtypes: the compute dtypes whose matmul and attention FLOP/s are measured.
-            nodes: how many nodes ``group`` spans (consecutive ranks share a node); it must divide
-                the group's size. Over several, the intra-node link is timed on groups of one
-                node's ranks and the inter-node link on groups of one rank per node
-                (``measured_inter_collectives``); each link's all-gather fit sets its bandwidth
-                and latency.
+            nodes: how many nodes ``group`` spans (consecutive ranks share a node); it must divide the group's size.
+                Over several, the intra-node link is timed on groups of one node's ranks and the inter-node link on
+                groups of one rank per node (``measured_inter_collectives``); each link's all-gather fit sets its
+                bandwidth and latency.
             device: default the current CUDA device where CUDA is available, else the CPU.
-            device_memory: bytes each rank may plan against. Default: the CUDA device's capacity;
-                on a CPU this node's ``MemTotal`` split between its ranks (rarely the budget: pass it).
+            device_memory: bytes each rank may plan against. Default: the CUDA device's capacity; on a CPU this node's
+                ``MemTotal`` split between its ranks (rarely the budget: pass it).
             host: a host model's class (:class:`~.host_model.HostModel`), calibrated last.
 
         Returns:
@@ -254,9 +247,8 @@ class Cluster:
             world size and on which device each number was measured.
 
         Raises:
-            ClusterError: ``torch.distributed`` is not initialized; ``nodes`` does not divide the
-                group's size; the node's memory size cannot be read; or a measured number is
-                impossible.
+            ClusterError: ``torch.distributed`` is not initialized; ``nodes`` does not divide the group's size; the
+                node's memory size cannot be read; or a measured number is impossible.
         """
         from .calibration.calibrate import measure_cluster
 

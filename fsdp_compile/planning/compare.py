@@ -3,26 +3,24 @@
 Every rank builds the same model (same seed), shards it with each strategy in turn, trains a
 few steps with AdamW and measures:
 
-* step time: the median over the timed steps of the slowest rank's step, after warm-up steps
-  that include compilation. Python's cyclic collector runs between steps, not inside them
-  (``gc_between_steps``, as torchtitan's ``gc_freq``): a collection's pause is set by all the
-  process holds, not by the strategy;
+* step time: the median over the timed steps of the slowest rank's step, after warm-up steps that include compilation.
+  Python's cyclic collector runs between steps, not inside them (``gc_between_steps``, as torchtitan's ``gc_freq``): a
+  collection's pause is set by all the process holds, not by the strategy;
 * compile time: the first step's time minus a steady step's;
-* peak memory per rank, by the allocator (never the planner's estimate): the storages alive
-  before a profiled step plus the largest running sum of its allocator events;
-* on Linux, what the machine gave to other work: the main thread's CPU per step, the threads'
-  run-queue wait over the step (``cpu_wait_fraction``, the largest rank's), the main thread's
-  own wait for a core (``core_wait_seconds``: with its CPU, the step splits three ways as the
-  plan's does: compute, ``backend_cpu_seconds``, waits), the other threads' CPU, the load;
-* bytes per step: from the profiler's collective events, converted with the planner's ring
-  formula; gloo runs a reduce-scatter as an all-reduce of the whole buffer, shown apart;
-* with ``reference`` and ``outside_graphs`` (a host model's :class:`~.host_model.BesideSteps`):
-  a reference step timed on the compute clock after every timed step, all ranks at once (its
-  median the slowest rank's, ``reference_seconds``), and other workloads sampled there, so the
-  plan can be made at the machine's speed while this strategy's steps ran;
-* with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run
-  again on unlimited links, alternating which goes first; the median of each step minus its
-  pair (``exposed_seconds``) is the communication the network exposes.
+* peak memory per rank, by the allocator (never the planner's estimate): the storages alive before a profiled step plus
+  the largest running sum of its allocator events;
+* on Linux, what the machine gave to other work: the main thread's CPU per step, the threads' run-queue wait over the
+  step (``cpu_wait_fraction``, the largest rank's), the main thread's own wait for a core (``core_wait_seconds``: with
+  its CPU, the step splits three ways as the plan's does: compute, ``backend_cpu_seconds``, waits), the other threads'
+  CPU, the load;
+* bytes per step: from the profiler's collective events, converted with the planner's ring formula; gloo runs a
+  reduce-scatter as an all-reduce of the whole buffer, shown apart;
+* with ``reference`` and ``outside_graphs`` (a host model's :class:`~.host_model.BesideSteps`): a reference step timed
+  on the compute clock after every timed step, all ranks at once (its median the slowest rank's, ``reference_seconds``),
+  and other workloads sampled there, so the plan can be made at the machine's speed while this strategy's steps ran;
+* with ``unlimited_too`` (``compare --exposed``) on an emulated network: each timed step run again on unlimited links,
+  alternating which goes first; the median of each step minus its pair (``exposed_seconds``) is the communication the
+  network exposes.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import os
 import statistics
 import time
@@ -65,9 +64,8 @@ class ThreadTimes(NamedTuple):
 
 
 def thread_times() -> ThreadTimes | None:
-    """This process's :class:`ThreadTimes`; None where ``/proc`` has no schedstat (not Linux).
-    Over a step, the main thread's wall time is its CPU, its wait for a core, and the rest,
-    blocked (waiting for a collective)."""
+    """This process's :class:`ThreadTimes`; None where ``/proc`` has no schedstat (not Linux). Over a step, the main
+    thread's wall time is its CPU, its wait for a core, and the rest, blocked (waiting for a collective)."""
     import threading
 
     main = threading.get_native_id()
@@ -130,19 +128,17 @@ def resident_bytes(*objects: Any) -> int:
 
 
 def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, float], float, dict[str, int]]:
-    """Wire bytes per rank with the planner's ring formula: of the functional collectives the
-    graphs issued (an all-reduce's group size is ``all_reduce_size``), and of what the backend
-    ran (gloo turns a reduce-scatter into an all-reduce)."""
+    """Wire bytes per rank with the planner's ring formula: of the functional collectives the graphs issued (an
+    all-reduce's group size is ``all_reduce_size``), and of what the backend ran (gloo turns a reduce-scatter into an
+    all-reduce)."""
     issued: dict[str, float] = {"intra": 0.0, "inter": 0.0}
     backend_bytes = 0.0
     counts: dict[str, int] = {}
 
     def nbytes(event) -> float:
         shapes, dtypes = event.shapes(), event.dtypes()
-        numel = 1
-        for d in (shapes[0] if shapes else []):
-            numel *= d
-        return numel * torch.empty((), dtype=_dtype(dtypes[0] if dtypes else "float")).element_size()
+        dtype = _DTYPES.get(dtypes[0] if dtypes else "float", torch.float32)
+        return math.prod(shapes[0] if shapes else []) * torch.empty((), dtype=dtype).element_size()
 
     for event in events:
         name = event.name()
@@ -168,16 +164,14 @@ def _collective_bytes(events: list, all_reduce_size: int) -> tuple[dict[str, flo
     return issued, backend_bytes, counts
 
 
-def _dtype(name: str) -> torch.dtype:
-    table = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
-             "double": torch.float64, "long int": torch.int64, "int": torch.int32}
-    return table.get(name, torch.float32)
+_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
+           "double": torch.float64, "long int": torch.int64, "int": torch.int32}
 
 
 @contextlib.contextmanager
 def _collector_between_steps(enabled: bool) -> Iterator[None]:
-    """Collect the young generations before a step and keep the automatic collector off
-    during it (see the module docstring); the caller's collector state is restored."""
+    """Collect the young generations before a step and keep the automatic collector off during it (see the module
+    docstring); the caller's collector state is restored."""
     if not enabled:
         yield
         return
@@ -194,14 +188,12 @@ def measure_strategy(
 ) -> Measured:
     """Train ``len(batches)`` steps of ``strategy`` (module docstring: what is measured).
 
-    ``build()`` returns the model (same on every rank); each batch is this rank's ``(inputs,
-    targets)``; ``loss_fn(output, targets)``. ``network``: the
-    :class:`~fsdp_compile.EmulatedNetwork` the group runs on, its statistics read over the timed
-    steps alone. ``unlimited_too`` (needs ``network``): each timed step runs on the network's
-    links and on unlimited ones, in alternating order. ``reference``: a step timed after each
-    timed step; ``outside_graphs``: a :class:`~.host_model.BesideSteps` sampled there, whose fits
-    become ``Measured.outside_graphs``.
-    """
+    ``build()`` returns the model (same on every rank); each batch is this rank's ``(inputs, targets)``;
+    ``loss_fn(output, targets)``. ``network``: the :class:`~fsdp_compile.EmulatedNetwork` the group runs on, its
+    statistics read over the timed steps alone. ``unlimited_too`` (needs ``network``): each timed step runs on the
+    network's links and on unlimited ones, in alternating order. ``reference``: a step timed after each timed step;
+    ``outside_graphs``: a :class:`~.host_model.BesideSteps` sampled there, whose fits become
+    ``Measured.outside_graphs``."""
     if unlimited_too and network is None:
         raise ValueError("measure_strategy(unlimited_too=True) compares a network's links with unlimited ones: "
                          "pass the EmulatedNetwork the process group runs on as network=")
@@ -222,8 +214,8 @@ def measure_strategy(
         optimizer.zero_grad(set_to_none=True)
 
     def timed(inputs: Any, targets: Any) -> tuple[float, float | None, float | None, float | None, float | None]:
-        """(wall, main-thread CPU, run-queue wait over wall, the main thread's wait for a core,
-        the other threads' CPU) of one step, each the slowest rank's."""
+        """(wall, main-thread CPU, run-queue wait over wall, the main thread's wait for a core, the other threads' CPU)
+        of one step, each the slowest rank's."""
         with _collector_between_steps(gc_between_steps):
             dist.barrier()
             if device.type == "cuda":
@@ -287,8 +279,8 @@ def measure_strategy(
     events: list = []
     during, _ = _allocated_peak(lambda: step(inputs, targets), device, events)
     shard = options.get("shard_size", dist.get_world_size()) if strategy.is_hybrid else 1
-    # The group an all-reduce runs on: the dp mesh's size under TP (at dp 2 x tp 2 the tp groups'
-    # all-reduces have the same size; other shapes would need each event's group).
+    # The group an all-reduce runs on: the dp mesh's size under TP (at dp 2 x tp 2 the tp groups' all-reduces have the
+    # same size; other shapes would need each event's group).
     groups = options["mesh"].size() if "mesh" in options else dist.get_world_size() // shard
     wire, backend_wire, counts = _collective_bytes(events, groups)
     tokens = tokens_per_step or int(next(t for t in inputs if isinstance(t, torch.Tensor)).numel())
@@ -300,15 +292,13 @@ def measure_strategy(
 
 
 def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
-    """``cluster`` with the numbers measured beside one strategy's steps in place of the
-    calibration's: ``compute_scale`` (its host model's; none added where it is 1) and the
-    optimizer and runtime fits (an optimizer not timed there keeps its fit)."""
-    changes: dict[str, Any] = {}
+    """``cluster`` with the numbers measured beside one strategy's steps in place of the calibration's:
+    ``compute_scale`` (its host model's; none added where it is 1) and the optimizer and runtime fits (an optimizer not
+    timed there keeps its fit)."""
+    changes = {"runtime_per_tensor": measured["runtime_per_tensor"]} if "runtime_per_tensor" in measured else {}
     if "optimizer_step" in measured:
         changes["optimizer_step"] = {**cluster.optimizer_step,
                                      **{name: tuple(line) for name, line in measured["optimizer_step"].items()}}
-    if "runtime_per_tensor" in measured:
-        changes["runtime_per_tensor"] = measured["runtime_per_tensor"]
     cluster = cluster.replace(**changes)
     if "compute_scale" in measured and (cluster.host is not None or measured["compute_scale"] != 1.0):
         cluster = cluster.with_host(compute_scale=measured["compute_scale"])
@@ -316,8 +306,8 @@ def beside_steps(cluster: Any, measured: dict[str, Any]) -> Any:
 
 
 def clusters_beside_steps(cluster: Any, unlimited_cluster: Any, beside: dict[str, dict[str, Any]]) -> dict[str, tuple]:
-    """``plan_each``'s ``on`` for every strategy of ``beside`` (name -> its numbers): ``cluster``
-    with them under the name, and ``unlimited_cluster`` (None: none) under "<name> unlimited"."""
+    """``plan_each``'s ``on`` for every strategy of ``beside`` (name -> its numbers): ``cluster`` with them under the
+    name, and ``unlimited_cluster`` (None: none) under "<name> unlimited"."""
     on: dict[str, tuple] = {}
     for name, numbers in beside.items():
         on[name] = (beside_steps(cluster, numbers), [name])
@@ -345,9 +335,9 @@ def _timed_reference(reference: Callable[[], None], device: torch.device, gc_bet
 
 def _paired_steps(network: Any, timed: Callable[[], tuple], stats: Any, unlimited: list[float],
                   *, first: bool) -> tuple[float, float | None, float | None, float | None, float | None, Any]:
-    """One step on the network's links and one on unlimited links, the former first when
-    ``first`` (alternating puts a cold cache on neither side): the former's ``timed()`` and
-    ``stats`` plus its window; the unlimited step's wall time goes to ``unlimited``."""
+    """One step on the network's links and one on unlimited links, the former first when ``first`` (alternating puts a
+    cold cache on neither side): the former's ``timed()`` and ``stats`` plus its window; the unlimited step's wall time
+    goes to ``unlimited``."""
     def on_unlimited_links() -> None:
         with unlimited_links(network):
             unlimited.append(timed()[0])

@@ -7,9 +7,8 @@
   spanning nodes: the inter-node one), latency per intra- and inter-node step; a measured fit of
   the kind on its link replaces the data-sheet numbers.
 
-That is a GPU's cost; a cluster's host model (``Cluster.host``, :class:`~.host_model.HostModel`)
-prices views, compute nodes, operator calls and what it adds to collectives. Sizes may be
-symbolic (sympy): every cost is then an expression.
+That is a GPU's cost; a cluster's host model (``Cluster.host``, :class:`~.host_model.HostModel`) prices views, compute
+nodes, operator calls and what it adds to collectives. Sizes may be symbolic (sympy): every cost is then an expression.
 """
 
 from __future__ import annotations
@@ -22,11 +21,7 @@ import sympy
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch.utils.flop_counter import (
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-)
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..inspection.memory_estimate import size_hint
 from ..passes.graph import ALL_GATHER, COLLECTIVES, PURE_VIEWS, WAIT
@@ -219,10 +214,9 @@ def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] |
     return costs
 
 
-# A float8 cast (torchao's: amax = max(abs(x)); (x.to(float32) * scale).clamp(...).to(float8)) is
-# two kernels after Inductor, a reduction that reads x and an elementwise pass that reads x and
-# writes the float8 tensor. Priced op by op, as the rest of the unfused graph, its five passes
-# over x would outweigh the float8 matmul they feed.
+# A float8 cast (torchao's: amax = max(abs(x)); (x.to(float32) * scale).clamp(...).to(float8)) is two kernels after
+# Inductor, a reduction that reads x and an elementwise pass that reads x and writes the float8 tensor. Priced op by op,
+# as the rest of the unfused graph, its five passes over x would outweigh the float8 matmul they feed.
 _FLOAT8 = frozenset(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2",
                                                                    "float8_e4m3fnuz", "float8_e5m2fnuz")) if d)
 _CAST_CHAIN = frozenset({aten._to_copy.default, aten.mul.Tensor, aten.div.Tensor, aten.clamp.default,
@@ -266,10 +260,10 @@ def _fused_cost(node: fx.Node, reads: list[fx.Node], cluster: Cluster, symbolic:
 
 
 def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int, cluster: Cluster) -> float:
-    """One optimizer step over this rank's shards: the measured line (``cluster.optimizer_step``,
-    per tensor and per shard byte), else memory-bound passes over the shard bytes (AdamW: 7,
-    reading parameter, gradient and moments, writing parameter and moments; SGD: 3) plus each
-    foreach operator's call per tensor where a host model prices calls."""
+    """One optimizer step over this rank's shards: the measured line (``cluster.optimizer_step``, per tensor and per
+    shard byte), else memory-bound passes over the shard bytes (AdamW: 7, reading parameter, gradient and moments,
+    writing parameter and moments; SGD: 3) plus each foreach operator's call per tensor where a host model prices
+    calls."""
     if optimizer == "none":
         return 0.0
     measured = cluster.optimizer_step.get("adamw" if optimizer == "adam" else optimizer)
@@ -283,7 +277,7 @@ def optimizer_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensor
 
 def outside_graph_seconds(optimizer: str, shard_numel: int, shard_bytes: int, tensors: int,
                           cluster: Cluster) -> float:
-    """A step's compute outside its graphs: the optimizer step and the runtime's per-parameter
-    work (``cluster.runtime_per_tensor``)."""
+    """A step's compute outside its graphs: the optimizer step and the runtime's per-parameter work
+    (``cluster.runtime_per_tensor``)."""
     return (optimizer_seconds(optimizer, shard_numel, shard_bytes, tensors, cluster)
             + tensors * cluster.runtime_per_tensor)

@@ -1,12 +1,11 @@
 """The planner's one extension point: a host model (``Cluster(host=...)``).
 
-The cost model (:mod:`.cost`) and simulator (:mod:`.simulate`) are a GPU's. Where the device is
-not (ranks computing on CPU cores that a backend's threads share), a host model says what it
-adds, at one hook each: a node's cost, a collective's part of one rank's timeline, a whole step
-where one rank's timeline does not stand for it, and how the calibrations run. GPUs and the
-presets carry none, and the package ships none: the repository's lab (``lab/``, not installed)
-has the CPU one. Its class, given to ``Cluster.measure(host=...)``, calibrates it after the
-device's numbers; its numbers are written as JSON beside the cluster's (:mod:`.cluster_numbers`).
+The cost model (:mod:`.cost`) and simulator (:mod:`.simulate`) are a GPU's. Where the device is not (ranks computing on
+CPU cores that a backend's threads share), a host model says what it adds, at one hook each: a node's cost, a
+collective's part of one rank's timeline, a whole step where one rank's timeline does not stand for it, and how the
+calibrations run. GPUs and the presets carry none, and the package ships none: the repository's lab (``lab/``, not
+installed) has the CPU one. Its class, given to ``Cluster.measure(host=...)``, calibrates it after the device's numbers;
+its numbers are written as JSON beside the cluster's (:mod:`.cluster_numbers`).
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ Event = tuple
 
 @dataclass(frozen=True)
 class HostCalibration:
-    """What :meth:`HostModel.calibrate` is handed: the group, this rank's groups on each link
-    (inter-node: None on one node), the device, the collectives' sizes, the repeats, and the
-    network model the group's links run on (or None)."""
+    """What :meth:`HostModel.calibrate` is handed: the group, this rank's groups on each link (inter-node: None on one
+    node), the device, the collectives' sizes, the repeats, and the network model the group's links run on (or None)."""
 
     group: Any
     link_groups: tuple[Any, Any]
@@ -42,8 +40,8 @@ class HostCalibration:
 
 
 class HostTimeline(Protocol):
-    """A host model's part of one rank's timeline, asked at each compute, issue and wait, and
-    playing the events of its own kinds (``events``)."""
+    """A host model's part of one rank's timeline, asked at each compute, issue and wait, and playing the events of its
+    own kinds (``events``)."""
 
     events: frozenset[str]
 
@@ -61,8 +59,8 @@ class HostTimeline(Protocol):
 
 
 class BesideSteps(Protocol):
-    """What ``compare`` times after every timed step (:func:`.compare.measure_strategy`), so that
-    each strategy is planned at the speed the machine had while its steps ran."""
+    """What ``compare`` times after every timed step (:func:`.compare.measure_strategy`), so that each strategy is
+    planned at the speed the machine had while its steps ran."""
 
     reference: Callable[[], None] | None  # a reference step, timed on the compute clock
     cpu_share: float  # each rank's share of a core: the plan's backend CPU in the step's split
@@ -102,8 +100,8 @@ class HostModel(Protocol):
 
     def collective(self, cost: NodeCost, kind: str, buffer_bytes: Any, steps: int, measured: bool,
                    device_type: str) -> NodeCost:
-        """``cost`` (``steps`` ring steps on its link; ``measured``: at a measured fit) with what the
-        host adds in its ``host`` field, whose ``events(issue)`` gives the simulator's events."""
+        """``cost`` (``steps`` ring steps on its link; ``measured``: at a measured fit) with what the host adds in its
+        ``host`` field, whose ``events(issue)`` gives the simulator's events."""
         ...
 
     def timeline(self, events: Sequence[Event]) -> HostTimeline:
@@ -111,13 +109,13 @@ class HostModel(Protocol):
         ...
 
     def fused_casts(self, fused: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
-        """Which of the float8 casts Inductor fuses into kernels (:func:`.cost.float8_cast_kernels`)
-        run fused on this host; the others are priced op by op."""
+        """Which of the float8 casts Inductor fuses into kernels (:func:`.cost.float8_cast_kernels`) run fused on this
+        host; the others are priced op by op."""
         ...
 
     def beside_steps(self, model: torch.nn.Module, batch: tuple, loss_fn: Any) -> BesideSteps | None:
-        """What ``compare`` times beside each strategy's steps of ``model`` (one ``(inputs,
-        targets)`` of this rank, ``loss_fn(output, targets)``), or None."""
+        """What ``compare`` times beside each strategy's steps of ``model`` (one ``(inputs, targets)`` of this rank,
+        ``loss_fn(output, targets)``), or None."""
         ...
 
     def closed_form(self) -> HostModel:
@@ -139,8 +137,8 @@ class HostModel(Protocol):
 
     @classmethod
     def compute_in_turns(cls, calibrate: Callable[[float], Any], group: Any, device: torch.device) -> Any:
-        """This rank's result of ``calibrate(share)`` (a compute calibration, ``share`` the rank's
-        share of a core its thread-clock timings are stretched by), run on every rank of ``group``."""
+        """This rank's result of ``calibrate(share)`` (a compute calibration, ``share`` the rank's share of a core its
+        thread-clock timings are stretched by), run on every rank of ``group``."""
         ...
 
     @classmethod
@@ -150,6 +148,6 @@ class HostModel(Protocol):
 
     @classmethod
     def calibrate(cls, cluster: Cluster, calibration: HostCalibration) -> HostModel:
-        """The model measured on every rank of ``calibration.group`` (all return the same), for
-        ``cluster`` (the device's numbers)."""
+        """The model measured on every rank of ``calibration.group`` (all return the same), for ``cluster`` (the
+        device's numbers)."""
         ...

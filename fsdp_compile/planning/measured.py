@@ -1,7 +1,6 @@
-"""One strategy's measured steps and the statistics ``compare`` draws from them: the median
-step, the spread that says whether two strategies differ, and the communication an emulated
-network exposes with an interval. Order statistics, not means: steps on a shared machine have
-heavy tails, and a median's distribution-free interval assumes nothing about them.
+"""One strategy's measured steps and the statistics ``compare`` draws from them: the median step, the spread that says
+whether two strategies differ, and the communication an emulated network exposes with an interval. Order statistics, not
+means: steps on a shared machine have heavy tails, and a median's distribution-free interval assumes nothing about them.
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ class Measured:
 
     @property
     def exposed_seconds(self) -> float | None:
-        """The communication the network exposes: the median of the paired differences (the
-        machine's drift, common to a pair's back-to-back steps, cancels in each)."""
+        """The communication the network exposes: the median of the paired differences (the machine's drift, common to a
+        pair's back-to-back steps, cancels in each)."""
         differences = self.exposed_differences
         return statistics.median(differences) if differences else None
 
@@ -73,10 +72,10 @@ class Measured:
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
-    """An interval that holds the median of the distribution ``values`` were drawn from with at
-    least ``confidence``, whatever that distribution: the k-th smallest and k-th largest value,
-    k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None for fewer than 6
-    values (no order statistic reaches 95% then: the range is all there is)."""
+    """An interval that holds the median of the distribution ``values`` were drawn from with at least ``confidence``,
+    whatever that distribution: the k-th smallest and k-th largest value, k the largest with P(Binomial(n, 1/2) < k) <=
+    (1 - confidence) / 2. None for fewer than 6 values (no order statistic reaches 95% then: the range is all there
+    is)."""
     ordered = sorted(values)
     n = len(ordered)
     tail, k = 0.0, 0
@@ -100,8 +99,8 @@ def step_range(measured: Measured) -> tuple[float, float]:
 
 
 def within_noise(measured: dict[str, Measured]) -> list[str]:
-    """A line for each pair of strategies whose step times cannot be told apart: the middle
-    halves of their timed steps overlap, so which one is faster is not measured by this run."""
+    """A line for each pair of strategies whose step times cannot be told apart: the middle halves of their timed steps
+    overlap, so which one is faster is not measured by this run."""
     names = list(measured)
     lines = []
     for i, a in enumerate(names):

@@ -1,14 +1,14 @@
 """``fsdp_compile.plan()``: which strategy for this model on this cluster, and why.
 
-For every candidate (strategy x bucket policy x prefetch depth) the planner traces the graphs a
-real run executes (:mod:`.trace`), costs every node (:mod:`.cost`), plays forward and backward on
-a compute and a communication stream (:mod:`.simulate`), walks their memory in the same order, and
-adds what lives outside the graphs (optimizer state, gradients, buffers the graphs do not read).
+For every candidate (strategy x bucket policy x prefetch depth) the planner traces the graphs a real run executes
+(:mod:`.trace`), costs every node (:mod:`.cost`), plays forward and backward on a compute and a communication stream
+(:mod:`.simulate`), walks their memory in the same order, and adds what lives outside the graphs (optimizer state,
+gradients, buffers the graphs do not read).
 
-``row.memory`` is the peak's breakdown per device (``params``, ``grads``, ``optimizer``: AdamW's
-two fp32 moments plus a shard-sized temporary during the step, ``gathered``, ``activations``,
-``buffers``), the peak being the largest of forward, backward and the optimizer step;
-``row.model_states`` is what a rank holds between steps, what ZeRO's formulas count.
+``row.memory`` is the peak's breakdown per device (``params``, ``grads``, ``optimizer``: AdamW's two fp32 moments plus a
+shard-sized temporary during the step, ``gathered``, ``activations``, ``buffers``), the peak being the largest of
+forward, backward and the optimizer step; ``row.model_states`` is what a rank holds between steps, what ZeRO's formulas
+count.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from .tp import TPMeshes, check_tp_degrees, tp_model_states
 from .trace import Candidate, Traced, candidate_label, trace_candidates
 from .vocabulary import OPTIMIZER_STATES, ClusterError, GiB, PlanError
 
-# Tensor parallelism's collective buffers count as activations in a plan's breakdown: the
-# planner traces data parallelism alone, so its graphs hold none of them.
+# Tensor parallelism's collective buffers count as activations in a plan's breakdown: the planner traces data
+# parallelism alone, so its graphs hold none of them.
 ROLE_NAMES = {"param": "params", "grad": "grads", "gathered": "gathered", "activation": "activations",
               "buffer": "buffers", "tp_comm": "activations"}
 MEMORY_KEYS = ("params", "grads", "optimizer", "gathered", "activations", "buffers")
@@ -117,8 +117,7 @@ class Plan:
         return render_plan(self)
 
     def row(self, strategy: ShardingStrategy | str, tp: int | None = None) -> PlanRow:
-        """The best row of ``strategy`` (fitting ones first, then the fastest), at TP degree ``tp``
-        (default: any)."""
+        """The best row of ``strategy`` (fitting ones first, then the fastest), at TP degree ``tp`` (default: any)."""
         name = ShardingStrategy.parse(strategy).name
         rows = [r for r in self.rows if r.strategy == name and (tp is None or r.tp == tp)]
         if not rows:
@@ -300,20 +299,18 @@ def plan(
 ) -> Plan:
     """Predict every strategy's memory and step time for ``model`` on ``cluster``; see docs/planning.md.
 
-    ``model`` may live on any device (meta included); nothing is allocated: parameters become
-    fake tensors and the world a fake process group of ``world_size`` (default: the whole
-    cluster). ``example_inputs``: one rank's inputs (real, meta or fake); ``loss_fn(output) ->
-    scalar`` (default: the output's sum) is traced with the model. ``mixed_precision`` and the
-    policies in ``buckets`` mean what they mean for ``fsdp_compile.backend``; every strategy is
-    tried with every bucket policy and ``prefetch`` depth. ``optimizer``: "adamw" (default),
-    "adam", "sgd" or "none". ``memory_budget``: bytes per device (default: the cluster's usable
-    memory); strategies whose model states alone exceed it are not traced unless ``trace_all``.
+    ``model`` may live on any device (meta included); nothing is allocated: parameters become fake tensors and the world
+    a fake process group of ``world_size`` (default: the whole cluster). ``example_inputs``: one rank's inputs (real,
+    meta or fake); ``loss_fn(output) -> scalar`` (default: the output's sum) is traced with the model.
+    ``mixed_precision`` and the policies in ``buckets`` mean what they mean for ``fsdp_compile.backend``; every strategy
+    is tried with every bucket policy and ``prefetch`` depth. ``optimizer``: "adamw" (default), "adam", "sgd" or "none".
+    ``memory_budget``: bytes per device (default: the cluster's usable memory); strategies whose model states alone
+    exceed it are not traced unless ``trace_all``.
 
-    ``tp_degrees``: tensor-parallel degrees to try (default 1, no TP); a degree runs
-    ``parallelize_fn(model, tp_mesh)`` (the built-in GPT and Llama bring theirs) on a (dp x tp)
-    mesh with FSDP over dp; one that does not divide a node's devices, the world or the heads
-    raises :class:`PlanError` (:mod:`.tp`). ``float8=True`` plans torchao's float8 training (the
-    linears converted, float8 all-gather; :mod:`.float8_plan`).
+    ``tp_degrees``: tensor-parallel degrees to try (default 1, no TP); a degree runs ``parallelize_fn(model, tp_mesh)``
+    (the built-in GPT and Llama bring theirs) on a (dp x tp) mesh with FSDP over dp; one that does not divide a node's
+    devices, the world or the heads raises :class:`PlanError` (:mod:`.tp`). ``float8=True`` plans torchao's float8
+    training (the linears converted, float8 all-gather; :mod:`.float8_plan`).
     """
     import time
 
@@ -394,9 +391,9 @@ def plan(
 def budget_mixes(traced: dict[Candidate, Traced], rows: Sequence[PlanRow], cluster: Cluster, budget: float,
                  states: dict[tuple[ShardingStrategy, int], dict[str, float]], world: int,
                  devices_per_node: int) -> list[Candidate]:
-    """For the fastest fitting FULL_SHARD (HYBRID_SHARD) row, the mix ``memory_budget=``
-    (:mod:`.budget`) would choose within the plan's budget, where it keeps some units but not all
-    (those rows the plan has: the strategy itself, SHARD_GRAD_OP, HYBRID_SHARD_ZERO2)."""
+    """For the fastest fitting FULL_SHARD (HYBRID_SHARD) row, the mix ``memory_budget=`` (:mod:`.budget`) would choose
+    within the plan's budget, where it keeps some units but not all (those rows the plan has: the strategy itself,
+    SHARD_GRAD_OP, HYBRID_SHARD_ZERO2)."""
     fastest: dict[ShardingStrategy, Candidate] = {}
     for row in sorted(rows, key=rank):
         candidate = next((c for c in traced if c.label() == row.label()), None)

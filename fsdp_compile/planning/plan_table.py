@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .choice import DECIMAL, size
 from .trace import describe_reshard
 from .vocabulary import GiB
 
@@ -22,17 +23,9 @@ def _time(seconds: float | None) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def _bytes(value: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{value:.0f} B"
-
-
 def render_plan(plan: Any) -> str:
-    """One line per candidate: fits?, peak and memory by role (GiB per device), bytes per
-    step per link, step time, exposed communication, tokens/s per device, MFU; the chosen row
-    marked, and why."""
+    """One line per candidate: fits?, peak and memory by role (GiB per device), bytes per step per link, step time,
+    exposed communication, tokens/s per device, MFU; the chosen row marked, and why."""
     unit, scale = _unit(plan)
 
     def _gib(value: float) -> str:
@@ -41,18 +34,17 @@ def render_plan(plan: Any) -> str:
     with_tp = len({row.tp for row in plan.rows}) > 1
     tp_column = ["tp"] if with_tp else []
     header = ["", "strategy", *tp_column, "bucket", "pf", "fits", f"peak {unit}", "params", "grads", "optim",
-              "gathered", "activ",
-              "buffers", "intra/step", "inter/step", "step", "exposed", "tok/s/dev", "MFU"]
+              "gathered", "activ", "buffers", "intra/step", "inter/step", "step", "exposed", "tok/s/dev", "MFU"]
     lines = []
     for row in plan.rows:
         m = row.memory
         lines.append([
             "*" if row.chosen else "", row.strategy + (f" {describe_reshard(row.reshard)}" if row.reshard else ""),
-            *([str(row.tp)] if with_tp else []), row.bucket,
-            str(row.prefetch), "yes" if row.fits else "NO",
+            *([str(row.tp)] if with_tp else []), row.bucket, str(row.prefetch), "yes" if row.fits else "NO",
             _gib(row.peak_bytes), _gib(m["params"]), _gib(m["grads"]), _gib(m["optimizer"]), _gib(m["gathered"]),
-            _gib(m["activations"]), _gib(m["buffers"]), _bytes(row.bytes_per_step.get("intra", 0)),
-            _bytes(row.bytes_per_step.get("inter", 0)), _time(row.step_seconds), _time(row.exposed_comm_seconds),
+            _gib(m["activations"]), _gib(m["buffers"]),
+            *(size(row.bytes_per_step.get(link, 0), DECIMAL, ".3g") for link in ("intra", "inter")),
+            _time(row.step_seconds), _time(row.exposed_comm_seconds),
             f"{row.tokens_per_second:,.0f}" if row.tokens_per_second else "-",
             f"{row.mfu * 100:.1f}%" if row.mfu is not None else "-"])
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
@@ -76,6 +68,5 @@ def render_plan(plan: Any) -> str:
     if with_tp:
         out.append("tp: the tensor-parallel degree (FSDP shards over world / tp); its collectives are priced "
                    "on the intra-node link")
-    out.append(("chosen: " + f"{plan.best.label()} -- "
-                if plan.best else "chosen: none -- ") + plan.why)
+    out.append(f"chosen: {plan.best.label() if plan.best else 'none'} -- {plan.why}")
     return "\n".join(out) + "\n"

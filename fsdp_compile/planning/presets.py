@@ -1,16 +1,14 @@
 """Data-sheet clusters (``Cluster.preset``), and which one a GPU is (``Cluster.for_device``).
 
-Every number is per device, from the vendor's data sheet, with its source beside it
-(``cluster.sources``). FLOP/s are dense (a data sheet's "with sparsity" figure halved);
-bandwidths are one way (a data sheet's "bidirectional" figure halved). Links between nodes
-vary by cluster: each preset says which it assumes. Latencies are NCCL's ring/Simple tuning
-constants (RCCL is assumed to match them on the MI300X). ``reserved_memory`` stands for the CUDA
-context, the communication library's buffers and allocator slack.
+Every number is per device, from the vendor's data sheet, with its source beside it (``cluster.sources``). FLOP/s are
+dense (a data sheet's "with sparsity" figure halved); bandwidths are one way (a data sheet's "bidirectional" figure
+halved). Links between nodes vary by cluster: each preset says which it assumes. Latencies are NCCL's ring/Simple tuning
+constants (RCCL is assumed to match them on the MI300X). ``reserved_memory`` stands for the CUDA context, the
+communication library's buffers and allocator slack.
 
-A GPU is matched by its name and its total memory (``torch.cuda.get_device_properties``): the
-name picks a family (``A100``), the memory picks the part (40 or 80 GB), and a device whose
-memory fits no part of its family matches nothing rather than the nearest part, whose plan
-would run out of memory or leave it unused.
+A GPU is matched by its name and its total memory (``torch.cuda.get_device_properties``): the name picks a family
+(``A100``), the memory picks the part (40 or 80 GB), and a device whose memory fits no part of its family matches
+nothing rather than the nearest part, whose plan would run out of memory or leave it unused.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ _RESERVED_SMALL = "assumed: ~1 GiB per GPU for the CUDA context and NCCL buffers
 
 
 def _flops(bf16: float, fp32: float, fp8: float | None = None) -> dict[torch.dtype, float]:
-    """Dense matmul peaks in TFLOPS; ``fp8`` where the device has float8 tensor cores (both
-    float8 formats run at it)."""
+    """Dense matmul peaks in TFLOPS; ``fp8`` where the device has float8 tensor cores (both float8 formats run at
+    it)."""
     rates = {torch.bfloat16: bf16 * TFLOPS, torch.float16: bf16 * TFLOPS, torch.float32: fp32 * TFLOPS}
     if fp8 is not None:
         rates.update({torch.float8_e4m3fn: fp8 * TFLOPS, torch.float8_e5m2: fp8 * TFLOPS})
@@ -137,8 +135,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "reserved_memory": "assumed: ~2 GiB per GPU for the HIP context, RCCL buffers and allocator slack"}),
 }
 
-# How a device names each preset's GPU (``torch.cuda.get_device_properties(...).name``, lower
-# case), and the names of parts with other numbers that the pattern would also catch.
+# How a device names each preset's GPU (``torch.cuda.get_device_properties(...).name``, lower case), and the names of
+# parts with other numbers that the pattern would also catch.
 _DEVICE_NAMES: dict[str, tuple[str, str | None]] = {
     "h100-sxm": (r"\bh100\b", r"pcie|\bnvl\b"),  # "NVIDIA H100 80GB HBM3"; not the PCIe or NVL cards
     "h200": (r"\bh200\b", r"\bnvl\b"),  # "NVIDIA H200"; not the H200 NVL (PCIe, lower clocks)
@@ -151,15 +149,15 @@ _DEVICE_NAMES: dict[str, tuple[str, str | None]] = {
     "mi300x": (r"\bmi300x\b", None),  # "AMD Instinct MI300X" (ROCm)
 }
 
-# A device reports a little more or less than its data sheet's capacity (HBM sold as "80 GB"
-# reports 79.1 GiB, 85.0e9 bytes; GDDR6 sold as "24 GB", 23.8e9): a part matches when the
-# device's total memory is within these ratios of the preset's.
+# A device reports a little more or less than its data sheet's capacity (HBM sold as "80 GB" reports 79.1 GiB, 85.0e9
+# bytes; GDDR6 sold as "24 GB", 23.8e9): a part matches when the device's total memory is within these ratios of the
+# preset's.
 MEMORY_RATIOS = (0.9, 1.15)
 
 
 def preset_for_device(name: str, total_memory: float) -> str | None:
-    """The preset of the GPU called ``name`` with ``total_memory`` bytes, or None where no preset
-    describes it (see the module docstring)."""
+    """The preset of the GPU called ``name`` with ``total_memory`` bytes, or None where no preset describes it (see the
+    module docstring)."""
     lowered = name.lower()
     low, high = MEMORY_RATIOS
     matches = []

@@ -1,15 +1,14 @@
 """Play a lowered, scheduled graph on two streams, and walk its memory along the same order.
 
-Time: one compute stream runs the compute nodes in graph order; each link (intra-node,
-inter-node: separate resources, so a hybrid step's reduce-scatter and all-reduce can overlap)
-runs its collectives in issue order, each from when it is issued and the link is free. A
-``wait_tensor`` blocks compute until its collective is done: that time is *exposed*
-communication; with ``comm_overlap`` < 1 that share of the hidden time is added back. That is one
-rank's GPU timeline, the others priced by symmetry; a host model (:mod:`.host_model`) adds to it
-through a :class:`~.host_model.HostTimeline`, or plays every rank together (``played_step``).
+Time: one compute stream runs the compute nodes in graph order; each link (intra-node, inter-node: separate resources,
+so a hybrid step's reduce-scatter and all-reduce can overlap) runs its collectives in issue order, each from when it is
+issued and the link is free. A ``wait_tensor`` blocks compute until its collective is done: that time is *exposed*
+communication; with ``comm_overlap`` < 1 that share of the hidden time is added back. That is one rank's GPU timeline,
+the others priced by symmetry; a host model (:mod:`.host_model`) adds to it through a
+:class:`~.host_model.HostTimeline`, or plays every rank together (``played_step``).
 
-Memory: live bytes by role after each node's allocations (:mod:`fsdp_compile.inspection.memory_estimate`),
-ints or sympy expressions for graphs traced with symbolic sizes.
+Memory: live bytes by role after each node's allocations (:mod:`fsdp_compile.inspection.memory_estimate`), ints or sympy
+expressions for graphs traced with symbolic sizes.
 """
 
 from __future__ import annotations
@@ -49,18 +48,17 @@ class Timeline:
             self.collectives + other.collectives, self.backend_cpu_seconds + other.backend_cpu_seconds)
 
 
-# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key);
-# a host model (:mod:`.host_model`) adds numbers to an issue and events of its own, which its hook plays.
+# Events: ("compute", seconds) | ("issue", key, seconds, link, wire_bytes) | ("wait", key); a host model
+# (:mod:`.host_model`) adds numbers to an issue and events of its own, which its hook plays.
 Event = tuple
 
 
 def simulate_events(events: Iterable[Event], comm_overlap: float = 1.0, flops: Any = 0,
                     host: HostModel | None = None, trace: list[dict] | None = None) -> Timeline:
-    """Run ``events`` on the compute stream and the links (module docstring). ``host``: the
-    cluster's host model, needed by events that carry its numbers. A collective never waited for
-    is waited at the end. ``trace``: receives, per collective in issue order, when it was issued,
-    started and ended on its link, and when its wait was reached and returned
-    (``bench/exposure_trace.py``).
+    """Run ``events`` on the compute stream and the links (module docstring). ``host``: the cluster's host model, needed
+    by events that carry its numbers. A collective never waited for is waited at the end. ``trace``: receives, per
+    collective in issue order, when it was issued, started and ended on its link, and when its wait was reached and
+    returned (``bench/exposure_trace.py``).
     """
     events = list(events)
     hook = host.timeline(events) if host is not None else None
@@ -120,8 +118,8 @@ def _wait(key: Any, link_end: Any, now: Any, exposed: Any, hook: HostTimeline | 
 
 
 def graph_events(costs: list[tuple[fx.Node, NodeCost]]) -> list[Event]:
-    """The events of costed nodes in graph order; a collective's host costs (``NodeCost.host``)
-    add their own around its issue."""
+    """The events of costed nodes in graph order; a collective's host costs (``NodeCost.host``) add their own around its
+    issue."""
     events: list[Event] = []
     for node, cost in costs:
         if cost.kind == "compute":
@@ -144,8 +142,8 @@ def memory_timeline(gm: fx.GraphModule, held: dict[str, Any] | None = None,
                     symbolic: bool = False, workspace: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Live bytes by role after each node's allocations, in graph order, with the lifetimes of
     :func:`fsdp_compile.inspection.memory_estimate.estimate_memory`. ``held``: bytes per role kept
-    alive outside the graph. ``workspace``: ``Cluster.collective_workspace``, alive from each
-    collective to its wait in the role of its result."""
+    alive outside the graph. ``workspace``: ``Cluster.collective_workspace``, alive from each collective to its wait in
+    the role of its result."""
     life = storage_lifetimes(gm, symbolic)
     workspace_at: dict[int, list] = {}
     if workspace:

@@ -1,5 +1,5 @@
-"""Model states per device: parameters, gradients and optimizer state under each strategy's
-shard layout (exact, from the parameters' shapes), as ZeRO's memory formulas count them."""
+"""Model states per device: parameters, gradients and optimizer state under each strategy's shard layout (exact, from
+the parameters' shapes), as ZeRO's memory formulas count them."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ def _shard_numel(shape: tuple[int, ...], shard_size: int) -> int:
 
 def model_state_bytes(model: nn.Module, strategy: ShardingStrategy, world: int, devices_per_node: int,
                       optimizer: str, tp: int = 1) -> dict[str, float]:
-    """Resident bytes per device of parameters, gradients, optimizer state and buffers. With
-    ``tp`` > 1 (``model`` parallelized), a TP parameter counts at its TP-local shape, sharded
-    over the dp ranks, as the runtime shards it."""
+    """Resident bytes per device of parameters, gradients, optimizer state and buffers. With ``tp`` > 1 (``model``
+    parallelized), a TP parameter counts at its TP-local shape, sharded over the dp ranks, as the runtime shards it."""
     dp_world, dp_node = world // tp, devices_per_node // tp
     shard = 1 if strategy is ShardingStrategy.NO_SHARD else (dp_node if strategy.is_hybrid else dp_world)
     params = grads = 0

@@ -1,11 +1,10 @@
 """Memory and step time as expressions of the batch or the sequence length, and what fits.
 
-The candidate is traced again with one input dimension marked dynamic: its size is a sympy
-symbol through every shape, so live memory and the simulated step are expressions of it. Each
-node's live bytes is a polynomial; the largest size that fits is the floor of the smallest root
-of any crossing the budget (or the bound Dynamo's guards put on the size). Assumed: the
-partitioner's choices and the schedule do not change with the size (a real run compiles again).
-The step leaves out what a host model has no closed form for (its ``closed_form()``).
+The candidate is traced again with one input dimension marked dynamic: its size is a sympy symbol through every shape,
+so live memory and the simulated step are expressions of it. Each node's live bytes is a polynomial; the largest size
+that fits is the floor of the smallest root of any crossing the budget (or the bound Dynamo's guards put on the size).
+Assumed: the partitioner's choices and the schedule do not change with the size (a real run compiles again). The step
+leaves out what a host model has no closed form for (its ``closed_form()``).
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ class SymbolicResult:
 
 
 def _polynomials(expressions: list[sympy.Expr], x: sympy.Symbol) -> list[sympy.Poly]:
-    """Distinct polynomials, without those another one bounds coefficient by coefficient
-    (for sizes >= 1 they can never be the maximum)."""
+    """Distinct polynomials, without those another one bounds coefficient by coefficient (for sizes >= 1 they can never
+    be the maximum)."""
     polys: dict[tuple, sympy.Poly] = {}
     for expr in expressions:
         poly = sympy.Poly(sympy.expand(expr), x)

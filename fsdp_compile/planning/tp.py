@@ -1,10 +1,9 @@
 """Tensor parallelism in the planner: which TP degrees apply, and the mesh each is traced on.
 
-A degree ``tp`` splits the world into ``dp = world / tp`` groups of ``tp`` consecutive ranks,
-inside a node (its collectives run every layer, priced on the intra-node link). FSDP shards over
-``mesh["dp"]`` (dp x tp), or for hybrid strategies ``mesh["dp_replicate", "dp_shard"]``
-(dp_replicate x dp_shard x tp), as a real 2-D run is set up (docs/tensor-parallel.md).
-``parallelize_fn(model, tp_mesh)`` applies the TP plan (built in for GPT and Llama).
+A degree ``tp`` splits the world into ``dp = world / tp`` groups of ``tp`` consecutive ranks, inside a node (its
+collectives run every layer, priced on the intra-node link). FSDP shards over ``mesh["dp"]`` (dp x tp), or for hybrid
+strategies ``mesh["dp_replicate", "dp_shard"]`` (dp_replicate x dp_shard x tp), as a real 2-D run is set up
+(docs/tensor-parallel.md). ``parallelize_fn(model, tp_mesh)`` applies the TP plan (built in for GPT and Llama).
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ HEAD_ATTRIBUTES = ("n_heads", "n_kv_heads", "n_head", "num_heads", "num_attentio
 
 
 def default_parallelize_fn(model: nn.Module) -> Callable[[nn.Module, Any], nn.Module] | None:
-    """The TP plan the built-in models ship: torchtitan's for :class:`~fsdp_compile.models.llama.Llama`,
-    Megatron's MLP split for :class:`~fsdp_compile.models.gpt.GPT`; None for any other model."""
+    """The TP plan the built-in models ship: torchtitan's for :class:`~fsdp_compile.models.llama.Llama`, Megatron's MLP
+    split for :class:`~fsdp_compile.models.gpt.GPT`; None for any other model."""
     from ..models.gpt import GPT
     from ..models.gpt import apply_tp as gpt_tp
     from ..models.llama import Llama
@@ -37,8 +36,8 @@ def default_parallelize_fn(model: nn.Module) -> Callable[[nn.Module, Any], nn.Mo
 
 
 def model_heads(model: nn.Module) -> dict[str, int]:
-    """The model's attention head counts by attribute name (``n_heads``, ``n_kv_heads``, ...), from
-    its ``cfg``/``config`` or any submodule that carries them."""
+    """The model's attention head counts by attribute name (``n_heads``, ``n_kv_heads``, ...), from its
+    ``cfg``/``config`` or any submodule that carries them."""
     heads: dict[str, int] = {}
     for holder in (getattr(model, "cfg", None), getattr(model, "config", None), *model.modules()):
         for name in HEAD_ATTRIBUTES:
@@ -50,8 +49,8 @@ def model_heads(model: nn.Module) -> dict[str, int]:
 
 def check_tp_degrees(degrees: Sequence[int], model: nn.Module, world: int, devices_per_node: int,
                      parallelize_fn: Callable | None) -> tuple[tuple[int, ...], Callable | None]:
-    """The TP degrees to plan and the function applying the TP plan; :class:`PlanError` naming a
-    degree that cannot run, and why."""
+    """The TP degrees to plan and the function applying the TP plan; :class:`PlanError` naming a degree that cannot run,
+    and why."""
     out: list[int] = []
     for tp in degrees:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -106,8 +105,8 @@ class TPMeshes:
         return mesh["dp_replicate", "dp_shard"] if strategy.is_hybrid else mesh["dp"]
 
     def tp_ranks(self, tp: int, strategy: ShardingStrategy) -> tuple[int, ...]:
-        """This rank's tp group. By ranks, not by name: DTensor caches its sharding decisions by
-        mesh, and two meshes' tp groups of the same ranks are interchangeable in a traced graph."""
+        """This rank's tp group. By ranks, not by name: DTensor caches its sharding decisions by mesh, and two meshes'
+        tp groups of the same ranks are interchangeable in a traced graph."""
         import torch.distributed as dist
 
         return tuple(dist.get_process_group_ranks(self.mesh(tp, strategy.is_hybrid)["tp"].get_group()))
@@ -124,8 +123,8 @@ class TPMeshes:
 
 def tp_model_states(model: nn.Module, candidates: Sequence[Any], meshes: TPMeshes,
                     optimizer: str) -> dict[tuple[ShardingStrategy, int], dict[str, float]]:
-    """Model states per device of each (strategy, TP degree) among ``candidates``, read off a fake
-    copy with the TP plan applied (:func:`.states.model_state_bytes`)."""
+    """Model states per device of each (strategy, TP degree) among ``candidates``, read off a fake copy with the TP plan
+    applied (:func:`.states.model_state_bytes`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .states import model_state_bytes

@@ -1,10 +1,9 @@
 """Trace every candidate's graphs with the backend's own pipeline, sharing what is the same.
 
-Candidates that shard over groups of the same size (a *layout*: FULL_SHARD with SHARD_GRAD_OP,
-the two hybrids, NO_SHARD) get the same joint graph but for the markers' arguments: one is
-traced, the others replay its joint graph with their own markers (``Compiler.replay``; exactly
-the graphs a trace gives, tests/test_planning_plan.py), and those with the same reshard policy
-share the partitioned graphs. The backend sits above the planner, which reaches it only through
+Candidates that shard over groups of the same size (a *layout*: FULL_SHARD with SHARD_GRAD_OP, the two hybrids,
+NO_SHARD) get the same joint graph but for the markers' arguments: one is traced, the others replay its joint graph with
+their own markers (``Compiler.replay``; exactly the graphs a trace gives, tests/test_planning_plan.py), and those with
+the same reshard policy share the partitioned graphs. The backend sits above the planner, which reaches it only through
 ``compilation/tracing.py``'s ``make_backend`` and the compiler's tracing door.
 """
 
@@ -66,8 +65,7 @@ def candidate_label(strategy: str, tp: int, bucket: str, prefetch: int,
 
 
 def describe_reshard(reshard: dict[str, bool | int]) -> str:
-    """A budget's mix in a row's name: how many units keep their gathered parameters, how many a
-    shard over n ranks."""
+    """A budget's mix in a row's name: how many units keep their gathered parameters, how many a shard over n ranks."""
     kept = sum(1 for value in reshard.values() if value is False)
     over = sorted({value for value in reshard.values() if value is not False and value is not True})
     parts = [f"{kept} kept"] if kept else []
@@ -110,8 +108,8 @@ def default_loss(output: Any) -> torch.Tensor:
 def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, devices_per_node: int,
                   world: int, tp_meshes: TPMeshes | None = None) -> TracingBackend:
     hybrid = candidate.strategy.is_hybrid
-    # Without regions: the cost model prices the flat graph node by node; regions change where a
-    # block's operators are written down, not which run or what is communicated.
+    # Without regions: the cost model prices the flat graph node by node; regions change where a block's operators are
+    # written down, not which run or what is communicated.
     options: dict[str, Any] = {"shard_size": devices_per_node if hybrid else None}
     if candidate.tp > 1:  # FSDP over the dp part of the 2-D (hybrid: 3-D) mesh, as a real run
         options = {"mesh": tp_meshes.dp_mesh(candidate.tp, candidate.strategy)}
@@ -122,9 +120,9 @@ def _make_backend(candidate: Candidate, mixed_precision: MixedPrecision | None, 
 
 
 def tag_buffer_inputs(record: CompiledGraph) -> None:
-    """Mark the forward graph's inputs that are module buffers (role ``buffer``): its tensor inputs
-    other than shards are, in order, the Dynamo graph's plain tensor inputs (matched by position
-    and shape; left alone where they do not line up)."""
+    """Mark the forward graph's inputs that are module buffers (role ``buffer``): its tensor inputs other than shards
+    are, in order, the Dynamo graph's plain tensor inputs (matched by position and shape; left alone where they do not
+    line up)."""
     if record.forward is None:
         return
     dynamo = []
@@ -146,9 +144,9 @@ def tag_buffer_inputs(record: CompiledGraph) -> None:
             node.meta[ROLE_META] = "buffer"
 
 
-# Attention as the target device runs it: traced on CPU fake tensors, ``scaled_dot_product_attention``
-# dispatches to the CPU's flash kernel, while a CUDA run's FlashAttention or memory-efficient kernel
-# saves other tensors for backward; on a CUDA cluster the Dynamo graph calls the CUDA kernel's op.
+# Attention as the target device runs it: traced on CPU fake tensors, ``scaled_dot_product_attention`` dispatches to the
+# CPU's flash kernel, while a CUDA run's FlashAttention or memory-efficient kernel saves other tensors for backward; on
+# a CUDA cluster the Dynamo graph calls the CUDA kernel's op.
 _SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 
 
@@ -165,8 +163,8 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 
 def use_cuda_attention(gm: fx.GraphModule) -> int:
-    """Route every ``scaled_dot_product_attention`` of a Dynamo graph to the CUDA kernel it
-    would dispatch to; returns how many were routed."""
+    """Route every ``scaled_dot_product_attention`` of a Dynamo graph to the CUDA kernel it would dispatch to; returns
+    how many were routed."""
     count = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _SDPA_TARGETS:
@@ -175,22 +173,14 @@ def use_cuda_attention(gm: fx.GraphModule) -> int:
     return count
 
 
-def trace_candidates(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    candidates: Sequence[Candidate],
-    *,
-    world: int,
-    devices_per_node: int,
-    mixed_precision: MixedPrecision | None,
-    device_type: str,
-    symbolic_dims: dict[int, dict[int, str]] | None = None,
-    progress: Callable[[str], None] | None = None,
-    tp_meshes: TPMeshes | None = None,
-) -> dict[Candidate, Traced]:
-    """Trace ``candidates`` in the current (fake) world. ``symbolic_dims`` ({input index: {dim:
-    "batch" | "seq"}}) traces those sizes as symbols; ``tp_meshes``: for TP degrees above 1."""
+def trace_candidates(model: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor] | None,
+                     candidates: Sequence[Candidate], *, world: int, devices_per_node: int,
+                     mixed_precision: MixedPrecision | None, device_type: str,
+                     symbolic_dims: dict[int, dict[int, str]] | None = None,
+                     progress: Callable[[str], None] | None = None,
+                     tp_meshes: TPMeshes | None = None) -> dict[Candidate, Traced]:
+    """Trace ``candidates`` in the current (fake) world. ``symbolic_dims`` ({input index: {dim: "batch" | "seq"}})
+    traces those sizes as symbols; ``tp_meshes``: for TP degrees above 1."""
     loss_fn = loss_fn or default_loss
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     inputs = fake_inputs(mode, tuple(example_inputs))
@@ -206,8 +196,8 @@ def trace_candidates(
 
     traced: dict[Candidate, Traced] = {}
     with warnings.catch_warnings():
-        # Pass failures are reported in the plan's rows; torch's own deprecation notices from
-        # deep-copying graphs say nothing about the user's model.
+        # Pass failures are reported in the plan's rows; torch's own deprecation notices from deep-copying graphs say
+        # nothing about the user's model.
         warnings.simplefilter("ignore", RuntimeWarning)
         warnings.simplefilter("ignore", FutureWarning)
         _trace_layouts(layouts, model, mode, inputs, loss_fn, mixed_precision, devices_per_node, world,
@@ -263,16 +253,10 @@ def _symbol_labels(records: list[CompiledGraph], inputs: Sequence[Any],
     """Which sympy symbol of the traced graphs stands for the batch and which for the sequence."""
     labels: dict[str, str] = {}
     for record in records:
-        user = []
-        for node in record.dynamo.graph.find_nodes(op="placeholder"):
-            value = node.meta.get("example_value")
-            if isinstance(value, torch.Tensor):
-                user.append((node.name, value))  # L['args'][i] -> l_args_i_
+        user = {node.name: node.meta["example_value"] for node in record.dynamo.graph.find_nodes(op="placeholder")
+                if isinstance(node.meta.get("example_value"), torch.Tensor)}  # L['args'][i] -> l_args_i_
         for (index, dim), label in symbols.items():
-            for name, value in user:
-                if name == f"l_args_{index}_" and dim < value.dim():
-                    size = value.shape[dim]
-                    if isinstance(size, torch.SymInt):
-                        for symbol in size.node.expr.free_symbols:
-                            labels[str(symbol)] = label
+            value = user.get(f"l_args_{index}_")
+            if value is not None and dim < value.dim() and isinstance(value.shape[dim], torch.SymInt):
+                labels.update((str(symbol), label) for symbol in value.shape[dim].node.expr.free_symbols)
     return labels

@@ -57,6 +57,14 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
+def fit_two_points(first: tuple[float, float, float], second: tuple[float, float, float]) -> tuple[float, float]:
+    """(seconds per item, seconds per byte) solving ``t = items * a + bytes * b`` through two ``(items, bytes, t)``
+    points, clipped at 0 like :func:`fit_line`."""
+    (c1, b1, t1), (c2, b2, t2) = first, second
+    per_byte = max((t2 - t1 * c2 / c1) / (b2 - b1 * c2 / c1), 0.0)
+    return max((t1 - b1 * per_byte) / c1, 0.0), per_byte
+
+
 def number_problems(name: str, value: object, *, positive: bool = True, integer: bool = False,
                     at_most: float | None = None) -> list[str]:
     """What is wrong with one number of a cluster description, each named."""

@@ -1,9 +1,8 @@
-"""A world that exists only in this process: torch's fake process group (every group, rank and
-size asked for, no communication) and fake tensors (shapes and dtypes, no storage).
+"""A world that exists only in this process: torch's fake process group (every group, rank and size asked for, no
+communication) and fake tensors (shapes and dtypes, no storage).
 
-CPU fake tensors, not the meta device: under AOTAutograd some composite ops have a Python meta
-kernel that bypasses their autograd formula on meta (torch 2.13: ``cross_entropy`` on meta
-traces a backward with zero gradients).
+CPU fake tensors, not the meta device: under AOTAutograd some composite ops have a Python meta kernel that bypasses
+their autograd formula on meta (torch 2.13: ``cross_entropy`` on meta traces a backward with zero gradients).
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ class RealProcessGroupError(RuntimeError):
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
-    """A fake default process group of ``world_size`` ranks (this process is rank 0); reuses a
-    fake one of that size, and leaves any other alone (then the planner runs in a subprocess,
+    """A fake default process group of ``world_size`` ranks (this process is rank 0); reuses a fake one of that size,
+    and leaves any other alone (then the planner runs in a subprocess,
     :mod:`.child_process`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -54,8 +53,8 @@ def fake_like(mode: FakeTensorMode, value: torch.Tensor) -> torch.Tensor:
 
 
 def copy_with(model: nn.Module, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
-    """A copy of ``model`` (on any device, meta included) whose parameters and buffers are their
-    ``stand_in``s; no data is copied (they go into ``deepcopy``'s memo), shared ones stay shared."""
+    """A copy of ``model`` (on any device, meta included) whose parameters and buffers are their ``stand_in``s; no data
+    is copied (they go into ``deepcopy``'s memo), shared ones stay shared."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) not in memo:

@@ -1,6 +1,5 @@
-"""Memory as the allocator sees it: the running sum of a profile's allocations and frees, the
-peak a function allocates (a collective's workspace, ``compare``'s step peak), and the memory a
-rank may plan against on a CPU.
+"""Memory as the allocator sees it: the running sum of a profile's allocations and frees, the peak a function allocates
+(a collective's workspace, ``compare``'s step peak), and the memory a rank may plan against on a CPU.
 """
 
 from __future__ import annotations
@@ -13,20 +12,20 @@ import torch
 from ..vocabulary import ClusterError
 from .compute import _node_ranks
 
-# Above every level kineto logs at: on torch 2.13 its "USDT: ... profiler_start" and
-# "profiler_stop" lines go to stderr at every level up to 5.
+# Above every level kineto logs at: on torch 2.13 its "USDT: ... profiler_start" and "profiler_stop" lines go to stderr
+# at every level up to 5.
 _KINETO_QUIET = "6"
 
 
 def quiet_profiler() -> None:
-    """Keep the profiler's C++ logging out of the tools' output unless ``KINETO_LOG_LEVEL`` asks
-    for it. Kineto reads the level at a process's first profile: call this before it."""
+    """Keep the profiler's C++ logging out of the tools' output unless ``KINETO_LOG_LEVEL`` asks for it. Kineto reads
+    the level at a process's first profile: call this before it."""
     os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
 
 
 def allocation_records(prof: Any) -> list[tuple[int, int, int]]:
-    """Every CPU allocation and free a profile (``profile_memory=True``) recorded, on any
-    thread, as ``(time ns, address, bytes)`` in time order (frees negative)."""
+    """Every CPU allocation and free a profile (``profile_memory=True``) recorded, on any thread, as ``(time ns,
+    address, bytes)`` in time order (frees negative)."""
     from torch._C._profiler import _EventType
 
     records = []
@@ -40,14 +39,12 @@ def allocation_records(prof: Any) -> list[tuple[int, int, int]]:
 
 
 def allocator_peak(records: list[tuple[int, int, int]]) -> int:
-    """The largest running sum of allocations minus frees, in bytes beyond what was allocated
-    before the first record.
+    """The largest running sum of allocations minus frees, in bytes beyond what was allocated before the first record.
 
-    Records are ordered by timestamps taken on the threads that allocate and free: a free
-    recorded on one thread can carry a later time than an allocation on another thread that
-    already reuses its address. An address is never handed out twice, so an allocation of an
-    address still live in the sum closes the earlier allocation first; summed naively, the
-    buffer counts twice (spikes of megabytes in some steps of a hybrid world on a CPU).
+    Records are ordered by timestamps taken on the threads that allocate and free: a free recorded on one thread can
+    carry a later time than an allocation on another thread that already reuses its address. An address is never handed
+    out twice, so an allocation of an address still live in the sum closes the earlier allocation first; summed naively,
+    the buffer counts twice (spikes of megabytes in some steps of a hybrid world on a CPU).
     """
     live: dict[int, int] = {}
     running = peak = 0
@@ -63,9 +60,9 @@ def allocator_peak(records: list[tuple[int, int, int]]) -> int:
 
 
 def _allocated_peak(fn, device: torch.device, events: list | None = None) -> tuple[float, Any]:
-    """Bytes the allocator handed out at the peak while ``fn`` ran, beyond what was allocated
-    before it (the profiler's memory events on a CPU, the caching allocator's peak on a GPU),
-    and ``fn``'s result. ``events``: receives the profiler's events, with their shapes."""
+    """Bytes the allocator handed out at the peak while ``fn`` ran, beyond what was allocated before it (the profiler's
+    memory events on a CPU, the caching allocator's peak on a GPU), and ``fn``'s result. ``events``: receives the
+    profiler's events, with their shapes."""
     from torch.profiler import ProfilerActivity, profile
 
     quiet_profiler()

@@ -1,14 +1,12 @@
 """``Cluster.measure()``: calibrate the planner's numbers on the machine it runs on.
 
-Every rank runs the same measurements in the same order, side by side (a barrier before each:
-in training ranks share the machine's caches and memory), each the slowest rank's, so all ranks
-get the same cluster. A compute timing is the fastest repeat (noise only adds time), except
-matmuls and attention, which a step runs once each: their median pass counts. A collective's
-is the median (its spread is its own, and a step pays the typical one). On a CPU with one
-intra-op thread compute is timed by the thread's CPU time: waits for a core belong to other
-jobs. A host model may run the compute calibrations in turns (``compute_in_turns``), time the
-collectives beside compute (``beside_collectives``), and adds its own numbers last
-(``calibrate``). The calibrations: :mod:`.compute`, :mod:`.outside_graphs`,
+Every rank runs the same measurements in the same order, side by side (a barrier before each: in training ranks share
+the machine's caches and memory), each the slowest rank's, so all ranks get the same cluster. A compute timing is the
+fastest repeat (noise only adds time), except matmuls and attention, which a step runs once each: their median pass
+counts. A collective's is the median (its spread is its own, and a step pays the typical one). On a CPU with one
+intra-op thread compute is timed by the thread's CPU time: waits for a core belong to other jobs. A host model may run
+the compute calibrations in turns (``compute_in_turns``), time the collectives beside compute (``beside_collectives``),
+and adds its own numbers last (``calibrate``). The calibrations: :mod:`.compute`, :mod:`.outside_graphs`,
 :mod:`.collective_fits`, :mod:`.allocator`.
 """
 
@@ -35,9 +33,9 @@ if TYPE_CHECKING:
 def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
     """This rank's groups to time each link on: (intra-node, inter-node; None on one node).
 
-    Over several nodes a group is bound by the slowest link it spans: the intra-node link is
-    timed on groups of one node's ranks, the inter-node one on groups of one rank per node (a
-    hybrid strategy's replicate groups). Collective: every rank creates every group, once.
+    Over several nodes a group is bound by the slowest link it spans: the intra-node link is timed on groups of one
+    node's ranks, the inter-node one on groups of one rank per node (a hybrid strategy's replicate groups). Collective:
+    every rank creates every group, once.
     """
     if nodes <= 1:
         return group, None
@@ -56,8 +54,8 @@ def _link_groups(group: Any, nodes: int) -> tuple[Any, Any]:
 
 def _collectives_per_link(groups: tuple[Any, Any], device: torch.device, sizes: tuple[int, ...], repeats: int,
                           network: Any = None, beside: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The collectives' fits on each link of :func:`_link_groups`: (intra-node, inter-node), each
-    set run on all its groups at once, as a training step runs them (:func:`.collective_fits._collectives`)."""
+    """The collectives' fits on each link of :func:`_link_groups`: (intra-node, inter-node), each set run on all its
+    groups at once, as a training step runs them (:func:`.collective_fits._collectives`)."""
     intra, inter = groups
     return (_collectives(intra, device, sizes, repeats, network, beside),
             {} if inter is None else _collectives(inter, device, sizes, repeats, network, beside))
@@ -82,8 +80,8 @@ def _link_fields(collectives: dict[str, Any], inter_collectives: dict[str, Any])
 
 
 def _emulated_network(group: Any) -> Any:
-    """The network model ``group``'s links run on (an :class:`~fsdp_compile.EmulatedNetwork`'s
-    process group keeps it as ``network``), or None."""
+    """The network model ``group``'s links run on (an :class:`~fsdp_compile.EmulatedNetwork`'s process group keeps it as
+    ``network``), or None."""
     process_group = group if group is not None else dist.group.WORLD
     return getattr(process_group, "network", None)
 
@@ -106,8 +104,8 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     def fastest_rate(calibrate: Callable[[float], float]) -> float:
         return -_slowest(-turns(calibrate, group, device), group)  # the slowest rank's rate
 
-    # Two rounds over the dtypes, the faster kept: a slowdown of the machine lasting seconds
-    # (another tenant, frequency scaling) can outlast all repeats of one round, not both rounds.
+    # Two rounds over the dtypes, the faster kept: a slowdown of the machine lasting seconds (another tenant, frequency
+    # scaling) can outlast all repeats of one round, not both rounds.
     flops: dict[torch.dtype, float] = {}
     for _ in range(2):
         for dtype in dtypes:
@@ -128,8 +126,8 @@ def measure_cluster(cls: type[Cluster], *, group: Any, sizes: tuple[int, ...] | 
     collectives, inter_collectives = _collectives_per_link(link_groups, device, sizes, repeats, network,
                                                            host.beside_collectives if host is not None else None)
     workspace = _collective_workspace(group, device)
-    # Nothing of a CPU's collective is hidden or not by the overlap share, which is a GPU's (a
-    # race against a copy engine); what its backend's threads take from compute is a host model's.
+    # Nothing of a CPU's collective is hidden or not by the overlap share, which is a GPU's (a race against a copy
+    # engine); what its backend's threads take from compute is a host model's.
     overlap = 1.0 if device.type == "cpu" else _gpu_overlap(group, device, repeats)
     if device_memory is None:
         device_memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"

@@ -1,13 +1,12 @@
-"""Collectives on the current process group: their timing fitted to the ring model, what the
-backend allocates beside each, and on a GPU how much of their time can hide under compute.
+"""Collectives on the current process group: their timing fitted to the ring model, what the backend allocates beside
+each, and on a GPU how much of their time can hide under compute.
 
-A run is a burst of collectives issued back to back and waited at the end, over their number:
-the planner needs how long a collective holds the link, and a single collective timed from a
-barrier also pays the ranks' skew leaving it (milliseconds of fitted latency per step on an
-emulated link, ``tests/test_planning_network.py``). The median burst (why: :mod:`.calibrate`) at
-each size is fitted to a line over the bytes each rank sends: the slope is the bandwidth, the
-intercept over the ring's steps the latency per step. On an emulated network a burst's time is
-what the network charged (:func:`_modeled_seconds`), not the wall time, which is also gloo's.
+A run is a burst of collectives issued back to back and waited at the end, over their number: the planner needs how long
+a collective holds the link, and a single collective timed from a barrier also pays the ranks' skew leaving it
+(milliseconds of fitted latency per step on an emulated link, ``tests/test_planning_network.py``). The median burst
+(why: :mod:`.calibrate`) at each size is fitted to a line over the bytes each rank sends: the slope is the bandwidth,
+the intercept over the ring's steps the latency per step. On an emulated network a burst's time is what the network
+charged (:func:`_modeled_seconds`), not the wall time, which is also gloo's.
 """
 
 from __future__ import annotations
@@ -47,9 +46,9 @@ def _run_burst(kind: str, buffers: list[torch.Tensor], n: int, group_name: str) 
 
 
 def _local_buffers(kind: str, size: int, n: int, count: int, device: torch.device) -> tuple[int, list[torch.Tensor]]:
-    """(the buffer's float32 elements, ``count`` local inputs) of ``kind`` collectives whose
-    buffer is about ``size`` bytes over ``n`` ranks: an all-gather's buffer is its output, each
-    rank contributing 1/n of it; the others' is their input."""
+    """(the buffer's float32 elements, ``count`` local inputs) of ``kind`` collectives whose buffer is about ``size``
+    bytes over ``n`` ranks: an all-gather's buffer is its output, each rank contributing 1/n of it; the others' is their
+    input."""
     numel = max(n, size // 4 // n * n)
     return numel, [torch.ones(numel // n if kind == "all_gather" else numel, device=device) for _ in range(count)]
 
@@ -60,8 +59,8 @@ BURST = 4  # collectives per timed run
 
 def collective_buffers(group: Any, device: torch.device, sizes: tuple[int, ...],
                        count: int) -> Iterator[tuple[str, int, list[torch.Tensor]]]:
-    """``(kind, buffer bytes, count local inputs)`` for each kind at each of ``sizes`` on ``group``:
-    the skeleton every collective calibration (the device's and a host model's) loops over."""
+    """``(kind, buffer bytes, count local inputs)`` for each kind at each of ``sizes`` on ``group``: the skeleton every
+    collective calibration (the device's and a host model's) loops over."""
     n = dist.get_world_size(group)
     for kind in COLLECTIVE_KINDS:
         for size in sizes:
@@ -76,9 +75,9 @@ def _group_name(group: Any) -> str:
 def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repeats: int,
                  network: Any = None, beside: Callable[[torch.device], Any] | None = None
                  ) -> dict[str, MeasuredCollective]:
-    """Each kind's fit on ``group``'s link, each burst timed inside ``beside(device)`` (a host
-    model's ``beside_collectives``). With ``network`` (the :class:`~fsdp_compile.EmulatedNetwork`
-    ``group`` runs on), a burst's time is what the network charged (:func:`_modeled_seconds`)."""
+    """Each kind's fit on ``group``'s link, each burst timed inside ``beside(device)`` (a host model's
+    ``beside_collectives``). With ``network`` (the :class:`~fsdp_compile.EmulatedNetwork` ``group`` runs on), a burst's
+    time is what the network charged (:func:`_modeled_seconds`)."""
     n = dist.get_world_size(group)
     name = _group_name(group)
     samples: dict[str, list[tuple[int, float]]] = {kind: [] for kind in COLLECTIVE_KINDS}
@@ -100,13 +99,12 @@ def _collectives(group: Any, device: torch.device, sizes: tuple[int, ...], repea
 
 
 def _modeled_seconds(network: Any, kind: str, burst: Callable[[], None]) -> float:
-    """Seconds per collective that ``network``'s links charged the ``kind`` collectives ``burst``
-    ran (their modeled duration, the links' own account).
+    """Seconds per collective that ``network``'s links charged the ``kind`` collectives ``burst`` ran (their modeled
+    duration, the links' own account).
 
-    An emulated collective ends when both its link and gloo are done with it, so its wall time
-    is the larger of the two. Where gloo is the slower (small buffers, ranks sharing cores), a
-    line through wall times would take gloo's time for the link's. Gloo's own time is a host
-    model's to time apart (with the links unlimited)."""
+    An emulated collective ends when both its link and gloo are done with it, so its wall time is the larger of the two.
+    Where gloo is the slower (small buffers, ranks sharing cores), a line through wall times would take gloo's time for
+    the link's. Gloo's own time is a host model's to time apart (with the links unlimited)."""
     before = network.stats().total(kind)
     burst()
     after = network.stats().total(kind)
@@ -117,8 +115,8 @@ def _modeled_seconds(network: Any, kind: str, burst: Callable[[], None]) -> floa
 
 
 def _collective_workspace(group: Any, device: torch.device) -> dict[str, float]:
-    """Bytes the backend allocates beside each collective's result, per byte of its buffer
-    (the all-gather's output; the input of the others), by the allocator."""
+    """Bytes the backend allocates beside each collective's result, per byte of its buffer (the all-gather's output; the
+    input of the others), by the allocator."""
     n = dist.get_world_size(group)
     name = _group_name(group)
     numel = (1 << 20) // n * n
@@ -135,9 +133,8 @@ def _collective_workspace(group: Any, device: torch.device) -> dict[str, float]:
 
 
 def _gpu_overlap(group: Any, device: torch.device, repeats: int) -> float:
-    """Fraction of a collective's time hidden when it runs beside compute (1: fully hidden),
-    from racing an all-reduce against matmuls on a device whose communication runs on an
-    engine of its own."""
+    """Fraction of a collective's time hidden when it runs beside compute (1: fully hidden), from racing an all-reduce
+    against matmuls on a device whose communication runs on an engine of its own."""
     n = dist.get_world_size(group)
     name = _group_name(group)
     a = torch.randn(384, 384, device=device)

@@ -1,6 +1,6 @@
-"""What a rank's compute does per second, timed the way a training step runs it: matmul and
-fused-attention FLOP/s, a step's memory-bound operators' bytes per second, and the clocks and
-the slowest rank's value every timing goes through (why: :mod:`.calibrate`).
+"""What a rank's compute does per second, timed the way a training step runs it: matmul and fused-attention FLOP/s, a
+step's memory-bound operators' bytes per second, and the clocks and the slowest rank's value every timing goes through
+(why: :mod:`.calibrate`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def _node_ranks() -> int:
 
 
 def _compute_seconds(fn, repeats: int, device: torch.device, *, typical: bool = False, share: float = 1.0) -> float:
-    """How long ``fn`` keeps this rank's compute busy: the fastest repeat on the compute clock
-    (the median with ``typical``), stretched by ``share``, the rank's share of a core, when that
-    clock is the thread's (which does not see the sharing; a step's wall clock does)."""
+    """How long ``fn`` keeps this rank's compute busy: the fastest repeat on the compute clock (the median with
+    ``typical``), stretched by ``share``, the rank's share of a core, when that clock is the thread's (which does not
+    see the sharing; a step's wall clock does)."""
     clock = _compute_clock(device)
     samples = _samples(fn, repeats, device, clock)
     return _stretched(statistics.median(samples) if typical else min(samples), clock, share)
@@ -44,14 +44,14 @@ def _stretched(seconds: float, clock, share: float) -> float:
     return seconds / share if clock is time.thread_time else seconds
 
 
-# Rewritten between the timings of :func:`_cold_seconds`: more than a core's caches hold, and
-# the size of the bandwidth calibration's pool, so the next timing's operands come from memory.
+# Rewritten between the timings of :func:`_cold_seconds`: more than a core's caches hold, and the size of the bandwidth
+# calibration's pool, so the next timing's operands come from memory.
 _EVICT_ELEMENTS = 64 << 20  # 256 MB
 
 
 def _cold_seconds(fn, repeats: int, device: torch.device, share: float = 1.0) -> float:
-    """:func:`_compute_seconds` with the caches filled with other data before each repeat: for
-    work a step runs long after it last touched its operands (the optimizer after a backward)."""
+    """:func:`_compute_seconds` with the caches filled with other data before each repeat: for work a step runs long
+    after it last touched its operands (the optimizer after a backward)."""
     clock = _compute_clock(device)
     evict = torch.zeros(_EVICT_ELEMENTS, device=device)
     fn()
@@ -98,14 +98,14 @@ def _slowest(value: float, group: Any) -> float:
 
 
 def _sync_ranks(group: Any, share: float) -> None:
-    """Ranks with a core each start a timing together, as they compute in training; ranks that
-    share cores (``share`` below 1) take turns instead (the host model's ``compute_in_turns``)."""
+    """Ranks with a core each start a timing together, as they compute in training; ranks that share cores (``share``
+    below 1) take turns instead (the host model's ``compute_in_turns``)."""
     if share >= 1.0 and dist.is_initialized():
         dist.barrier(group=group)
 
 
-# (m, k, n) of the matmuls a transformer's linear layers run: tokens x d_model against a
-# d_model x (1..4 d_model) weight, and the backward's transposed layouts of the same sizes.
+# (m, k, n) of the matmuls a transformer's linear layers run: tokens x d_model against a d_model x (1..4 d_model)
+# weight, and the backward's transposed layouts of the same sizes.
 _CPU_MATMULS = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (512, 256, 1024), (512, 1024, 256),
                 (2048, 512, 1536))
 # (tokens, features) of a transformer step's activations on a CPU: d_model and 4 d_model wide.
@@ -115,10 +115,9 @@ _GPU_MATMULS = ((4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 16384), (81
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
                          share: float = 1.0) -> float:
-    """FLOP/s of a training step's matmuls: each shape in its three layouts (``x @ w.T``,
-    ``g @ w``, ``g.T @ x``), all in sequence on distinct operands as a step runs them once
-    each, the median pass's total FLOPs over its time (a loop over each shape read faster
-    than a step's matmuls ran)."""
+    """FLOP/s of a training step's matmuls: each shape in its three layouts (``x @ w.T``, ``g @ w``, ``g.T @ x``), all
+    in sequence on distinct operands as a step runs them once each, the median pass's total FLOPs over its time (a loop
+    over each shape read faster than a step's matmuls ran)."""
     pairs = []
     flops = 0
     for m, k, n in _CPU_MATMULS if device.type == "cpu" else _GPU_MATMULS:
@@ -136,16 +135,16 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device, repeats: int,
     return flops / _compute_seconds(sequence, repeats, device, typical=True, share=share)
 
 
-# (batch, heads, sequence, head dim) of the attention the calibration runs: a CPU demo's GPT
-# block (4 x 256 tokens, 8 heads of 64) and a GPU training run's (4 x 2048 tokens, 32 of 128).
+# (batch, heads, sequence, head dim) of the attention the calibration runs: a CPU demo's GPT block (4 x 256 tokens, 8
+# heads of 64) and a GPU training run's (4 x 2048 tokens, 32 of 128).
 _CPU_ATTENTION = (4, 8, 256, 64)
 _GPU_ATTENTION = (4, 32, 2048, 128)
 
 
 def measure_attention_flops(dtype: torch.dtype, device: torch.device, repeats: int, group: Any = None,
                             share: float = 1.0) -> float:
-    """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts
-    them: softmax and masking beside the matmuls give it a rate of its own."""
+    """FLOP/s of fused causal attention, forward and backward, as torch's flop counter counts them: softmax and masking
+    beside the matmuls give it a rate of its own."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     shape = _CPU_ATTENTION if device.type == "cpu" else _GPU_ATTENTION
@@ -162,10 +161,9 @@ def measure_attention_flops(dtype: torch.dtype, device: torch.device, repeats: i
 
 
 def measure_memory_bandwidth(device: torch.device, repeats: int, group: Any = None, share: float = 1.0) -> float:
-    """Bytes per second a training step's memory-bound operators move: a GPU's large copy (what
-    data sheets quote); on a CPU the median over a transformer step's non-matmul operators at its
-    activations' sizes, each on cold inputs (as in a graph: a hot buffer times the caches, and a
-    single copy misses the operators bound by the vector units)."""
+    """Bytes per second a training step's memory-bound operators move: a GPU's large copy (what data sheets quote); on a
+    CPU the median over a transformer step's non-matmul operators at its activations' sizes, each on cold inputs (as in
+    a graph: a hot buffer times the caches, and a single copy misses the operators bound by the vector units)."""
     if device.type != "cpu":
         src = torch.ones(256 << 20, device=device)
         dst = torch.empty_like(src)

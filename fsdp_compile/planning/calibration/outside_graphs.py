@@ -1,7 +1,7 @@
-"""What a training step spends outside the compiled graphs, per sharded parameter: the optimizer
-step and the runtime's work around each graph call scale with the number of tensors as much as
-with their bytes. Each is timed as the real thing over DTensor shards at two sizes, and the line
-through both separates the cost per tensor (``Cluster.optimizer_step``, ``runtime_per_tensor``).
+"""What a training step spends outside the compiled graphs, per sharded parameter: the optimizer step and the runtime's
+work around each graph call scale with the number of tensors as much as with their bytes. Each is timed as the real
+thing over DTensor shards at two sizes, and the line through both separates the cost per tensor
+(``Cluster.optimizer_step``, ``runtime_per_tensor``).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..vocabulary import fit_two_points
 from .compute import _cold_seconds, _compute_seconds, _sync_ranks
 
 
 def _sharded_params(count: int, numel: int, group: Any, device: torch.device) -> list[torch.nn.Parameter]:
-    """``count`` zero parameters of ``numel`` local elements each, DTensors sharded on dim 0 over
-    ``group`` as the backend's parameters are (no communication: each rank makes its own)."""
+    """``count`` zero parameters of ``numel`` local elements each, DTensors sharded on dim 0 over ``group`` as the
+    backend's parameters are (no communication: each rank makes its own)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -26,8 +27,8 @@ def _sharded_params(count: int, numel: int, group: Any, device: torch.device) ->
                                                   run_check=False)) for _ in range(count)]
 
 
-# The two workloads each line is drawn through: many small tensors (per-tensor dispatch) and few
-# large ones (bytes) for the optimizer; two parameter counts for the runtime's round trip.
+# The two workloads each line is drawn through: many small tensors (per-tensor dispatch) and few large ones (bytes) for
+# the optimizer; two parameter counts for the runtime's round trip.
 _OPTIMIZER_POINTS = ((64, 1 << 10), (4, 1 << 20))
 _RUNTIME_COUNTS = (8, 32)
 
@@ -45,19 +46,14 @@ def _optimizer_workload(optimizer: str, count: int, numel: int, group: Any,
 
 def _optimizer_line(t_many: float, t_few: float) -> tuple[float, float]:
     """(seconds per tensor, seconds per byte) through the two points' times."""
-    (count_many, numel_many), (count_few, numel_few) = _OPTIMIZER_POINTS
-    bytes_many, bytes_few = count_many * numel_many * 4, count_few * numel_few * 4
-    # Solve t = tensors * a + bytes * b through both points; clipped at 0 like fit_line.
-    per_byte = max((t_few - t_many * count_few / count_many) / (bytes_few - bytes_many * count_few / count_many), 0.0)
-    per_tensor = max((t_many - bytes_many * per_byte) / count_many, 0.0)
-    return per_tensor, per_byte
+    return fit_two_points(*((count, count * numel * 4, t) for (count, numel), t in zip(_OPTIMIZER_POINTS,
+                                                                                          (t_many, t_few))))
 
 
 def _optimizer_step(optimizer: str, group: Any, device: torch.device, repeats: int,
                     share: float = 1.0) -> tuple[float, float]:
-    """(seconds per tensor, seconds per shard byte) of a real ``optimizer`` step over DTensor
-    shards, through many small tensors and few large ones, each timed with cold caches as it
-    runs after a backward."""
+    """(seconds per tensor, seconds per shard byte) of a real ``optimizer`` step over DTensor shards, through many small
+    tensors and few large ones, each timed with cold caches as it runs after a backward."""
     def step_seconds(count: int, numel: int) -> float:
         step = _optimizer_workload(optimizer, count, numel, group, device)
         _sync_ranks(group, share)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compile.planning.calibration.compute import _cold_seconds, _sync_ranks
+from fsdp_compile.planning.vocabulary import fit_two_points
 from fsdp_compile.runtime import kernels
 
 # (parameters, elements each) of the two buckets the line goes through
@@ -65,10 +66,4 @@ def _copy_kernels(group: Any, device: torch.device, repeats: int,
             moved = _moved_bytes(inputs, op())
             _sync_ranks(group, share)
             points[name].append((count, moved, _cold_seconds(op, repeats, device, share)))
-    fits = {}
-    for name, ((c1, b1, t1), (c2, b2, t2)) in points.items():
-        # Solve t = parameters * a + bytes * b through both points; clipped at 0 like fit_line.
-        per_byte = max((t2 - t1 * c2 / c1) / (b2 - b1 * c2 / c1), 0.0)
-        per_param = max((t1 - b1 * per_byte) / c1, 0.0)
-        fits[name] = (per_param, per_byte)
-    return fits
+    return {name: fit_two_points(*pair) for name, pair in points.items()}
