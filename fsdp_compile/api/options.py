@@ -109,19 +109,13 @@ def _shard_size(value: Any, o: BackendOptions) -> int | None:
     return value
 
 
-def _bucket(value: Any, o: BackendOptions) -> BucketPolicy:
-    parse_policy(value)  # kept as given; BackendOptions.bucket_policy is the parsed policy
-    return value
-
-
-def _prefetch(value: Any, o: BackendOptions) -> int:
-    check_prefetch(value)
-    return value
-
-
-def _max_inflight_bytes(value: Any, o: BackendOptions) -> int | None:
-    check_inflight_budget(value)
-    return value
+def _keeping(check: Callable[[Any], Any]) -> Check:
+    """An option check that runs ``check`` on the value and keeps the value as given (``bucket=``:
+    :attr:`BackendOptions.bucket_policy` is the parsed policy)."""
+    def run(value: Any, o: BackendOptions) -> Any:
+        check(value)
+        return value
+    return run
 
 
 def _prefetch_order(name: str) -> Check:
@@ -260,7 +254,7 @@ class BackendOptions:
     bucket: BucketPolicy = field(default="module", metadata=option(
         "``\"module\"`` (default: one bucket per repeated block, plus the root's parameters), a set "
         "of module classes or a callable ``module -> bool`` (FSDP1's ``auto_wrap_policy``), an int (bytes "
-        "of consecutive parameters), or ``\"param\"``.", _bucket, agree=True, cache=True,
+        "of consecutive parameters), or ``\"param\"``.", _keeping(parse_policy), agree=True, cache=True,
         describe=lambda value, o: o.bucket_policy.describe()))
     mixed_precision: MixedPrecision | None = field(default=None, metadata=option(
         "a :class:`fsdp_compile.MixedPrecision` (parameter, reduce, output dtypes).",
@@ -270,10 +264,10 @@ class BackendOptions:
         "Inductor's peak-memory reordering of graphs with collectives (it would undo it).", agree=True, cache=True))
     prefetch: int = field(default=1, metadata=option(
         "how many buckets ahead a gather is issued (default 1; 0: right before use).",
-        _prefetch, agree=True, cache=True))
+        _keeping(check_prefetch), agree=True, cache=True))
     max_inflight_bytes: int | None = field(default=None, metadata=option(
-        "most bytes of collectives issued and not yet waited (default: twice the largest bucket, plus "
-        "twice the largest all-reduce across nodes if hybrid).", _max_inflight_bytes, agree=True, cache=True))
+        "most bytes of collectives issued and not yet waited (default: twice the largest bucket, plus twice "
+        "the largest all-reduce across nodes if hybrid).", _keeping(check_inflight_budget), agree=True, cache=True))
     forward_prefetch: dict | None = field(default=None, metadata=option(
         "explicit orders ``{unit: [units to gather when it starts]}`` (units by name or module), as "
         "FSDP2's ``set_modules_to_forward_prefetch``.", _prefetch_order("forward_prefetch"), agree=False, cache=False))

@@ -21,6 +21,7 @@ with a warning saying why, for a user pass without ``uuid()``, while dumping, or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from .. import api
 from ..api.options import described
+from ..inspection.dump import write_json
 from ..passes import pass_fingerprint
 from ..sharding.sharded_param import sharded_name
 
@@ -100,16 +102,10 @@ def cache_key_parts(options: BackendOptions, state: ShardingState) -> dict[str, 
     tp_groups = sorted({tuple(dist.get_process_group_ranks(info.tp.mesh.get_group(dim)))
                         for info in state.params.values() if info.tp is not None for dim in range(info.tp.mesh.ndim)})
     groups["tensor_parallel"] = [list(g) for g in tp_groups] or None
-    return {
-        **described(options, "cache"),
-        "world": dist.get_world_size() if dist.is_initialized() else 1,
-        "rank": dist.get_rank() if dist.is_initialized() else 0,
-        "local_shards": local,
-        "groups": groups,
-        "explicit_prefetch": state.explicit_prefetch,
-        "reshard_to": dict(sorted(state.reshard_to.items())),
-        "kernels": os.environ.get("FSDP_COMPILE_KERNELS", ""),
-    }
+    return {**described(options, "cache"), "world": dist.get_world_size() if dist.is_initialized() else 1,
+            "rank": dist.get_rank() if dist.is_initialized() else 0, "local_shards": local, "groups": groups,
+            "explicit_prefetch": state.explicit_prefetch, "reshard_to": dict(sorted(state.reshard_to.items())),
+            "kernels": os.environ.get("FSDP_COMPILE_KERNELS", "")}
 
 
 def compile_cache_key(cache: CacheState, options: BackendOptions, state: ShardingState,
@@ -185,19 +181,12 @@ def _check_manifest(path: Path) -> None:
         written = {"unreadable": True}
     if written is not None and written != current:
         shown = ", ".join(f"{k} {v}" for k, v in sorted(written.items()))
-        warnings.warn(
-            f"fsdp_compile: cache_dir {str(path)!r} holds compilations of another version ({shown}; this is "
-            f"fsdp_compile {current['fsdp_compile']}, torch {current['torch']}); they are never reused "
-            "(versions are part of every key), so the first compile is cold",
-            RuntimeWarning, stacklevel=4)
+        warnings.warn(f"fsdp_compile: cache_dir {str(path)!r} holds compilations of another version ({shown}; this "
+                      f"is fsdp_compile {current['fsdp_compile']}, torch {current['torch']}); they are never reused "
+                      "(versions are part of every key), so the first compile is cold", RuntimeWarning, stacklevel=4)
     if written != current:
-        try:
-            fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{MANIFEST}.", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(current, f)
-            os.replace(tmp, manifest)
-        except OSError:
-            pass  # the manifest is advisory; the keys hold the versions
+        with contextlib.suppress(OSError):  # the manifest is advisory; the keys hold the versions
+            write_json(manifest, current)
 
 
 def _calls_path(directory: str, key: str, graph_code: str) -> Path:
@@ -208,15 +197,8 @@ def _calls_path(directory: str, key: str, graph_code: str) -> Path:
 def save_collectives(directory: str, key: str, graph_code: str, calls: list[dict[str, Any]]) -> None:
     """Keep a compiled graph's collective sequence beside its cache entry: a process that loads
     the graph runs none of our passes, and its first-run agreement check compares this instead."""
-    path = _calls_path(directory, key, graph_code)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(calls, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a hit without it verifies the Dynamo graph's markers instead
+    with contextlib.suppress(OSError):  # a hit without it verifies the Dynamo graph's markers instead
+        write_json(_calls_path(directory, key, graph_code), calls)
 
 
 def load_collectives(directory: str, key: str, graph_code: str) -> list[dict[str, Any]] | None:

@@ -65,13 +65,9 @@ def compile_aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], stages:
             return backward
         return compile_graph
 
-    return aot_autograd(
-        fw_compiler=phase_compiler("forward"),
-        bw_compiler=phase_compiler("backward"),
-        inference_compiler=phase_compiler("inference"),
-        partition_fn=partition,
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    return aot_autograd(fw_compiler=phase_compiler("forward"), bw_compiler=phase_compiler("backward"),
+                        inference_compiler=phase_compiler("inference"), partition_fn=partition,
+                        keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: Stages, cache: CacheLookup,
@@ -85,10 +81,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], stages: 
     record = stages.record
 
     def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
-        if kwargs.get("is_backward"):
-            phase = "backward"
-        else:
-            phase = "inference" if kwargs.get("is_inference") else "forward"
+        phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         lowered = stages.graph(g, phase, select_decomp_table())
         scheduled = record.backward_schedule if phase == "backward" else record.forward_schedule
         if scheduled is None or not any(is_collective(n) for n in lowered.graph.nodes):

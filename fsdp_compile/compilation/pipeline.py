@@ -97,9 +97,7 @@ class Compiler:
             run = read_as_python(self.state, record, read, example_inputs)
             self.log.write_summary(record)
             return run
-        dumper = self.log.dumper()
-        if dumper is not None:
-            dumper.write_graph(record.index, "dynamo.py", graph_code(gm))
+        self.log.write_graph(record, "dynamo.py", lambda: graph_code(gm))
         self.captured_stage(gm, example_inputs, record)
         self._choose_reshard(gm, example_inputs)
         if compiler == "eager":
@@ -136,9 +134,7 @@ class Compiler:
                 "a buffer such as BatchNorm's running statistics), which AOTAutograd cannot differentiate "
                 "through a region")
         record.pass_seconds["captured"] = {r.name: r.seconds for r in results}
-        dumper = self.log.dumper()
-        if dumper is not None:
-            dumper.write_graph(record.index, "captured.py", graph_code(gm))
+        self.log.write_graph(record, "captured.py", lambda: graph_code(gm))
         record.stage_seconds["captured"] = time.perf_counter() - started
 
     def _choose_reshard(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -185,22 +181,16 @@ class Compiler:
         if self._captures is not None:  # trace(keep_joint=True): the joint as AOTAutograd made it
             self._captures.append(JointCapture(record, copy_graph_module(joint), [], {}))
         record.graph_nodes["joint"] = len(graph.nodes)
-        dumper = self.log.dumper()
-        if dumper is not None:
-            dumper.write_graph(record.index, "joint_before.py", graph_code(graph))
+        self.log.write_graph(record, "joint_before.py", lambda: graph_code(graph))
         try:
             _, results = run_stage(joint, "joint", pass_context(self.options, self.state, "joint"),
                                    disabled=self.options.disable_passes, rollback=False, regenerate=False)
         except PassFailure as failure:
             self.log.fail(record, "joint", failure)
-            results, failed = failure.results, True
-        else:
-            failed = False
-        record.pass_seconds.setdefault("joint", {}).update({r.name: r.seconds for r in results})
-        if failed:
+            record.pass_seconds.setdefault("joint", {}).update({r.name: r.seconds for r in failure.results})
             return
-        if dumper is not None:
-            dumper.write_graph(record.index, "joint_after.py", graph_code(graph, tags=True))
+        record.pass_seconds.setdefault("joint", {}).update({r.name: r.seconds for r in results})
+        self.log.write_graph(record, "joint_after.py", lambda: graph_code(graph, tags=True))
         record.stage_seconds["joint"] = time.perf_counter() - started
 
     def partition_stage(self, joint: fx.GraphModule, joint_inputs: Sequence[Any], record: CompiledGraph,
@@ -230,13 +220,12 @@ class Compiler:
         if phase == "backward":
             tag_saved_inputs(gm, record.forward_output_roles, record.forward_output_storages)
         kind = "backward" if phase == "backward" else "forward"
-        dumper = self.log.dumper()
         on_graph = None
-        if dumper is not None:
+        if self.log.dumper() is not None:
             counter = itertools.count()
 
             def on_graph(step: str, g: fx.GraphModule) -> None:
-                dumper.write_graph(record.index, f"{phase}/{next(counter):02d}_{step}.py", graph_code(g))
+                self.log.write_graph(record, f"{phase}/{next(counter):02d}_{step}.py", lambda: graph_code(g))
         try:
             gm, results = run_stage(gm, "graph", pass_context(self.options, self.state, phase, decompositions),
                                     disabled=self.options.disable_passes,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -53,6 +54,12 @@ class StageLog:
                 "mixed_precision": repr(o.mixed_precision) if o.mixed_precision else None,
                 "shard_size": topo.shard_size if topo else None,
                 "replicate_size": topo.replicate_size if topo else None}
+
+    def write_graph(self, record: CompiledGraph, name: str, code: Callable[[], str]) -> None:
+        """Dump ``code()`` (run only when dumping) as the graph file ``name`` of ``record``."""
+        dumper = self.dumper()
+        if dumper is not None:
+            dumper.write_graph(record.index, name, code())
 
     def write_summary(self, record: CompiledGraph) -> None:
         dumper = self.dumper()

@@ -11,6 +11,7 @@ scheduler bounds, are tracked apart.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +36,8 @@ class MemoryEstimate:
     inflight_timeline: list[int] = field(default_factory=list)
 
     def summary(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "peak_node": self.peak_node,
-                "peak_by_role": self.peak_by_role, "max_by_role": self.max_by_role,
-                "peak_inflight_bytes": self.peak_inflight_bytes}
+        names = ("peak_bytes", "peak_node", "peak_by_role", "max_by_role", "peak_inflight_bytes")
+        return {name: getattr(self, name) for name in names}
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -134,10 +134,8 @@ def _region_call_keys(call: fx.Node, tensors: list[torch.Tensor], keys: dict) ->
     for index, t in enumerate(tensors):
         source = aliased_input(body, index)
         operand = operands[source] if source is not None and source < len(operands) else None
-        if isinstance(operand, fx.Node) and keys.get(operand):
-            out.append((keys[operand][0][0], t))
-        else:
-            out.append(((call.name, _storage_key(t)), t))
+        passed = isinstance(operand, fx.Node) and keys.get(operand)
+        out.append((keys[operand][0][0] if passed else (call.name, _storage_key(t)), t))
     return out
 
 
@@ -214,11 +212,7 @@ def _region_scratch_bytes(call: fx.Node, scratch: dict[int, int]) -> int:
             if key not in ends:
                 change[life.born[key]] += nbytes
                 change[life.last_use[key] + 1] -= nbytes
-        live = most = 0
-        for delta in change:
-            live += delta
-            most = max(most, live)
-        scratch[id(body)] = most
+        scratch[id(body)] = max(0, *itertools.accumulate(change))
     return scratch[id(body)]
 
 
@@ -229,14 +223,12 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None,
     ``lifetimes``: ``storage_lifetimes(gm)``, where the caller needs them too."""
     if lifetimes is None:
         lifetimes = storage_lifetimes(gm)
-    nodes, size, role, born, last_use = (lifetimes.nodes, lifetimes.size, lifetimes.role,
-                                          lifetimes.born, lifetimes.last_use)
-
+    nodes, size, role = lifetimes.nodes, lifetimes.size, lifetimes.role
     allocs: dict[int, list] = {}
     frees: dict[int, list] = {}
     for key in size:
-        allocs.setdefault(born[key], []).append(key)
-        frees.setdefault(last_use[key], []).append(key)
+        allocs.setdefault(lifetimes.born[key], []).append(key)
+        frees.setdefault(lifetimes.last_use[key], []).append(key)
 
     scratch: dict[int, int] = {}  # region body -> bytes it needs beyond its inputs and outputs
     in_flight: dict[fx.Node, int] = {}  # collective -> bytes, from the collective until its wait
@@ -272,8 +264,6 @@ def estimate_memory(gm: fx.GraphModule, held: dict[str, int] | None = None,
         for key in frees.get(i, []):
             live -= size[key]
             by_role[role[key]] -= size[key]
-    return MemoryEstimate(
-        peak_bytes=max(peak, 0), peak_node=peak_node, peak_by_role=peak_by_role,
-        max_by_role=max_by_role, peak_inflight_bytes=max(inflight_timeline, default=0),
-        timeline=timeline, role_timeline=role_timeline, inflight_timeline=inflight_timeline,
-    )
+    return MemoryEstimate(peak_bytes=max(peak, 0), peak_node=peak_node, peak_by_role=peak_by_role,
+                          max_by_role=max_by_role, peak_inflight_bytes=max(inflight_timeline, default=0),
+                          timeline=timeline, role_timeline=role_timeline, inflight_timeline=inflight_timeline)

@@ -56,11 +56,8 @@ class NetworkStats:
 
     def total(self, kind: str | None = None, link: str | None = None) -> LinkUsage:
         """The sum over the kinds and links that match (``None``: all)."""
-        out = LinkUsage()
-        for (k, lk), use in self.usage.items():
-            if kind in (None, k) and link in (None, lk):
-                out = out + use
-        return out
+        return sum((use for (k, lk), use in self.usage.items() if kind in (None, k) and link in (None, lk)),
+                   LinkUsage())
 
     def count(self, kind: str | None = None, link: str | None = None) -> int:
         return self.total(kind, link).count
@@ -123,10 +120,8 @@ class StatsRecorder:
     def issued(self, kind: str, link: str, wire_bytes: float, buffer_bytes: int, seconds: float) -> None:
         with self._lock:
             row = self._row((kind, link))
-            row[0] += 1
-            row[1] += wire_bytes
-            row[2] += buffer_bytes
-            row[3] += seconds
+            for i, value in enumerate((1, wire_bytes, buffer_bytes, seconds)):
+                row[i] += value
 
     def completed(self, kind: str, link: str, lateness: float) -> None:
         """Gloo finished ``lateness`` seconds after the modeled end (negative: before it)."""

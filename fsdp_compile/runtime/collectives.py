@@ -117,6 +117,10 @@ class CommSpec:
 
 
 _SPEC_SEP = ";"
+# How each field type of CommSpec reads back from its text (str: as it is).
+_SPEC_PARSERS = {"int": int, "bool": lambda raw: raw == "True",
+                 "torch.dtype | None": lambda raw: None if raw == "None" else getattr(torch, raw),
+                 "str | None": lambda raw: None if raw == "None" else raw}
 
 
 @functools.cache
@@ -127,17 +131,7 @@ def _decode_spec(text: str) -> CommSpec:
     for f in fields(CommSpec):
         if f.name not in values:
             raise ValueError(f"marker spec {text!r} lacks {f.name}")
-        raw, kind = values[f.name], str(f.type)
-        if kind == "int":
-            kwargs[f.name] = int(raw)
-        elif kind == "bool":
-            kwargs[f.name] = raw == "True"
-        elif kind == "torch.dtype | None":
-            kwargs[f.name] = None if raw == "None" else getattr(torch, raw)
-        elif kind == "str | None":
-            kwargs[f.name] = None if raw == "None" else raw
-        else:
-            kwargs[f.name] = raw
+        kwargs[f.name] = _SPEC_PARSERS.get(str(f.type), str)(values[f.name])
     return CommSpec(**kwargs)
 
 
@@ -159,11 +153,8 @@ def chunk_numels(full_shapes: Sequence[Sequence[int]], world: int) -> list[int]:
     return [padded_rows(shape[0], world) * math.prod(shape[1:]) for shape in full_shapes]
 
 
-def gather_params(
-    shards: Sequence[torch.Tensor],
-    full_shapes: Sequence[Sequence[int]],
-    spec: CommSpec,
-) -> list[torch.Tensor]:
+def gather_params(shards: Sequence[torch.Tensor], full_shapes: Sequence[Sequence[int]],
+                  spec: CommSpec) -> list[torch.Tensor]:
     """Full parameters from this rank's shards of one bucket: copy-in, one all-gather, copy-out
     (those not gathered as a fresh copy in the compute dtype, never an alias of the shard)."""
     dtype = spec.compute_dtype(shards[0].dtype)

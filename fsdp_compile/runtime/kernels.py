@@ -8,6 +8,7 @@ split over ``world`` ranks is cut into chunks of ``padded_numel`` elements (whol
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import types
@@ -90,11 +91,7 @@ def flatten_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int
 
 def unflatten_shapes(dims: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, ...]]:
     """The shapes :func:`flatten_shapes` wrote."""
-    shapes, start = [], 0
-    for rank in ranks:
-        shapes.append(tuple(dims[start:start + rank]))
-        start += rank
-    return shapes
+    return [tuple(dims[start:start + rank]) for start, rank in zip(itertools.accumulate(ranks, initial=0), ranks)]
 
 
 def copy_out_reference(gathered: torch.Tensor, world: int, padded_numels: Sequence[int],
@@ -179,20 +176,13 @@ def _(shards, scales, padded_numels, dtype, float8):
     return shards[0].new_empty(sum(padded_numels), dtype=torch.uint8)
 
 
-def copy_out_float8_reference(gathered: torch.Tensor, scales: torch.Tensor, world: int,
-                              padded_numels: Sequence[int], shapes: Sequence[Sequence[int]], float8: torch.dtype,
-                              dtype: torch.dtype) -> list[torch.Tensor]:
-    data = copy_out_reference(gathered, world, padded_numels, shapes)
-    return [d.view(float8).to(dtype) / scales[i] for i, d in enumerate(data)]
-
-
 @torch.library.custom_op(f"{NAMESPACE}::copy_out_float8", mutates_args=())
 def copy_out_float8(gathered: torch.Tensor, scales: torch.Tensor, world: int, padded_numels: list[int],
                     dims: list[int], ranks: list[int], float8: torch.dtype, dtype: torch.dtype) -> list[torch.Tensor]:
     """Full tensors in ``dtype`` from a float8 all-gather's bytes: each weight's float8 values
     over its scale (torchao's way back to the original precision), padding dropped."""
-    shapes = unflatten_shapes(dims, ranks)
-    return copy_out_float8_reference(gathered, scales, world, padded_numels, shapes, float8, dtype)
+    data = copy_out_reference(gathered, world, padded_numels, unflatten_shapes(dims, ranks))
+    return [d.view(float8).to(dtype) / scales[i] for i, d in enumerate(data)]
 
 
 @copy_out_float8.register_fake

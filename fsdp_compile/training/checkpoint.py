@@ -89,11 +89,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if not _all_ok(error is None, operation):
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        raise RuntimeError(
-            f"saving checkpoint {str(path)!r} failed"
-            + (f" on this rank: {type(error).__name__}: {error}" if error else " on another rank")
-            + "; the previous checkpoint there (if any) is unchanged"
-        ) from error
+        where = f" on this rank: {type(error).__name__}: {error}" if error else " on another rank"
+        raise RuntimeError(f"saving checkpoint {str(path)!r} failed{where}; the previous checkpoint there "
+                           "(if any) is unchanged") from error
     if _rank() == 0:
         shutil.rmtree(previous, ignore_errors=True)
         if path.exists():
@@ -128,10 +126,8 @@ def _read_metadata(path: Path) -> Any:
     try:
         return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r}: its index {str(path / '.metadata')!r} cannot be read "
-            f"({type(exc).__name__}: {exc}); the checkpoint is damaged: load an older one"
-        ) from exc
+        raise CheckpointError(f"checkpoint {str(path)!r}: its index {str(path / '.metadata')!r} cannot be read "
+                              f"({type(exc).__name__}: {exc}); the checkpoint is damaged: load an older one") from exc
 
 
 def _missing_or_short_files(path: Path, metadata: Any) -> str | None:
@@ -161,13 +157,9 @@ def _mismatches(expected: Mapping[str, tuple | None], found: Mapping[str, tuple 
     unexpected = [k for k in found if k not in expected]
     shapes = [f"{k}: {what} has {list(found[k])}, model has {list(expected[k])}"
               for k in expected if k in found and expected[k] is not None and found[k] != expected[k]]
-    parts = []
-    if missing:
-        parts.append(f"missing from the {what}: {_listed(missing)}")
-    if unexpected:
-        parts.append(f"in the {what} but not in the model: {_listed(unexpected)}")
-    if shapes:
-        parts.append(f"shape mismatch: {_listed(shapes, '; ')}")
+    parts = [f"{label}: {_listed(items, sep)}" for label, items, sep in (
+        (f"missing from the {what}", missing, ", "), (f"in the {what} but not in the model", unexpected, ", "),
+        ("shape mismatch", shapes, "; ")) if items]
     return "; ".join(parts) if parts else None
 
 
@@ -176,11 +168,8 @@ def _listed(items: list[str], sep: str = ", ") -> str:
     return sep.join(items[:_SHOWN]) + more
 
 
-def load_checkpoint(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
 
     Any world size and strategy may have written it. A checkpoint that is not whole (files its
@@ -227,10 +216,8 @@ def load_checkpoint(
     except Exception as exc:
         _restore(model, optimizer, backup)
         reraise_named(exc, operation, None)  # a communication failure: another rank is gone
-        raise CheckpointError(
-            f"reading checkpoint {str(found)!r} failed ({type(exc).__name__}: {exc}); the model and "
-            "optimizer are as they were before the call"
-        ) from exc
+        raise CheckpointError(f"reading checkpoint {str(found)!r} failed ({type(exc).__name__}: {exc}); the model "
+                              "and optimizer are as they were before the call") from exc
     return extra
 
 
