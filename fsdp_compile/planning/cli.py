@@ -259,10 +259,8 @@ def run_compare(args: argparse.Namespace) -> int:
     vocab = getattr(getattr(probe, "cfg", None), "vocab_size", 128)
     # Under TP the ranks of a tp group compute on the same batch: seeded by the dp rank.
     gen = torch.Generator().manual_seed(1 + (rank if tp is None else tp["mesh"]["dp"].get_local_rank()))
-    batches = []
-    for _ in range(args.steps):
-        data = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
-        batches.append(((data[:, :-1],), data[:, 1:]))
+    data = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps)]
+    batches = [((d[:, :-1],), d[:, 1:]) for d in data]
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

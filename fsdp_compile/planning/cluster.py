@@ -269,16 +269,13 @@ def _problems(cluster: Cluster) -> list[str]:
                 problems.append(f"{name} key {dtype!r} must be a floating-point torch.dtype")
             need(f"{name}[{dtype}]", value)
 
-    need("nodes", cluster.nodes, integer=True)
-    need("devices_per_node", cluster.devices_per_node, integer=True)
-    need("device_memory", cluster.device_memory)
-    need("memory_bandwidth", cluster.memory_bandwidth)
-    need("intra_node_bandwidth", cluster.intra_node_bandwidth)
-    need("intra_node_latency", cluster.intra_node_latency, positive=False)
-    need("collective_latency", cluster.collective_latency, positive=False)
-    need("reserved_memory", cluster.reserved_memory, positive=False)
-    need("comm_overlap", cluster.comm_overlap, positive=False, at_most=1.0)
-    need("runtime_per_tensor", cluster.runtime_per_tensor, positive=False)
+    whole, positive, at_least_0 = {"integer": True}, {}, {"positive": False}
+    for name, kwargs in (("nodes", whole), ("devices_per_node", whole), ("device_memory", positive),
+                         ("memory_bandwidth", positive), ("intra_node_bandwidth", positive),
+                         ("intra_node_latency", at_least_0), ("collective_latency", at_least_0),
+                         ("reserved_memory", at_least_0), ("comm_overlap", {"positive": False, "at_most": 1.0}),
+                         ("runtime_per_tensor", at_least_0)):
+        need(name, getattr(cluster, name), **kwargs)
     several = isinstance(cluster.nodes, int) and cluster.nodes > 1  # the inter-node link must be described
     if several or cluster.inter_node_bandwidth is not None:
         need("inter_node_bandwidth", cluster.inter_node_bandwidth)

@@ -5,6 +5,7 @@ means: steps on a shared machine have heavy tails, and a median's distribution-f
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -101,13 +102,10 @@ def step_range(measured: Measured) -> tuple[float, float]:
 def within_noise(measured: dict[str, Measured]) -> list[str]:
     """A line for each pair of strategies whose step times cannot be told apart: the middle halves of their timed steps
     overlap, so which one is faster is not measured by this run."""
-    names = list(measured)
     lines = []
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            (a_low, a_high), (b_low, b_high) = step_range(measured[a]), step_range(measured[b])
-            if a_low <= b_high and b_low <= a_high:
-                lines.append(f"{a} and {b} are within noise of each other: the middle halves of their steps "
-                             f"overlap ({a_low * 1e3:.1f}-{a_high * 1e3:.1f} ms and "
-                             f"{b_low * 1e3:.1f}-{b_high * 1e3:.1f} ms)")
+    for a, b in itertools.combinations(measured, 2):
+        (a_low, a_high), (b_low, b_high) = step_range(measured[a]), step_range(measured[b])
+        if a_low <= b_high and b_low <= a_high:
+            lines.append(f"{a} and {b} are within noise of each other: the middle halves of their steps overlap "
+                         f"({a_low * 1e3:.1f}-{a_high * 1e3:.1f} ms and {b_low * 1e3:.1f}-{b_high * 1e3:.1f} ms)")
     return lines

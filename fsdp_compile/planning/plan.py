@@ -14,6 +14,7 @@ count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from .choice import choose, rank, require_fit  # noqa: F401 (require_fit: re-exp
 from .cluster import Cluster
 from .cost import Group, graph_costs, group_ranks, outside_graph_seconds
 from .simulate import Timeline, memory_timeline, simulate_graph
-from .states import model_state_bytes  # noqa: F401 (re-exported: tests and benches import it here)
+from .states import held_outside, model_state_bytes  # noqa: F401 (model_state_bytes: re-exported for tests, benches)
 from .symbolic import symbolic_analysis
 from .tp import TPMeshes, check_tp_degrees, tp_model_states
 from .trace import Candidate, Traced, candidate_label, trace_candidates
@@ -176,9 +177,7 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
             timeline = timeline + simulate_graph(costs, cluster.comm_overlap, cluster.host)
             tp_bytes += sum(cost.wire_bytes for node, cost in costs if cost.kind == "collective"
                             and traced.tp_ranks and group_ranks(node.args[-1], ranks) == traced.tp_ranks)
-            held = {"param": max(0, states["params"] - input_bytes(gm, "param")),
-                    "buffer": max(0, states["buffers"] - input_bytes(gm, "buffer"))}
-            for live in memory_timeline(gm, held, workspace=cluster.collective_workspace):
+            for live in memory_timeline(gm, held_outside(gm, states), workspace=cluster.collective_workspace):
                 total = sum(live.values()) + optimizer_bytes
                 if total > peak:
                     peak, phase = total, phase_name
@@ -244,10 +243,7 @@ def _tokens(example_inputs: Sequence[Any]) -> int:
 def _compute_dtype(model: nn.Module, mixed_precision: MixedPrecision | None) -> torch.dtype:
     if mixed_precision is not None and mixed_precision.param_dtype is not None:
         return mixed_precision.param_dtype
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _candidates(strategies, buckets, prefetches, world: int, devices_per_node: int,
@@ -278,25 +274,13 @@ def _candidates(strategies, buckets, prefetches, world: int, devices_per_node: i
     return out, skipped
 
 
-def plan(
-    model: nn.Module,
-    example_inputs: Sequence[Any] | torch.Tensor,
-    *,
-    cluster: Cluster,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    mixed_precision: MixedPrecision | None = None,
-    optimizer: str = "adamw",
-    world_size: int | None = None,
-    strategies: Sequence[ShardingStrategy | str] | None = None,
-    buckets: Sequence[Any] = ("module",),
-    prefetch: Sequence[int] = (1, 2),
-    memory_budget: float | None = None,
-    trace_all: bool = False,
-    verbose: bool = False,
-    tp_degrees: Sequence[int] = (1,),
-    parallelize_fn: Callable[[nn.Module, Any], nn.Module] | None = None,
-    float8: bool = False,
-) -> Plan:
+def plan(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *, cluster: Cluster,
+         loss_fn: Callable[[Any], torch.Tensor] | None = None, mixed_precision: MixedPrecision | None = None,
+         optimizer: str = "adamw", world_size: int | None = None,
+         strategies: Sequence[ShardingStrategy | str] | None = None, buckets: Sequence[Any] = ("module",),
+         prefetch: Sequence[int] = (1, 2), memory_budget: float | None = None, trace_all: bool = False,
+         verbose: bool = False, tp_degrees: Sequence[int] = (1,),
+         parallelize_fn: Callable[[nn.Module, Any], nn.Module] | None = None, float8: bool = False) -> Plan:
     """Predict every strategy's memory and step time for ``model`` on ``cluster``; see docs/planning.md.
 
     ``model`` may live on any device (meta included); nothing is allocated: parameters become fake tensors and the world
@@ -347,18 +331,17 @@ def plan(
                                       tp_degrees)
     if not candidates:
         raise PlanError("no strategy applies here: " + "; ".join(skipped))
-    progress = print if verbose else None
-
     context = _Context(model, example_inputs, loss_fn, mixed_precision, optimizer, world)
     try:
         with fake_world(world):
             meshes = TPMeshes(world, cluster.devices_per_node, parallelize_fn)
             states = tp_model_states(model, candidates, meshes, optimizer)
             to_trace = [c for c in candidates if trace_all or sum(states[c.strategy, c.tp].values()) <= budget]
-            context.traced = trace_candidates(
-                model, example_inputs, loss_fn, to_trace, world=world, devices_per_node=cluster.devices_per_node,
-                mixed_precision=mixed_precision, device_type=cluster.device_type, progress=progress,
-                tp_meshes=meshes)
+            trace = functools.partial(trace_candidates, model, example_inputs, loss_fn, world=world,
+                                      devices_per_node=cluster.devices_per_node, mixed_precision=mixed_precision,
+                                      device_type=cluster.device_type, progress=print if verbose else None,
+                                      tp_meshes=meshes)
+            context.traced = trace(to_trace)
             tokens = _tokens(example_inputs)
             rows = []
             for candidate in candidates:
@@ -370,10 +353,7 @@ def plan(
                     rows.append(_untraced_row(candidate, states[candidate.strategy, candidate.tp], budget))
             mixes = budget_mixes(context.traced, rows, cluster, budget, states, world, cluster.devices_per_node)
             if mixes:
-                mixed = trace_candidates(
-                    model, example_inputs, loss_fn, mixes, world=world, devices_per_node=cluster.devices_per_node,
-                    mixed_precision=mixed_precision, device_type=cluster.device_type, progress=progress,
-                    tp_meshes=meshes)
+                mixed = trace(mixes)
                 context.traced.update(mixed)
                 rows += [evaluate(mixed[c], cluster, optimizer, budget, tokens, compute_dtype, states[c.strategy, c.tp])
                          for c in mixes]

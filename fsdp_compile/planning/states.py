@@ -4,10 +4,12 @@ the parameters' shapes), as ZeRO's memory formulas count them."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from torch import nn
 
 from ..api import ShardingStrategy
+from ..inspection.memory_estimate import input_bytes
 from ..runtime.collectives import padded_rows
 from .vocabulary import OPTIMIZER_STATES
 
@@ -38,3 +40,9 @@ def model_state_bytes(model: nn.Module, strategy: ShardingStrategy, world: int, 
     states = OPTIMIZER_STATES[optimizer]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return {"params": params, "grads": grads, "optimizer": states * grads, "buffers": buffers}
+
+
+def held_outside(gm: Any, states: dict[str, float]) -> dict[str, float]:
+    """The parameter shards and buffers of ``states`` that graph ``gm`` does not take as inputs: alive beside it."""
+    return {role: max(0, states[key] - input_bytes(gm, role))
+            for role, key in (("param", "params"), ("buffer", "buffers"))}

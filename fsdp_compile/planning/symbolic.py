@@ -17,10 +17,9 @@ import sympy
 import torch
 
 from ..api import ShardingStrategy
-from ..inspection.memory_estimate import input_bytes
 from .cost import graph_costs, outside_graph_seconds
 from .simulate import memory_timeline, simulate_graph
-from .states import model_state_bytes
+from .states import held_outside, model_state_bytes
 from .trace import trace_candidates
 from .vocabulary import OPTIMIZER_STATES, PlanError
 from .world import fake_world
@@ -50,12 +49,8 @@ def _polynomials(expressions: list[sympy.Expr], x: sympy.Symbol) -> list[sympy.P
 
     degree = max((p.degree() for p in items), default=0)
     vectors = [coeffs(p, degree) for p in items]
-    kept = []
-    for i, v in enumerate(vectors):
-        dominated = any(j != i and all(a <= b for a, b in zip(v, w)) and v != w for j, w in enumerate(vectors))
-        if not dominated:
-            kept.append(items[i])
-    return kept
+    return [items[i] for i, v in enumerate(vectors)
+            if not any(j != i and all(a <= b for a, b in zip(v, w)) and v != w for j, w in enumerate(vectors))]
 
 
 def _largest_fitting(polys: list[sympy.Poly], budget: float, x: sympy.Symbol) -> int | float:
@@ -124,9 +119,8 @@ def symbolic_analysis(plan: Any, strategy: ShardingStrategy | str, size: str, in
             for gm in (record.forward, record.backward):
                 if gm is None:
                     continue
-                held = {"param": max(0, states["params"] - input_bytes(gm, "param")),
-                        "buffer": max(0, states["buffers"] - input_bytes(gm, "buffer"))}
-                for live in memory_timeline(gm, held, symbolic=True, workspace=cluster.collective_workspace):
+                for live in memory_timeline(gm, held_outside(gm, states), symbolic=True,
+                                            workspace=cluster.collective_workspace):
                     lives.append(sum(live.values()) + states["optimizer"])
                 step = step + simulate_graph(graph_costs(gm, cluster, groups, symbolic=True), cluster.comm_overlap,
                                              host).seconds
