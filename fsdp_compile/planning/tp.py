@@ -28,11 +28,7 @@ def default_parallelize_fn(model: nn.Module) -> Callable[[nn.Module, Any], nn.Mo
     from ..models.llama import Llama
     from ..models.llama import apply_tp as llama_tp
 
-    if isinstance(model, Llama):
-        return llama_tp
-    if isinstance(model, GPT):
-        return gpt_tp
-    return None
+    return llama_tp if isinstance(model, Llama) else gpt_tp if isinstance(model, GPT) else None
 
 
 def model_heads(model: nn.Module) -> dict[str, int]:

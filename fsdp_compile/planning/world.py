@@ -27,17 +27,15 @@ class RealProcessGroupError(RuntimeError):
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks (this process is rank 0); reuses a fake one of that size,
-    and leaves any other alone (then the planner runs in a subprocess,
-    :mod:`.child_process`)."""
+    and leaves any other alone (then the planner runs in a subprocess, :mod:`.child_process`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
             yield  # a fake world of this size (the caller's or an enclosing plan's): trace in it
             return
-        raise RealProcessGroupError(
-            "a default process group exists in this process; the planner traces in a fake world of "
-            "its own, so it runs in a subprocess here")
+        raise RealProcessGroupError("a default process group exists in this process; the planner traces in a fake "
+                                    "world of its own, so it runs in a subprocess here")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
@@ -48,8 +46,7 @@ def fake_world(world_size: int) -> Iterator[None]:
 def fake_like(mode: FakeTensorMode, value: torch.Tensor) -> torch.Tensor:
     """A CPU fake tensor of ``value``'s shape, strides and dtype (no storage)."""
     with mode:
-        fake = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="cpu")
-    return fake
+        return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="cpu")
 
 
 def copy_with(model: nn.Module, stand_in: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
@@ -71,9 +68,7 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
 def fake_inputs(mode: FakeTensorMode, inputs: Any) -> Any:
     """Example inputs (real, meta or fake tensors, in any nesting) as CPU fakes of ``mode``."""
     def convert(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if isinstance(value, FakeTensor) and value.fake_mode is mode:
-                return value
+        if isinstance(value, torch.Tensor) and not (isinstance(value, FakeTensor) and value.fake_mode is mode):
             return fake_like(mode, value)
         return value
 
