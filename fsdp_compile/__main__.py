@@ -16,12 +16,13 @@ from .inspection.dump import DumpError, read_manifest, write_json
 from .inspection.report import chrome_trace, plot_memory, render_report
 
 
+def _rank_and_graph(graph_dir: Path) -> tuple[int, int]:
+    return int(graph_dir.parent.name[4:]), int(graph_dir.name[5:])
+
+
 def _summaries(root: Path, rank: int | None, graph: int | None) -> list[dict]:
     found = []
-    def rank_and_graph(path: Path) -> tuple[int, int]:
-        return int(path.parent.parent.name[4:]), int(path.parent.name[5:])
-
-    for path in sorted(root.glob("rank*/graph*/summary.json"), key=rank_and_graph):
+    for path in sorted(root.glob("rank*/graph*/summary.json"), key=lambda p: _rank_and_graph(p.parent)):
         summary = json.loads(path.read_text())
         if (rank is None or summary["rank"] == rank) and (graph is None or summary["graph"] == graph):
             found.append(summary)
@@ -36,7 +37,7 @@ def _diff(root: Path, pass_name: str, rank: int | None, graph: int | None) -> st
     """Unified diffs of the graphs each phase had before and after ``pass_name``."""
     out, known = [], set()
     for graph_dir in sorted(root.glob("rank*/graph*")):
-        r, g = int(graph_dir.parent.name[4:]), int(graph_dir.name[5:])
+        r, g = _rank_and_graph(graph_dir)
         if (rank is not None and r != rank) or (graph is not None and g != graph):
             continue
         pairs = [(graph_dir / "joint_before.py", graph_dir / "joint_after.py", "tag_reshard_policy")]

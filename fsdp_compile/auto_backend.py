@@ -63,5 +63,4 @@ class AutoBackend(FSDPBackend):
         strategy = ShardingStrategy.parse(chosen["strategy"])
         shard_size = self.plan.cluster.devices_per_node if strategy.is_hybrid else None
         self._set_options(strategy=strategy, bucket=chosen["bucket"], prefetch=chosen["prefetch"],
-                          shard_size=shard_size,
-                          reshard_after_forward=chosen["reshard_after_forward"])
+                          shard_size=shard_size, reshard_after_forward=chosen["reshard_after_forward"])

@@ -179,9 +179,8 @@ class FSDPBackend:
 
             for n in candidate_groups(state.topology.shard_size):
                 state.reshard_groups.group(state.topology, n)
-        infos = result.infos
         state.add_sharded(result)
-        found = oversized_in(model, infos, self.options, state.topology)
+        found = oversized_in(model, result.infos, self.options, state.topology)
         if found is not None:
             state.oversized_buckets[found.label] = {"share": found.share, "advice": found.advice}
             if not self._warned_oversized and not (dist.is_initialized() and dist.get_rank() != 0):
@@ -299,6 +298,4 @@ def model_device_type(model: nn.Module, init_device: torch.device | None = None,
         # Built on the CPU for an accelerator's group: sharding moves the parameters there, as
         # FSDP2's fully_shard does (a mesh the user gave says the device itself).
         return group_device_type()
-    if types:
-        return types.pop()
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return types.pop() if types else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -50,8 +51,6 @@ def as_python(record: CompiledGraph) -> fx.GraphModule:
 
 def parameter_name(node: fx.Node) -> str:
     """The dotted name of a parameter input, from the source Dynamo recorded for it."""
-    import re
-
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
     if source is None:

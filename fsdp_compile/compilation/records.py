@@ -11,8 +11,6 @@ from ..inspection.memory_estimate import MemoryEstimate
 from ..passes.lowering import Bucket
 from ..passes.scheduling import Schedule
 
-PHASES = ("forward", "backward")
-
 
 class PhaseResult(NamedTuple):
     """One phase's graph after our passes, its buckets ("unshard" / "reduce_grad" -> buckets),
@@ -53,7 +51,7 @@ class CompiledGraph:
     # Inductor only (compilation/cache.py): "hit" (no passes ran, no graphs here), "miss", or "off: <why>".
     cache: str = ""
     cache_key: str | None = None
-    # A graph that only read this parameter, run as Python (see Compiler._python_read).
+    # A graph that only read this parameter, run as Python (compilation/inputs.py: read_as_python).
     python_read: str | None = None
 
     def phase(self, kind: str) -> PhaseResult:

@@ -375,10 +375,7 @@ class EmulatedNetwork:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             if env is None:
                 return world
-            try:
-                per_node = int(env)
-            except ValueError:
-                per_node = 0
+            per_node = int(env) if env.strip().isdigit() else 0
             if per_node < 1:
                 raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not a positive int; fix it or pass "
                                  "EmulatedNetwork(devices_per_node=...)")

@@ -27,10 +27,7 @@ def wire_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
     symbolic shapes); the result is then an expression too.
     """
     passes = _passes(kind)
-    if group_size <= 1:
-        return 0.0
-    share = (group_size - 1) / group_size
-    return buffer_bytes * share * passes
+    return buffer_bytes * ((group_size - 1) / group_size) * passes if group_size > 1 else 0.0
 
 
 def ring_steps(kind: str, group_size: int) -> int:

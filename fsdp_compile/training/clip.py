@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -34,11 +35,9 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: fl
         return torch.tensor(0.0)
     device = _local(grads[0]).device
     infinite = math.isinf(norm_type)
-
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    combine = torch.maximum if infinite else torch.add  # how per-gradient parts make the total
     replicated = torch.zeros((), dtype=torch.float32, device=device)
-    groups: dict[tuple, list] = {}
-    parts: dict[int, torch.Tensor] = {}
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
         local = _local(grad)
         part = (torch.linalg.vector_norm(local.float(), norm_type) if local.numel()
@@ -47,27 +46,22 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: fl
             part = part ** norm_type
         dims = _sharded_mesh_dims(grad)
         if dims:
-            groups.setdefault(dims, []).append(grad)
-            parts[id(grad)] = part
+            groups.setdefault(dims, []).append(part)
         else:
-            replicated = torch.maximum(replicated, part) if infinite else replicated + part
+            replicated = combine(replicated, part)
     roots = {mesh._get_root_mesh() for mesh, _ in groups}
     if len(roots) > 1:
         raise ValueError("gradients are sharded over meshes that were not sliced from one DeviceMesh "
                          f"({[dims for _, dims in groups]}); clip each model's parameters separately")
-    if groups:
-        # One sum per (mesh, sharded dims): under tensor parallelism a parameter may be split on
-        # dp and tp, dp only or tp only; each is summed over exactly the dims that split it.
-        op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-        total_sharded = torch.zeros((), dtype=torch.float32, device=device)
-        for (mesh, mesh_dims), members in groups.items():
-            part = torch.zeros((), dtype=torch.float32, device=device)
-            for grad in members:
-                part = torch.maximum(part, parts[id(grad)]) if infinite else part + parts[id(grad)]
-            for dim in mesh_dims:
-                dist.all_reduce(part, op=op, group=mesh.get_group(dim))
-            total_sharded = torch.maximum(total_sharded, part) if infinite else total_sharded + part
-        sharded = total_sharded
+    # One sum per (mesh, sharded dims): under tensor parallelism a parameter may be split on dp
+    # and tp, dp only or tp only; each is summed over exactly the dims that split it.
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    for (mesh, mesh_dims), parts in groups.items():
+        part = functools.reduce(combine, parts, torch.zeros((), dtype=torch.float32, device=device))
+        for dim in mesh_dims:
+            dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+        sharded = combine(sharded, part)
     total = torch.maximum(sharded, replicated) if infinite else (sharded + replicated) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "
