@@ -35,23 +35,18 @@ COPY_KERNELS = {COPY_IN: "copy_in", COPY_OUT: "copy_out", CHUNK_CAT: "chunk_cat"
 
 # Ops that only reinterpret their input's storage: free to move, allocate nothing.
 PURE_VIEWS = {
-    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default,
-    aten.transpose.int, aten.expand.default, aten.alias.default, aten.slice.Tensor,
-    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-    aten.squeeze.dims, aten.as_strided.default,
+    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default, aten.transpose.int,
+    aten.expand.default, aten.alias.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.as_strided.default,
 }
-# Views plus reshapes and casts: recomputing them costs nothing and saving one of them would
-# keep the whole gathered parameter alive.
-VIEW_LIKE = PURE_VIEWS | {
-    aten.reshape.default, aten._to_copy.default, aten.clone.default,
-    torch.ops.prims.convert_element_type.default,
-}
+# Views plus reshapes and casts: recomputing them costs nothing; saving one keeps the whole gathered parameter.
+VIEW_LIKE = PURE_VIEWS | {aten.reshape.default, aten._to_copy.default, aten.clone.default,
+                          torch.ops.prims.convert_element_type.default}
 
 # node.meta keys our passes set.
 COMM_META = "fsdp_comm"  # a CommTag on every node a bucket was lowered into
 ROLE_META = "fsdp_role"  # "param" on graph inputs that are parameter shards (see inspection/memory_estimate.py)
-# On a backward graph's saved inputs: the storage key of the forward output it is, so views of one
-# storage count once and region calls' values on one fake storage count apart.
+# A backward's saved input -> its forward output's storage key (region calls may share a fake storage).
 SAVED_STORAGE_META = "fsdp_saved_storage"
 
 
@@ -172,8 +167,7 @@ def tag_parameter_input(node: fx.Node) -> None:
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:
-    """Reorder nodes so each follows its inputs, keeping the order where valid (a spliced bucket may
-    precede an input computed later)."""
+    """Reorder nodes so each follows its inputs (a spliced bucket may not), keeping the order otherwise."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     placed: set[fx.Node] = set()
     cursor: fx.Node | None = None

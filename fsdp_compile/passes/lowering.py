@@ -27,7 +27,7 @@ from ..api import Policy
 from ..runtime.collectives import CommSpec, chunk_numels, gather_params, reduce_grads
 from ..runtime.markers import Marker, markers
 from .context import PassContext
-from .graph import COMM_META, WAIT, CommTag, stable_topological_sort, storage_key, tag_parameter_input
+from .graph import COMM_META, WAIT, CommTag, stable_topological_sort, storage_key, storage_keys, tag_parameter_input
 
 TAIL = ":tail"  # a unit's bucket of the graph's last run of markers
 
@@ -166,7 +166,7 @@ class _Aliases(Exception):
 def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence[fx.Node], fake_mode: Any) -> None:
     """Give the copies of a template's nodes fresh fake values; ``pairs``: (template, copy) in order."""
     converter = getattr(fake_mode, "fake_tensor_converter", None)
-    input_storages = {storage_key(t) for n in inputs for t in _tensors(n.meta.get("val"))}
+    input_storages = set().union(*(storage_keys(n.meta.get("val")) for n in inputs))
     storages: dict[int, Any] = {}
 
     def recreate(t: torch.Tensor) -> torch.Tensor:
@@ -188,8 +188,7 @@ def stamp_fake_values(pairs: Sequence[tuple[fx.Node, fx.Node]], inputs: Sequence
             return type(value)(rebuild(v) for v in value)
         return value
 
-    # AOTAutograd runs the forward compiler with the fake mode active; tensors made on the meta
-    # device inside it would go through fake dispatch (a hundred times slower).
+    # Meta tensors made under AOTAutograd's active fake mode would be a hundred times slower.
     with unset_fake_temporarily():
         _stamp(pairs, rebuild, fake_mode)
 
@@ -201,19 +200,12 @@ def _stamp(pairs: Sequence[tuple[fx.Node, fx.Node]], rebuild: Callable[[Any], An
         try:
             copy.meta["val"] = rebuild(template.meta.get("val"))
         except _Aliases:
-            # Only fake values are computed: skip the autograd layer (Python for custom ops, the
-            # most expensive part of a fake call).
+            # Fake values only: skip the autograd layer (Python for custom ops, the costliest part).
             with fake_mode, torch._C._AutoDispatchBelowAutograd():
                 refresh_fake_values(copy)
             continue
         if "eager_input_vals" in copy.meta:
             copy.meta["eager_input_vals"] = fx.node.map_aggregate((copy.args, copy.kwargs), _eager_input_value)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
-    return found
 
 
 Decompositions = dict | None

@@ -24,8 +24,7 @@ from .regions import inline_call, region_body
 
 
 def alias_path(node: fx.Node) -> list[fx.Node]:
-    """``[owner, ..., node]``: the nodes on ``node``'s storage from its owner (a graph input, or the
-    op that allocated it)."""
+    """``[owner, ..., node]``: the nodes on ``node``'s storage from its owner (input or allocating op)."""
     (key,) = storage_keys(node_value(node)) or {None}
     path = [node]
     while key is not None and path[-1].op != "placeholder":
@@ -34,8 +33,7 @@ def alias_path(node: fx.Node) -> list[fx.Node]:
             break
         path.append(source)
     path.reverse()
-    # An op of several results (native_layer_norm) allocates each on its own storage: the
-    # owner is the getitem that names it, not the op.
+    # An op of several results (native_layer_norm): each result's owner is its getitem.
     while len(path) > 1 and not isinstance(node_value(path[0]), torch.Tensor):
         path.pop(0)
     return path
@@ -98,8 +96,7 @@ def _redo(path: list[fx.Node], source: fx.Node, fake_mode: Any) -> fx.Node:
 
 
 def _shared_outputs(call: fx.Node) -> dict[fx.Node, list[tuple[int, list[fx.Node]]]]:
-    """By owner, the read outputs of ``call`` on an operand's storage or on one another's, each with
-    its index and :func:`alias_path`."""
+    """By owner, the read outputs of ``call`` on an operand's storage or another's: (index, path)."""
     readers = _readers(call)
     groups: dict[fx.Node, list[tuple[int, list[fx.Node]]]] = {}
     for index, output in enumerate(output_values(region_body(call).graph)):

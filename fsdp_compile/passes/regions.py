@@ -85,8 +85,7 @@ def _hoist_from_body(body: fx.GraphModule, hoisted: list[tuple[fx.Node, int]]) -
     return [j for j in range(len(inputs)) if j not in dropped], new_inputs
 
 
-# Higher-order operators whose body the hoisting reaches into, and where their operands start: a
-# block that checkpoints its activations reads inside a checkpoint body inside the region's body.
+# Higher-order operators whose body hoisting reaches into (a checkpoint body in a region's body).
 _OPERANDS_START = {INVOKE_SUBGRAPH: 2, torch.ops.higher_order.tag_activation_checkpoint: 1,
                    torch.ops.higher_order.wrap: 1}
 
@@ -324,8 +323,7 @@ def parameter_computation(body: fx.GraphModule, output_index: int, gathered: Col
 
 def _redo_parameter_computation(graph: fx.Graph, call: fx.Node, producer: fx.Node, body: fx.GraphModule,
                                 output_index: int) -> fx.Node | None:
-    """Compute before ``call`` a forward output made from gathered parameters alone (a float8 cast),
-    for the reshard policy to recompute, not save."""
+    """Compute before ``call`` a forward output made from gathered parameters alone, to recompute it."""
     operands = producer.args[2:]
     gathered = [i for i, operand in enumerate(operands) if calls(view_base(operand), UNSHARD_TARGETS)]
     nodes = parameter_computation(body, output_index, gathered) if gathered else None
@@ -372,8 +370,7 @@ def route_region_inputs(graph: fx.Graph) -> int:
             input_index, views = found
             value = producer.args[2 + input_index]
             if _same_view(node_value(value), node_value(operand)):
-                # e.g. t(t(w)), which a linear layer's body saves for its backward: a graph
-                # of many blocks would carry two nodes per weight that change nothing.
+                # e.g. t(t(w)), which a linear layer's body saves: two no-op nodes per weight.
                 views = []
             with graph.inserting_before(call):
                 for view in views:

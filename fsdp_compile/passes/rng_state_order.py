@@ -28,12 +28,10 @@ def _is_saved_rng_state(node: object) -> bool:
 
 
 def _before_trailing_non_tensors(items: list, moving: list) -> list:
-    rest = [x for x in items if not any(x is m for m in moving)]
-    first_moved = next(i for i, x in enumerate(items) if any(x is m for m in moving))
-    kept_before = [x for x in items[:first_moved] if not any(x is m for m in moving)]
-    cut = len(kept_before)
-    while cut > 0 and not _is_tensor(kept_before[cut - 1]):
+    cut = next(i for i, x in enumerate(items) if any(x is m for m in moving))  # none moves before it
+    while cut > 0 and not _is_tensor(items[cut - 1]):
         cut -= 1
+    rest = [x for x in items if not any(x is m for m in moving)]
     return rest[:cut] + moving + rest[cut:]
 
 
@@ -64,6 +62,5 @@ def order_rng_states_before_opaque(forward: fx.GraphModule, backward: fx.GraphMo
 
 
 def order_rng_states_pass(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    """Partitioned pair (``gm`` backward, ``ctx.forward`` forward): saved RNG states go before
-    the trailing non-tensors, where AOTAutograd's runtime looks for them."""
+    """Partitioned pair: saved RNG states go before the trailing non-tensors, where AOTAutograd looks."""
     return order_rng_states_before_opaque(ctx.forward, gm)

@@ -70,7 +70,8 @@ def parameter_only(graph: fx.Graph, sources: list[fx.Node], backward: set[fx.Nod
     """``sources`` and the forward nodes computed from them (and constants) alone, in graph order."""
     chain = set(sources)
     for node in graph.nodes:
-        if node in chain or node.op != "call_function" or node in backward or _communicates(node) or is_random(node):
+        communicates = is_collective(node) or calls(node, (*UNSHARD_TARGETS, REDUCE_GRAD, RESHARD))
+        if node in chain or node.op != "call_function" or node in backward or communicates or is_random(node):
             continue
         inputs = node.all_input_nodes
         if inputs and any(n in chain for n in inputs) and all(n in chain or n.op == "get_attr" for n in inputs):
@@ -128,10 +129,6 @@ def _regather_in_group(graph: fx.Graph, marker: Marker, backward: set[fx.Node]) 
         user.replace_input_with(source, redo(source))
     for node in redone.values():
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _communicates(node: fx.Node) -> bool:
-    return is_collective(node) or calls(node, (*UNSHARD_TARGETS, REDUCE_GRAD, RESHARD))
 
 
 def _position(graph: fx.Graph):

@@ -191,7 +191,8 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         if any(i in member for i in inputs) or any(u in member for u in users) or not users:
             # Depends on (or feeds) another bucket: keep the place lowering gave it.
             group.pinned = True
-            group.at = [_next_compute_position(original, stage[0], position, end) for stage in group.stages]
+            group.at = [next((position[c] for c in original[original.index(stage[0]):] if c in position), end)
+                        for stage in group.stages]
             continue
         group.ready = max([position[i] + 1 for i in inputs] + [first_op])
         group.first_use = min(position[u] for u in users)
@@ -203,8 +204,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             inflight.add(positions.start, positions.stop, sign * size)
 
     gathers = sorted((g for g in groups.values() if g.tag.kind == "gather" and not g.pinned), key=lambda g: g.first_use)
-    # Explicit orders name units; a unit read at both ends has a tail bucket too (bucketing):
-    # it starts being used with its first bucket, and a prefetch of it gathers every bucket.
+    # Explicit orders name units; a unit with a tail bucket starts with its first and prefetches all.
     first_of_unit: dict[str, _Group] = {}
     for g in gathers:
         first_of_unit.setdefault(unit_label(g.tag.bucket), g)
@@ -229,15 +229,13 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
         last_over = inflight.last_above(start, group.first_use, budget - size)
         if last_over is not None:
             start = last_over + 1
-        # A float8 gather's amax all-reduce needs only the shards: issued as soon as they exist,
-        # it is done when the all-gather goes out instead of queueing behind the link's traffic.
+        # A float8 gather's amax all-reduce needs only the shards: issued as soon as they exist.
         group.at = [group.ready] * (len(group.stages) - 2) + [start, group.first_use]
         group.delayed = start > max(desired, group.ready)
         occupy(group)
 
-    # Reductions: issued when their gradients exist (older ones waited first when the budget
-    # asks), waited as late as fits. A link serves in issue order and a gather is needed sooner,
-    # so a reduction goes out after the gathers issued before the next gather's wait.
+    # Reductions: issued when their gradients exist, after the gathers issued before the next
+    # gather's wait (a link serves in issue order), waited as late as the budget allows.
     gather_issues = sorted(g.at[0] for g in gathers)
     gather_waits = sorted(g.at[-1] for g in gathers)
     reductions = sorted((g for g in groups.values() if g.tag.kind == "reduce" and not g.pinned), key=lambda g: g.ready)
@@ -280,8 +278,7 @@ def schedule_collectives(gm: fx.GraphModule, options: ScheduleOptions) -> Schedu
             group.at.append(wait)
         placed.append(group)
 
-    # Where a gather is waited at another's issue position, issue that one first (issued after
-    # the wait returns, it leaves the link idle every bucket), where the budget has room.
+    # A gather issued where another is waited goes first, or the link idles every bucket.
     for group in gathers:
         start = group.at[0]
         waited_here = sum(g.sizes[-1] for g in gathers if g.at[-1] == start and g.at[0] < start)
@@ -319,13 +316,6 @@ def _hoist_and_sink_views(graph: fx.Graph) -> None:
     for node in nodes:
         if node in late and node is not output:
             output.prepend(node)
-
-
-def _next_compute_position(order: list[fx.Node], node: fx.Node, position: dict, end: int) -> int:
-    for candidate in order[order.index(node):]:
-        if candidate in position:
-            return position[candidate]
-    return end
 
 
 def _emit(graph: fx.Graph, compute: list[fx.Node], groups) -> None:

@@ -27,9 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-# From how many copies of a block a region pays for its fixed cost, by compiler: Inductor
-# compiles the body once; aot_eager compiles nothing, so regions pay only in deeper models
-# (docs/results.md, "Compile time"). The eager compiler runs every region inline.
+# From how many copies a region pays for its fixed cost, by compiler (docs/results.md, "Compile
+# time"); aot_eager compiles nothing, so only deeper models gain. Eager runs regions inline.
 MIN_REGION_COPIES = {"inductor": 2, "aot_eager": 8}
 # The unit a marker inside a region names: hoisting replaces it with the call site's unit.
 REGION_UNIT = "<region>"
@@ -141,8 +140,7 @@ def relative_marker_args(fqn: str, unit: str, unshard_args: tuple) -> tuple:
     return (fqn[len(unit) + 1:], REGION_UNIT, *unshard_args[2:])
 
 
-# torch raises once a region has this many traces it could not reuse; such a block is still
-# right, only slower to compile (the backend warns), so the limit is out of reach.
+# torch raises past this many unreusable traces; such a block is only slower to compile (warned).
 _MAX_REUSE_ENTRIES = 1 << 16
 
 
@@ -223,8 +221,7 @@ _RULES = (
 )
 _GRAPH_BREAK = "a graph break inside the block (a torch.compiler.disable'd call, a data-dependent branch)"
 _CAUSES = (*_RULES, ("graph break", _GRAPH_BREAK), ("Graph break", _GRAPH_BREAK))
-# What Dynamo raises when it cannot capture a region's body whole, matched by name: its message
-# heads any error inside the body with "Got graph break/error".
+# What Dynamo raises when it cannot capture a region's body whole, matched by name.
 _UNCAPTURED = "UncapturedHigherOrderOpError"
 
 
@@ -312,8 +309,7 @@ class _Attempt:
 
 @dataclass(eq=False)
 class ModelRegions:
-    """One model's region classes and the steps of :func:`region_fallback_call`; Dynamo off, or
-    every frame the skipped frame calls would be compiled."""
+    """One model's region classes and the steps of :func:`region_fallback_call` (Dynamo off)."""
 
     classes: list[RegionClass]
     fallback: RegionFallback
@@ -407,21 +403,19 @@ def _user_stacklevel() -> int:
 
 
 def _raised_by_fsdp_compile(error: BaseException) -> bool:
-    """Whether ``error``, or one it was raised from or during, is one of this package's errors."""
-    return any(type(e).__module__.split(".")[0] == __name__.split(".")[0] for e in _chain(error))
-
-
-def _chain(error: BaseException) -> list[BaseException]:
-    # Dynamo wraps what a backend raises.
-    chain: dict[int, BaseException] = {}
+    """Whether ``error``, or one it was raised from or during (Dynamo wraps what a backend raises),
+    is one of this package's errors."""
+    seen: set[int] = set()
     stack: list[BaseException | None] = [error]
     while stack:
         current = stack.pop()
-        if current is None or id(current) in chain:
+        if current is None or id(current) in seen:
             continue
-        chain[id(current)] = current
+        if type(current).__module__.split(".")[0] == __name__.split(".")[0]:
+            return True
+        seen.add(id(current))
         stack += [current.__cause__, current.__context__, getattr(current, "inner_exception", None)]
-    return list(chain.values())
+    return False
 
 
 def _add_note(error: BaseException, note: str) -> None:

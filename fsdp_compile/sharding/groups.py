@@ -59,10 +59,6 @@ class Topology:
         return {self.shard_group_name: f"shard group ({self.shard_size} ranks)",
                 self.replicate_group_name: f"replicate group ({self.replicate_size} ranks)"}
 
-    def replicated_placements(self) -> tuple[Placement, ...]:
-        """Placements for a parameter that cannot be sharded on dim 0 (a 0-d tensor)."""
-        return tuple(Replicate() for _ in self.placements)
-
 
 def world_timeout() -> datetime.timedelta:
     """The default group's timeout (its own, else its backend's), so groups we create fail as fast."""
@@ -77,14 +73,10 @@ def world_timeout() -> datetime.timedelta:
 
 
 def end_process_group(*, exit_process: bool = False) -> None:
-    """Wait for every rank, then destroy the default process group: how a script ends.
-
-    With ``exit_process=True`` the process then exits (status 0, output flushed) without
-    finalizing: a gloo group something still references (DTensor's redistribute cache) outlives
-    ``destroy_process_group()``, and its thread freeing a collective after finalization began
-    aborts the process (pytorch/pytorch#190489). Not ``dist.barrier()`` on gloo, whose work keeps
-    collectives in flight alive until a gloo thread frees it: ``monitored_barrier()`` holds none.
-    """
+    """Wait for every rank (``monitored_barrier()`` on gloo, whose ``barrier()`` keeps collectives
+    alive), then destroy the default process group. ``exit_process=True`` then exits (status 0)
+    without finalizing: a gloo group still referenced outlives ``destroy_process_group()``, and its
+    thread can abort finalization (pytorch/pytorch#190489)."""
     if dist.is_initialized():
         try:
             if dist.get_backend() == "gloo":

@@ -50,8 +50,7 @@ def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def materialize(model: nn.Module, units: set[str], device: torch.device, shard: ShardFn,
                 init_fn: InitFn | None = None) -> Materialized:
-    """Initialize ``model``'s meta parameters unit by unit; returns their shards (the caller registers
-    them); meta buffers stay whole."""
+    """Initialize ``model``'s meta tensors unit by unit; returns the parameters' shards (buffers stay whole)."""
     order = _post_order(model)
     names = {id(m): n for n, m in order}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -124,9 +124,8 @@ def shard_module(model: nn.Module, topology: Topology, options: BackendOptions, 
         registrations[id(param)] = registrations.get(id(param), 0) + 1
         module._parameters[name] = sharded
         per_module.setdefault(module, {})[name] = info
-    casts = mixed_precision is not None and (
-        mixed_precision.output_dtype is not None
-        or (mixed_precision.cast_forward_inputs and mixed_precision.param_dtype is not None))
+    casts = mixed_precision is not None and (mixed_precision.output_dtype is not None or (
+        mixed_precision.cast_forward_inputs and mixed_precision.param_dtype is not None))
     per_module.setdefault(model, {})
     shards = LocalShards(sync)
     for sharded, info in seen.values():

@@ -21,7 +21,7 @@ from operator import attrgetter, is_
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import CPUOffload
@@ -89,7 +89,8 @@ def shard_tensor(param: torch.Tensor, topology: Topology, offload: CPUOffload | 
         local = _place(full.clone(), offload, device)
         if tp is not None:
             return _tp_dtensor(local, topology, tp, False), False
-        return DTensor.from_local(local, topology.mesh, topology.replicated_placements(), run_check=False), False
+        replicated = tuple(Replicate() for _ in topology.placements)  # a 0-d tensor, or a shard group of one
+        return DTensor.from_local(local, topology.mesh, replicated, run_check=False), False
     rows = full.shape[0]
     chunk = padded_rows(rows, topology.shard_size)
     start, length = shard_bounds(rows, topology.shard_size, topology.shard_rank)
@@ -121,8 +122,7 @@ def offload_pins_memory() -> bool:
 
 
 class ShardedParam:
-    """One DTensor parameter and the leaf standing for it in forward; a hook moves ``leaf.grad`` into
-    ``param.grad`` as a DTensor."""
+    """A DTensor parameter and its forward leaf, whose gradient a hook moves into ``param.grad``."""
 
     __slots__ = ("__weakref__", "fqn", "hooked", "leaf", "local", "owner", "param")
 
@@ -191,10 +191,8 @@ class LocalShards:
     """The leaves standing for one model's sharded parameters in its forward, and that forward's state.
 
     Leaves, not DTensors: a DTensor input costs Dynamo guards and AOTAutograd a subclass to flatten
-    (over twice a deep model's compile time). :meth:`refresh` runs before every forward. Tied
-    parameters are gathered once per forward at the root (a first read inside a checkpointed region
-    would mutate outside state), so their gradients are summed before one reduction, as FSDP2's.
-    """
+    (over twice a deep model's compile time). Tied parameters are gathered once per forward at the
+    root (a first read in a checkpointed region would mutate outside state), their gradients summed."""
 
     def __init__(self, sync: GradientSync | None = None) -> None:
         self.sync = sync

@@ -24,8 +24,7 @@ ROOT_UNIT = ""
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-# A rank holds two buckets gathered at once: two stacks holding more than this share of the
-# model would keep most of it whole, so their blocks are the units instead.
+# Two buckets are gathered at once: two stacks over this share would keep most of the model whole.
 _MAX_SHARE_OF_TWO = 0.5
 
 
@@ -41,12 +40,9 @@ def _is_composite(module: nn.Module) -> bool:
 class _BlockFinder:
     """The ``"module"`` policy: the outermost repeated blocks, wherever the model holds them.
 
-    Siblings repeat when two or more have one class: container members, or composite attributes
-    (``self.block0``, ``self.block1``). A repeated sibling is a block unless it is a *stage* whose
-    composite blocks are the units: a container of them, or a stack (T5's encoder and decoder).
-    Structure alone cannot tell a stack from a block of experts beside a norm and a router; sizes
-    do: repeated stacks are stages only when two hold over half the parameters.
-    """
+    Siblings repeat when two or more (container members, composite attributes) have one class. One
+    is a block unless it is a *stage* whose composite blocks are the units (T5's encoder, decoder);
+    a stack is a stage, not a block of experts, only when two hold over half the parameters."""
 
     def __init__(self, model: nn.Module) -> None:
         # Shared submodules count where named_modules() first meets them, as their parameters do.
@@ -63,11 +59,9 @@ class _BlockFinder:
                 self.numel[prefix] = self.numel.get(prefix, 0) + param.numel()
 
     def blocks(self, module: nn.Module, prefix: str) -> list[str]:
-        children = []
-        for name, child in module.named_children():
-            path = f"{prefix}.{name}" if prefix else name
-            if self.name_of.get(id(child)) == path and _holds_parameters(child):
-                children.append((path, child))
+        paths = ((f"{prefix}.{name}" if prefix else name, child) for name, child in module.named_children())
+        children = [(path, child) for path, child in paths if self.name_of.get(id(child)) == path
+                    and _holds_parameters(child)]
         in_container = isinstance(module, _CONTAINERS)
         by_class: dict[type, list[str]] = {}
         for path, child in children:
@@ -110,8 +104,7 @@ def _repeated_blocks(model: nn.Module) -> set[str]:
 
 
 def repeated_classes(model: nn.Module, within: Callable[[str], bool] = lambda name: True) -> list[str]:
-    """Names of the classes with parameters repeated among the modules ``within`` selects, composite
-    ones first: what a class-set policy could name."""
+    """The repeated classes with parameters ``within`` selects, composite first: what a policy could name."""
     def user_class(module: nn.Module) -> type:
         # Once sharded, a module's class is a generated subclass; the user knows the original.
         return getattr(type(module), "_fsdp_original_class", type(module))
@@ -147,11 +140,7 @@ def unit_modules(model: nn.Module, policy: Policy) -> set[str]:
 def unit_of(module_name: str, units: set[str]) -> str:
     """The nearest unit at or above ``module_name`` (the root unit if none)."""
     parts = module_name.split(".") if module_name else []
-    for end in range(len(parts), 0, -1):
-        candidate = ".".join(parts[:end])
-        if candidate in units:
-            return candidate
-    return ROOT_UNIT
+    return next((u for u in (".".join(parts[:end]) for end in range(len(parts), 0, -1)) if u in units), ROOT_UNIT)
 
 
 def describe_reshard_option(option: ReshardOption, model: nn.Module | None = None) -> str:
