@@ -185,12 +185,8 @@ def node_cost(node: fx.Node, cluster: Cluster, groups: dict[str, Group], symboli
             flops = _number(flops, symbolic)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         dtype = tensors[0].dtype if tensors else None
-    moved = 0
-    seen: set[int] = set()
-    for t in _tensors(args) + _tensors(kwargs) + _tensors(out):
-        if id(t) not in seen:
-            seen.add(id(t))
-            moved = moved + tensor_bytes(t, symbolic)
+    distinct = {id(t): t for t in _tensors(args) + _tensors(kwargs) + _tensors(out)}
+    moved = sum((tensor_bytes(t, symbolic) for t in distinct.values()), 0)
     seconds = moved / cluster.memory_bandwidth
     if flops and dtype is not None and dtype.is_floating_point:
         rate = cluster.attention_flops_for(dtype) if packet in ATTENTION_OPS else cluster.flops_for(dtype)
@@ -205,13 +201,8 @@ def graph_costs(gm: fx.GraphModule, cluster: Cluster, groups: dict[str, Group] |
     fused = float8_cast_kernels(gm.graph)
     if cluster.host is not None:
         fused = cluster.host.fused_casts(fused)
-    costs = []
-    for node in gm.graph.nodes:
-        if node in fused:
-            costs.append((node, _fused_cost(node, fused[node], cluster, symbolic)))
-        else:
-            costs.append((node, node_cost(node, cluster, groups, symbolic)))
-    return costs
+    return [(node, _fused_cost(node, fused[node], cluster, symbolic) if node in fused
+             else node_cost(node, cluster, groups, symbolic)) for node in gm.graph.nodes]
 
 
 # A float8 cast (torchao's: amax = max(abs(x)); (x.to(float32) * scale).clamp(...).to(float8)) is two kernels after
@@ -230,8 +221,8 @@ def _value_of(node: object) -> Any:
 
 
 def float8_cast_kernels(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """The float8 casts and amaxes of ``graph`` as Inductor's kernels: each kernel's last node
-    -> the values it reads from memory; the nodes fused into it -> []."""
+    """The float8 casts and amaxes of ``graph`` as Inductor's kernels: each kernel's last node -> the values it reads
+    from memory; the nodes fused into it -> []."""
     fused: dict[fx.Node, list[fx.Node]] = {}
     for node in graph.nodes:
         value = _value_of(node)
