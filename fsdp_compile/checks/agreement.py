@@ -125,11 +125,9 @@ class _Exchange:
             self.store.wait(keys, self.timeout)
         except Exception as exc:  # the store raises a plain RuntimeError/DistStoreError on timeout
             missing = [k for k in keys if not self.store.check([k])]
-            raise AgreementError(
-                f"fsdp_compile: timed out after {self.timeout.total_seconds():.0f}s waiting for "
-                f"{what} ({len(missing)} of {len(keys)} not there, e.g. {missing[:3]}); a rank has "
-                "exited, is stuck, or runs a different program"
-            ) from exc
+            raise AgreementError(f"fsdp_compile: timed out after {self.timeout.total_seconds():.0f}s waiting for "
+                                 f"{what} ({len(missing)} of {len(keys)} not there, e.g. {missing[:3]}); a rank "
+                                 "has exited, is stuck, or runs a different program") from exc
 
 
 def agree_on_sharding(items: list[tuple[str, Any]], ranks: Sequence[int], timeout: datetime.timedelta,

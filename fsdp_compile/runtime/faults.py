@@ -37,7 +37,5 @@ def reraise_named(exc: BaseException, operation: str, timeout: datetime.timedelt
     rank = dist.get_rank() if dist.is_initialized() else 0
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     limit = f" (group timeout {timeout.total_seconds():.0f}s)" if timeout is not None else ""
-    raise RankFailure(
-        f"fsdp_compile: {operation} on rank {rank} failed while waiting for the other ranks{limit}: "
-        f"{first_line}. Another rank has most likely exited or is stuck; its own log says why"
-    ) from exc
+    raise RankFailure(f"fsdp_compile: {operation} on rank {rank} failed while waiting for the other ranks{limit}: "
+                      f"{first_line}. Another rank has most likely exited or is stuck; its own log says why") from exc
