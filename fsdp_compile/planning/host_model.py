@@ -71,11 +71,9 @@ class BesideSteps(Protocol):
 
     def fits(self) -> dict[str, Any] | None:
         """The numbers timed beside the steps so far as the :class:`Cluster` fields they replace."""
-        ...
 
     def numbers(self, measured: Any, cluster: Cluster) -> dict[str, Any]:
         """What :func:`.compare.beside_steps` plans one strategy with, from its ``Measured``."""
-        ...
 
 
 @runtime_checkable
@@ -84,70 +82,55 @@ class HostModel(Protocol):
 
     def replace(self, **changes: Any) -> HostModel:
         """A copy with some numbers changed (validated again): ``Cluster.with_host``."""
-        ...
 
     def free_node(self, target: Any) -> NodeCost:
         """The cost of a node that runs no kernel (a view)."""
-        ...
 
     def compute_node(self, roofline: NodeCost, target: Any, args: Any, out: Any) -> NodeCost:
         """The cost of a compute node that the roofline prices at ``roofline``."""
-        ...
 
     def operator_calls(self, count: Any) -> Any:
         """Seconds of ``count`` operator calls beyond their roofline time."""
-        ...
 
     def collective(self, cost: NodeCost, kind: str, buffer_bytes: Any, steps: int, measured: bool,
                    device_type: str) -> NodeCost:
         """``cost`` (``steps`` ring steps on its link; ``measured``: at a measured fit) with what the host adds in its
         ``host`` field, whose ``events(issue)`` gives the simulator's events."""
-        ...
 
     def timeline(self, events: Sequence[Event]) -> HostTimeline:
         """The timeline one rank plays ``events`` on (:func:`.simulate.simulate_events`)."""
-        ...
 
     def fused_casts(self, fused: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
         """Which of the float8 casts Inductor fuses into kernels (:func:`.cost.float8_cast_kernels`) run fused on this
         host; the others are priced op by op."""
-        ...
 
     def beside_steps(self, model: torch.nn.Module, batch: tuple, loss_fn: Any) -> BesideSteps | None:
         """What ``compare`` times beside each strategy's steps of ``model`` (one ``(inputs, targets)`` of this rank,
         ``loss_fn(output, targets)``), or None."""
-        ...
 
     def closed_form(self) -> HostModel:
         """This host without what has no closed form: what a step of symbolic sizes is simulated with."""
-        ...
 
     def played_step(self, graph_costs: Sequence[list[tuple[fx.Node, NodeCost]]], tail_seconds: Any) -> float | None:
         """The step played on every rank together, or None where one rank's timeline stands."""
-        ...
 
     def numbers(self) -> dict[str, Any]:
         """Every number, JSON-ready, written beside the cluster's (:func:`.cluster_numbers.cluster_numbers`)."""
-        ...
 
     @classmethod
     def from_numbers(cls, numbers: dict[str, Any]) -> HostModel | None:
         """The model :meth:`numbers` wrote, read from a cluster's numbers; None where they hold none."""
-        ...
 
     @classmethod
     def compute_in_turns(cls, calibrate: Callable[[float], Any], group: Any, device: torch.device) -> Any:
         """This rank's result of ``calibrate(share)`` (a compute calibration, ``share`` the rank's share of a core its
         thread-clock timings are stretched by), run on every rank of ``group``."""
-        ...
 
     @classmethod
     def beside_collectives(cls, device: torch.device) -> AbstractContextManager[None]:
         """What runs beside each timed burst of collectives (such as compute that holds the cores)."""
-        ...
 
     @classmethod
     def calibrate(cls, cluster: Cluster, calibration: HostCalibration) -> HostModel:
         """The model measured on every rank of ``calibration.group`` (all return the same), for ``cluster`` (the
         device's numbers)."""
-        ...
