@@ -263,10 +263,9 @@ class Compiler:
         return key, lookups, why
 
     # ---------------------------------------------------------------- the tracing door
-    def trace(
-        self, fn: Callable, example_inputs: Sequence[Any], *, keep_joint: bool = False,
-        dynamo_pass: Callable[[fx.GraphModule], None] | None = None, fake_mode: Any = None,
-    ) -> tuple[list[CompiledGraph], list[JointCapture]]:
+    def trace(self, fn: Callable, example_inputs: Sequence[Any], *, keep_joint: bool = False,
+              dynamo_pass: Callable[[fx.GraphModule], None] | None = None,
+              fake_mode: Any = None) -> tuple[list[CompiledGraph], list[JointCapture]]:
         """Run ``fn(*example_inputs)`` through ``torch.compile`` with this (``aot_eager``) compiler,
         backward included: the records of the graphs compiled and (``keep_joint``) their joint
         graphs before our joint passes, for :meth:`replay`. With fake inputs (``fake_mode``) and a
