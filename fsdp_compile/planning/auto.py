@@ -71,11 +71,8 @@ def choose(model: nn.Module, request: AutoRequest, mixed_precision: MixedPrecisi
                          "fake tensors of one training step's inputs) to fsdp_compile.backend")
     world, rank = dist.get_world_size(), dist.get_rank()
     devices_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if request.cluster is not None:
-        cluster = request.cluster
-    else:
-        cluster = machine_cluster(world, devices_per_node, device_type, request.memory_budget,
-                                  dtypes=compute_dtypes(model, mixed_precision))
+    cluster = request.cluster if request.cluster is not None else machine_cluster(
+        world, devices_per_node, device_type, request.memory_budget, dtypes=compute_dtypes(model, mixed_precision))
     outcome: list[Any] = [None]
     if rank == 0:
         try:
