@@ -29,9 +29,8 @@ class MixedPrecision:
             if value is not None and value not in COMMUNICABLE_DTYPES:
                 allowed = ", ".join(str(d) for d in COMMUNICABLE_DTYPES)
                 raise ValueError(f"MixedPrecision({name}={value}) cannot be communicated; use one of {allowed}")
-        if self.output_dtype is not None and not (
-            isinstance(self.output_dtype, torch.dtype) and self.output_dtype.is_floating_point
-        ):
+        output = self.output_dtype
+        if output is not None and not (isinstance(output, torch.dtype) and output.is_floating_point):
             raise ValueError(f"MixedPrecision(output_dtype={self.output_dtype}) must be a floating-point dtype")
 
     def applies_to(self, param: torch.Tensor) -> bool:

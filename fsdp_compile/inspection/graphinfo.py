@@ -12,15 +12,8 @@ from ..passes.graph import COLLECTIVES, COPY_OUT, VIEW_LIKE, WAIT, Collective, d
 from ..runtime.markers import REDUCE_GRAD, UNSHARD, UNSHARD_NO_SYNC, UNSHARD_TARGETS
 
 
-def op_counts(gm: fx.GraphModule | None) -> Counter:
-    """How many times each operator is called in ``gm`` (keys are ``str`` of the target)."""
-    if gm is None:
-        return Counter()
-    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-
-
 def marker_counts(gm: fx.GraphModule | None) -> dict[str, int]:
-    counts = op_counts(gm)
+    counts = Counter(str(n.target) for n in (gm.graph.nodes if gm is not None else ()) if n.op == "call_function")
     return {"unshard": counts[str(UNSHARD)] + counts[str(UNSHARD_NO_SYNC)], "reduce_grad": counts[str(REDUCE_GRAD)]}
 
 
