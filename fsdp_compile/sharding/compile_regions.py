@@ -11,6 +11,7 @@ effects would repeat) or, under ``strict=True``, the error is not one of torch's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -117,11 +118,8 @@ def _hook_meshes(block: nn.Module) -> tuple[int, ...]:
                 visit(arg, depth + 1)
         elif depth < 3 and callable(value):
             for cell in getattr(value, "__closure__", None) or ():
-                try:
-                    contents = cell.cell_contents
-                except ValueError:  # a cell not yet assigned
-                    continue
-                visit(contents, depth + 1)
+                with contextlib.suppress(ValueError):  # a cell not yet assigned
+                    visit(cell.cell_contents, depth + 1)
 
     for module in block.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):

@@ -198,12 +198,9 @@ class LocalShards:
         self.sync = sync
         self.shards: list[ShardedParam] = []
         self.registrations: list[_Registration] = []
-        # What the graphs read: fqn -> leaf (the dict is kept, entries are replaced).
-        self.leaves: dict[str, nn.Parameter] = {}
-        # Tied parameters (registered under several names): (fqn, marker arguments).
-        self.shared: list[tuple[str, tuple]] = []
-        # fqn -> the marker's arguments after the tensor (a read's, see ShardedParamInfo).
-        self.read_args: dict[str, tuple] = {}
+        self.leaves: dict[str, nn.Parameter] = {}  # what the graphs read (the dict is kept, entries replaced)
+        self.shared: list[tuple[str, tuple]] = []  # tied parameters: (fqn, marker arguments)
+        self.read_args: dict[str, tuple] = {}  # fqn -> the marker's arguments after the tensor
         # Set by the root's forward for its duration (read once per forward, one guard under Dynamo).
         self.in_forward = False
         self.accumulating = False
@@ -212,8 +209,7 @@ class LocalShards:
         # Reads that run as Python in this forward (sharded_class.eager_read): gathered ahead, and done.
         self.prefetched: dict[str, torch.Tensor] = {}
         self.read_in_forward: set[str] = set()
-        # fqn -> the (dict, key) places besides ``leaves`` that hold its leaf (region reads).
-        self.mirrors: dict[str, list[tuple[dict, str]]] = {}
+        self.mirrors: dict[str, list[tuple[dict, str]]] = {}  # fqn -> other (dict, key) holding its leaf
         self._snapshot: tuple[list, ...] | None = None  # what _unchanged compares, in parallel lists
 
     @property
