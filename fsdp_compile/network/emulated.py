@@ -200,27 +200,6 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    # ---- collectives: the names torch 2.13 calls from C++ and Python (old ones where it falls back)
-    allreduce = _collective("allreduce", "all_reduce", 0)
-    allreduce_coalesced = _collective("allreduce_coalesced", "all_reduce", 0)
-    broadcast = _collective("broadcast", "broadcast", 0)
-    reduce = _collective("reduce", "reduce", 0)
-    allgather = _collective("allgather", "all_gather", 0)
-    allgather_coalesced = _collective("allgather_coalesced", "all_gather", 0)
-    _allgather_base = _collective("_allgather_base", "all_gather", 0)
-    all_gather_single = _collective("all_gather_single", "all_gather", 0)
-    all_gather_single_coalesced = _collective("all_gather_single_coalesced", "all_gather", 0)
-    allgather_into_tensor_coalesced = _collective("allgather_into_tensor_coalesced", "all_gather", 0)
-    reduce_scatter = _collective("reduce_scatter", "reduce_scatter", 1)
-    _reduce_scatter_base = _collective("_reduce_scatter_base", "reduce_scatter", 1)
-    reduce_scatter_single = _collective("reduce_scatter_single", "reduce_scatter", 1)
-    reduce_scatter_single_coalesced = _collective("reduce_scatter_single_coalesced", "reduce_scatter", 1)
-    reduce_scatter_tensor_coalesced = _collective("reduce_scatter_tensor_coalesced", "reduce_scatter", 1)
-    all_to_all_single = _collective("all_to_all_single", "all_to_all", 1)
-    alltoall_base = _collective("alltoall_base", "all_to_all", 1)
-    alltoall = _collective("alltoall", "all_to_all", 1)
-    barrier = _collective("barrier", "barrier", None)
-
     def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> EmulatedWork:
         """``gather`` through gloo; the buffer is the gathered whole (every rank's input)."""
         return self._issue("gather", self.link, _nbytes(inputs) * self.size(), self._gloo.gather,
@@ -255,6 +234,19 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"EmulatedProcessGroup({self._name!r}, ranks {self.global_ranks}, {self.link} link)"
+
+
+# The collectives torch 2.13 calls from C++ and Python (old names where it falls back): each name's
+# modeled kind and the positional argument whose bytes are its buffer (None: no data).
+for _kind, _buffer, _names in (
+        ("all_reduce", 0, "allreduce allreduce_coalesced"), ("broadcast", 0, "broadcast"), ("reduce", 0, "reduce"),
+        ("all_gather", 0, "allgather allgather_coalesced _allgather_base all_gather_single "
+                          "all_gather_single_coalesced allgather_into_tensor_coalesced"),
+        ("reduce_scatter", 1, "reduce_scatter _reduce_scatter_base reduce_scatter_single "
+                              "reduce_scatter_single_coalesced reduce_scatter_tensor_coalesced"),
+        ("all_to_all", 1, "all_to_all_single alltoall_base alltoall"), ("barrier", None, "barrier")):
+    for _name in _names.split():
+        setattr(EmulatedProcessGroup, _name, _collective(_name, _kind, _buffer))
 
 
 def _gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, global_ranks: list[int],
