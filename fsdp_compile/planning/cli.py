@@ -7,7 +7,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,7 @@ def build_model(name: str, *, layers: int | None = None, seq: int = 2048, vocab:
                 checkpoint: bool = False, device: str = "meta") -> nn.Module:
     """A built-in model by name (``gpt-1.3b``, ``llama3-70b``, ...) or ``module:factory``."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise SystemExit(f"--model {name}: cannot import {attr!r} from {module_name!r}: {exc}") from None
+        factory = _import_fn(name, "--model")
         with torch.device(device):
             model = factory()
         if not isinstance(model, nn.Module):
@@ -120,9 +116,7 @@ def _mixed_precision(args: argparse.Namespace):
     from ..api import MixedPrecision
 
     param = DTYPES[args.mixed_precision]
-    if param is None:
-        return None
-    return MixedPrecision(param_dtype=param, reduce_dtype=DTYPES[args.reduce_dtype])
+    return None if param is None else MixedPrecision(param_dtype=param, reduce_dtype=DTYPES[args.reduce_dtype])
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -255,7 +249,7 @@ def run_compare(args: argparse.Namespace) -> int:
         return build_model(args.model, layers=args.layers, seq=args.seq, device="cpu")
 
     probe = build()
-    tp = _compare_tp(args, probe, world)
+    tp = _compare_tp(args, probe, world, build)
     vocab = getattr(getattr(probe, "cfg", None), "vocab_size", 128)
     # Under TP the ranks of a tp group compute on the same batch: seeded by the dp rank.
     gen = torch.Generator().manual_seed(1 + (rank if tp is None else tp["mesh"]["dp"].get_local_rank()))
@@ -423,7 +417,8 @@ def _print_split(rows: list[dict[str, Any]], cpu_share: float) -> None:
             print(_line(r["strategy"], [f"{s * 1e3:.1f}" for pair in split.values() for s in pair], widths))
 
 
-def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[str, Any] | None:
+def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int,
+                build_dp: Callable[[], nn.Module]) -> dict[str, Any] | None:
     """``--tp N``: the (dp, tp) mesh, the TP plan and a builder applying it; None without TP."""
     if args.tp == 1:
         return None
@@ -442,8 +437,7 @@ def _compare_tp(args: argparse.Namespace, probe: nn.Module, world: int) -> dict[
                             mesh_dim_names=("dp", "tp"))
 
     def build() -> nn.Module:
-        torch.manual_seed(0)
-        model = build_model(args.model, layers=args.layers, seq=args.seq, device="cpu")
+        model = build_dp()
         return fn(model, mesh["tp"]) or model
 
     return {"mesh": mesh, "fn": fn, "build": build}

@@ -181,17 +181,15 @@ def evaluate(traced: Traced, cluster: Cluster, optimizer: str, budget: float, to
                 total = sum(live.values()) + optimizer_bytes
                 if total > peak:
                     peak, phase = total, phase_name
-                    peak_roles = {}
+                    peak_roles = {"optimizer": optimizer_bytes}
                     for k, v in live.items():
                         peak_roles[ROLE_NAMES[k]] = peak_roles.get(ROLE_NAMES[k], 0) + v
-                    peak_roles["optimizer"] = optimizer_bytes
     # The optimizer step: shards, their gradients, the moments and one shard-sized temporary.
     temporary = states["grads"] if OPTIMIZER_STATES[optimizer] else 0
     at_step = states["params"] + states["grads"] + optimizer_bytes + temporary + states["buffers"]
     if at_step > peak:
         peak, phase = at_step, "optimizer step"
-        peak_roles = {"params": states["params"], "grads": states["grads"], "optimizer": optimizer_bytes + temporary,
-                      "gathered": 0, "activations": 0, "buffers": states["buffers"]}
+        peak_roles = {**states, "optimizer": optimizer_bytes + temporary}
     n_tensors = len({id(p) for p in traced.model.parameters()})
     numel = states["grads"] / 4
     outside_seconds = outside_graph_seconds(optimizer, int(numel), states["grads"], n_tensors, cluster)
@@ -224,8 +222,7 @@ def _untraced_row(candidate: Candidate, states: dict[str, float], budget: float)
     return PlanRow(
         strategy=candidate.strategy.name, bucket=candidate.bucket_label(), prefetch=candidate.prefetch,
         fits=False, peak_bytes=float(at_step),
-        memory={"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-                "gathered": 0.0, "activations": 0.0, "buffers": states["buffers"]},
+        memory={k: float(states.get(k, 0.0)) for k in MEMORY_KEYS},
         step_seconds=None, exposed_comm_seconds=None, bytes_per_step={"intra": 0.0, "inter": 0.0},
         traced=False, phase="optimizer step", model_states={k: float(v) for k, v in states.items()}, tp=candidate.tp,
         note=f"not traced: parameters, gradients and optimizer state alone need {at_step / GiB:.1f} GiB "
