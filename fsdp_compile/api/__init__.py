@@ -8,21 +8,10 @@ from .buckets import BucketPolicy, Policy, parse_policy
 from .options import BackendOptions, documents_options, option, options_doc, signature_from
 from .policies import COMMUNICABLE_DTYPES, CPUOffload, MixedPrecision
 from .strategy import ShardingStrategy
-from .values import (
-    COMPILERS,
-    OPTIONAL_PASSES,
-    STRICT_ENV,
-    ReshardOption,
-    check_inflight_budget,
-    check_prefetch,
-    check_reshard_option,
-    env_flag,
-    parse_bytes,
-)
+from .values import OPTIONAL_PASSES, ReshardOption, check_inflight_budget, check_prefetch, env_flag
 
 __version__ = "0.1.0"  # the one definition; readers look it up when they need it
 
-__all__ = ["COMMUNICABLE_DTYPES", "COMPILERS", "OPTIONAL_PASSES", "STRICT_ENV", "BackendOptions", "BucketPolicy",
-           "CPUOffload", "ConfigError", "MixedPrecision", "Policy", "ReshardOption", "ShardingStrategy",
-           "check_inflight_budget", "check_prefetch", "check_reshard_option", "documents_options", "env_flag",
-           "option", "options_doc", "parse_bytes", "parse_policy", "signature_from"]
+__all__ = ["COMMUNICABLE_DTYPES", "OPTIONAL_PASSES", "BackendOptions", "BucketPolicy", "CPUOffload", "ConfigError",
+           "MixedPrecision", "Policy", "ReshardOption", "ShardingStrategy", "check_inflight_budget", "check_prefetch",
+           "documents_options", "env_flag", "option", "options_doc", "parse_policy", "signature_from"]

@@ -23,20 +23,11 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import values
 from .buckets import BucketPolicy, Policy, parse_policy
 from .policies import CPUOffload, MixedPrecision
 from .strategy import ShardingStrategy
-from .values import (
-    COMPILERS,
-    OPTIONAL_PASSES,
-    STRICT_ENV,
-    ReshardOption,
-    check_inflight_budget,
-    check_prefetch,
-    check_reshard_option,
-    env_flag,
-    parse_bytes,
-)
+from .values import ReshardOption
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -81,8 +72,8 @@ def _strategy(value: Any, o: BackendOptions) -> ShardingStrategy:
 
 
 def _compiler(value: Any, o: BackendOptions) -> str:
-    if value not in COMPILERS:
-        raise ValueError(f"compiler={value!r} is not supported; use one of: {', '.join(COMPILERS)}")
+    if value not in values.COMPILERS:
+        raise ValueError(f"compiler={value!r} is not supported; use one of: {', '.join(values.COMPILERS)}")
     return value
 
 
@@ -134,9 +125,9 @@ def _path(value: Any, o: BackendOptions) -> str | None:
 
 def _strict(value: Any, o: BackendOptions) -> bool:
     if value is None:
-        return env_flag(STRICT_ENV)
+        return values.env_flag(values.STRICT_ENV)
     if not isinstance(value, bool):
-        raise TypeError(f"strict= takes a bool (or None: {STRICT_ENV} decides), got {type(value).__name__}")
+        raise TypeError(f"strict= takes a bool (or None: {values.STRICT_ENV} decides), got {type(value).__name__}")
     return value
 
 
@@ -165,10 +156,10 @@ def _cache_dir(value: Any, o: BackendOptions) -> str | None:
 
 def _disable_passes(value: Any, o: BackendOptions) -> tuple[str, ...]:
     names = (value,) if isinstance(value, str) else tuple(value)
-    unknown = [name for name in names if name not in OPTIONAL_PASSES]
+    unknown = [name for name in names if name not in values.OPTIONAL_PASSES]
     if unknown:
         raise ValueError(f"disable_passes= names {', '.join(map(repr, unknown))}, which is not a pass that can be "
-                         f"switched off; use some of {', '.join(OPTIONAL_PASSES)}")
+                         f"switched off; use some of {', '.join(values.OPTIONAL_PASSES)}")
     return tuple(dict.fromkeys(names))
 
 
@@ -189,14 +180,14 @@ def _verify_gradients(value: Any, o: BackendOptions) -> bool | float:
 
 
 def _reshard_after_forward(value: Any, o: BackendOptions) -> ReshardOption:
-    check_reshard_option(value, o.strategy, o.bucket_policy.uses_units)
+    values.check_reshard_option(value, o.strategy, o.bucket_policy.uses_units)
     return value
 
 
 def _memory_budget(value: Any, o: BackendOptions) -> int | None:
     if value is None:
         return None
-    budget = parse_bytes(value, "memory_budget")
+    budget = values.parse_bytes(value, "memory_budget")
     if o.strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
         raise ValueError(f"memory_budget= chooses what FULL_SHARD or HYBRID_SHARD keeps from forward to "
                          f"backward; {o.strategy.name} already decides it (for a unit-by-unit choice of "
@@ -264,10 +255,10 @@ class BackendOptions:
         "Inductor's peak-memory reordering of graphs with collectives (it would undo it).", agree=True, cache=True))
     prefetch: int = field(default=1, metadata=option(
         "how many buckets ahead a gather is issued (default 1; 0: right before use).",
-        _keeping(check_prefetch), agree=True, cache=True))
+        _keeping(values.check_prefetch), agree=True, cache=True))
     max_inflight_bytes: int | None = field(default=None, metadata=option(
-        "most bytes of collectives issued and not yet waited (default: twice the largest bucket, plus twice "
-        "the largest all-reduce across nodes if hybrid).", _keeping(check_inflight_budget), agree=True, cache=True))
+        "most bytes of collectives issued and not yet waited (default: twice the largest bucket, plus twice the "
+        "largest all-reduce across nodes if hybrid).", _keeping(values.check_inflight_budget), agree=True, cache=True))
     forward_prefetch: dict | None = field(default=None, metadata=option(
         "explicit orders ``{unit: [units to gather when it starts]}`` (units by name or module), as "
         "FSDP2's ``set_modules_to_forward_prefetch``.", _prefetch_order("forward_prefetch"), agree=False, cache=False))
@@ -295,7 +286,7 @@ class BackendOptions:
         "under Inductor, a process that compiles what an earlier one compiled with the same directory "
         "loads it from there (warm restarts).", _cache_dir, agree=False, cache=False))
     disable_passes: Sequence[str] = field(default=(), metadata=option(
-        f"names of our optional passes to skip, some of {', '.join(OPTIONAL_PASSES)} "
+        f"names of our optional passes to skip, some of {', '.join(values.OPTIONAL_PASSES)} "
         "(``fsdp_compile.api.OPTIONAL_PASSES``), to debug a pass or measure it.",
         _disable_passes, agree=True, cache=True))
     regions: bool | int = field(default=True, metadata=option(
