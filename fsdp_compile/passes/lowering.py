@@ -96,7 +96,6 @@ def assign_buckets(markers: list[Marker], policy: Policy) -> list[Bucket]:
     return list(buckets.values())
 
 
-
 def value_signature(value: Any) -> Hashable | None:
     """What a trace may depend on about one input; None when it is symbolic (never shared)."""
     if not isinstance(value, torch.Tensor):

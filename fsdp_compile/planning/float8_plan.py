@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from ..sharding.float8_gather import require_torchao
+from ..sharding.sharded_param import require_torchao
 from .cluster import Cluster, ClusterError
 
 # Layers torchtitan's float8 converter leaves out by name: the output head.

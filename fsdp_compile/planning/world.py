@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from ..sharding.float8_gather import like_float8_weight, plain_tensor
+from ..sharding.sharded_param import like_float8_weight, plain_tensor
 
 
 class RealProcessGroupError(RuntimeError):

@@ -13,23 +13,19 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-from .collectives import CommSpec, gather_params, reduce_grads
+from .collectives import CommSpec, gather_params, padded_rows, reduce_grads, shard_bounds
 from .faults import reraise_named
 from .kernels import NAMESPACE
 
 # Every marker ends with its CommSpec (CommSpec.op_args / from_op_args).
 SPEC_SCHEMA = "str spec"
-# The arguments each marker has before the spec.
-UNSHARD_HEAD = "Tensor shard, str fqn, str unit, SymInt full_rows"
-UNSHARD_NO_SYNC_HEAD = "Tensor shard, Tensor accumulator, str fqn, str unit, SymInt full_rows"
-REDUCE_GRAD_HEAD = "Tensor grad, str fqn, str unit, SymInt local_rows, ScalarType grad_dtype"
 
 
 def _marker(name: str, head: str):
     return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=(), schema=f"({head}, {SPEC_SCHEMA}) -> Tensor")
 
 
-@_marker("unshard", UNSHARD_HEAD)
+@_marker("unshard", "Tensor shard, str fqn, str unit, SymInt full_rows")
 def unshard(shard: torch.Tensor, fqn: str, unit: str, full_rows: int, *spec_args) -> torch.Tensor:
     """The full parameter (in the compute dtype) gathered from every rank's dim-0 shard."""
     return _gather_one(shard, fqn, full_rows, CommSpec.from_op_args(*spec_args))
@@ -54,7 +50,7 @@ def _full_shape(shard: torch.Tensor, full_rows: int, spec: CommSpec) -> tuple:
     return tuple(shard.shape)
 
 
-@_marker("reduce_grad", REDUCE_GRAD_HEAD)
+@_marker("reduce_grad", "Tensor grad, str fqn, str unit, SymInt local_rows, ScalarType grad_dtype")
 def reduce_grad(grad: torch.Tensor, fqn: str, unit: str, local_rows: int, grad_dtype: torch.dtype,
                 *spec_args) -> torch.Tensor:
     """This rank's shard of the average over data-parallel ranks of the full gradient ``grad``."""
@@ -88,7 +84,7 @@ def _unshard_backward(ctx, grad: torch.Tensor):
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
 
 
-@_marker("unshard_no_sync", UNSHARD_NO_SYNC_HEAD)
+@_marker("unshard_no_sync", "Tensor shard, Tensor accumulator, str fqn, str unit, SymInt full_rows")
 def unshard_no_sync(shard: torch.Tensor, accumulator: torch.Tensor, fqn: str, unit: str, full_rows: int,
                     *spec_args) -> torch.Tensor:
     """``unshard`` under ``backend.no_sync()``: the full gradient goes, unreduced, to the leaf
@@ -118,19 +114,15 @@ def reshard(full: torch.Tensor, fqn: str, unit: str, *spec_args) -> torch.Tensor
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     spec = CommSpec.from_op_args(*spec_args)
-    position = _resolve_process_group(spec.reshard_group).rank()
-    rows = -(-full.shape[0] // spec.reshard_size)
-    kept = full.new_zeros((rows, *full.shape[1:]))
-    start = min(position * rows, full.shape[0])
-    stop = min(start + rows, full.shape[0])
-    kept[: stop - start].copy_(full[start:stop])
+    start, length = shard_bounds(full.shape[0], spec.reshard_size, _resolve_process_group(spec.reshard_group).rank())
+    kept = full.new_zeros((padded_rows(full.shape[0], spec.reshard_size), *full.shape[1:]))
+    kept[:length].copy_(full[start:start + length])
     return kept
 
 
 @reshard.register_fake
 def _reshard_fake(full, fqn, unit, *spec_args):
-    spec = CommSpec.from_op_args(*spec_args)
-    return full.new_empty((-(-full.shape[0] // spec.reshard_size), *full.shape[1:]))
+    return full.new_empty((padded_rows(full.shape[0], CommSpec.from_op_args(*spec_args).reshard_size), *full.shape[1:]))
 
 
 # A bucket's gather and reduction, issued by reads that run as Python (sharding/sharded_class.py: eager_read).
@@ -233,17 +225,16 @@ def static_int(value: object) -> int:
     return guard_int(value) if isinstance(value, torch.SymInt) else int(value)
 
 
+# Where each marker's fqn argument is (unshard_no_sync has its accumulator before it).
+_FQN_POSITION = {UNSHARD: 1, UNSHARD_NO_SYNC: 2, REDUCE_GRAD: 1}
+
+
 def decode(node: fx.Node) -> Marker:
-    if node.target is UNSHARD:
-        tensor, fqn, unit, rows, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, static_int(rows), CommSpec.from_op_args(*spec_args))
-    if node.target is UNSHARD_NO_SYNC:
-        tensor, _accumulator, fqn, unit, rows, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, static_int(rows), CommSpec.from_op_args(*spec_args))
-    if node.target is REDUCE_GRAD:
-        tensor, fqn, unit, rows, grad_dtype, *spec_args = node.args
-        return Marker(node, tensor, fqn, unit, static_int(rows), CommSpec.from_op_args(*spec_args), grad_dtype)
-    raise ValueError(f"{node.format_node()} is not an fsdp_compile marker")
+    if node.target not in _FQN_POSITION:
+        raise ValueError(f"{node.format_node()} is not an fsdp_compile marker")
+    fqn, unit, rows, *rest = node.args[_FQN_POSITION[node.target]:]
+    grad_dtype = rest.pop(0) if node.target is REDUCE_GRAD else None
+    return Marker(node, node.args[0], fqn, unit, static_int(rows), CommSpec.from_op_args(*rest), grad_dtype)
 
 
 def markers(graph: fx.Graph, kind: str | None = None) -> list[Marker]:

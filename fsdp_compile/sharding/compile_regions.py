@@ -161,16 +161,11 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _reference_inputs(inputs: list[torch.Tensor], output: torch.Tensor) -> torch.Tensor | str:
-    for position, value in enumerate(inputs):
-        if output is value:
-            return f"{_INPUT_REFERENCE}{position}"
-    return output
+    return next((f"{_INPUT_REFERENCE}{position}" for position, value in enumerate(inputs) if output is value), output)
 
 
 def _resolve_inputs(inputs: list[torch.Tensor], output: str) -> torch.Tensor | str:
-    if output.startswith(_INPUT_REFERENCE):
-        return inputs[int(output[len(_INPUT_REFERENCE):])]
-    return output
+    return inputs[int(output[len(_INPUT_REFERENCE):])] if output.startswith(_INPUT_REFERENCE) else output
 
 
 def make_region_forward(cls: type, tensor_parallel: bool = False):

@@ -7,7 +7,7 @@ then reduces everything with the graphs' ``reduce_grads``: one reduction per win
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -15,14 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.collectives import CommSpec, reduce_grads
 
-
-@dataclass
-class _Entry:
-    param: nn.Parameter
-    fqn: str
-    unit: str
-    full_shape: tuple[int, ...]
-    comm: CommSpec
+if TYPE_CHECKING:
+    from .sharded_param import ShardedParamInfo
 
 
 class GradientSync:
@@ -33,26 +27,27 @@ class GradientSync:
         # Read by the parameters' properties: Dynamo guards on it (one graph per value).
         self.accumulating = False
         self.accumulators: dict[str, torch.Tensor] = {}
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, tuple[nn.Parameter, ShardedParamInfo]] = {}
         self._reduce_queued = False
 
-    def add(self, param: nn.Parameter, fqn: str, unit: str, full_shape: tuple[int, ...], comm: CommSpec) -> None:
-        self._entries[fqn] = _Entry(param, fqn, unit, full_shape, comm)
+    def add(self, param: nn.Parameter, info: ShardedParamInfo) -> None:
+        self._entries[info.fqn] = (param, info)
 
     def set_requires_sync(self, requires_sync: bool) -> None:
         if not isinstance(requires_sync, bool):
             raise TypeError(f"set_requires_gradient_sync() takes a bool, got {type(requires_sync).__name__}")
         self.requires_sync = requires_sync
         if not requires_sync and not self.accumulating:
-            self.accumulators = {fqn: self._accumulator(e) for fqn, e in self._entries.items() if e.param.requires_grad}
+            self.accumulators = {fqn: self._accumulator(*entry) for fqn, entry in self._entries.items()
+                                 if entry[0].requires_grad}
             self.accumulating = True
         # Turning sync back on keeps ``accumulating`` until the next backward has reduced.
 
-    def _accumulator(self, entry: _Entry) -> torch.Tensor:
-        local = entry.param.to_local()
-        dtype = entry.comm.grad_reduce_dtype(local.dtype)
-        device = entry.comm.compute_device or local.device
-        accumulator = torch.zeros((), dtype=dtype, device=device).expand(entry.full_shape).requires_grad_()
+    def _accumulator(self, param: nn.Parameter, info: ShardedParamInfo) -> torch.Tensor:
+        local = param.to_local()
+        dtype = info.comm.grad_reduce_dtype(local.dtype)
+        device = info.comm.compute_device or local.device
+        accumulator = torch.zeros((), dtype=dtype, device=device).expand(info.full_shape).requires_grad_()
         accumulator.register_post_accumulate_grad_hook(self._on_accumulated)
         return accumulator
 
@@ -68,18 +63,18 @@ class GradientSync:
         self._reduce_queued = False
         if not self.requires_sync:
             raise RuntimeError("reduce_accumulated() while gradient sync is off; turn it back on first")
-        groups: dict[tuple[str, CommSpec], list[tuple[_Entry, torch.Tensor]]] = {}
+        groups: dict[tuple[str, CommSpec], list[tuple[nn.Parameter, torch.Tensor]]] = {}
         for fqn, accumulator in self.accumulators.items():
             if accumulator.grad is not None:
-                entry = self._entries[fqn]
-                groups.setdefault((entry.unit, entry.comm), []).append((entry, accumulator.grad))
+                param, info = self._entries[fqn]
+                groups.setdefault((info.unit, info.comm), []).append((param, accumulator.grad))
         with torch.no_grad():
             for (_unit, comm), members in groups.items():
-                locals_ = [e.param.to_local() for e, _ in members]
+                locals_ = [param.to_local() for param, _ in members]
                 shards = reduce_grads([g for _, g in members], [t.shape[0] if t.dim() else 0 for t in locals_],
                                       [t.dtype for t in locals_], comm)
-                for (entry, _), shard in zip(members, shards):
-                    add_local_grad(entry.param, shard)
+                for (param, _), shard in zip(members, shards):
+                    add_local_grad(param, shard)
         self.accumulators = {}
         self.accumulating = False
 

@@ -29,13 +29,12 @@ from .compile_regions import (
     relative_marker_args,
     tp_mesh_split_classes,
 )
-from .float8_gather import float8_gather
 from .grad_sync import GradientSync
 from .groups import Topology, current_device
 from .materialize import InitFn, has_meta
 from .materialize import materialize as materialize_units
 from .sharded_class import ModuleState, set_module_state, sharded_class
-from .sharded_param import LocalShards, ShardedParamInfo, shard_tensor, sharded_parameter
+from .sharded_param import LocalShards, ShardedParamInfo, float8_gather, shard_tensor, sharded_parameter
 from .tensor_parallel import tp_local, tp_spec
 from .units import ReshardGroups, resolve_reshard, unit_modules, unit_of
 
@@ -119,7 +118,7 @@ def shard_module(model: nn.Module, topology: Topology, options: BackendOptions, 
             seen[id(param)] = (sharded, info)
             infos[fqn] = info
             if sync is not None:
-                sync.add(sharded, fqn, info.unit, info.full_shape, comm)
+                sync.add(sharded, info)
         sharded, info = seen[id(param)]
         registrations[id(param)] = registrations.get(id(param), 0) + 1
         module._parameters[name] = sharded

@@ -92,14 +92,12 @@ class _GatherBucket(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         bucket = ctx.bucket
         used = [i for i, g in enumerate(grads) if g is not None]
-        shard_grads: list[torch.Tensor | None] = [None] * len(grads)
-        if used:
-            reduced = torch.ops.fsdp_compile.reduce_grad_bucket(
-                [grads[i] for i in used], [bucket.fqns[i] for i in used], [bucket.local_rows[i] for i in used],
-                [bucket.grad_dtypes[i] for i in used], bucket.spec)
-            for i, grad in zip(used, reduced):
-                shard_grads[i] = grad
-        return (None, *shard_grads)
+        if not used:
+            return (None,) * (len(grads) + 1)
+        reduced = iter(torch.ops.fsdp_compile.reduce_grad_bucket(
+            *([field[i] for i in used] for field in (grads, bucket.fqns, bucket.local_rows, bucket.grad_dtypes)),
+            bucket.spec))
+        return (None, *(None if g is None else next(reduced) for g in grads))
 
 
 def _bucket_key(shards: LocalShards, fqn: str) -> tuple:
