@@ -82,13 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="inner compiler of the backend")
     p.add_argument("--no-compile", action="store_true", help="run the eager runtime without torch.compile")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
+    for flag, default in (("--seq-len", 64), ("--layers", 2), ("--d-model", 64), ("--heads", 4), ("--seed", 0)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--shard-size", type=int, default=None, help="hybrid: ranks per shard group")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad-accum", type=int, default=1, metavar="N",
                    help="micro-batches per optimizer step (all but the last without gradient sync)")
     p.add_argument("--save", metavar="DIR", help="save a sharded checkpoint here after the last step")
@@ -167,13 +164,6 @@ def init_process_group(timeout: datetime.timedelta) -> None:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
-def _data_positions(gen: torch.Generator, world: int) -> list[torch.Tensor]:
-    """Every rank's data generator state, gathered (collective) so rank 0 can save them all."""
-    states: list = [None] * world
-    dist.all_gather_object(states, gen.get_state())
-    return states
-
-
 def train(args: argparse.Namespace, rank: int, world: int) -> None:
     data = CharData(generate_text(seed=args.seed))
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=args.seq_len, n_layer=args.layers,
@@ -236,8 +226,9 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
         if args.checkpoint_dir and (step == args.steps or step % args.checkpoint_every == 0):
             targets.append(os.path.join(args.checkpoint_dir, f"step-{step:06d}"))
         for target in targets:
-            extra = {"step": step, "data_positions": _data_positions(gen, world)}
-            fsdp_compile.save_checkpoint(target, model, opt, extra=extra)
+            positions: list = [None] * world
+            dist.all_gather_object(positions, gen.get_state())  # every rank's data position, for rank 0 to save
+            fsdp_compile.save_checkpoint(target, model, opt, extra={"step": step, "data_positions": positions})
             if rank == 0:
                 print(f"saved checkpoint {target} at step {step}", flush=True)
         if args.checkpoint_dir and targets and rank == 0:

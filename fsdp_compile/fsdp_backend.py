@@ -46,6 +46,11 @@ def _memory_budget(options: BackendOptions) -> Any:
     return memory_budget(options)
 
 
+def _from_state(name: str, doc: str) -> Any:
+    """A read-only property that is the backend's sharding state's attribute ``name``."""
+    return property(lambda self: getattr(self._state, name), doc=doc)
+
+
 @documents_options
 class FSDPBackend:
     """A ``torch.compile`` backend that trains a sharded model with FSDP semantics.
@@ -89,30 +94,15 @@ class FSDPBackend:
     def bucket_policy(self):
         return self.options.bucket_policy
 
-    @property
-    def topology(self) -> Topology | None:
-        """The mesh and groups this backend shards over; None before the first ``shard()``."""
-        return self._state.topology
-
-    @property
-    def params(self) -> dict[str, ShardedParamInfo]:
-        """Every sharded parameter, by name: its bucket unit, full shape and communication."""
-        return self._state.params
-
-    @property
-    def units(self) -> set[str]:
-        """The bucket units of the sharded models (``""`` is the root)."""
-        return self._state.units
-
-    @property
-    def verifier(self) -> GraphVerifier | None:
-        """The cross-rank check of compiled graphs (``verify=True``), once a model is sharded."""
-        return self._state.verifier
-
-    @property
-    def init_peak_bytes(self) -> int | None:
-        """Meta-device initialization: the most full parameter bytes one rank held at once."""
-        return self._state.init_peak_bytes
+    topology: Topology | None = _from_state(
+        "topology", "The mesh and groups this backend shards over; None before the first ``shard()``.")
+    params: dict[str, ShardedParamInfo] = _from_state(
+        "params", "Every sharded parameter, by name: its bucket unit, full shape and communication.")
+    units: set[str] = _from_state("units", "The bucket units of the sharded models (``\"\"`` is the root).")
+    verifier: GraphVerifier | None = _from_state(
+        "verifier", "The cross-rank check of compiled graphs (``verify=True``), once a model is sharded.")
+    init_peak_bytes: int | None = _from_state(
+        "init_peak_bytes", "Meta-device initialization: the most full parameter bytes one rank held at once.")
 
     def __repr__(self) -> str:
         return f"fsdp_compile.backend(strategy={self.strategy.name!r}, compiler={self.options.compiler!r})"
