@@ -136,12 +136,10 @@ def run_plan(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     print(f"model {args.model}: {params / 1e9:.3g}B parameters, batch {args.batch} x sequence {args.seq} per device")
     sys.stdout.write(str(result))
-    solved = {}
-    if args.max_batch:
-        for row in result.rows:
-            if row.fits and row.strategy not in solved:
-                solved[row.strategy] = result.max_batch(row.strategy)
-                print(f"largest batch {row.strategy} fits: {solved[row.strategy]}")
+    fitting = dict.fromkeys(row.strategy for row in result.rows if row.fits) if args.max_batch else {}
+    solved = {name: result.max_batch(name) for name in fitting}
+    for name, batch in solved.items():
+        print(f"largest batch {name} fits: {batch}")
     print(f"planned in {result.seconds:.1f}s")
     if args.json:
         data = result.to_json()

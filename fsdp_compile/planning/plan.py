@@ -246,8 +246,7 @@ def _compute_dtype(model: nn.Module, mixed_precision: MixedPrecision | None) -> 
 def _candidates(strategies, buckets, prefetches, world: int, devices_per_node: int,
                 tp_degrees: Sequence[int] = (1,)) -> tuple[list[Candidate], list[str]]:
     chosen = [ShardingStrategy.parse(s) for s in strategies] if strategies else list(ShardingStrategy)
-    skipped = []
-    out = []
+    skipped, out = [], []
     for tp in tp_degrees:
         at = f" at tp={tp}" if tp > 1 else ""
         for strategy in chosen:
@@ -303,9 +302,7 @@ def plan(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *, clus
                         f"got {type(cluster).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan() takes an nn.Module, got {type(model).__name__}")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    example_inputs = tuple(example_inputs)
+    example_inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     optimizer = optimizer.lower() if isinstance(optimizer, str) else optimizer
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
