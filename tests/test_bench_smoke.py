@@ -604,9 +604,9 @@ def test_import_time_benchmark_reports_what_import_fsdp_compile_loads(tmp_path: 
                            str(tmp_path)], check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (tree,) = json.loads((tmp_path / "import_time.json").read_text())["trees"].values()
-    assert tree["fsdp_compile"][0] > 0 and tree["fsdp_compile.planning"][1] > 0
-    # a training job's import loads neither the emulated network nor the planner's calibrations
-    assert tree["fsdp_compile.network"] == tree["fsdp_compile.planning.calibration"] == [0, 0]
+    assert tree["fsdp_compile"][0] > 0
+    # a training job's import loads neither the emulated network nor the planner (it loads on first use)
+    assert tree["fsdp_compile.network"] == tree["fsdp_compile.planning"] == [0, 0]
     assert "| `fsdp_compile.network` | not loaded |" in (tmp_path / "import_time.md").read_text()
 
 
