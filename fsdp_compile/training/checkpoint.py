@@ -35,16 +35,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier(operation: str) -> None:
-    if dist.is_initialized():
-        try:
-            dist.barrier()
-        except Exception as exc:
-            reraise_named(exc, operation, None)
-
-
 def _all_ok(ok: bool, operation: str) -> bool:
-    """Whether ``ok`` holds on every rank (so all ranks raise together instead of one hanging)."""
+    """Whether ``ok`` holds on every rank (so all ranks raise together instead of one hanging); with
+    ``ok=True`` the save's barrier."""
     if not dist.is_initialized():
         return ok
     flag = torch.tensor([0 if ok else 1])
@@ -72,11 +65,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """
     path = Path(path)
     operation = f"save_checkpoint({str(path)!r})"
-    partial, previous = _partial_path(path), _previous_path(path)
+    partial, previous = _beside(path, "partial"), _beside(path, "previous")
     if _rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier(operation)
+    _all_ok(True, operation)
     error: BaseException | None = None
     try:
         dcp.save(_model_and_optim_state(model, optimizer), checkpoint_id=str(partial))
@@ -99,20 +92,17 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         # Between the renames the checkpoint is only at ``previous``, where loading looks too.
         os.replace(partial, path)
         shutil.rmtree(previous, ignore_errors=True)
-    _barrier(operation)
+    _all_ok(True, operation)
 
 
-def _partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
-
-
-def _previous_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.previous")
+def _beside(path: Path, state: str) -> Path:
+    """Where a save keeps ``path``'s checkpoint while it is "partial" or the "previous" one."""
+    return path.with_name(f".{path.name}.{state}")
 
 
 def _complete(path: Path) -> Path | None:
     """``path``, or its previous version when a save died between its renames; None if neither."""
-    for candidate in (path, _previous_path(path)):
+    for candidate in (path, _beside(path, "previous")):
         if (candidate / ".metadata").is_file():
             return candidate
     return None
